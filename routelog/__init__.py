@@ -1,0 +1,99 @@
+"""routelog: record, store, audit and replay the routing decisions of Mixture-of-Experts models.
+
+>>> import routelog
+>>> spec = routelog.ModelSpec.from_hf_config(config_dict)                       # doctest: +SKIP
+>>> with routelog.open_writer("s3://bucket/run-1", step=3, model_spec=spec) as w:  # doctest: +SKIP
+...     w.append(routelog.Record(sample_id="req-1/0", expert_ids=ids, prompt_len=p, response_len=r, valid=v))
+>>> snap = routelog.open_store("s3://bucket/run-1").step(3)                      # doctest: +SKIP
+>>> snap.read("req-1/0", moe_layers=range(12)).expert_ids                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import JsonValue
+
+from routelog.errors import (
+    AlignmentError,
+    CommitConflictError,
+    CorruptDataError,
+    DuplicateSampleError,
+    FormatVersionError,
+    IngestError,
+    InvalidRecordError,
+    ModelSpecError,
+    RecordNotFoundError,
+    ReplayConfigError,
+    RoutelogError,
+    StepSealedError,
+    StoreError,
+    StoreNotFoundError,
+)
+from routelog.format import FORMAT_VERSION, IndexRow, Segment
+from routelog.part import PartOptions
+from routelog.reader import RecordRouting, StepSnapshot
+from routelog.record import Record, token_hash
+from routelog.spec import ModelSpec, RouterSpec
+from routelog.store import Store, create_store, open_store
+from routelog.writer import StepWriter
+
+__version__ = "0.1.0"
+
+
+def open_writer(
+    url: str,
+    step: int,
+    *,
+    model_spec: ModelSpec | None = None,
+    writer_id: str | None = None,
+    options: PartOptions | None = None,
+    flush_bytes: int | None = None,
+    run_id: str | None = None,
+    config: Mapping[str, JsonValue] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> StepWriter:
+    """A writer for ``step`` of the store at ``url``, creating the store when ``model_spec`` is given.
+
+    Without ``model_spec`` the store must exist. With it, an existing store must hold the same model.
+    """
+    if model_spec is None:
+        store = open_store(url, storage_options=storage_options)
+    else:
+        store = create_store(url, model_spec, run_id=run_id, config=config, storage_options=storage_options)
+    return store.writer(step, writer_id, options=options, flush_bytes=flush_bytes)
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "AlignmentError",
+    "CommitConflictError",
+    "CorruptDataError",
+    "DuplicateSampleError",
+    "FormatVersionError",
+    "IndexRow",
+    "IngestError",
+    "InvalidRecordError",
+    "ModelSpec",
+    "ModelSpecError",
+    "PartOptions",
+    "Record",
+    "RecordNotFoundError",
+    "RecordRouting",
+    "ReplayConfigError",
+    "RoutelogError",
+    "RouterSpec",
+    "Segment",
+    "StepSealedError",
+    "StepSnapshot",
+    "StepWriter",
+    "Store",
+    "StoreError",
+    "StoreNotFoundError",
+    "__version__",
+    "create_store",
+    "open_store",
+    "open_writer",
+    "token_hash",
+]

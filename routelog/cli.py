@@ -1,0 +1,284 @@
+"""The ``routelog`` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from routelog.errors import RoutelogError
+from routelog.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from routelog.store import Store
+
+app = typer.Typer(
+    name="routelog",
+    help="Record, store, audit and replay MoE routing decisions (Rollout Routing Replay).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+StorageOptions = Annotated[
+    str | None,
+    typer.Option("--storage-options", help='fsspec storage options as JSON, e.g. \'{"endpoint_url": "..."}\'.'),
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+
+def main() -> None:
+    """Entry point: typed routelog errors become a one-line message and exit code 2."""
+    try:
+        app()
+    except RoutelogError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+
+
+def _options(text: str | None) -> dict[str, Any]:
+    from routelog.storage import parse_storage_options
+
+    return parse_storage_options(text)
+
+
+def _load_spec(path: Path) -> ModelSpec:
+    from routelog.errors import ModelSpecError
+
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelSpecError(f"cannot read model spec {path}: {exc}") from exc
+    if "moe_layers" in raw:
+        return ModelSpec.model_validate(raw)
+    return ModelSpec.from_hf_config(raw)
+
+
+def _print_json(value: Any) -> None:
+    typer.echo(json.dumps(value, indent=1, default=str))
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    )
+
+
+def _try_open(url: str, options: dict[str, Any]) -> Store | None:
+    from routelog.errors import StoreNotFoundError
+    from routelog.store import open_store
+
+    try:
+        return open_store(url, storage_options=options)
+    except StoreNotFoundError:
+        return None
+
+
+# -- synth ------------------------------------------------------------------------------------------------------
+@app.command()
+def synth(
+    url: Annotated[str, typer.Argument(help="Store URL (file://, memory://, s3:// or a local path).")],
+    step: Annotated[int, typer.Option(help="RL step to write.")] = 0,
+    records: Annotated[int, typer.Option(help="Records to write.")] = 16,
+    tokens: Annotated[int, typer.Option(help="Tokens per record (the mean with --ragged).")] = 512,
+    layers: Annotated[
+        int | None, typer.Option(help="MoE layers, all layers MoE (default 8, or the existing store's spec).")
+    ] = None,
+    experts: Annotated[int | None, typer.Option(help="Routed experts per layer (default 64).")] = None,
+    topk: Annotated[int | None, typer.Option(help="Experts per token per layer (default 8).")] = None,
+    model_spec: Annotated[
+        Path | None, typer.Option(help="Model spec JSON (or a HF config.json) instead of --layers/--experts/--topk.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    skew: Annotated[float, typer.Option(help="Expert popularity skew (0 = uniform).")] = 0.0,
+    locality: Annotated[float, typer.Option(help="Probability a token reuses the previous token's experts.")] = 0.0,
+    ragged: Annotated[bool, typer.Option(help="Ragged lengths around --tokens.")] = False,
+    sample_prefix: Annotated[str, typer.Option(help="Prefix of sample ids (lets processes share a step).")] = "",
+    writer_id: Annotated[str | None, typer.Option(help="Writer id (default: random).")] = None,
+    with_token_ids: Annotated[bool, typer.Option(help="Store token ids, not only their hash.")] = False,
+    topk_order: Annotated[str, typer.Option(help="'sorted' (canonical, smallest) or 'score'.")] = "sorted",
+    storage_options: StorageOptions = None,
+) -> None:
+    """Write synthetic routing to a store (creating it if needed)."""
+    from routelog.part import PartOptions
+    from routelog.store import create_store
+    from routelog.synth import SynthConfig, synth_records, synthetic_spec
+
+    options_ = _options(storage_options)
+    if model_spec is not None:
+        spec = _load_spec(model_spec)
+    elif layers is None and experts is None and topk is None and (existing := _try_open(url, options_)):
+        spec = existing.model_spec
+    else:
+        spec = synthetic_spec(layers or 8, experts or 64, topk or 8)
+    store = create_store(url, spec, storage_options=options_)
+    config = SynthConfig(
+        records=records,
+        tokens=tokens,
+        seed=seed,
+        ragged=ragged,
+        skew=skew,
+        locality=locality,
+        sample_prefix=sample_prefix,
+        step=step,
+        with_token_ids=with_token_ids,
+    )
+    options = PartOptions(topk_order="score" if topk_order == "score" else "sorted")
+    with _progress() as progress, store.writer(step, writer_id, options=options) as writer:
+        task = progress.add_task(f"synth step {step}", total=records)
+        for record in synth_records(store.model_spec, config):
+            writer.append(record)
+            progress.advance(task)
+    err_console.print(f"wrote {records} records to step {step} of {store.url} in {len(writer.commits)} part(s)")
+
+
+# -- inspect / ls / cat -----------------------------------------------------------------------------------------
+@app.command()
+def inspect(
+    url: Annotated[str, typer.Argument(help="Store URL.")],
+    json_out: JsonFlag = False,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Steps, records, tokens, stored bytes and the model spec of a store."""
+    from routelog.store import open_store
+    from routelog.summary import store_summary
+
+    summary = store_summary(open_store(url, storage_options=_options(storage_options)))
+    if json_out:
+        _print_json(summary)
+        return
+    spec = summary["model_spec"]
+    console.print(f"[bold]{summary['url']}[/]  run {summary['run_id']}  format v{summary['format_version']}")
+    console.print(
+        f"model {spec['name']}: {spec['num_layers']} layers, {len(spec['moe_layers'])} MoE "
+        f"{list(spec['moe_layers'])[:12]}{'...' if len(spec['moe_layers']) > 12 else ''}, "
+        f"E={spec['num_experts']}, K={spec['topk']}"
+    )
+    table = Table("step", "records", "tokens", "parts", "stored bytes", "sealed")
+    for s in summary["per_step"]:
+        table.add_row(
+            str(s["step"]),
+            str(s["records"]),
+            str(s["tokens"]),
+            str(s["parts"]),
+            f"{s['stored_bytes']:,}",
+            "yes" if s["sealed"] else "",
+        )
+    console.print(table)
+    bptl = summary["bytes_per_token_layer"]
+    console.print(
+        f"total: {summary['records']} records, {summary['tokens']:,} tokens, {summary['stored_bytes']:,} bytes"
+        + (f", {bptl:.3f} bytes/token-layer" if bptl else "")
+    )
+
+
+@app.command(name="ls")
+def ls_records(
+    url: Annotated[str, typer.Argument(help="Store URL.")],
+    step: Annotated[int, typer.Option(help="Step to list.")],
+    json_out: JsonFlag = False,
+    storage_options: StorageOptions = None,
+) -> None:
+    """List the records of a step."""
+    from routelog.store import open_store
+    from routelog.summary import record_listing
+
+    rows = record_listing(open_store(url, storage_options=_options(storage_options)).step(step))
+    if json_out:
+        _print_json(rows)
+        return
+    table = Table("sample id", "group", "tokens", "prompt", "response", "missing rows", "policy")
+    for r in rows:
+        table.add_row(
+            r["sample_id"],
+            r["group_id"] or "",
+            str(r["tokens"]),
+            str(r["prompt_len"]),
+            str(r["response_len"]),
+            str(r["missing_rows"]),
+            str(r["policy_version"] or ""),
+        )
+    console.print(table)
+
+
+@app.command()
+def cat(
+    url: Annotated[str, typer.Argument(help="Store URL.")],
+    step: Annotated[int, typer.Option(help="Step of the record.")],
+    sample: Annotated[str, typer.Option(help="Sample id.")],
+    npy: Annotated[Path, typer.Option(help="Output .npy file.")],
+    layer_axis: Annotated[str, typer.Option(help="'moe' (MoE layers only) or 'full' (every layer).")] = "moe",
+    storage_options: StorageOptions = None,
+) -> None:
+    """Write one record's expert IDs as .npy ([n_tokens, layers, K]; -1 = missing row or dense layer)."""
+    from routelog.store import open_store
+
+    store = open_store(url, storage_options=_options(storage_options))
+    routing = store.step(step).read(sample)
+    ids = routing.expert_ids
+    if layer_axis == "full":
+        spec = store.model_spec
+        full = np.full((ids.shape[0], spec.num_layers, spec.topk), -1, dtype=ids.dtype)
+        full[:, list(spec.moe_layers)] = ids
+        ids = full
+    elif layer_axis != "moe":
+        raise typer.BadParameter("--layer-axis must be 'moe' or 'full'")
+    np.save(npy, ids, allow_pickle=False)
+    err_console.print(f"wrote {npy} {ids.dtype} {list(ids.shape)}")
+
+
+# -- verify -----------------------------------------------------------------------------------------------------
+@app.command()
+def verify(
+    url: Annotated[str, typer.Argument(help="Store URL.")],
+    json_out: JsonFlag = False,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Check schemas, checksums, indexes and every routing row; exit 1 if the store is unsound."""
+    from routelog.store import open_store
+    from routelog.verify import verify_store
+
+    store = open_store(url, storage_options=_options(storage_options))
+    report = verify_store(store)
+    if json_out:
+        _print_json(
+            {
+                "ok": report.ok,
+                "problems": report.problems,
+                "notes": report.notes,
+                "steps": report.steps,
+                "commits": report.commits,
+                "records": report.records,
+                "objects": report.objects,
+            }
+        )
+    else:
+        for note in report.notes:
+            err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+        for problem in report.problems:
+            err_console.print(f"[bold red]problem:[/] {problem}", highlight=False, soft_wrap=True)
+        verdict = "[green]sound[/]" if report.ok else f"[red]{len(report.problems)} problem(s)[/]"
+        console.print(
+            f"{store.url}: {report.steps} steps, {report.commits} commits, {report.records} records, "
+            f"{report.objects} objects checked: {verdict}"
+        )
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The one error hierarchy of routelog.
+
+Every error derives from :class:`RoutelogError` and, where one fits, from the builtin it resembles, so callers
+can catch either. Messages name what was wrong (the sample, the field, the object) and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class RoutelogError(Exception):
+    """Base class of every error routelog raises on purpose."""
+
+
+class InvalidRecordError(RoutelogError, ValueError):
+    """A record handed to a writer (or produced by an adapter) breaks the format's rules.
+
+    Nothing is written for the offending record; records appended or committed before it are untouched.
+    """
+
+    def __init__(self, sample_id: str | None, field: str, problem: str, fix: str) -> None:
+        self.sample_id = sample_id
+        self.field = field
+        self.problem = problem
+        self.fix = fix
+        who = f"sample {sample_id!r}" if sample_id is not None else "record"
+        super().__init__(f"{who}, field {field!r}: {problem}. Fix: {fix}")
+
+
+class DuplicateSampleError(InvalidRecordError):
+    """A sample id occurs twice in one step."""
+
+
+class ModelSpecError(RoutelogError, ValueError):
+    """A model spec is inconsistent, cannot be derived from a config, or does not match the store's."""
+
+
+class IngestError(RoutelogError, ValueError):
+    """An engine payload cannot be converted exactly; the message names the request and the field."""
+
+
+class AlignmentError(RoutelogError, ValueError):
+    """Routing cannot be aligned to the trainer's batch or parallel layout as described."""
+
+
+class ReplayConfigError(RoutelogError, ValueError):
+    """A training configuration in which routing replay would be silently bypassed or wrong."""
+
+
+class FormatVersionError(RoutelogError):
+    """A store (or one of its documents) was written by a newer, unknown format version or feature set."""
+
+
+class StoreError(RoutelogError, OSError):
+    """A store cannot be opened, read or written as asked."""
+
+
+class StoreNotFoundError(StoreError, FileNotFoundError):
+    """No routelog store (no run document) exists at the URL."""
+
+
+class RecordNotFoundError(RoutelogError, KeyError):
+    """A step or sample id asked for is not committed in the store."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message again
+        return str(self.args[0]) if self.args else ""
+
+
+class CorruptDataError(StoreError):
+    """Stored bytes fail their checksum or cannot be decoded; the message names the object and records."""
+
+
+class CommitConflictError(StoreError, FileExistsError):
+    """A commit or seal object already exists with different content (two writers claimed one name)."""
+
+
+class StepSealedError(StoreError):
+    """The step is sealed: it accepts no more commits."""

@@ -1,0 +1,299 @@
+"""Reading committed records: a step snapshot, then routing for chosen records and chosen layers.
+
+A snapshot is the set of commit records of a step (the seal's list once sealed), and the union of their parts'
+Parquet indexes. Routing reads go straight to the chunks that hold the requested rows and layers (ranged reads
+of the sharded array; the array metadata comes embedded in the commit), concurrently across parts.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+from routelog import layout
+from routelog.errors import CorruptDataError, DuplicateSampleError, RecordNotFoundError
+from routelog.format import CommitRecord, IndexRow, SealRecord, Span, parse_document
+from routelog.part import BlockRequest, ShardIndexCache, fetch_blocks, index_from_parquet
+
+if TYPE_CHECKING:
+    import torch
+
+    from routelog.store import Store
+
+MISSING = -1
+"""Value of rows the engine never computed in :attr:`RecordRouting.expert_ids`."""
+
+
+@dataclass(frozen=True)
+class RecordRouting:
+    """The routing of one record for the layers asked for."""
+
+    info: IndexRow
+    by_layer: npt.NDArray[np.unsignedinteger[Any]]
+    """``[n_layers, n_tokens, topk]`` (C-contiguous, one ``[T, K]`` block per router) in the storage dtype
+    (uint8/uint16); rows not in ``valid`` hold 0."""
+    valid: npt.NDArray[np.bool_]
+    """``[n_tokens]``: rows the engine computed."""
+    moe_layers: tuple[int, ...]
+    """Positions of axis 1 on the MoE-only axis."""
+    layers: tuple[int, ...]
+    """Global layer indices of axis 1."""
+    topk_order: str
+
+    @property
+    def sample_id(self) -> str:
+        return self.info.sample_id
+
+    @property
+    def ids(self) -> npt.NDArray[np.unsignedinteger[Any]]:
+        """``[n_tokens, n_layers, topk]`` view of :attr:`by_layer` (not C-contiguous); invalid rows hold 0."""
+        return self.by_layer.transpose(1, 0, 2)
+
+    @cached_property
+    def expert_ids(self) -> npt.NDArray[np.signedinteger[Any]]:
+        """``[n_tokens, n_layers, topk]`` int16 (int32 above 32767 experts), C-contiguous; missing rows are -1."""
+        dtype = np.int16 if self.by_layer.dtype == np.uint8 or int(self.by_layer.max(initial=0)) < 32767 else np.int32
+        out: npt.NDArray[np.signedinteger[Any]] = np.ascontiguousarray(self.ids, dtype=dtype)
+        out[~self.valid] = MISSING
+        return out
+
+    def to_torch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(expert_ids, valid)`` as torch tensors (int16/int32 and bool)."""
+        import torch
+
+        return torch.from_numpy(self.expert_ids), torch.from_numpy(self.valid)
+
+
+@dataclass(frozen=True)
+class _PartRead:
+    """One contiguous row range of one part, read for one contiguous run of MoE layers."""
+
+    part_key: str
+    row_start: int
+    row_stop: int
+    layer_start: int
+    """First MoE-axis position read."""
+    layer_stop: int
+    out_start: int
+    """Where the layers land on axis 1 of the output."""
+    out_stop: int
+    members: tuple[tuple[str, Span], ...]
+    """The (sample id, span) pairs whose rows this read covers."""
+
+    def request(self, commit: CommitRecord) -> BlockRequest:
+        return BlockRequest(
+            part_key=self.part_key,
+            commit=commit,
+            rows=(self.row_start, self.row_stop),
+            layers=(self.layer_start, self.layer_stop),
+            samples=tuple(sorted({sid for sid, _ in self.members})),
+        )
+
+
+@dataclass
+class StepSnapshot:
+    """The committed records of one step at the time it was loaded."""
+
+    store: Store
+    step: int
+    commits: list[CommitRecord]
+    index: pa.Table
+    """All index rows of the step, plus ``_commit``: the position of the row's commit in :attr:`commits`."""
+    sealed: bool
+    _positions: dict[str, int] = field(init=False, repr=False)
+    _commit_column: npt.NDArray[np.int32] = field(init=False, repr=False)
+    _own: dict[str, CommitRecord] = field(init=False, repr=False)
+    _foreign: dict[str, CommitRecord] = field(default_factory=dict, init=False, repr=False)
+    _index_cache: ShardIndexCache = field(default_factory=ShardIndexCache, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._commit_column = self.index.column("_commit").to_numpy()
+        self._own = {layout.part_dir(self.step, c.part): c for c in self.commits}
+        ids = self.index.column("sample_id").to_pylist()
+        positions: dict[str, int] = {}
+        for i, sid in enumerate(ids):
+            if sid in positions:
+                first = self.commits[self._commit_of(positions[sid])].part
+                second = self.commits[self._commit_of(i)].part
+                raise DuplicateSampleError(
+                    sid,
+                    "sample_id",
+                    f"is committed twice in step {self.step} (parts {first!r} and {second!r})",
+                    "give concurrent writers disjoint sample ids (e.g. synth --sample-prefix); run routelog verify",
+                )
+            positions[sid] = i
+        self._positions = positions
+
+    # -- loading -------------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, store: Store, step: int) -> StepSnapshot:
+        storage = store.storage
+        seal_key = layout.seal_key(step)
+        try:
+            seal = parse_document(storage.read(seal_key), SealRecord, storage.url_of(seal_key))
+            names, sealed = seal.commits, True
+        except FileNotFoundError:
+            names = [n for n in storage.list(layout.commits_dir(step)) if layout.parse_commit_name(n)]
+            sealed = False
+        keys = [layout.commit_key(step, n) for n in names]
+        raw = storage.read_many(keys)
+        commits = [parse_document(raw[k], CommitRecord, storage.url_of(k)) for k in keys]
+        index_keys = [f"{layout.part_dir(step, c.part)}/{layout.INDEX}" for c in commits]
+        try:
+            index_bytes = storage.read_many(index_keys)
+        except FileNotFoundError as exc:
+            raise CorruptDataError(f"step {step} of {store.url}: a committed part's index is missing ({exc})") from exc
+        tables = []
+        for i, key in enumerate(index_keys):
+            try:
+                table = index_from_parquet(index_bytes[key])
+            except (pa.ArrowException, OSError) as exc:
+                raise CorruptDataError(f"{storage.url_of(key)}: unreadable Parquet index ({exc})") from exc
+            tables.append(table.append_column("_commit", pa.array([i] * table.num_rows, pa.int32())))
+        from routelog.format import INDEX_SCHEMA
+
+        empty = INDEX_SCHEMA.empty_table().append_column("_commit", pa.array([], pa.int32()))
+        index = pa.concat_tables([empty, *tables], promote_options="permissive")
+        return cls(store=store, step=step, commits=commits, index=index, sealed=sealed)
+
+    def _commit_of(self, position: int) -> int:
+        return int(self._commit_column[position])
+
+    # -- records ---------------------------------------------------------------------------------------------------
+    @property
+    def sample_ids(self) -> list[str]:
+        return list(self._positions)
+
+    def __len__(self) -> int:
+        return len(self._positions)
+
+    def __contains__(self, sample_id: object) -> bool:
+        return sample_id in self._positions
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(c.n_tokens for c in self.commits)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(o.size for c in self.commits for o in c.objects)
+
+    def info(self, sample_id: str) -> IndexRow:
+        """The index row of ``sample_id``."""
+        return self._row(self._position(sample_id))
+
+    def infos(self) -> Iterator[IndexRow]:
+        for position in range(self.index.num_rows):
+            yield self._row(position)
+
+    def _position(self, sample_id: str) -> int:
+        try:
+            return self._positions[sample_id]
+        except KeyError:
+            raise RecordNotFoundError(
+                f"sample {sample_id!r} is not committed in step {self.step} of {self.store.url}"
+            ) from None
+
+    def _row(self, position: int) -> IndexRow:
+        data = self.index.slice(position, 1).to_pylist()[0]
+        data.pop("_commit")
+        return IndexRow.model_validate(data)
+
+    # -- routing -----------------------------------------------------------------------------------------------------
+    def read(self, sample_id: str, *, moe_layers: Sequence[int] | None = None) -> RecordRouting:
+        """Routing of one record; ``moe_layers`` are positions on the MoE axis (default: all)."""
+        return self.read_many([sample_id], moe_layers=moe_layers)[0]
+
+    def read_many(self, sample_ids: Iterable[str], *, moe_layers: Sequence[int] | None = None) -> list[RecordRouting]:
+        """Routing of several records, fetched concurrently; results follow the order of ``sample_ids``."""
+        spec = self.store.model_spec
+        wanted = list(range(spec.num_moe_layers)) if moe_layers is None else sorted(set(moe_layers))
+        if any(not 0 <= j < spec.num_moe_layers for j in wanted):
+            raise ValueError(f"moe_layers {list(moe_layers or [])} outside [0, {spec.num_moe_layers})")
+        rows = [self.info(sid) for sid in sample_ids]
+        own_part = {r.sample_id: self._part_key(r.sample_id) for r in rows}
+        out = {r.sample_id: np.zeros((len(wanted), r.n_tokens, spec.topk), dtype=spec.id_dtype) for r in rows}
+        valid = {r.sample_id: np.zeros(r.n_tokens, dtype=bool) for r in rows}
+        by_part: dict[str, list[tuple[str, Span]]] = defaultdict(list)
+        for r in rows:
+            for span in r.spans:
+                by_part[span.part or own_part[r.sample_id]].append((r.sample_id, span))
+                valid[r.sample_id][span.token_start : span.token_start + span.n_rows] = True
+        commits = {key: self._commit_for(key) for key in by_part}
+        runs = _contiguous_runs(wanted)
+        reads: list[_PartRead] = []
+        for key, items in by_part.items():
+            for lo, hi, members in _merge_rows(items, commits[key].routing.chunk_rows):
+                for a, b in runs:
+                    reads.append(_PartRead(key, lo, hi, wanted[a], wanted[b - 1] + 1, a, b, members))
+        requests = [read.request(commits[read.part_key]) for read in reads]
+        for read, block in zip(reads, fetch_blocks(self.store.storage, requests, self._index_cache), strict=True):
+            for sid, span in read.members:
+                src = block[:, span.row - read.row_start : span.row - read.row_start + span.n_rows]
+                out[sid][read.out_start : read.out_stop, span.token_start : span.token_start + span.n_rows] = src
+        return [
+            RecordRouting(
+                info=r,
+                by_layer=out[r.sample_id],
+                valid=valid[r.sample_id],
+                moe_layers=tuple(wanted),
+                layers=tuple(spec.moe_layers[j] for j in wanted),
+                topk_order=self._commit_for(own_part[r.sample_id]).routing.topk_order,
+            )
+            for r in rows
+        ]
+
+    def _part_key(self, sample_id: str) -> str:
+        return layout.part_dir(self.step, self.commits[self._commit_of(self._position(sample_id))].part)
+
+    def _commit_for(self, part_key: str) -> CommitRecord:
+        return self._own.get(part_key) or self._foreign_commit(part_key)
+
+    def _foreign_commit(self, part_key: str) -> CommitRecord:
+        """The commit of a part referenced from another step (a shared prefix stored once)."""
+        if part_key in self._foreign:
+            return self._foreign[part_key]
+        pieces = part_key.split("/")
+        step = layout.parse_step_name(pieces[1]) if len(pieces) == 4 else None
+        parsed = layout.parse_commit_name(pieces[3].rsplit(".", 1)[0] + ".json") if step is not None else None
+        if step is None or parsed is None or pieces[0] != layout.STEPS or pieces[2] != "parts":
+            raise CorruptDataError(f"span reference {part_key!r} is not a part path of this store")
+        key = layout.commit_key(step, layout.commit_name(*parsed))
+        storage = self.store.storage
+        try:
+            commit = parse_document(storage.read(key), CommitRecord, storage.url_of(key))
+        except FileNotFoundError:
+            raise CorruptDataError(f"span reference {part_key!r} points at an uncommitted part") from None
+        self._foreign[part_key] = commit
+        return commit
+
+
+def _contiguous_runs(positions: Sequence[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive values in ``positions`` as ``(start, stop)`` indices into ``positions``."""
+    runs = []
+    start = 0
+    for i in range(1, len(positions) + 1):
+        if i == len(positions) or positions[i] != positions[i - 1] + 1:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+def _merge_rows(items: list[tuple[str, Span]], chunk_rows: int) -> list[tuple[int, int, tuple[tuple[str, Span], ...]]]:
+    """Coalesce spans of one part into row ranges; a gap under one chunk costs no extra request."""
+    merged: list[tuple[int, int, list[tuple[str, Span]]]] = []
+    for sid, span in sorted(items, key=lambda item: item[1].row):
+        lo, hi = span.row, span.row + span.n_rows
+        if merged and lo - merged[-1][1] < chunk_rows:
+            prev_lo, prev_hi, members = merged[-1]
+            merged[-1] = (prev_lo, max(prev_hi, hi), [*members, (sid, span)])
+        else:
+            merged.append((lo, hi, [(sid, span)]))
+    return [(lo, hi, tuple(members)) for lo, hi, members in merged]

@@ -1,0 +1,297 @@
+"""A record: the routing of one rollout sequence, and its validation against a model spec."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routelog.codec import (
+    IdArray,
+    RowProblem,
+    TopkOrder,
+    check_before_cast,
+    encode_rows,
+    layer_major,
+    sort_and_check,
+    storage_dtype,
+)
+from routelog.errors import InvalidRecordError
+from routelog.format import IndexRow, Segment, Span
+from routelog.spec import ModelSpec
+
+TOKEN_HASH_PREFIX = "blake2b-128:"
+
+
+def token_hash(token_ids: npt.ArrayLike) -> str:
+    """The format's token hash: BLAKE2b with a 16-byte digest over the ids as little-endian int64."""
+    ids = np.ascontiguousarray(np.asarray(token_ids), dtype="<i8")
+    return TOKEN_HASH_PREFIX + hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
+
+
+@dataclass
+class Record:
+    """The routing of one sequence (prompt and response tokens together) plus its metadata.
+
+    ``expert_ids`` is ``[n_tokens, n_moe_layers, topk]`` of logical expert IDs on the MoE-only layer axis; row
+    ``t`` is the routing computed when input position ``t`` was fed. Rows the engine never computed (the final
+    sampled token, never-prefilled tokens) are marked ``False`` in ``valid``; their values are ignored and never
+    stored.
+    """
+
+    sample_id: str
+    expert_ids: npt.NDArray[np.integer[Any]]
+    prompt_len: int
+    response_len: int
+    valid: npt.NDArray[np.bool_] | None = None
+    token_ids: npt.ArrayLike | None = None
+    token_hash: str | None = None
+    group_id: str | None = None
+    policy_version: int | None = None
+    engine: str | None = None
+    engine_version: str | None = None
+    segments: Sequence[Segment] = ()
+    extra: Mapping[str, Any] | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return self.prompt_len + self.response_len
+
+
+@dataclass
+class PreparedRecord:
+    """A validated record in stored form: the index row (spans relative to the record) and its stored rows."""
+
+    row: IndexRow
+    rows: IdArray
+    """``[n_moe_layers, n_valid_rows, topk]`` (layer-major) in stored form (gaps when sorted)."""
+    raw_nbytes: int = field(default=0)
+    """Size of the valid rows at one byte/two bytes per ID, the 'raw-equivalent' measure of throughput."""
+
+
+def prepare_record(record: Record, spec: ModelSpec, step: int, topk_order: TopkOrder) -> PreparedRecord:
+    """Validate ``record`` against ``spec`` and convert it to stored form; raise :class:`InvalidRecordError`."""
+    sid = record.sample_id
+    if not isinstance(sid, str) or not sid:
+        raise InvalidRecordError(
+            None,
+            "sample_id",
+            f"must be a non-empty string, got {sid!r}",
+            "give every record a unique string id (e.g. '<request-id>/<choice>')",
+        )
+    n = _check_lengths(record)
+    ids = _check_ids_shape(record, spec, n)
+    valid = _check_valid(record, n)
+    digest = _check_tokens(record, n)
+    segments = _check_segments(record, n)
+    extra = _check_extra(record)
+
+    starts, stops = _runs(valid)
+    chosen = ids if valid.all() else ids[valid]
+    flat_valid = np.flatnonzero(valid)
+    problem = check_before_cast(chosen.reshape(-1, spec.topk), spec.num_experts)
+    if problem is not None:  # rows of `chosen` in token-major order
+        token, layer_pos = divmod(problem.row, spec.num_moe_layers)
+        _raise_row_problem(sid, spec, problem, int(flat_valid[token]), spec.moe_layers[layer_pos])
+    # Stored layer-major: [n_moe_layers, n_valid_rows, topk].
+    by_layer = layer_major(chosen.astype(storage_dtype(spec.num_experts), copy=False))
+    n_valid = by_layer.shape[1]
+    sorted_rows, problem = sort_and_check(by_layer.reshape(-1, spec.topk), spec.num_experts)
+    if problem is not None:  # rows in layer-major order
+        layer_pos, token = divmod(problem.row, n_valid)
+        _raise_row_problem(sid, spec, problem, int(flat_valid[token]), spec.moe_layers[layer_pos])
+    stored = encode_rows(sorted_rows, "sorted_gaps") if topk_order == "sorted" else by_layer.reshape(-1, spec.topk)
+    stored = stored.reshape(spec.num_moe_layers, n_valid, spec.topk)
+
+    spans = []
+    offset = 0
+    for start, stop in zip(starts, stops, strict=True):
+        spans.append(Span(token_start=start, n_rows=stop - start, row=offset))
+        offset += stop - start
+    row = IndexRow(
+        sample_id=sid,
+        step=step,
+        group_id=record.group_id,
+        policy_version=record.policy_version,
+        engine=record.engine,
+        engine_version=record.engine_version,
+        prompt_len=record.prompt_len,
+        response_len=record.response_len,
+        n_tokens=n,
+        token_hash=digest,
+        token_ids=None if record.token_ids is None else [int(t) for t in np.asarray(record.token_ids)],
+        spans=spans,
+        segments=segments,
+        extra=extra,
+    )
+    return PreparedRecord(row=row, rows=stored, raw_nbytes=stored.nbytes)
+
+
+def _raise_row_problem(sid: str, spec: ModelSpec, problem: RowProblem, token: int, layer: int) -> None:
+    where = f"token {token}, layer {layer}"
+    if problem.kind == "duplicate":
+        raise InvalidRecordError(
+            sid,
+            "expert_ids",
+            f"{where} repeats an expert: {list(problem.values)}",
+            "a top-k row must name k distinct experts; fix the capture or mark the row invalid instead of padding it",
+        )
+    raise InvalidRecordError(
+        sid,
+        "expert_ids",
+        f"{where} has IDs {list(problem.values)} outside [0, num_experts={spec.num_experts})",
+        "store logical expert IDs (convert physical EPLB IDs first) and check the spec",
+    )
+
+
+def _check_lengths(record: Record) -> int:
+    for name in ("prompt_len", "response_len"):
+        value = getattr(record, name)
+        if not isinstance(value, (int, np.integer)) or value < 0:
+            raise InvalidRecordError(
+                record.sample_id, name, f"must be a non-negative int, got {value!r}", "pass token counts"
+            )
+    return int(record.prompt_len) + int(record.response_len)
+
+
+def _check_ids_shape(record: Record, spec: ModelSpec, n: int) -> npt.NDArray[np.integer[Any]]:
+    sid = record.sample_id
+    ids = np.asarray(record.expert_ids)
+    if ids.dtype.kind not in "iu":
+        raise InvalidRecordError(
+            sid,
+            "expert_ids",
+            f"has dtype {ids.dtype}, expected an integer dtype",
+            "pass integer expert IDs (uint8/uint16/int16/int32/int64)",
+        )
+    if ids.ndim != 3:
+        raise InvalidRecordError(
+            sid,
+            "expert_ids",
+            f"has shape {ids.shape}, expected 3 axes [n_tokens, n_moe_layers, topk]",
+            "reshape the engine payload with the model spec (routelog.engines does this per engine)",
+        )
+    tokens, layers, k = ids.shape
+    if layers != spec.num_moe_layers:
+        hint = (
+            f"the payload has the full layer axis ({spec.num_layers} layers); keep only the MoE layers "
+            f"with routelog.engines.layers.to_moe_axis"
+            if layers == spec.num_layers
+            else f"check the model spec: it has {spec.num_moe_layers} MoE layers {list(spec.moe_layers)}"
+        )
+        raise InvalidRecordError(
+            sid,
+            "expert_ids",
+            f"has {layers} layers on axis 1, the model spec has {spec.num_moe_layers} MoE layers",
+            hint,
+        )
+    if k != spec.topk:
+        raise InvalidRecordError(
+            sid,
+            "expert_ids",
+            f"has top-k {k} on axis 2, the model spec says {spec.topk}",
+            "use the spec of the model that generated the routing",
+        )
+    if tokens != n:
+        raise InvalidRecordError(
+            sid,
+            "expert_ids",
+            f"has {tokens} rows, but prompt_len + response_len = {n}",
+            "give one row per input position and mark rows the engine never computed "
+            "(e.g. the final sampled token) with valid=False",
+        )
+    if np.iinfo(ids.dtype).max < spec.num_experts - 1:
+        raise InvalidRecordError(
+            sid,
+            "expert_ids",
+            f"dtype {ids.dtype} cannot hold expert IDs up to "
+            f"{spec.num_experts - 1}, so values were likely truncated upstream",
+            "capture the IDs in a wider dtype (uint16 or int32)",
+        )
+    return ids
+
+
+def _check_valid(record: Record, n: int) -> npt.NDArray[np.bool_]:
+    if record.valid is None:
+        return np.ones(n, dtype=bool)
+    valid = np.asarray(record.valid)
+    if valid.dtype != np.bool_ or valid.shape != (n,):
+        raise InvalidRecordError(
+            record.sample_id,
+            "valid",
+            f"has dtype {valid.dtype} and shape {valid.shape}, expected bool of shape ({n},)",
+            "pass one bool per token row",
+        )
+    return valid
+
+
+def _check_tokens(record: Record, n: int) -> str | None:
+    sid = record.sample_id
+    digest = record.token_hash
+    if record.token_ids is not None:
+        tokens = np.asarray(record.token_ids)
+        if tokens.ndim != 1 or tokens.shape[0] != n or tokens.dtype.kind not in "iu":
+            raise InvalidRecordError(
+                sid,
+                "token_ids",
+                f"has shape {tokens.shape} and dtype {tokens.dtype}, expected {n} integer ids",
+                "pass the prompt and response token ids",
+            )
+        computed = token_hash(tokens)
+        if digest is not None and digest != computed:
+            raise InvalidRecordError(
+                sid,
+                "token_hash",
+                f"{digest} does not match the token ids ({computed})",
+                "omit token_hash to have it computed, or hash with routelog.token_hash",
+            )
+        digest = computed
+    if digest is not None and not digest.startswith(TOKEN_HASH_PREFIX):
+        raise InvalidRecordError(
+            sid,
+            "token_hash",
+            f"{digest!r} is not a {TOKEN_HASH_PREFIX} digest",
+            "compute it with routelog.token_hash(token_ids)",
+        )
+    return digest
+
+
+def _check_segments(record: Record, n: int) -> list[Segment]:
+    segments = list(record.segments) or [Segment(start=0, end=n, policy_version=record.policy_version)]
+    previous_end = 0
+    for i, seg in enumerate(segments):
+        if not (previous_end <= seg.start <= seg.end <= n):
+            raise InvalidRecordError(
+                record.sample_id,
+                f"segments[{i}]",
+                f"[{seg.start}, {seg.end}) is out of order or outside [0, {n})",
+                "give ascending, non-overlapping segments",
+            )
+        previous_end = seg.end
+    return segments
+
+
+def _check_extra(record: Record) -> str | None:
+    if record.extra is None:
+        return None
+    try:
+        return json.dumps(dict(record.extra), sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRecordError(
+            record.sample_id,
+            "extra",
+            f"is not JSON-serialisable ({exc})",
+            "keep extra to strings, numbers, lists and dicts",
+        ) from exc
+
+
+def _runs(valid: npt.NDArray[np.bool_]) -> tuple[list[int], list[int]]:
+    """Start/stop positions of the runs of True in ``valid``."""
+    padded = np.concatenate(([False], valid, [False])).astype(np.int8)
+    edges = np.flatnonzero(np.diff(padded))
+    return [int(v) for v in edges[0::2]], [int(v) for v in edges[1::2]]

@@ -1,0 +1,329 @@
+"""The model spec: which decoder layers route, over how many experts, and how.
+
+Layer numbers in routelog are **global, 0-based decoder-layer indices** (HF's ``model.layers.{i}``); Megatron's
+``TopKRouter.layer_number`` is ``i + 1``. Stored routing lives on the MoE-only axis: position ``j`` of that axis
+is global layer ``moe_layers[j]``.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from routelog.errors import ModelSpecError
+
+MAX_EXPERTS = 65536  # uint16 IDs on disk
+
+
+class RouterSpec(BaseModel):
+    """How the router turns logits into a top-k selection and weights (informational for replay)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Scores the selection is made on."""
+    topk_before_softmax: bool = False
+    """True when top-k is taken on raw logits and the softmax runs over the k chosen (GPT-OSS, Mixtral-style
+    ``pre_softmax=False`` in Megatron terms)."""
+    norm_topk_prob: bool = False
+    """Whether the chosen experts' weights are renormalised to sum to one."""
+    expert_bias: bool = False
+    """A selection-only bias is added to the scores (DeepSeek-V3 ``e_score_correction_bias``)."""
+    n_group: int | None = None
+    """Expert groups for group-limited top-k (DeepSeek-V2/V3, GLM4-MoE)."""
+    topk_group: int | None = None
+    """Groups kept per token for group-limited top-k."""
+    scaling_factor: float | None = None
+    """``routed_scaling_factor`` applied to the weights."""
+
+
+class ModelSpec(BaseModel):
+    """The layer map and routing shape of the model that produced the routing."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: str = "unnamed"
+    """Model name, e.g. the HF repo id."""
+    revision: str | None = None
+    """Model revision or checkpoint tag."""
+    architecture: str | None = None
+    """HF ``model_type`` (or ``megatron``) the spec was derived from."""
+    num_layers: int = Field(ge=1)
+    """Decoder layers, dense and MoE (MTP layers excluded)."""
+    moe_layers: tuple[int, ...]
+    """Global 0-based indices of the MoE (routing) layers, ascending."""
+    num_experts: int = Field(ge=1, le=MAX_EXPERTS)
+    """Routed experts per MoE layer (shared experts excluded)."""
+    topk: int = Field(ge=1)
+    """Experts chosen per token per MoE layer."""
+    router: RouterSpec = RouterSpec()
+    """Router kind."""
+    logical_ids: Literal[True] = True
+    """Stored IDs are always logical (pre-EPLB) expert IDs; adapters convert physical IDs on ingest."""
+    mtp_layers: int = Field(default=0, ge=0)
+    """Multi-token-prediction layers after the decoder; never part of the stored routing."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        layers = self.moe_layers
+        if not layers:
+            raise ModelSpecError(f"model {self.name!r}: moe_layers is empty; a spec needs at least one MoE layer")
+        if list(layers) != sorted(set(layers)):
+            raise ModelSpecError(f"model {self.name!r}: moe_layers must be ascending and unique, got {list(layers)}")
+        if layers[0] < 0 or layers[-1] >= self.num_layers:
+            raise ModelSpecError(
+                f"model {self.name!r}: moe_layers {list(layers)} fall outside [0, num_layers={self.num_layers})"
+            )
+        if self.topk > self.num_experts:
+            raise ModelSpecError(f"model {self.name!r}: topk {self.topk} exceeds num_experts {self.num_experts}")
+        groups = self.router.n_group
+        if groups is not None and groups > 1 and self.num_experts % groups:
+            raise ModelSpecError(
+                f"model {self.name!r}: num_experts {self.num_experts} is not divisible by n_group {groups}"
+            )
+        return self
+
+    # -- derived -------------------------------------------------------------------------------------------
+    @property
+    def num_moe_layers(self) -> int:
+        """Length of the MoE-only layer axis."""
+        return len(self.moe_layers)
+
+    @property
+    def id_dtype(self) -> np.dtype[Any]:
+        """Narrowest unsigned dtype that holds every expert ID (uint8 up to 256 experts, else uint16)."""
+        return np.dtype(np.uint8) if self.num_experts <= 256 else np.dtype(np.uint16)
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether global layer ``layer`` routes."""
+        return layer in self._moe_positions
+
+    def moe_index(self, layer: int) -> int:
+        """Position of global layer ``layer`` on the MoE-only axis."""
+        try:
+            return self._moe_positions[layer]
+        except KeyError:
+            raise ModelSpecError(
+                f"model {self.name!r}: layer {layer} is not a MoE layer (MoE layers: {list(self.moe_layers)})"
+            ) from None
+
+    @cached_property
+    def _moe_positions(self) -> dict[int, int]:
+        return {layer: j for j, layer in enumerate(self.moe_layers)}
+
+    def compatible_with(self, other: ModelSpec) -> bool:
+        """True when routing written under ``other`` has the same meaning under this spec."""
+        return (
+            self.num_layers == other.num_layers
+            and self.moe_layers == other.moe_layers
+            and self.num_experts == other.num_experts
+            and self.topk == other.topk
+        )
+
+    # -- constructors --------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], *, name: str | None = None) -> ModelSpec:
+        """Derive the spec from a HF ``config.json`` dict (multimodal configs: their ``text_config``).
+
+        Supported ``model_type``: qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_moe, mixtral, olmoe, deepseek_v2,
+        deepseek_v3, kimi_k2, glm4_moe, gpt_oss, minimax_m2, llama4_text, ernie4_5_moe.
+        """
+        return _from_hf(config, name)
+
+    @classmethod
+    def from_megatron(
+        cls,
+        *,
+        num_layers: int,
+        num_moe_experts: int,
+        moe_router_topk: int,
+        moe_layer_freq: int | Sequence[int] | str = 1,
+        moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax",
+        moe_router_pre_softmax: bool = False,
+        moe_router_num_groups: int | None = None,
+        moe_router_group_topk: int | None = None,
+        moe_router_enable_expert_bias: bool = False,
+        moe_router_topk_scaling_factor: float | None = None,
+        mtp_num_layers: int | None = None,
+        name: str = "megatron",
+    ) -> ModelSpec:
+        """Derive the spec from megatron-core ``TransformerConfig`` fields.
+
+        ``moe_layer_freq`` follows Megatron: an int ``f`` makes layer ``i`` MoE iff ``i % f == 0``; a list (or
+        its string form such as ``"([0]*3+[1]*58)"``) gives 1 for MoE and 0 for dense per layer.
+        """
+        pattern = _megatron_layer_pattern(moe_layer_freq, num_layers)
+        return cls(
+            name=name,
+            architecture="megatron",
+            num_layers=num_layers,
+            moe_layers=tuple(i for i, flag in enumerate(pattern) if flag),
+            num_experts=num_moe_experts,
+            topk=moe_router_topk,
+            router=RouterSpec(
+                score_function=moe_router_score_function,
+                # Megatron's default (pre_softmax=False) takes top-k on logits, then softmaxes over the k.
+                topk_before_softmax=moe_router_score_function == "softmax" and not moe_router_pre_softmax,
+                norm_topk_prob=moe_router_score_function == "sigmoid" and moe_router_topk > 1,
+                expert_bias=moe_router_enable_expert_bias,
+                n_group=moe_router_num_groups,
+                topk_group=moe_router_group_topk,
+                scaling_factor=moe_router_topk_scaling_factor,
+            ),
+            mtp_layers=mtp_num_layers or 0,
+        )
+
+    def megatron_moe_layer_freq(self) -> list[int]:
+        """This spec's layer pattern as Megatron's ``moe_layer_freq`` list."""
+        return [int(self.is_moe(i)) for i in range(self.num_layers)]
+
+
+# -- HF configs --------------------------------------------------------------------------------------------
+def _first(config: Mapping[str, Any], *keys: str) -> Any:
+    for key in keys:
+        value = config.get(key)
+        if value is not None:
+            return value
+    return None
+
+
+def _require(config: Mapping[str, Any], model_type: str, *keys: str) -> int:
+    value = _first(config, *keys)
+    if value is None:
+        raise ModelSpecError(
+            f"HF config of model_type {model_type!r} has none of {list(keys)}; pass a complete config.json"
+        )
+    return int(value)
+
+
+def _from_hf(raw: Mapping[str, Any], name: str | None) -> ModelSpec:
+    config: Mapping[str, Any] = raw.get("text_config") or raw
+    model_type = str(config.get("model_type") or raw.get("model_type") or "")
+    num_layers = _require(config, model_type, "num_hidden_layers")
+    num_experts = _require(
+        config, model_type, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"
+    )
+    topk = _require(config, model_type, "num_experts_per_tok", "experts_per_token", "moe_k", "top_k")
+    router = RouterSpec(norm_topk_prob=bool(config.get("norm_topk_prob", False)))
+    family = model_type.removesuffix("_text")
+
+    if family in ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe"):
+        step = int(config.get("decoder_sparse_step") or 1)
+        dense = set(config.get("mlp_only_layers") or [])
+        moe = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+        if family == "qwen3_5_moe":
+            router = RouterSpec(norm_topk_prob=True)
+    elif family in ("mixtral", "minimax_m2", "gpt_oss", "olmoe"):
+        moe = list(range(num_layers))
+        if family == "mixtral":
+            router = RouterSpec(norm_topk_prob=True)
+        elif family == "gpt_oss":
+            router = RouterSpec(topk_before_softmax=True, norm_topk_prob=True)
+        elif family == "minimax_m2":
+            router = RouterSpec(score_function="sigmoid", norm_topk_prob=True, expert_bias=True)
+    elif family in ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe"):
+        # The original DeepSeek code (SGLang, vLLM, remote code) also honours moe_layer_freq; HF v5 ignores it.
+        first_dense = int(config.get("first_k_dense_replace") or 0)
+        freq = int(config.get("moe_layer_freq") or 1)
+        moe = [i for i in range(num_layers) if i >= first_dense and i % freq == 0]
+        v2 = family == "deepseek_v2"
+        scoring = str(config.get("scoring_func") or ("softmax" if v2 else "sigmoid"))
+        grouped = (config.get("topk_method") or ("greedy" if v2 else "noaux_tc")) != "greedy"
+        router = RouterSpec(
+            score_function="sigmoid" if scoring == "sigmoid" else "softmax",
+            norm_topk_prob=bool(config.get("norm_topk_prob", not v2)),
+            expert_bias=not v2,
+            n_group=config.get("n_group") if grouped else None,
+            topk_group=config.get("topk_group") if grouped else None,
+            scaling_factor=config.get("routed_scaling_factor"),
+        )
+    elif family == "llama4":
+        step = int(config.get("interleave_moe_layer_step") or 1)
+        listed = config.get("moe_layers")
+        moe = list(listed) if listed is not None else list(range(step - 1, num_layers, step))
+        router = RouterSpec(score_function="sigmoid", topk_before_softmax=True)
+    elif family == "ernie4_5_moe":
+        start = int(config.get("moe_layer_start_index") or 0)
+        end = int(config.get("moe_layer_end_index") or -1)
+        end = num_layers - 1 if end < 0 else end
+        interval = int(config.get("moe_layer_interval") or 1)
+        moe = [i for i in range(num_layers) if start <= i <= end and (i + 1) % interval == 0]
+        router = RouterSpec(norm_topk_prob=True)
+    else:
+        raise ModelSpecError(
+            f"model_type {model_type!r} is not a MoE family routelog knows; build the spec with "
+            "ModelSpec(num_layers=..., moe_layers=..., num_experts=..., topk=...) or ModelSpec.from_megatron(...)"
+        )
+    if not moe:
+        raise ModelSpecError(f"HF config of model_type {model_type!r} describes no MoE layer")
+    return ModelSpec(
+        name=name or str(raw.get("_name_or_path") or config.get("_name_or_path") or model_type),
+        architecture=model_type,
+        num_layers=num_layers,
+        moe_layers=tuple(moe),
+        num_experts=num_experts,
+        topk=topk,
+        router=router,
+        mtp_layers=int(config.get("num_nextn_predict_layers") or 0),
+    )
+
+
+# -- Megatron moe_layer_freq -------------------------------------------------------------------------------
+def _megatron_layer_pattern(freq: int | Sequence[int] | str, num_layers: int) -> list[int]:
+    if isinstance(freq, str):
+        freq = _eval_layer_list(freq)
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ModelSpecError(f"moe_layer_freq must be >= 1, got {freq}")
+        return [int(i % freq == 0) for i in range(num_layers)]
+    pattern = [int(v) for v in freq]
+    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+        raise ModelSpecError(
+            f"moe_layer_freq list must hold num_layers={num_layers} entries of 0 or 1, got {len(pattern)}: "
+            f"{pattern[:16]}"
+        )
+    return pattern
+
+
+def _eval_layer_list(text: str) -> int | list[int]:
+    """Evaluate Megatron's ``--moe-layer-freq`` string (an int or list arithmetic like ``[0]*3+[1]*58``)."""
+
+    def ev(node: ast.AST) -> int | list[int]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [_as_int(ev(e)) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int):
+                return left * right
+            if isinstance(node.op, ast.Mult) and isinstance(left, int) and isinstance(right, list):
+                return right * left
+            if isinstance(left, int) and isinstance(right, int):
+                return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ModelSpecError(f"moe_layer_freq {text!r}: only ints, lists, + and * are understood")
+
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ModelSpecError(f"moe_layer_freq {text!r} is not an int or a list expression") from exc
+    return ev(tree.body)
+
+
+def _as_int(value: int | list[int]) -> int:
+    if isinstance(value, list):
+        raise ModelSpecError("moe_layer_freq lists must be flat")
+    return value
+
+
+def entropy_bound_bytes(num_experts: int, topk: int) -> float:
+    """Bytes per token-layer an ideal coder needs for uniformly random top-k sets: log2(C(E, K)) / 8."""
+    return math.log2(math.comb(num_experts, topk)) / 8

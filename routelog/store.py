@@ -1,0 +1,112 @@
+"""Opening and creating stores: one store is one training run, at one URL."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from pydantic import JsonValue
+
+from routelog import layout
+from routelog.errors import ModelSpecError, StoreError, StoreNotFoundError
+from routelog.format import RunDocument, dump_document, parse_document, utc_now
+from routelog.spec import ModelSpec
+from routelog.storage import Storage
+
+if TYPE_CHECKING:
+    from routelog.part import PartOptions
+    from routelog.reader import StepSnapshot
+    from routelog.writer import StepWriter
+
+
+class Store:
+    """A routelog store: the run document plus steps of committed records."""
+
+    def __init__(self, storage: Storage, run: RunDocument) -> None:
+        self.storage = storage
+        self.run = run
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r}, run_id={self.run.run_id!r})"
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return self.run.model_spec
+
+    def steps(self) -> list[int]:
+        """Steps that have a directory in the store, ascending (a step whose writers all crashed has no records)."""
+        names = self.storage.list(layout.STEPS)
+        return sorted(s for s in (layout.parse_step_name(n) for n in names) if s is not None)
+
+    def step(self, step: int) -> StepSnapshot:
+        """The committed records of ``step`` as of now (or exactly the sealed set, once sealed)."""
+        from routelog.reader import StepSnapshot
+
+        return StepSnapshot.load(self, step)
+
+    def writer(
+        self,
+        step: int,
+        writer_id: str | None = None,
+        *,
+        options: PartOptions | None = None,
+        flush_bytes: int | None = None,
+    ) -> StepWriter:
+        """A writer appending records to ``step``; use it as a context manager."""
+        from routelog.writer import StepWriter
+
+        return StepWriter(self, step, writer_id=writer_id, options=options, flush_bytes=flush_bytes)
+
+
+def open_store(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Store:
+    """Open an existing store; :class:`StoreNotFoundError` when there is none at ``url``."""
+    storage = Storage.open(url, storage_options)
+    try:
+        data = storage.read(layout.RUN_DOCUMENT)
+    except FileNotFoundError:
+        raise StoreNotFoundError(
+            f"no routelog store at {url!r} (no {layout.RUN_DOCUMENT}); create one with routelog.create_store "
+            "or by writing records (routelog synth, routelog ingest)"
+        ) from None
+    return Store(storage, parse_document(data, RunDocument, storage.url_of(layout.RUN_DOCUMENT)))
+
+
+def create_store(
+    url: str,
+    model_spec: ModelSpec,
+    *,
+    run_id: str | None = None,
+    config: Mapping[str, JsonValue] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Store:
+    """Open the store at ``url``, creating its run document if none exists.
+
+    Concurrent creators race on an exclusive create; the losers open the winner's store. An existing store
+    whose model spec differs from ``model_spec`` raises :class:`ModelSpecError`.
+    """
+    storage = Storage.open(url, storage_options)
+    doc = RunDocument(
+        run_id=run_id or uuid.uuid4().hex,
+        created_at=utc_now(),
+        model_spec=model_spec,
+        config=dict(config or {}),
+    )
+    if storage.create(layout.RUN_DOCUMENT, dump_document(doc)):
+        return Store(storage, doc)
+    store = open_store(url, storage_options=storage_options)
+    if not store.model_spec.compatible_with(model_spec):
+        raise ModelSpecError(
+            f"store {url!r} holds routing of model {store.model_spec.name!r} "
+            f"({store.model_spec.num_layers} layers, MoE layers {list(store.model_spec.moe_layers)}, "
+            f"E={store.model_spec.num_experts}, K={store.model_spec.topk}); the given spec "
+            f"({model_spec.num_layers} layers, MoE layers {list(model_spec.moe_layers)}, E={model_spec.num_experts}, "
+            f"K={model_spec.topk}) differs. Use a new URL for a different model."
+        )
+    if run_id is not None and store.run.run_id != run_id:
+        raise StoreError(f"store {url!r} belongs to run {store.run.run_id!r}, not {run_id!r}")
+    return store

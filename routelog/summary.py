@@ -1,0 +1,75 @@
+"""What ``routelog inspect`` and ``routelog ls`` report about a store."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from routelog import layout
+from routelog.format import FORMAT_VERSION
+from routelog.reader import StepSnapshot
+from routelog.store import Store
+
+
+def step_summary(snapshot: StepSnapshot) -> dict[str, Any]:
+    """Counts and sizes of one step. ``routing_bytes`` counts only the routing arrays (not indexes, metadata)."""
+    stored_rows = sum(c.routing.n_rows for c in snapshot.commits)
+    routing_bytes = sum(o.size for c in snapshot.commits for o in c.objects if o.key.startswith(c.routing.path + "/c/"))
+    return {
+        "step": snapshot.step,
+        "records": len(snapshot),
+        "tokens": snapshot.n_tokens,
+        "stored_rows": stored_rows,
+        "parts": len(snapshot.commits),
+        "sealed": snapshot.sealed,
+        "stored_bytes": snapshot.stored_bytes,
+        "routing_bytes": routing_bytes,
+    }
+
+
+def store_summary(store: Store) -> dict[str, Any]:
+    """The whole store: run, model spec, per-step counts and totals.
+
+    ``bytes_per_token_layer`` divides the routing arrays' stored bytes by the stored token rows times the MoE
+    layers: the figure the codec's entropy-bound goal is stated in.
+    """
+    spec = store.model_spec
+    steps = [step_summary(store.step(s)) for s in store.steps()]
+    rows = sum(s["stored_rows"] for s in steps)
+    routing_bytes = sum(s["routing_bytes"] for s in steps)
+    return {
+        "url": store.url,
+        "format_version": store.run.format_version,
+        "reader_format_version": FORMAT_VERSION,
+        "run_id": store.run.run_id,
+        "created_at": store.run.created_at.isoformat(),
+        "model_spec": spec.model_dump(mode="json"),
+        "steps": [s["step"] for s in steps],
+        "per_step": steps,
+        "records": sum(s["records"] for s in steps),
+        "tokens": sum(s["tokens"] for s in steps),
+        "stored_rows": rows,
+        "stored_bytes": sum(s["stored_bytes"] for s in steps) + _run_document_size(store),
+        "routing_bytes": routing_bytes,
+        "bytes_per_token_layer": routing_bytes / (rows * spec.num_moe_layers) if rows else None,
+    }
+
+
+def _run_document_size(store: Store) -> int:
+    return store.storage.size(layout.RUN_DOCUMENT)
+
+
+def record_listing(snapshot: StepSnapshot) -> list[dict[str, Any]]:
+    """One line per record of a step, for ``routelog ls``."""
+    return [
+        {
+            "sample_id": row.sample_id,
+            "group_id": row.group_id,
+            "tokens": row.n_tokens,
+            "prompt_len": row.prompt_len,
+            "response_len": row.response_len,
+            "missing_rows": row.n_missing,
+            "policy_version": row.policy_version,
+            "engine": row.engine,
+        }
+        for row in snapshot.infos()
+    ]

@@ -1,0 +1,167 @@
+"""Synthetic routing for tests, benchmarks and examples.
+
+Uniform routing is the codec's worst case (and the entropy bound's reference). Real routers are skewed (some
+experts popular per layer) and temporally local (a token often reuses the previous token's experts); ``skew`` and
+``locality`` add both, and ragged lengths mimic a batch of rollouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routelog.format import Segment
+from routelog.record import Record, token_hash
+from routelog.spec import ModelSpec
+
+VOCAB_SIZE = 32000
+_REJECTION_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    """What :func:`synth_records` generates."""
+
+    records: int
+    tokens: int
+    """Tokens per record (the mean when ``ragged``)."""
+    seed: int = 0
+    ragged: bool = False
+    """Lengths uniform in ``[tokens/2, 3*tokens/2]``."""
+    skew: float = 0.0
+    """0 = uniform experts; s > 0 draws per-layer expert popularity from Dirichlet(1/s)."""
+    locality: float = 0.0
+    """Probability that a token reuses the previous token's expert set in a layer."""
+    prompt_fraction: float = 0.25
+    sample_prefix: str = ""
+    group_size: int = 8
+    """Records per GRPO group."""
+    step: int = 0
+    missing_final_row: bool = True
+    """Mark the final token's row missing, as every inference engine leaves it."""
+    with_token_ids: bool = False
+    """Store the token ids (the hash is always stored)."""
+
+    def __post_init__(self) -> None:
+        if self.records < 0 or self.tokens < 2:
+            raise ValueError("records must be >= 0 and tokens >= 2")
+        if not 0 <= self.locality < 1 or self.skew < 0:
+            raise ValueError("locality must be in [0, 1) and skew >= 0")
+
+
+def random_topk(
+    rng: np.random.Generator, n: int, num_experts: int, k: int, popularity: npt.NDArray[np.float64] | None = None
+) -> npt.NDArray[np.int64]:
+    """``[n, k]`` rows of k distinct experts, each row an independent draw (weighted without replacement).
+
+    Draws k experts independently and redraws rows with a repeat (fast when k << E); rows still repeating after
+    a few rounds, or every row when k is large, use exact Gumbel top-k over all experts.
+    """
+    if k * 4 > num_experts:
+        return _gumbel_topk(rng, n, num_experts, k, popularity)
+    cdf = None if popularity is None else np.cumsum(popularity)
+
+    def draw(m: int) -> npt.NDArray[np.int64]:
+        if cdf is None:
+            return rng.integers(0, num_experts, size=(m, k))
+        picks = np.searchsorted(cdf, rng.random((m, k)) * cdf[-1], side="right")
+        drawn: npt.NDArray[np.int64] = np.minimum(picks, num_experts - 1).astype(np.int64)
+        return drawn
+
+    rows = draw(n)
+    todo = np.arange(n)
+    for _ in range(_REJECTION_ROUNDS):
+        ordered = np.sort(rows[todo], axis=1)
+        todo = todo[(ordered[:, 1:] == ordered[:, :-1]).any(axis=1)]
+        if todo.size == 0:
+            return rows
+        rows[todo] = draw(todo.size)
+    rows[todo] = _gumbel_topk(rng, todo.size, num_experts, k, popularity)
+    return rows
+
+
+def _gumbel_topk(
+    rng: np.random.Generator, n: int, num_experts: int, k: int, popularity: npt.NDArray[np.float64] | None
+) -> npt.NDArray[np.int64]:
+    keys = np.log(popularity) if popularity is not None else np.zeros(num_experts)
+    gumbel = keys - np.log(-np.log(rng.random((n, num_experts))))
+    chosen: npt.NDArray[np.int64] = np.argpartition(-gumbel, k - 1, axis=1)[:, :k].astype(np.int64)
+    return chosen
+
+
+def synth_routing(
+    rng: np.random.Generator,
+    n_tokens: int,
+    spec: ModelSpec,
+    popularity: list[npt.NDArray[np.float64]] | None,
+    locality: float,
+) -> npt.NDArray[Any]:
+    """``[n_tokens, n_moe_layers, topk]`` routing in the spec's storage dtype."""
+    layers, k, e = spec.num_moe_layers, spec.topk, spec.num_experts
+    out = np.empty((n_tokens, layers, k), dtype=spec.id_dtype)
+    for j in range(layers):
+        out[:, j] = random_topk(rng, n_tokens, e, k, None if popularity is None else popularity[j])
+    if locality > 0 and n_tokens > 1:
+        # Each (token, layer) keeps the previous token's set with probability `locality`: forward-fill the
+        # index of the last fresh draw.
+        fresh = rng.random((n_tokens, layers)) >= locality
+        fresh[0] = True
+        source = np.where(fresh, np.arange(n_tokens)[:, None], 0)
+        np.maximum.accumulate(source, axis=0, out=source)
+        out = out[source, np.arange(layers)[None, :]]
+    return out
+
+
+def synth_records(spec: ModelSpec, config: SynthConfig) -> Iterator[Record]:
+    """Deterministic synthetic records (same ``seed`` -> same records)."""
+    rng = np.random.default_rng(config.seed)
+    popularity = (
+        [rng.dirichlet(np.full(spec.num_experts, 1.0 / config.skew)) for _ in range(spec.num_moe_layers)]
+        if config.skew > 0
+        else None
+    )
+    for i in range(config.records):
+        n = (
+            int(rng.integers(max(2, config.tokens // 2), config.tokens * 3 // 2 + 1))
+            if config.ragged
+            else config.tokens
+        )
+        prompt = min(n - 1, max(1, round(n * config.prompt_fraction)))
+        ids = synth_routing(rng, n, spec, popularity, config.locality)
+        tokens = rng.integers(0, VOCAB_SIZE, size=n)
+        valid = np.ones(n, dtype=bool)
+        if config.missing_final_row:
+            valid[-1] = False
+        group = i // max(1, config.group_size)
+        yield Record(
+            sample_id=f"{config.sample_prefix}{i:06d}",
+            expert_ids=ids,
+            prompt_len=prompt,
+            response_len=n - prompt,
+            valid=valid,
+            token_ids=tokens if config.with_token_ids else None,
+            token_hash=None if config.with_token_ids else token_hash(tokens),
+            group_id=f"{config.sample_prefix}g{group:05d}",
+            policy_version=config.step,
+            engine="synthetic",
+            segments=(
+                Segment(start=0, end=prompt, policy_version=config.step, source="prompt"),
+                Segment(start=prompt, end=n, policy_version=config.step, source="response"),
+            ),
+        )
+
+
+def synthetic_spec(layers: int, experts: int, topk: int) -> ModelSpec:
+    """An all-MoE model spec for synthetic routing."""
+    return ModelSpec(
+        name="synthetic",
+        architecture="synthetic",
+        num_layers=layers,
+        moe_layers=tuple(range(layers)),
+        num_experts=experts,
+        topk=topk,
+    )
