@@ -30,8 +30,12 @@ class DuplicateSampleError(InvalidRecordError):
     """A sample id occurs twice in one step."""
 
 
-class ModelSpecError(RoutelogError, ValueError):
-    """A model spec is inconsistent, cannot be derived from a config, or does not match the store's."""
+class ModelSpecError(RoutelogError):
+    """A model spec is inconsistent, cannot be derived from a config, or does not match the store's.
+
+    Deliberately not a ``ValueError``: pydantic would wrap one raised by the spec's own validation into a
+    ``ValidationError`` and lose the type.
+    """
 
 
 class IngestError(RoutelogError, ValueError):

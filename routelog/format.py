@@ -47,7 +47,7 @@ def utc_now() -> datetime:
 
 class _Document(BaseModel):
     # Unknown fields are ignored so that additive changes of a later minor revision stay readable.
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
 
 
 _D = TypeVar("_D", bound=_Document)
@@ -115,7 +115,7 @@ class ObjectInfo(_Document):
 
 
 class RoutingArrayInfo(_Document):
-    """The zarr v3 array ``routing`` of a part: shape ``[n_rows, num_moe_layers, topk]``."""
+    """The zarr v3 array ``routing`` of a part: layer-major ``[num_moe_layers, n_rows, topk]`` stored IDs."""
 
     path: str = "routing"
     dtype: Literal["uint8", "uint16"]
@@ -187,6 +187,17 @@ DOCUMENT_MODELS: dict[str, type[BaseModel]] = {
     "model_spec": ModelSpec,
 }
 """Models published as ``schemas/<name>.schema.json``."""
+
+
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """The published JSON Schemas, ``schemas/<name>.schema.json``, generated from the models."""
+    out = {}
+    for name, model in DOCUMENT_MODELS.items():
+        schema = model.model_json_schema(mode="validation")
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        schema["$id"] = f"https://routelog.dev/schemas/v{FORMAT_VERSION}/{name}.schema.json"
+        out[name] = schema
+    return out
 
 
 def parse_document(data: bytes, model: type[_D], where: str) -> _D:

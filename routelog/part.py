@@ -26,7 +26,6 @@ from routelog.errors import CorruptDataError
 from routelog.format import FORMAT_VERSION, INDEX_SCHEMA, CommitRecord, IndexRow, ObjectInfo, RoutingArrayInfo, Span
 from routelog.record import PreparedRecord
 from routelog.shard import (
-    SHARD_KEY,
     ChunkRead,
     ShardFormatError,
     ShardLayout,
@@ -127,7 +126,7 @@ def _encode_routing(
     metadata = layout_.zarr_metadata(zstd_level, attributes)
     objects = {f"{info.path}/zarr.json": json.dumps(metadata, indent=1).encode()}
     if info.n_rows:  # an empty array has no chunk to store
-        objects[f"{info.path}/{SHARD_KEY}"] = encode_shard(data, layout_, zstd_level)
+        objects[f"{info.path}/{layout_.shard_key}"] = encode_shard(data, layout_, zstd_level)
     return objects, metadata
 
 
@@ -242,7 +241,7 @@ def fetch_blocks(
 
 
 def _shard_key(part_key: str, commit: CommitRecord) -> str:
-    return f"{part_key}/{commit.routing.path}/{SHARD_KEY}"
+    return f"{part_key}/{commit.routing.path}/{shard_layout(commit.routing).shard_key}"
 
 
 def _read_pieces(

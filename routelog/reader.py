@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import zarr
 
 from routelog import layout
 from routelog.errors import CorruptDataError, DuplicateSampleError, RecordNotFoundError
@@ -249,6 +250,13 @@ class StepSnapshot:
             )
             for r in rows
         ]
+
+    def open_zarr(self, part: str) -> zarr.Array[Any]:
+        """A part's routing array opened with zarr-python (stored form: gaps when sorted, uint16 as byte planes;
+        see ``schemas/FORMAT.md``). For interoperability; :meth:`read_many` is the fast path."""
+        commit = self._own[layout.part_dir(self.step, part)]
+        store = self.store.storage.zarr_store(f"{layout.part_dir(self.step, part)}/{commit.routing.path}")
+        return zarr.open_array(store, mode="r")
 
     def _part_key(self, sample_id: str) -> str:
         return layout.part_dir(self.step, self.commits[self._commit_of(self._position(sample_id))].part)

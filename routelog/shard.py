@@ -33,8 +33,6 @@ from numcodecs import Zstd
 
 EMPTY = np.uint64(2**64 - 1)
 """Index entry of an inner chunk that was never written (zarr reads it as the fill value 0)."""
-SHARD_KEY = "c/0/0/0"
-"""The only shard of a part's array (its shard shape covers the whole array)."""
 
 
 class ShardFormatError(ValueError):
@@ -69,6 +67,12 @@ class ShardLayout:
     def planes(self) -> int:
         """Bytes per ID: uint16 IDs are stored as two byte planes."""
         return self.dtype.itemsize
+
+    @property
+    def shard_key(self) -> str:
+        """Key of the array's only shard (its shard shape covers the whole array): ``c/0/0/0`` (``c/0/0/0/0``
+        with the byte axis of uint16 IDs)."""
+        return "c" + "/0" * (3 if self.planes == 1 else 4)
 
     def zarr_metadata(self, zstd_level: int, attributes: dict[str, Any]) -> dict[str, Any]:
         """The array's ``zarr.json``, describing exactly the bytes :func:`encode_shard` produces."""

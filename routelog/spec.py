@@ -24,7 +24,7 @@ MAX_EXPERTS = 65536  # uint16 IDs on disk
 class RouterSpec(BaseModel):
     """How the router turns logits into a top-k selection and weights (informational for replay)."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
 
     score_function: Literal["softmax", "sigmoid"] = "softmax"
     """Scores the selection is made on."""
@@ -46,7 +46,7 @@ class RouterSpec(BaseModel):
 class ModelSpec(BaseModel):
     """The layer map and routing shape of the model that produced the routing."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
 
     name: str = "unnamed"
     """Model name, e.g. the HF repo id."""

@@ -29,7 +29,7 @@ from numcodecs import Zstd
 from routelog.codec import encode_rows, layer_major, sort_and_check
 from routelog.format import CommitRecord, RoutingArrayInfo, utc_now
 from routelog.part import BlockRequest, PartOptions, fetch_blocks, shard_layout
-from routelog.shard import SHARD_KEY, encode_shard
+from routelog.shard import encode_shard
 from routelog.spec import entropy_bound_bytes
 from routelog.storage import Storage
 from routelog.synth import synth_routing, synthetic_spec
@@ -83,7 +83,7 @@ def routelog_codec(ids: np.ndarray, num_experts: int, chunk_rows: int, chunk_lay
 
     def decode(shard: bytes) -> np.ndarray:
         if not written or written[0] is not shard:  # upload once, outside the timed decodes that follow
-            storage.write(f"part/routing/{SHARD_KEY}", shard)
+            storage.write(f"part/routing/{layout.shard_key}", shard)
             written[:] = [shard]
         (block,) = fetch_blocks(storage, [BlockRequest("part", commit, (0, layers), (0, t))])
         return block.transpose(1, 0, 2)  # the [T, L, K] view readers hand out

@@ -1,0 +1,107 @@
+"""Shared fixtures: a real S3 (moto server over HTTP on 127.0.0.1), store URLs on every backend, small specs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+from routelog import ModelSpec
+from routelog.synth import synthetic_spec
+
+settings.register_profile("default", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", parent=settings.get_profile("default"), derandomize=True)
+settings.register_profile("nightly", parent=settings.get_profile("default"), max_examples=1000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
+
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "routelog-test",
+    "AWS_SECRET_ACCESS_KEY": "routelog-test",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """One moto S3 server per session on a free loopback port; the AWS_* environment points at it."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    saved = {k: os.environ.get(k) for k in [*S3_ENV, "AWS_ENDPOINT_URL", "AWS_PROFILE"]}
+    os.environ.update(S3_ENV, AWS_ENDPOINT_URL=endpoint)
+    os.environ.pop("AWS_PROFILE", None)
+    yield endpoint
+    server.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str) -> str:
+    """A fresh bucket on the moto server."""
+    import boto3
+
+    name = f"routelog-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture(params=["memory", "local", "s3"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A store URL that does not exist yet, on each backend (the shared store suite runs on all three)."""
+    if request.param == "memory":
+        return f"memory://routelog-tests/{uuid.uuid4().hex}"
+    if request.param == "local":
+        return f"file://{tmp_path}/store"
+    bucket = request.getfixturevalue("s3_bucket")
+    return f"s3://{bucket}/runs/{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def memory_url() -> str:
+    return f"memory://routelog-tests/{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def small_spec() -> ModelSpec:
+    return synthetic_spec(layers=6, experts=32, topk=4)
+
+
+@pytest.fixture
+def dense_first_spec() -> ModelSpec:
+    """DeepSeek-V3 style: three dense layers first, then MoE."""
+    return ModelSpec.from_hf_config(
+        {
+            "model_type": "deepseek_v3",
+            "num_hidden_layers": 8,
+            "first_k_dense_replace": 3,
+            "n_routed_experts": 64,
+            "num_experts_per_tok": 6,
+            "n_group": 8,
+            "topk_group": 4,
+        }
+    )
+
+
+def random_routing(rng: np.random.Generator, tokens: int, layers: int, experts: int, topk: int) -> np.ndarray:
+    """``[tokens, layers, topk]`` int64 rows of distinct experts, in random (score-like) order."""
+    keys = rng.random((tokens * layers, experts))
+    return np.argsort(keys, axis=1)[:, :topk].reshape(tokens, layers, topk)
+
+
+@pytest.fixture
+def make_routing() -> Callable[..., np.ndarray]:
+    return random_routing

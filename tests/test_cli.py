@@ -1,0 +1,175 @@
+"""The command line, run for real: in-process with typer's runner, and as a subprocess where exit codes and the
+environment matter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import routelog
+from routelog.cli import app
+
+runner = CliRunner()
+
+
+def _run(*args: str) -> str:
+    result = runner.invoke(app, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "routelog", *args], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+
+
+def test_synth_inspect_ls_cat_verify(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    _run(
+        "synth",
+        url,
+        "--step",
+        "2",
+        "--records",
+        "6",
+        "--tokens",
+        "40",
+        "--layers",
+        "4",
+        "--experts",
+        "128",
+        "--topk",
+        "8",
+        "--ragged",
+        "--seed",
+        "1",
+    )
+    _run("synth", url, "--step", "5", "--records", "2", "--tokens", "10")  # reuses the store's spec
+    summary = json.loads(_run("inspect", url, "--json"))
+    for key in ("format_version", "steps", "records", "tokens", "stored_bytes", "bytes_per_token_layer"):
+        assert key in summary
+    assert summary["format_version"] == routelog.FORMAT_VERSION
+    assert summary["steps"] == [2, 5]
+    assert summary["records"] == 8
+    snap = routelog.open_store(url).step(2)
+    assert summary["tokens"] == snap.n_tokens + routelog.open_store(url).step(5).n_tokens
+    assert 4.0 < summary["bytes_per_token_layer"] < 8.0
+    listing = json.loads(_run("ls", url, "--step", "2", "--json"))
+    assert [r["sample_id"] for r in listing] == snap.sample_ids
+    assert all(r["missing_rows"] == 1 for r in listing), "synthetic records miss the final row like engines do"
+    out = tmp_path / "one.npy"
+    _run("cat", url, "--step", "2", "--sample", "000003", "--npy", str(out))
+    ids = np.load(out, allow_pickle=False)
+    assert ids.dtype == np.int16
+    assert ids.shape[1:] == (4, 8)
+    assert (ids[-1] == -1).all()
+    assert (ids[:-1] >= 0).all()
+    np.testing.assert_array_equal(ids, snap.read("000003").expert_ids)
+    assert "sound" in _run("verify", url)
+    assert "total: 8 records" in _run("inspect", url)
+    assert "000003" in _run("ls", url, "--step", "2")
+
+
+def test_cat_full_layer_axis_marks_dense_layers(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "deepseek_v3",
+                "num_hidden_layers": 6,
+                "first_k_dense_replace": 2,
+                "n_routed_experts": 32,
+                "num_experts_per_tok": 4,
+            }
+        )
+    )
+    url = str(tmp_path / "run")
+    _run("synth", url, "--records", "2", "--tokens", "12", "--model-spec", str(config))
+    out = tmp_path / "full.npy"
+    _run("cat", url, "--step", "0", "--sample", "000001", "--npy", str(out), "--layer-axis", "full")
+    ids = np.load(out, allow_pickle=False)
+    assert ids.shape == (12, 6, 4)
+    assert (ids[:, :2] == -1).all(), "dense layers are -1 on the full axis"
+    assert (ids[:-1, 2:] >= 0).all()
+
+
+def test_verify_fails_on_corruption_and_errors_exit_2(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    _run("synth", url, "--records", "3", "--tokens", "30")
+    shard = next((tmp_path / "run").rglob("routing/c/0/0/0"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    result = _cli("verify", url)
+    assert result.returncode == 1
+    assert "SHA-256" in result.stderr
+    missing = _cli("inspect", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2
+    assert "no routelog store" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+def test_s3_endpoint_from_storage_options_and_fsspec_environment(s3_endpoint: str, s3_bucket: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
+    url = f"s3://{s3_bucket}/cli-run"
+    options = json.dumps({"endpoint_url": s3_endpoint})
+    wrote = _cli("synth", url, "--records", "2", "--tokens", "8", "--storage-options", options, env=env)
+    assert wrote.returncode == 0, wrote.stderr
+    via_fsspec_env = _cli("inspect", url, "--json", env={**env, "FSSPEC_S3_ENDPOINT_URL": s3_endpoint})
+    assert via_fsspec_env.returncode == 0, via_fsspec_env.stderr
+    assert json.loads(via_fsspec_env.stdout)["records"] == 2
+    via_aws_env = _cli("ls", url, "--step", "0", "--json", env={**env, "AWS_ENDPOINT_URL": s3_endpoint})
+    assert via_aws_env.returncode == 0
+    assert len(json.loads(via_aws_env.stdout)) == 2
+
+
+def test_two_processes_share_a_step_with_sample_prefixes(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "routelog",
+                "synth",
+                url,
+                "--records",
+                "4",
+                "--tokens",
+                "16",
+                "--sample-prefix",
+                f"p{i}-",
+                "--seed",
+                str(i),
+                "--layers",
+                "3",
+                "--experts",
+                "16",
+                "--topk",
+                "2",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    snap = routelog.open_store(url).step(0)
+    assert sorted(snap.sample_ids) == sorted(f"p{i}-{j:06d}" for i in range(2) for j in range(4))
+
+
+@pytest.mark.parametrize("bad", ["not json", "[1, 2]"])
+def test_bad_storage_options_are_reported(bad: str, tmp_path: Path) -> None:
+    result = _cli("inspect", str(tmp_path), "--storage-options", bad)
+    assert result.returncode == 2
+    assert "--storage-options" in result.stderr

@@ -1,0 +1,125 @@
+"""The routing transform: sorting network, validation, gaps and their inverse (FORMAT.md, "Routing transform")."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from routelog.codec import (
+    decode_rows,
+    encode_rows,
+    gaps_from_sorted,
+    layer_major,
+    sort_and_check,
+    sorted_from_gaps,
+    sorting_network,
+    storage_dtype,
+)
+
+
+@st.composite
+def topk_rows(draw: st.DrawFn) -> tuple[np.ndarray, int]:
+    """Rows of K distinct expert IDs (FORMAT.md: a row names K distinct experts in [0, E))."""
+    experts = draw(st.integers(2, 1024))
+    k = draw(st.integers(1, min(16, experts)))
+    n = draw(st.integers(1, 200))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    rows = np.stack([rng.choice(experts, size=k, replace=False) for _ in range(n)])
+    dtype = draw(st.sampled_from([np.int64, np.int32, np.uint16] + ([np.uint8] if experts <= 256 else [])))
+    return rows.astype(dtype), experts
+
+
+@pytest.mark.parametrize("k", range(1, 17))
+def test_sorting_network_sorts_every_zero_one_input(k: int) -> None:
+    # 0-1 principle: a comparator network sorts all inputs iff it sorts all 2^k binary inputs.
+    network = sorting_network(k)
+    for bits in itertools.product((0, 1), repeat=k):
+        values = list(bits)
+        for a, b in network:
+            if values[a] > values[b]:
+                values[a], values[b] = values[b], values[a]
+        assert values == sorted(bits)
+
+
+def test_sorting_network_for_eight_has_nineteen_comparators() -> None:
+    assert len(sorting_network(8)) == 19
+
+
+@given(topk_rows())
+def test_sort_and_check_sorts_valid_rows_without_complaint(case: tuple[np.ndarray, int]) -> None:
+    rows, experts = case
+    ordered, problem = sort_and_check(rows, experts)
+    assert problem is None
+    assert ordered.dtype == storage_dtype(experts)
+    np.testing.assert_array_equal(ordered, np.sort(rows.astype(np.int64), axis=1))
+
+
+@given(topk_rows())
+def test_gaps_round_trip(case: tuple[np.ndarray, int]) -> None:
+    rows, experts = case
+    ordered, _ = sort_and_check(rows, experts)
+    stored = encode_rows(ordered.copy(), "sorted_gaps")
+    if rows.shape[1] > 1:
+        assert (stored[:, 1:] < experts).all()
+    back = decode_rows(stored.copy(), "sorted_gaps")
+    np.testing.assert_array_equal(back, ordered)
+    out = np.empty_like(stored)
+    decode_rows(stored, "sorted_gaps", out=out)
+    np.testing.assert_array_equal(out, ordered)
+
+
+@pytest.mark.parametrize(("experts", "k"), [(128, 8), (384, 8), (64, 6), (256, 16), (1024, 16), (2, 2), (300, 1)])
+def test_gap_inverse_works_on_strided_blocks(experts: int, k: int) -> None:
+    rng = np.random.default_rng(experts * k)
+    rows = np.stack([rng.choice(experts, size=k, replace=False) for _ in range(240)])
+    ordered, _ = sort_and_check(rows, experts)
+    gaps = gaps_from_sorted(ordered.copy()).reshape(12, 20, k)
+    big = np.full((12, 40, k), 7, dtype=gaps.dtype)
+    big[:, 10:30] = gaps
+    sorted_from_gaps(big[:, 10:30])
+    np.testing.assert_array_equal(big[:, 10:30].reshape(-1, k), ordered)
+    assert (big[:, :10] == 7).all()
+    assert (big[:, 30:] == 7).all()
+
+
+def test_uniform_gaps_share_one_distribution() -> None:
+    # The spacings of a uniform random K-subset are exchangeable: every gap column has the same mean.
+    rng = np.random.default_rng(0)
+    rows = np.stack([rng.choice(128, size=8, replace=False) for _ in range(20000)])
+    ordered, _ = sort_and_check(rows, 128)
+    gaps = gaps_from_sorted(ordered).astype(np.float64)
+    means = gaps.mean(axis=0)
+    assert np.allclose(means, (128 - 8) / 9, rtol=0.03)
+
+
+@pytest.mark.parametrize(
+    ("row", "experts", "kind"),
+    [
+        ([1, 2, 2, 5], 8, "duplicate"),
+        ([1, 2, 3, 8], 8, "out_of_range"),
+        ([1, -1, 3, 4], 8, "negative"),
+        ([0, 1, 2, 300], 256, "out_of_range"),  # would wrap to 44 in uint8
+        ([0, 1, 2, -1], 256, "negative"),  # would wrap to 255, a valid expert
+    ],
+)
+def test_sort_and_check_names_the_first_bad_row(row: list[int], experts: int, kind: str) -> None:
+    rows = np.array([[0, 1, 2, 3], row, [4, 5, 6, 7]], dtype=np.int64)
+    _, problem = sort_and_check(rows, experts)
+    assert problem is not None
+    assert problem.row == 1
+    assert problem.kind == kind
+    assert problem.values == tuple(row)
+
+
+def test_layer_major_is_the_transpose() -> None:
+    rng = np.random.default_rng(1)
+    for dtype, k in [(np.uint8, 8), (np.uint16, 8), (np.uint8, 6), (np.int64, 4), (np.uint8, 1)]:
+        ids = rng.integers(0, 200, size=(37, 5, k)).astype(dtype)
+        moved = layer_major(ids)
+        assert moved.flags.c_contiguous
+        np.testing.assert_array_equal(moved, ids.transpose(1, 0, 2))

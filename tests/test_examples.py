@@ -1,0 +1,21 @@
+"""The examples a user copies must keep running."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_store_quickstart(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "store_quickstart.py"), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "req-3/0 (130, 6, 6) global layers (6, 7, 8, 9, 10, 11) missing rows 1" in result.stdout

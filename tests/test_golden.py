@@ -1,0 +1,50 @@
+"""Golden stores: every later routelog must still read the stores earlier format versions wrote."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import routelog
+from routelog.verify import verify_store
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GOLDEN = sorted(FIXTURES.glob("golden-v*"))
+
+
+@pytest.mark.parametrize("golden", GOLDEN, ids=[p.name for p in GOLDEN])
+def test_golden_stores_read_exactly(golden: Path, tmp_path: Path) -> None:
+    with np.load(golden / "expected.npz", allow_pickle=False) as expected_file:
+        expected = dict(expected_file)
+    stores = sorted({key.split("/")[0] for key in expected})
+    assert stores, "a golden fixture without expectations proves nothing"
+    for name in stores:
+        copy = tmp_path / name
+        shutil.copytree(golden / name, copy)  # read a copy: the fixture itself must never change
+        store = routelog.open_store(str(copy))
+        checked = 0
+        for step in store.steps():
+            snapshot = store.step(step)
+            for got in snapshot.read_many(snapshot.sample_ids):
+                key = f"{name}/{got.sample_id}"
+                np.testing.assert_array_equal(got.expert_ids, expected[f"{key}/ids"])
+                np.testing.assert_array_equal(got.valid, expected[f"{key}/valid"])
+                checked += 1
+        assert checked == sum(1 for k in expected if k.startswith(f"{name}/") and k.endswith("/ids"))
+        assert verify_store(store).ok
+
+
+def test_golden_metadata_survives() -> None:
+    store = routelog.open_store(str(FIXTURES / "golden-v1" / "dense-first"))
+    assert store.run.run_id == "golden-dense-first"
+    assert store.run.config == {"purpose": "golden fixture"}
+    assert store.model_spec.moe_layers == (3, 4, 5, 6)
+    info = store.step(1).info("step1/req-3/0")
+    assert info.engine == "vllm"
+    assert info.engine_version == "0.22.0"
+    assert [(s.start, s.end, s.source) for s in info.segments] == [(0, 8, "prompt"), (8, 59, "response")]
+    assert info.n_missing == 4
+    assert info.extra == '{"reward": 0.75}'

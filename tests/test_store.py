@@ -1,0 +1,307 @@
+"""The shared store suite: every test runs on memory://, file:// and s3:// (a real moto server over HTTP)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import routelog
+from routelog import (
+    CorruptDataError,
+    DuplicateSampleError,
+    FormatVersionError,
+    ModelSpec,
+    ModelSpecError,
+    PartOptions,
+    Record,
+    RecordNotFoundError,
+    StoreNotFoundError,
+)
+from routelog import layout as keys
+from routelog.format import CommitRecord, IndexRow, Span
+from routelog.part import index_to_parquet
+from routelog.storage import Storage
+from routelog.verify import verify_store
+
+MakeRouting = Callable[..., np.ndarray]
+
+
+def _records(spec: ModelSpec, make_routing: MakeRouting, n: int, seed: int, prefix: str = "") -> list[Record]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        tokens = int(rng.integers(3, 90))
+        valid = np.ones(tokens, bool)
+        valid[-1] = False  # the final sampled token is never forwarded
+        if i % 3 == 1:
+            valid[1:3] = False  # a multi-turn hole
+        out.append(
+            Record(
+                sample_id=f"{prefix}s{i}",
+                expert_ids=make_routing(rng, tokens, spec.num_moe_layers, spec.num_experts, spec.topk),
+                prompt_len=2,
+                response_len=tokens - 2,
+                valid=valid,
+                token_ids=rng.integers(0, 1000, tokens),
+                group_id=f"g{i // 2}",
+                policy_version=7,
+            )
+        )
+    return out
+
+
+def _expected(record: Record, layers: list[int] | None = None) -> np.ndarray:
+    ids = np.sort(record.expert_ids, axis=-1).astype(np.int16)
+    if layers is not None:
+        ids = ids[:, layers]
+    ids[~np.asarray(record.valid)] = -1
+    return ids
+
+
+def test_round_trip_with_missing_rows_and_layer_subsets(
+    store_url: str, dense_first_spec: ModelSpec, make_routing: MakeRouting
+) -> None:
+    records = _records(dense_first_spec, make_routing, 7, seed=0)
+    with routelog.open_writer(store_url, step=3, model_spec=dense_first_spec, writer_id="w0") as writer:
+        for record in records:
+            writer.append(record)
+    store = routelog.open_store(store_url)
+    assert store.steps() == [3]
+    snapshot = store.step(3)
+    assert snapshot.sample_ids == [r.sample_id for r in records]
+    for got, record in zip(snapshot.read_many(snapshot.sample_ids), records, strict=True):
+        np.testing.assert_array_equal(got.expert_ids, _expected(record))
+        np.testing.assert_array_equal(got.valid, record.valid)
+        assert got.layers == dense_first_spec.moe_layers
+        assert got.info.token_hash == routelog.token_hash(np.asarray(record.token_ids))
+        assert got.info.group_id == record.group_id
+        assert got.info.policy_version == 7
+    for subset in ([0], [1, 2], [0, 2, 4], [4]):
+        (got,) = snapshot.read_many(["s4"], moe_layers=subset)
+        np.testing.assert_array_equal(got.expert_ids, _expected(records[4], subset))
+        assert got.layers == tuple(dense_first_spec.moe_layers[j] for j in subset)
+
+
+def test_many_parts_and_two_writers_in_one_step(
+    store_url: str, small_spec: ModelSpec, make_routing: MakeRouting
+) -> None:
+    first = _records(small_spec, make_routing, 6, seed=1, prefix="a-")
+    second = _records(small_spec, make_routing, 5, seed=2, prefix="b-")
+    options = PartOptions(chunk_rows=16, chunk_layers=4)
+    store = routelog.create_store(store_url, small_spec)
+    with store.writer(0, "a", options=options, flush_bytes=1500) as wa, store.writer(0, "b", options=options) as wb:
+        for ra, rb in zip(first, [*second, None], strict=True):
+            wa.append(ra)
+            if rb is not None:
+                wb.append(rb)
+    assert len(wa.commits) > 1, "a small flush size must produce several parts"
+    snapshot = routelog.open_store(store_url).step(0)
+    assert sorted(snapshot.sample_ids) == sorted(r.sample_id for r in first + second)
+    assert len(snapshot.commits) == len(wa.commits) + len(wb.commits)
+    wanted = [r.sample_id for r in first + second][::-1]
+    by_id = {r.sample_id: r for r in first + second}
+    for got in snapshot.read_many(wanted, moe_layers=[1, 2, 5]):
+        np.testing.assert_array_equal(got.expert_ids, _expected(by_id[got.sample_id], [1, 2, 5]))
+    assert verify_store(routelog.open_store(store_url)).ok
+
+
+def test_score_order_and_many_experts(store_url: str, make_routing: MakeRouting) -> None:
+    spec = ModelSpec(num_layers=3, moe_layers=(0, 2), num_experts=384, topk=8)
+    rng = np.random.default_rng(5)
+    ids = make_routing(rng, 40, 2, 384, 8)
+    store = routelog.create_store(store_url, spec)
+    with store.writer(0, options=PartOptions(topk_order="score")) as writer:
+        writer.append(Record(sample_id="x", expert_ids=ids, prompt_len=10, response_len=30))
+    got = routelog.open_store(store_url).step(0).read("x")
+    assert got.topk_order == "score"
+    np.testing.assert_array_equal(got.expert_ids, ids), "score order is kept exactly"
+    assert got.by_layer.dtype == np.uint16
+
+
+def test_exclusive_create_on_every_backend(store_url: str) -> None:
+    storage = Storage.open(store_url)
+    assert storage.create("x/claim.json", b"1")
+    assert not storage.create("x/claim.json", b"2")
+    assert storage.read("x/claim.json") == b"1"
+
+
+def test_missing_store_and_spec_mismatch(store_url: str, small_spec: ModelSpec) -> None:
+    with pytest.raises(StoreNotFoundError, match="no routelog store"):
+        routelog.open_store(store_url)
+    store = routelog.create_store(store_url, small_spec, config={"lr": 1e-6})
+    assert routelog.create_store(store_url, small_spec).run.run_id == store.run.run_id
+    other = small_spec.model_copy(update={"num_experts": 64})
+    with pytest.raises(ModelSpecError, match="Use a new URL"):
+        routelog.create_store(store_url, other)
+    assert routelog.open_store(store_url).run.config == {"lr": 1e-6}
+    with pytest.raises(RecordNotFoundError, match="not committed"):
+        store.step(0).read("nothing")
+
+
+def test_future_format_version_and_unknown_features(
+    store_url: str, small_spec: ModelSpec, make_routing: MakeRouting
+) -> None:
+    store = routelog.create_store(store_url, small_spec)
+    with store.writer(0, "w") as writer:
+        writer.append(_records(small_spec, make_routing, 1, seed=3)[0])
+    commit_key = keys.commit_key(0, keys.commit_name("w", 0))
+    commit = json.loads(store.storage.read(commit_key))
+    store.storage.write(commit_key, json.dumps({**commit, "features": ["prefix-dedup-v9"]}).encode())
+    with pytest.raises(FormatVersionError, match="prefix-dedup-v9"):
+        routelog.open_store(store_url).step(0)
+    run = json.loads(store.storage.read(keys.RUN_DOCUMENT))
+    store.storage.write(keys.RUN_DOCUMENT, json.dumps({**run, "format_version": 2}).encode())
+    with pytest.raises(FormatVersionError, match="format version 2"):
+        routelog.open_store(store_url)
+
+
+def _shard_key(store: routelog.Store, step: int) -> str:
+    (commit,) = store.step(step).commits
+    shard = next(o.key for o in commit.objects if o.key.startswith("routing/c/"))
+    return f"{keys.part_dir(step, commit.part)}/{shard}"
+
+
+def test_corruption_is_detected_and_named(store_url: str, small_spec: ModelSpec, make_routing: MakeRouting) -> None:
+    store = routelog.create_store(store_url, small_spec)
+    with store.writer(0, "w", options=PartOptions(chunk_rows=16, chunk_layers=2)) as writer:
+        for record in _records(small_spec, make_routing, 4, seed=4):
+            writer.append(record)
+    key = _shard_key(store, 0)
+    data = bytearray(store.storage.read(key))
+    data[-10] ^= 0x55  # the last inner chunk: last layers of the last rows, i.e. sample s3
+    store.storage.write(key, bytes(data))
+    snapshot = routelog.open_store(store_url).step(0)
+    snapshot.read("s0", moe_layers=[0, 1])  # untouched chunks still read
+    with pytest.raises(CorruptDataError, match=r"s3") as info:
+        snapshot.read("s3")
+    assert key in str(info.value) or key.split("/")[-4] in str(info.value)
+    report = verify_store(routelog.open_store(store_url))
+    assert not report.ok
+    assert any("SHA-256" in p for p in report.problems)
+
+
+def test_missing_object_is_detected(store_url: str, small_spec: ModelSpec, make_routing: MakeRouting) -> None:
+    store = routelog.create_store(store_url, small_spec)
+    with store.writer(0, "w") as writer:
+        writer.append(_records(small_spec, make_routing, 1, seed=6)[0])
+    store.storage.delete([_shard_key(store, 0)])
+    with pytest.raises(CorruptDataError, match="missing"):
+        routelog.open_store(store_url).step(0).read("s0")
+    assert any("missing" in p for p in verify_store(routelog.open_store(store_url)).problems)
+
+
+def test_restarted_writer_continues_its_sequence(
+    store_url: str, small_spec: ModelSpec, make_routing: MakeRouting
+) -> None:
+    records = _records(small_spec, make_routing, 3, seed=7)
+    store = routelog.create_store(store_url, small_spec)
+    with store.writer(2, "rollout-1") as writer:
+        writer.append(records[0])
+    with store.writer(2, "rollout-1") as writer:  # the same id after a restart
+        writer.append(records[1])
+    names = store.storage.list(keys.commits_dir(2))
+    assert names == ["rollout-1.00000000.json", "rollout-1.00000001.json"]
+    assert routelog.open_store(store_url).step(2).sample_ids == ["s0", "s1"]
+
+
+def test_a_sample_committed_twice_is_reported(store_url: str, small_spec: ModelSpec, make_routing: MakeRouting) -> None:
+    record = _records(small_spec, make_routing, 1, seed=8)[0]
+    store = routelog.create_store(store_url, small_spec)
+    for writer_id in ("a", "b"):
+        with store.writer(0, writer_id) as writer:
+            writer.append(record)
+    with pytest.raises(DuplicateSampleError, match="committed twice"):
+        routelog.open_store(store_url).step(0)
+    assert any("committed twice" in p for p in verify_store(routelog.open_store(store_url)).problems)
+
+
+def test_span_references_into_another_part_are_followed(
+    store_url: str, small_spec: ModelSpec, make_routing: MakeRouting
+) -> None:
+    """Shared prefixes stored once (FORMAT.md, spans with a part): a v1 reader follows the reference."""
+    rng = np.random.default_rng(9)
+    prompt = make_routing(rng, 6, small_spec.num_moe_layers, small_spec.num_experts, small_spec.topk)
+    full = np.concatenate([prompt, make_routing(rng, 4, small_spec.num_moe_layers, small_spec.num_experts, 4)])
+    store = routelog.create_store(store_url, small_spec)
+    with store.writer(0, "p") as writer:
+        writer.append(Record(sample_id="turn-1", expert_ids=prompt, prompt_len=6, response_len=0))
+    (first,) = store.step(0).commits
+    with store.writer(1, "q") as writer:
+        writer.append(Record(sample_id="turn-2", expert_ids=full, prompt_len=6, response_len=4))
+    # Rewrite turn 2 as a deduplicating writer would: its first 6 rows point into step 0's part.
+    (commit,) = store.step(1).commits
+    part_dir = keys.part_dir(1, commit.part)
+    row = store.step(1).info("turn-2")
+    shared = keys.part_dir(0, first.part)
+    deduped = row.model_copy(
+        update={"spans": [Span(token_start=0, n_rows=6, row=0, part=shared), Span(token_start=6, n_rows=4, row=6)]}
+    )
+    store.storage.write(f"{part_dir}/{keys.INDEX}", index_to_parquet([IndexRow.model_validate(deduped)]))
+    got = routelog.open_store(store_url).step(1).read("turn-2")
+    np.testing.assert_array_equal(got.expert_ids, np.sort(full, axis=-1))
+    assert isinstance(commit, CommitRecord)
+
+
+def test_torch_view(store_url: str, small_spec: ModelSpec, make_routing: MakeRouting) -> None:
+    torch = pytest.importorskip("torch")
+    record = _records(small_spec, make_routing, 2, seed=10)[1]
+    with routelog.open_writer(store_url, step=0, model_spec=small_spec) as writer:
+        writer.append(record)
+    ids, valid = routelog.open_store(store_url).step(0).read("s1").to_torch()
+    assert ids.dtype == torch.int16
+    assert valid.dtype == torch.bool
+    assert torch.equal(ids, torch.from_numpy(_expected(record)))
+
+
+def test_reads_fetch_about_only_the_requested_bytes(
+    memory_url: str, small_spec: ModelSpec, make_routing: MakeRouting
+) -> None:
+    spec = ModelSpec(num_layers=16, moe_layers=tuple(range(16)), num_experts=128, topk=8)
+    rng = np.random.default_rng(11)
+    records = [
+        Record(sample_id=f"r{i}", expert_ids=make_routing(rng, 1024, 16, 128, 8), prompt_len=1, response_len=1023)
+        for i in range(8)
+    ]
+    with routelog.open_writer(
+        memory_url, step=0, model_spec=spec, options=PartOptions(chunk_rows=1024, chunk_layers=4)
+    ) as writer:
+        for record in records:
+            writer.append(record)
+    snapshot = routelog.open_store(memory_url).step(0)
+    storage = snapshot.store.storage
+    requested: list[tuple[str, int, int]] = []
+    original = storage.read_ranges
+
+    def counting(ranges: list[tuple[str, int, int]]) -> list[bytes]:
+        requested.extend(ranges)
+        return original(ranges)
+
+    storage.read_ranges = counting  # type: ignore[method-assign]
+    snapshot.read_many(["r2", "r3"], moe_layers=[4, 5, 6, 7])  # 2 of 8 records, 4 of 16 layers
+    shard_size = storage.size(_shard_key(snapshot.store, 0))
+    fetched = sum(stop - start for _, start, stop in requested)
+    assert fetched < shard_size * (2 / 8) * (4 / 16) * 1.5 + 2048, (fetched, shard_size)
+    assert len(requested) <= 2  # the shard index, then one ranged read for adjacent chunks
+
+
+def test_parts_open_with_zarr_python(store_url: str, small_spec: ModelSpec, make_routing: MakeRouting) -> None:
+    from routelog.codec import decode_rows
+
+    records = _records(small_spec, make_routing, 3, seed=12)
+    with routelog.open_writer(store_url, step=0, model_spec=small_spec) as writer:
+        for record in records:
+            writer.append(record)
+    snapshot = routelog.open_store(store_url).step(0)
+    (commit,) = snapshot.commits
+    array = snapshot.open_zarr(commit.part)
+    assert array.shape == (small_spec.num_moe_layers, commit.routing.n_rows, small_spec.topk)
+    assert array.attrs["routelog"]["transform"] == "sorted_gaps"
+    ids = decode_rows(np.ascontiguousarray(array[...]), "sorted_gaps")
+    info = snapshot.info("s2")
+    for span in info.spans:
+        rows = ids[:, span.row : span.row + span.n_rows].transpose(1, 0, 2)
+        want = np.sort(records[2].expert_ids[span.token_start : span.token_start + span.n_rows], axis=-1)
+        np.testing.assert_array_equal(rows, want)

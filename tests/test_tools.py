@@ -1,0 +1,35 @@
+"""The tools under tools/ keep working: benchmarks run (quick sizes) and report every baseline; no timings here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+
+
+def _tool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_bench_codec_reports_every_layout() -> None:
+    result = _tool(str(TOOLS / "bench_codec.py"), "--quick", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report["results"]) >= {
+        "routelog",
+        "zstd-3 raw uint8",
+        "raw int16 .npy (veRL)",
+        "vLLM base64 .npy",
+        "SGLang base64 int32",
+        "Parquet FSB zstd-3",
+    }
+    assert report["entropy_bound_bytes_per_token_layer"] > 0
+    assert set(report["ratios"]) == {"routelog_size_vs_bound", "routelog_encode_vs_zstd3", "routelog_decode_vs_zstd3"}
+
+
+def test_schemas_are_current() -> None:
+    result = _tool(str(TOOLS / "gen_schemas.py"), "--check")
+    assert result.returncode == 0, result.stdout
