@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import numpy as np
 import typer
@@ -17,6 +17,7 @@ from routelog.errors import RoutelogError
 from routelog.spec import ModelSpec
 
 if TYPE_CHECKING:
+    from routelog.ingest import Engine, ExportLayout
     from routelog.store import Store
 
 app = typer.Typer(
@@ -239,6 +240,108 @@ def cat(
         raise typer.BadParameter("--layer-axis must be 'moe' or 'full'")
     np.save(npy, ids, allow_pickle=False)
     err_console.print(f"wrote {npy} {ids.dtype} {list(ids.shape)}")
+
+
+# -- engines ----------------------------------------------------------------------------------------------------
+@app.command()
+def spec(
+    hf_config: Annotated[Path, typer.Option("--hf-config", help="A HF config.json.")],
+) -> None:
+    """Print the model spec (layer map) derived from a HF config.json."""
+    typer.echo(_load_spec(hf_config).model_dump_json(indent=1))
+
+
+@app.command()
+def ingest(
+    inputs: Annotated[
+        list[Path],
+        typer.Argument(help="JSONL of HTTP responses (vllm, sglang); .npz/.safetensors tensors (verl, slime)."),
+    ],
+    engine: Annotated[str, typer.Option(help="vllm | sglang | verl | slime")],
+    to: Annotated[str, typer.Option("--to", help="Store URL.")],
+    step: Annotated[int, typer.Option(help="RL step the records belong to.")],
+    model_spec: Annotated[
+        Path | None, typer.Option(help="Model spec JSON or HF config.json (default: the existing store's spec).")
+    ] = None,
+    sample_id_field: Annotated[
+        str | None,
+        typer.Option(
+            help="Dotted path of the sample id in each JSONL line, e.g. request.metadata.uid "
+            "(default: the response id, plus /<choice> with several choices)."
+        ),
+    ] = None,
+    policy_version: Annotated[int | None, typer.Option(help="Policy (weights) version that generated them.")] = None,
+    engine_version: Annotated[str | None, typer.Option(help="Engine version, recorded with each record.")] = None,
+    eplb_map: Annotated[
+        Path | None,
+        typer.Option(
+            help="Physical-to-logical expert table (.npy or JSON list) when the engine reported physical IDs."
+        ),
+    ] = None,
+    writer_id: Annotated[str | None, typer.Option(help="Writer id (default: random).")] = None,
+    topk_order: Annotated[str, typer.Option(help="'sorted' (canonical) or 'score' (keep engine order).")] = "sorted",
+    storage_options: StorageOptions = None,
+) -> None:
+    """Ingest routing as an engine or trainer logged it into a store."""
+    from routelog.ingest import read_records
+    from routelog.part import PartOptions
+    from routelog.store import create_store
+
+    if engine not in ("vllm", "sglang", "verl", "slime"):
+        raise typer.BadParameter("--engine must be vllm, sglang, verl or slime")
+    options_ = _options(storage_options)
+    if model_spec is not None:
+        spec_ = _load_spec(model_spec)
+    elif existing := _try_open(to, options_):
+        spec_ = existing.model_spec
+    else:
+        raise typer.BadParameter("--model-spec is needed to create a new store")
+    table = None
+    if eplb_map is not None:
+        table = np.load(eplb_map, allow_pickle=False) if eplb_map.suffix == ".npy" else json.loads(eplb_map.read_text())
+    store = create_store(to, spec_, storage_options=options_)
+    count = 0
+    options = PartOptions(topk_order="score" if topk_order == "score" else "sorted")
+    with _progress() as progress, store.writer(step, writer_id, options=options) as writer:
+        task = progress.add_task(f"ingest {engine}", total=None)
+        for record in read_records(
+            cast("Engine", engine),
+            inputs,
+            spec_,
+            sample_id_field=sample_id_field,
+            policy_version=policy_version,
+            physical_to_logical=table,
+            engine_version=engine_version,
+        ):
+            writer.append(record)
+            count += 1
+            progress.advance(task)
+    err_console.print(f"ingested {count} records into step {step} of {store.url}")
+
+
+@app.command()
+def convert(
+    url: Annotated[str, typer.Argument(help="Store URL.")],
+    to: Annotated[str, typer.Option("--to", help="verl | slime | full | moe | vllm")],
+    step: Annotated[int, typer.Option(help="Step to export.")],
+    out: Annotated[Path, typer.Argument(help="Output .npz file.")],
+    prompt_length: Annotated[int | None, typer.Option(help="verl: padded prompt width (max_prompt_length).")] = None,
+    response_length: Annotated[
+        int | None, typer.Option(help="verl: padded response width (max_response_length).")
+    ] = None,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Export a step in an engine or trainer layout as .npz (see routelog.ingest.export_step for the keys)."""
+    from routelog.ingest import export_step
+    from routelog.store import open_store
+
+    if to not in ("verl", "slime", "full", "moe", "vllm"):
+        raise typer.BadParameter("--to must be verl, slime, full, moe or vllm")
+    snapshot = open_store(url, storage_options=_options(storage_options)).step(step)
+    count = export_step(
+        snapshot, cast("ExportLayout", to), out, prompt_length=prompt_length, response_length=response_length
+    )
+    err_console.print(f"wrote {count} records of step {step} as {to} to {out}")
 
 
 # -- verify -----------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ of the sharded array; the array metadata comes embedded in the commit), concurre
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from routelog import layout
 from routelog.errors import CorruptDataError, DuplicateSampleError, RecordNotFoundError
 from routelog.format import CommitRecord, IndexRow, SealRecord, Span, parse_document
 from routelog.part import BlockRequest, ShardIndexCache, fetch_blocks, index_from_parquet
+from routelog.record import Record
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +49,8 @@ class RecordRouting:
     layers: tuple[int, ...]
     """Global layer indices of axis 1."""
     topk_order: str
+    num_moe_layers: int
+    """Length of the model's MoE axis (``moe_layers`` may be a subset)."""
 
     @property
     def sample_id(self) -> str:
@@ -64,6 +68,27 @@ class RecordRouting:
         out: npt.NDArray[np.signedinteger[Any]] = np.ascontiguousarray(self.ids, dtype=dtype)
         out[~self.valid] = MISSING
         return out
+
+    def to_record(self) -> Record:
+        """The record as written (all of its layers must have been read), e.g. to export it to an engine layout."""
+        if self.moe_layers != tuple(range(self.num_moe_layers)):
+            raise ValueError("to_record needs every MoE layer; read the record without moe_layers")
+        info = self.info
+        return Record(
+            sample_id=info.sample_id,
+            expert_ids=np.ascontiguousarray(self.ids),
+            prompt_len=info.prompt_len,
+            response_len=info.response_len,
+            valid=self.valid,
+            token_ids=None if info.token_ids is None else np.asarray(info.token_ids, dtype=np.int64),
+            token_hash=info.token_hash,
+            group_id=info.group_id,
+            policy_version=info.policy_version,
+            engine=info.engine,
+            engine_version=info.engine_version,
+            segments=info.segments,
+            extra=None if info.extra is None else json.loads(info.extra),
+        )
 
     def to_torch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(expert_ids, valid)`` as torch tensors (int16/int32 and bool)."""
@@ -247,6 +272,7 @@ class StepSnapshot:
                 moe_layers=tuple(wanted),
                 layers=tuple(spec.moe_layers[j] for j in wanted),
                 topk_order=self._commit_for(own_part[r.sample_id]).routing.topk_order,
+                num_moe_layers=spec.num_moe_layers,
             )
             for r in rows
         ]

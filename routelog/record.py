@@ -180,7 +180,7 @@ def _check_ids_shape(record: Record, spec: ModelSpec, n: int) -> npt.NDArray[np.
     if layers != spec.num_moe_layers:
         hint = (
             f"the payload has the full layer axis ({spec.num_layers} layers); keep only the MoE layers "
-            f"with routelog.engines.layers.to_moe_axis"
+            f"with routelog.engines.to_moe_axis"
             if layers == spec.num_layers
             else f"check the model spec: it has {spec.num_moe_layers} MoE layers {list(spec.moe_layers)}"
         )

@@ -1,0 +1,27 @@
+"""Engine adapters: ingest every engine's routing layout into records, and export records back.
+
+One module per engine family: :mod:`~routelog.engines.vllm`, :mod:`~routelog.engines.sglang`,
+:mod:`~routelog.engines.hf` (record and replay in HF transformers), and the trainer-side layouts
+:mod:`~routelog.engines.verl` and :mod:`~routelog.engines.slime`. :mod:`~routelog.engines.common` holds the shared
+rules (layer axes, EPLB tables, missing rows, multi-turn stitching).
+"""
+
+from routelog.engines.common import (
+    Payload,
+    TurnStitcher,
+    logical_ids,
+    payload_to_record,
+    resolve_layer_axis,
+    to_full_axis,
+    to_moe_axis,
+)
+
+__all__ = [
+    "Payload",
+    "TurnStitcher",
+    "logical_ids",
+    "payload_to_record",
+    "resolve_layer_axis",
+    "to_full_axis",
+    "to_moe_axis",
+]

@@ -1,0 +1,174 @@
+"""Files in, records out (``routelog ingest``) and records in, engine layouts out (``routelog convert``).
+
+Inputs are what users log: JSONL of engine HTTP responses (each line the response alone, or
+``{"request": ..., "response": ...}``) for vLLM and SGLang, and ``.npz`` / safetensors tensors for the trainer-side
+layouts (veRL, slime). Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from routelog.engines import sglang, slime, verl, vllm
+from routelog.engines.common import to_full_axis
+from routelog.errors import IngestError
+from routelog.reader import StepSnapshot
+from routelog.record import Record
+from routelog.spec import ModelSpec
+
+Engine = Literal["vllm", "sglang", "verl", "slime"]
+ExportLayout = Literal["verl", "slime", "full", "moe", "vllm"]
+
+
+def _field(obj: Any, path: str) -> Any:
+    """``a.b.0.c`` in nested dicts and lists; ``None`` when absent."""
+    for part in path.split("."):
+        if isinstance(obj, Mapping):
+            obj = obj.get(part)
+        elif isinstance(obj, list) and part.isdigit() and int(part) < len(obj):
+            obj = obj[int(part)]
+        else:
+            return None
+    return obj
+
+
+def _http_records(
+    engine: Engine, line: Any, spec: ModelSpec, where: str, sample_id_field: str | None, common: dict[str, Any]
+) -> list[Record]:
+    if isinstance(line, Mapping) and "response" in line and ("request" in line or len(line) <= 2):
+        request, response = line.get("request") or {}, line["response"]
+    else:
+        request, response = {}, line
+    sample_ids = None
+    if sample_id_field:
+        value = _field(line, sample_id_field)
+        if value is None:
+            raise IngestError(f"{where}: no field {sample_id_field!r} for the sample id")
+        n = (
+            len(response["choices"])
+            if isinstance(response, Mapping) and "choices" in response
+            else (len(response) if isinstance(response, list) else 1)
+        )
+        sample_ids = [str(value)] if n == 1 else [f"{value}/{i}" for i in range(n)]
+    module = vllm if engine == "vllm" else sglang
+    try:
+        records: list[Record] = module.records_from_http(
+            response, spec, request=request, sample_ids=sample_ids, **common
+        )
+        return records
+    except IngestError as exc:
+        raise IngestError(f"{where}: {exc}") from exc
+
+
+def load_arrays(path: Path) -> dict[str, npt.NDArray[Any]]:
+    """Arrays of a ``.npz`` (loaded without pickle) or ``.safetensors`` file."""
+    if path.suffix == ".safetensors":
+        from safetensors.numpy import load_file
+
+        return dict(load_file(str(path)))
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {key: data[key] for key in data.files}
+    except ValueError as exc:
+        raise IngestError(
+            f"{path}: not a plain .npz (object arrays need pickle, which routelog refuses): {exc}"
+        ) from exc
+
+
+def read_records(
+    engine: Engine,
+    paths: Sequence[Path],
+    spec: ModelSpec,
+    *,
+    sample_id_field: str | None = None,
+    policy_version: int | None = None,
+    physical_to_logical: npt.ArrayLike | None = None,
+    engine_version: str | None = None,
+) -> Iterator[Record]:
+    """Records from the engine's logged files, one file after another."""
+    for path in paths:
+        if engine in ("vllm", "sglang"):
+            common: dict[str, Any] = {
+                "policy_version": policy_version,
+                "engine_version": engine_version,
+                "physical_to_logical": physical_to_logical,
+            }
+            with path.open() as lines:
+                for number, text in enumerate(lines, start=1):
+                    if not text.strip():
+                        continue
+                    where = f"{path}:{number}"
+                    try:
+                        line = json.loads(text)
+                    except json.JSONDecodeError as exc:
+                        raise IngestError(f"{where}: not a JSON line ({exc})") from exc
+                    yield from _http_records(engine, line, spec, where, sample_id_field, common)
+        else:
+            arrays = load_arrays(path)
+            module = verl if engine == "verl" else slime
+            yield from module.records_from_arrays(arrays, spec, path.stem, policy_version=policy_version)
+
+
+class NpzWriter:
+    """Writes a ``.npz`` one array at a time, so exporting a large step holds one record in memory."""
+
+    def __init__(self, path: Path) -> None:
+        self._zip = zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED, allowZip64=True)
+
+    def add(self, name: str, array: npt.ArrayLike) -> None:
+        with self._zip.open(f"{name}.npy", "w", force_zip64=True) as member:
+            np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+
+    def close(self) -> None:
+        self._zip.close()
+
+
+def export_step(
+    snapshot: StepSnapshot,
+    layout: ExportLayout,
+    out: Path,
+    *,
+    sample_ids: Iterable[str] | None = None,
+    batch_size: int = 64,
+    prompt_length: int | None = None,
+    response_length: int | None = None,
+) -> int:
+    """Write a step's records (or ``sample_ids``) in an engine layout; returns the number of records.
+
+    ``full`` / ``moe``: ``<sample_id>`` int16 ``[n_tokens, layers, K]``, -1 for missing rows and dense layers.
+    ``vllm``: ``<sample_id>`` as vLLM 0.22+ returns it. ``slime``: ``<sample_id>/<field>``. ``verl``: one batch
+    padded to ``prompt_length`` + ``response_length`` (default: the longest prompt and response).
+    """
+    spec = snapshot.store.model_spec
+    ids = list(sample_ids) if sample_ids is not None else snapshot.sample_ids
+    writer = NpzWriter(out)
+    try:
+        if layout == "verl":
+            records = [r.to_record() for r in snapshot.read_many(ids)]
+            batch = verl.to_batch(records, spec, prompt_length=prompt_length, response_length=response_length)
+            for key, value in batch.items():
+                writer.add(key, value)
+            writer.add("sample_ids", np.asarray(ids, dtype=str))
+            return len(records)
+        for start in range(0, len(ids), batch_size):
+            for routing in snapshot.read_many(ids[start : start + batch_size]):
+                sid = routing.sample_id
+                if layout == "moe":
+                    writer.add(sid, routing.expert_ids)
+                elif layout == "full":
+                    writer.add(sid, to_full_axis(routing.expert_ids, spec, fill=-1))
+                elif layout == "vllm":
+                    writer.add(sid, vllm.to_array(routing.to_record(), spec))
+                else:
+                    for field, value in slime.to_sample(routing.to_record(), spec).items():
+                        writer.add(f"{sid}/{field}", value)
+    finally:
+        writer.close()
+    return len(ids)

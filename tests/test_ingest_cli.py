@@ -1,0 +1,195 @@
+"""``routelog ingest``, ``convert`` and ``spec`` on files as users log them; engine -> routelog -> engine is exact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import routelog
+from routelog.cli import app
+from routelog.engines import to_full_axis
+
+from .test_engines import DSV3, npy_b64, sglang_meta, truth, verl_batch, vllm_022_choice
+
+runner = CliRunner()
+
+
+def _run(*args: str) -> str:
+    result = runner.invoke(app, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+@pytest.fixture
+def spec_file(tmp_path: Path) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "deepseek_v3",
+                "num_hidden_layers": 8,
+                "first_k_dense_replace": 3,
+                "n_routed_experts": 64,
+                "num_experts_per_tok": 6,
+                "n_group": 8,
+                "topk_group": 4,
+            }
+        )
+    )
+    return path
+
+
+def test_spec_command(spec_file: Path) -> None:
+    spec = routelog.ModelSpec.model_validate_json(_run("spec", "--hf-config", str(spec_file)))
+    assert spec == DSV3.model_copy(update={"name": spec.name})
+
+
+def test_vllm_jsonl_ingest_and_convert_back(tmp_path: Path, spec_file: Path) -> None:
+    routes = {f"cmpl-{i}": truth(DSV3, 8 + i, seed=i) for i in range(3)}
+    lines = []
+    for rid, ids in routes.items():
+        response = {
+            "id": rid,
+            "choices": [
+                {"index": 0, "token_ids": list(range(ids.shape[0] - 4)), "routed_experts": vllm_022_choice(DSV3, ids)}
+            ],
+        }
+        lines.append({"request": {"prompt": [1, 2, 3, 4], "metadata": {"uid": f"u-{rid}"}}, "response": response})
+    log = tmp_path / "rollouts.jsonl"
+    log.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    url = str(tmp_path / "store")
+    _run(
+        "ingest",
+        str(log),
+        "--engine",
+        "vllm",
+        "--model-spec",
+        str(spec_file),
+        "--to",
+        url,
+        "--step",
+        "3",
+        "--sample-id-field",
+        "request.metadata.uid",
+        "--policy-version",
+        "3",
+        "--topk-order",
+        "score",
+    )
+    snapshot = routelog.open_store(url).step(3)
+    assert snapshot.sample_ids == [f"u-cmpl-{i}" for i in range(3)]
+    assert snapshot.info("u-cmpl-1").policy_version == 3
+    out = tmp_path / "vllm.npz"
+    _run("convert", url, "--to", "vllm", "--step", "3", str(out))
+    with np.load(out, allow_pickle=False) as exported:
+        for rid, ids in routes.items():
+            assert npy_b64(exported[f"u-{rid}"]) == vllm_022_choice(DSV3, ids), "engine -> routelog -> engine"
+    full = tmp_path / "full.npz"
+    _run("convert", url, "--to", "full", "--step", "3", str(full))
+    with np.load(full, allow_pickle=False) as exported:
+        first = exported["u-cmpl-0"]
+        assert first.shape == (8, 8, 6)
+        assert (first[:, :3] == -1).all() and (first[-1] == -1).all()
+
+
+def test_sglang_jsonl_ingest(tmp_path: Path, spec_file: Path) -> None:
+    ids = truth(DSV3, 10, seed=5)
+    line = {
+        "request": {"input_ids": [1, 2, 3, 4], "return_routed_experts": True},
+        "response": {
+            "output_ids": [5, 6, 7, 8, 9, 10],
+            "meta_info": {"id": "rid-7", "routed_experts": sglang_meta(DSV3, ids)},
+        },
+    }
+    log = tmp_path / "sglang.jsonl"
+    log.write_text(json.dumps(line) + "\n")
+    url = str(tmp_path / "store")
+    _run("ingest", str(log), "--engine", "sglang", "--model-spec", str(spec_file), "--to", url, "--step", "0")
+    got = routelog.open_store(url).step(0).read("rid-7")
+    np.testing.assert_array_equal(got.expert_ids[:-1], np.sort(ids[:-1], axis=-1))
+    assert got.info.token_hash == routelog.token_hash(list(range(1, 11)))
+
+
+def test_verl_npz_and_slime_safetensors(tmp_path: Path, spec_file: Path) -> None:
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    seqs = [(truth(DSV3, 9, seed=11), 3), (truth(DSV3, 12, seed=12), 5)]
+    batch = verl_batch(DSV3, seqs, prompt_max=5, response_max=8, axis="full")
+    np.savez(tmp_path / "batch.npz", **batch)
+    url = str(tmp_path / "store")
+    _run(
+        "ingest",
+        str(tmp_path / "batch.npz"),
+        "--engine",
+        "verl",
+        "--model-spec",
+        str(spec_file),
+        "--to",
+        url,
+        "--step",
+        "1",
+        "--topk-order",
+        "score",
+    )
+    out = tmp_path / "verl.npz"
+    _run("convert", url, "--to", "verl", "--step", "1", str(out), "--prompt-length", "5", "--response-length", "8")
+    with np.load(out, allow_pickle=False) as exported:
+        for key in ("routed_experts", "attention_mask", "input_ids"):
+            np.testing.assert_array_equal(exported[key], batch[key])
+        assert exported["sample_ids"].tolist() == ["batch/0", "batch/1"]
+
+    ids = truth(DSV3, 7, seed=13)
+    samples = {
+        "s-1/rollout_routed_experts": to_full_axis(ids[:-1], DSV3).astype(np.int32),
+        "s-1/tokens": np.arange(7),
+        "s-1/response_length": np.asarray(4),
+    }
+    safetensors_numpy.save_file(samples, str(tmp_path / "slime.safetensors"))
+    _run(
+        "ingest",
+        str(tmp_path / "slime.safetensors"),
+        "--engine",
+        "slime",
+        "--to",
+        url,
+        "--step",
+        "2",
+        "--topk-order",
+        "score",
+    )
+    out = tmp_path / "slime.npz"
+    _run("convert", url, "--to", "slime", "--step", "2", str(out))
+    with np.load(out, allow_pickle=False) as exported:
+        for key, value in samples.items():
+            np.testing.assert_array_equal(exported[key], value)
+
+
+def test_ingest_errors_name_file_line_and_request(tmp_path: Path, spec_file: Path) -> None:
+    ids = truth(DSV3, 6, seed=14)
+    bad = {
+        "id": "cmpl-x",
+        "prompt_token_ids": [1, 2],
+        "choices": [{"token_ids": [3, 4, 5, 6], "routed_experts": vllm_022_choice(DSV3, ids)[:-8]}],
+    }
+    log = tmp_path / "bad.jsonl"
+    log.write_text("\n" + json.dumps(bad) + "\n")
+    result = runner.invoke(
+        app,
+        [
+            "ingest",
+            str(log),
+            "--engine",
+            "vllm",
+            "--model-spec",
+            str(spec_file),
+            "--to",
+            str(tmp_path / "s"),
+            "--step",
+            "0",
+        ],
+    )
+    assert isinstance(result.exception, routelog.IngestError)
+    assert f"{log}:2" in str(result.exception) and "cmpl-x" in str(result.exception)
