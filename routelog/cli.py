@@ -344,6 +344,67 @@ def convert(
     err_console.print(f"wrote {count} records of step {step} as {to} to {out}")
 
 
+# -- alignment ---------------------------------------------------------------------------------------------------
+@app.command()
+def align(
+    url: Annotated[str, typer.Argument(help="Store URL.")],
+    step: Annotated[int, typer.Option(help="Step to align.")],
+    micro_batches: Annotated[
+        str, typer.Option(help="Sample ids per micro-batch: 'id1,id2|id3', or @FILE holding that text.")
+    ],
+    out: Annotated[Path, typer.Option(help="Output .npz file.")],
+    packing: Annotated[str, typer.Option(help="verl | slime | nemo | bshd")] = "verl",
+    fp8: Annotated[bool, typer.Option(help="FP8 padding (verl, nemo).")] = False,
+    tp: Annotated[int, typer.Option(help="Tensor parallel size (sequence parallel when > 1).")] = 1,
+    cp: Annotated[int, typer.Option(help="Context parallel size.")] = 1,
+    cp_layout: Annotated[str, typer.Option(help="zigzag | contiguous")] = "zigzag",
+    pp: Annotated[int, typer.Option(help="Pipeline parallel size.")] = 1,
+    vpp: Annotated[int, typer.Option(help="Virtual pipeline stages per rank.")] = 1,
+    first_stage_layers: Annotated[int | None, typer.Option(help="Layers in the first pipeline stage.")] = None,
+    last_stage_layers: Annotated[int | None, typer.Option(help="Layers in the last pipeline stage.")] = None,
+    rank: Annotated[str, typer.Option(help="This rank: tp=I,cp=J,pp=K.")] = "tp=0,cp=0,pp=0",
+    model_spec: Annotated[Path | None, typer.Option(help="Override the store's model spec.")] = None,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Write exactly what one trainer rank receives (keys: mb{m}_positions, mb{m}_layer{n}_ids, mb{m}_layer{n}_mask;
+    n is Megatron's 1-based layer_number)."""
+    from routelog.align import AlignmentPlan, Packing, ParallelLayout, RankCoords, parse_micro_batches
+    from routelog.ingest import NpzWriter
+    from routelog.loader import ReplayLoader
+    from routelog.store import open_store
+
+    text = Path(micro_batches[1:]).read_text() if micro_batches.startswith("@") else micro_batches
+    store = open_store(url, storage_options=_options(storage_options))
+    layout = ParallelLayout(
+        tp=tp,
+        cp=cp,
+        pp=pp,
+        vpp=vpp,
+        cp_layout=cp_layout,  # type: ignore[arg-type]
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+    )
+    plan = AlignmentPlan(
+        spec=_load_spec(model_spec) if model_spec else store.model_spec,
+        layout=layout,
+        packing=Packing(kind=packing, fp8=fp8),  # type: ignore[arg-type]
+        rank=RankCoords.parse(rank),
+        micro_batches=tuple(parse_micro_batches(text)),
+    )
+    writer = NpzWriter(out)
+    try:
+        with ReplayLoader(store, step, plan) as loader:
+            for replay in loader:
+                writer.add(f"mb{replay.index}_positions", replay.positions)
+                for j, router in enumerate(replay.routers):
+                    writer.add(f"mb{replay.index}_layer{router.layer_number}_ids", replay.ids[j])
+                    writer.add(f"mb{replay.index}_layer{router.layer_number}_mask", replay.mask)
+    finally:
+        writer.close()
+    routers = [r.layer_number for r in plan.routers]
+    err_console.print(f"wrote {len(plan.micro_batches)} micro-batches x {len(routers)} routers {routers} to {out}")
+
+
 # -- verify -----------------------------------------------------------------------------------------------------
 @app.command()
 def verify(

@@ -19,3 +19,28 @@ def test_store_quickstart(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "req-3/0 (130, 6, 6) global layers (6, 7, 8, 9, 10, 11) missing rows 1" in result.stdout
+
+
+def test_ingest_engines(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "ingest_engines.py"), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "cmpl-1 vllm (20, 4, 4) layers (2, 3, 4, 5) missing rows 1" in result.stdout
+    assert "rid-1 sglang (20, 4, 4) layers (2, 3, 4, 5) missing rows 1" in result.stdout
+
+
+def test_megatron_replay() -> None:
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", str(EXAMPLES / "megatron_replay.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "micro-batch 0: 31 rows x 3 routers replayed (29 recorded" in result.stdout

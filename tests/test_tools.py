@@ -33,3 +33,17 @@ def test_bench_codec_reports_every_layout() -> None:
 def test_schemas_are_current() -> None:
     result = _tool(str(TOOLS / "gen_schemas.py"), "--check")
     assert result.returncode == 0, result.stdout
+
+
+def test_bench_loader_compares_with_the_whole_step_baseline() -> None:
+    result = _tool(str(TOOLS / "bench_loader.py"), "--quick", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    ours, base = report["routelog"], report["baseline_whole_step_int16_npy"]
+    assert ours["checksum"] == base["checksum"], "both paths must produce the same replay tensors"
+    assert ours["bytes_read"] < base["bytes_read"], "the loader reads only one rank's share"
+    assert set(report["ratios"]) == {
+        "time_baseline_over_routelog",
+        "bytes_baseline_over_routelog",
+        "peak_rss_baseline_over_routelog",
+    }

@@ -1,0 +1,191 @@
+"""Alignment as a pure function: records in the trainer's order -> one rank's replay tensors per micro-batch.
+
+``positions`` (which sequence and token each local row is) depends only on lengths and the layout; ``gather``
+then fills, for each local router in forward order, an int64 ``[T_local, K]`` tensor in Megatron's row order.
+Padding rows and rows the engine never computed get **distinct valid dummy expert IDs** (row ``i`` takes experts
+``(i*K + j) mod E``: never duplicates, which would collapse Megatron's routing map and break the alltoall
+dispatcher; never all zeros; spread over the experts) and ``mask = False``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routelog.align.layout import LocalRouter, ParallelLayout, RankCoords, local_routers
+from routelog.align.packing import Packing, pack
+from routelog.align.positions import PAD, rank_positions
+from routelog.errors import AlignmentError
+from routelog.reader import RecordRouting
+from routelog.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the trainer split it: its samples, in the order they are packed."""
+
+    sample_ids: tuple[str, ...]
+    cu_seqlens_padded: tuple[int, ...] | None = None
+    """The trainer's packed boundaries (preferred over re-deriving them with a packing rule)."""
+    cp: int | None = None
+    """Dynamic CP: this micro-batch's CP group size (default: the layout's)."""
+    cp_rank: int | None = None
+    """Dynamic CP: this rank's position in that group (default: the rank's CP rank)."""
+    seq_len: int | None = None
+    """BSHD: the padded width S (default: the longest sequence, rounded up)."""
+    pad_to: int | None = None
+    """NeMo-RL with PP: the total packed length every micro-batch is padded to."""
+
+
+def parse_micro_batches(text: str) -> list[MicroBatch]:
+    """``"id1,id2|id3"``: micro-batches separated by ``|``, sample ids by ``,``."""
+    batches = [tuple(s.strip() for s in group.split(",") if s.strip()) for group in text.strip().split("|")]
+    if not batches or any(not b for b in batches):
+        raise AlignmentError(f"micro-batches {text!r}: expected 'id1,id2|id3' with no empty micro-batch")
+    return [MicroBatch(b) for b in batches]
+
+
+@dataclass(frozen=True)
+class AlignmentPlan:
+    """Everything that decides one rank's rows and routers; a pure description, cheap to pickle."""
+
+    spec: ModelSpec
+    layout: ParallelLayout
+    packing: Packing
+    rank: RankCoords
+    micro_batches: tuple[MicroBatch, ...]
+
+    def __post_init__(self) -> None:
+        self.rank.check(self.layout)
+        seen: set[str] = set()
+        for batch in self.micro_batches:
+            for sid in batch.sample_ids:
+                if sid in seen:
+                    raise AlignmentError(f"sample {sid!r} appears in two micro-batches (or twice in one)")
+                seen.add(sid)
+
+    @property
+    def sample_ids(self) -> list[str]:
+        """All samples, flattened in micro-batch order (the index used in ``positions``)."""
+        return [sid for batch in self.micro_batches for sid in batch.sample_ids]
+
+    @property
+    def routers(self) -> list[LocalRouter]:
+        """This rank's MoE routers in forward order (model chunk by model chunk)."""
+        return local_routers(self.layout, self.spec, self.rank.pp)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """MoE-axis positions this rank needs, ascending: the only layers the loader reads."""
+        return sorted({r.moe_index for r in self.routers})
+
+    def first_index(self, m: int) -> int:
+        """Flat index of micro-batch ``m``'s first sample."""
+        return sum(len(b.sample_ids) for b in self.micro_batches[:m])
+
+    def positions(self, m: int, lengths: Sequence[int]) -> npt.NDArray[np.int64]:
+        """``[T_local, 2]`` for micro-batch ``m``: (flat sample index, token position), ``-1`` for padding."""
+        batch = self.micro_batches[m]
+        if len(lengths) != len(batch.sample_ids):
+            raise AlignmentError(f"micro-batch {m}: {len(lengths)} lengths for {len(batch.sample_ids)} samples")
+        cp = batch.cp or self.layout.cp
+        cp_rank = self.rank.cp if batch.cp_rank is None else batch.cp_rank
+        packed = pack(
+            lengths,
+            self.packing,
+            self.layout,
+            cp=cp,
+            cu_seqlens_padded=batch.cu_seqlens_padded,
+            seq_len=batch.seq_len,
+            pad_to=batch.pad_to,
+        )
+        rows = rank_positions(packed, self.layout, tp_rank=self.rank.tp, cp_rank=cp_rank, cp=cp)
+        real = rows[:, 0] != PAD
+        rows[real, 0] += self.first_index(m)
+        return rows
+
+
+def dummy_routes(n_rows: int, topk: int, num_experts: int) -> npt.NDArray[np.int64]:
+    """Distinct, valid, expert-balanced placeholder routes for rows that must not be replayed."""
+    out: npt.NDArray[np.int64] = (np.arange(n_rows)[:, None] * topk + np.arange(topk)[None, :]) % num_experts
+    return out
+
+
+@dataclass
+class MicroBatchReplay:
+    """One micro-batch's replay tensors for one rank."""
+
+    index: int
+    sample_ids: tuple[str, ...]
+    positions: npt.NDArray[np.int64]
+    """``[T_local, 2]``: (flat sample index, token position); ``-1`` for padding rows."""
+    routers: tuple[LocalRouter, ...]
+    ids: npt.NDArray[np.int64]
+    """``[n_routers, T_local, K]`` int64, router ``j`` = ``routers[j]``; dummies where ``mask`` is False."""
+    mask: npt.NDArray[np.bool_]
+    """``[T_local]``: rows that replay a recorded route."""
+    token_hashes: tuple[str | None, ...] = ()
+
+    def layer_ids(self, layer_number: int) -> npt.NDArray[np.int64]:
+        """The ``[T_local, K]`` tensor of the router with Megatron ``layer_number``."""
+        for j, router in enumerate(self.routers):
+            if router.layer_number == layer_number:
+                layer: npt.NDArray[np.int64] = self.ids[j]
+                return layer
+        raise KeyError(f"layer_number {layer_number} is not a router of this rank")
+
+    def to_torch(self, *, pin_memory: bool = False) -> tuple[Any, Any]:
+        """``(ids, mask)`` as torch tensors (optionally in pinned host memory for asynchronous copies)."""
+        import torch
+
+        ids, mask = torch.from_numpy(self.ids), torch.from_numpy(self.mask)
+        if pin_memory and torch.cuda.is_available():
+            ids, mask = ids.pin_memory(), mask.pin_memory()
+        return ids, mask
+
+
+def gather(plan: AlignmentPlan, m: int, routings: Mapping[str, RecordRouting]) -> MicroBatchReplay:
+    """Micro-batch ``m``'s tensors from its records' routing (read with ``moe_layers=plan.moe_layers``)."""
+    spec = plan.spec
+    batch = plan.micro_batches[m]
+    missing = [sid for sid in batch.sample_ids if sid not in routings]
+    if missing:
+        raise AlignmentError(f"micro-batch {m}: no routing for samples {missing[:5]}")
+    records = [routings[sid] for sid in batch.sample_ids]
+    positions = plan.positions(m, [r.info.n_tokens for r in records])
+    routers = plan.routers
+    n_rows = positions.shape[0]
+    ids = np.empty((len(routers), n_rows, spec.topk), dtype=np.int64)
+    ids[:] = dummy_routes(n_rows, spec.topk, spec.num_experts)
+    mask = np.zeros(n_rows, dtype=bool)
+    if routers and records:
+        wanted = plan.moe_layers
+        for record in records:
+            if list(record.moe_layers) != wanted:
+                raise AlignmentError(
+                    f"sample {record.sample_id!r} was read with MoE layers {list(record.moe_layers)}, "
+                    f"the plan needs {wanted}"
+                )
+        axis = [wanted.index(r.moe_index) for r in routers]
+        stacked = np.concatenate([r.by_layer for r in records], axis=1)  # [L_read, sum T, K]
+        valid = np.concatenate([r.valid for r in records])
+        offsets = np.cumsum([0] + [r.info.n_tokens for r in records])
+        real = np.flatnonzero(positions[:, 0] != PAD)
+        source = offsets[positions[real, 0] - plan.first_index(m)] + positions[real, 1]
+        replay = valid[source]
+        rows, source = real[replay], source[replay]
+        mask[rows] = True
+        ids[:, rows] = stacked[axis][:, source]
+    return MicroBatchReplay(
+        index=m,
+        sample_ids=batch.sample_ids,
+        positions=positions,
+        routers=tuple(routers),
+        ids=ids,
+        mask=mask,
+        token_hashes=tuple(r.info.token_hash for r in records),
+    )

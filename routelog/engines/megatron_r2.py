@@ -1,0 +1,96 @@
+"""megatron-core R2 recordings: ``RouterReplay.get_recorded_data()`` back to records.
+
+In ``RECORD`` mode every router keeps the ``[T_local, K]`` indices of its last forward, in Megatron's row order for
+that rank: packed, CP- and SP-split, one tensor per router in router order. Given the layout that produced them
+(an :class:`~routelog.align.plan.AlignmentPlan` per rank) the rows are mapped back to (sample, token position,
+layer) with the same pure alignment the loader uses, and the shards of all ranks are merged. Padding rows are
+dropped; every MoE layer of every token must be covered by some rank, or the token stays missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from routelog.align.plan import AlignmentPlan
+from routelog.align.positions import PAD
+from routelog.errors import IngestError
+from routelog.record import Record
+
+ENGINE = "megatron-core"
+
+
+@dataclass(frozen=True)
+class RecordedShard:
+    """What one rank recorded for one micro-batch: one ``[T_local, K]`` tensor per router of ``plan.routers``."""
+
+    plan: AlignmentPlan
+    micro_batch: int
+    recordings: Sequence[npt.ArrayLike]
+
+
+def records_from_recordings(
+    shards: Iterable[RecordedShard],
+    lengths: Mapping[str, tuple[int, int]],
+    *,
+    token_ids: Mapping[str, npt.ArrayLike] | None = None,
+    policy_version: int | None = None,
+) -> list[Record]:
+    """Records from every rank's recordings; ``lengths`` maps each sample id to ``(prompt_len, response_len)``."""
+    shards = list(shards)
+    if not shards:
+        raise IngestError("no recordings given")
+    spec = shards[0].plan.spec
+    ids = {sid: np.zeros((p + r, spec.num_moe_layers, spec.topk), np.int64) for sid, (p, r) in lengths.items()}
+    seen = {sid: np.zeros((p + r, spec.num_moe_layers), bool) for sid, (p, r) in lengths.items()}
+    for shard in shards:
+        plan, m = shard.plan, shard.micro_batch
+        batch = plan.micro_batches[m]
+        unknown = [sid for sid in batch.sample_ids if sid not in lengths]
+        if unknown:
+            raise IngestError(f"micro-batch {m}: no lengths for samples {unknown[:5]}")
+        positions = plan.positions(m, [sum(lengths[sid]) for sid in batch.sample_ids])
+        routers = plan.routers
+        if len(shard.recordings) != len(routers):
+            raise IngestError(
+                f"rank {plan.rank} micro-batch {m}: {len(shard.recordings)} recordings for {len(routers)} routers"
+            )
+        real = np.flatnonzero(positions[:, 0] != PAD)
+        samples = [plan.sample_ids[i] for i in positions[real, 0]]
+        tokens = positions[real, 1]
+        for router, recorded in zip(routers, shard.recordings, strict=True):
+            rows = np.asarray(recorded)
+            if rows.shape != (positions.shape[0], spec.topk):
+                raise IngestError(
+                    f"rank {plan.rank} micro-batch {m} layer {router.layer_number}: recorded "
+                    f"{rows.shape}, the layout gives [{positions.shape[0]}, {spec.topk}]"
+                )
+            for sid in set(samples):
+                pick = np.fromiter((s == sid for s in samples), bool, len(samples))
+                ids[sid][tokens[pick], router.moe_index] = rows[real[pick]]
+                seen[sid][tokens[pick], router.moe_index] = True
+    records = []
+    for sid, (prompt_len, response_len) in lengths.items():
+        covered = seen[sid]
+        partial = covered.any(axis=1) & ~covered.all(axis=1)
+        if partial.any():
+            raise IngestError(
+                f"sample {sid!r}: token {int(np.argmax(partial))} was recorded for some MoE layers only; "
+                "pass the recordings of every pipeline stage"
+            )
+        records.append(
+            Record(
+                sample_id=sid,
+                expert_ids=ids[sid],
+                prompt_len=prompt_len,
+                response_len=response_len,
+                valid=np.all(covered, axis=1),
+                token_ids=None if token_ids is None else token_ids[sid],
+                policy_version=policy_version,
+                engine=ENGINE,
+            )
+        )
+    return records

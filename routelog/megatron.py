@@ -1,0 +1,188 @@
+"""Installing replay tensors into megatron-core's ``RouterReplay`` (megatron-core >= 0.16, optional dependency).
+
+Routers are found by walking each model chunk's ``decoder`` for ``TopKRouter`` modules with a ``router_replay``,
+keyed by their global ``layer_number``: never by position in ``RouterReplay.global_router_replay_instances``, which
+also holds MTP routers and the orphans of a decoder built twice (verl #7340). Per micro-batch the installer sets
+``REPLAY_FORWARD``, hands every router of the chunk its int64 targets, and flips to ``REPLAY_BACKWARD`` after the
+forward, so activation recomputation pops the same tensors in FIFO order; :meth:`MegatronReplay.end_step` clears
+them. Configurations in which replay would be silently bypassed or wrong are refused before training.
+
+>>> replay = MegatronReplay(model_chunks, plan, config=model_config)                        # doctest: +SKIP
+>>> for mb in ReplayLoader(url, step, plan):                                                # doctest: +SKIP
+...     with replay.forward(mb, vp_stage=0, tokens=tokens_of(mb)):
+...         loss = forward_step(...)
+>>> replay.end_step()                                                                        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routelog.align.plan import AlignmentPlan, MicroBatchReplay
+from routelog.errors import AlignmentError, ReplayConfigError
+from routelog.record import token_hash
+from routelog.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ChunkRouter:
+    """A ``TopKRouter`` found in a model chunk's decoder."""
+
+    vp_stage: int
+    layer_number: int
+    module: Any
+
+
+def _decoder(chunk: Any) -> Any:
+    """The ``decoder`` of a model chunk, through wrappers (DDP, Float16Module) that keep it in ``.module``."""
+    current = chunk
+    for _ in range(8):
+        if hasattr(current, "decoder"):
+            return current.decoder
+        current = getattr(current, "module", None)
+        if current is None:
+            break
+    raise ReplayConfigError(f"{type(chunk).__name__} has no decoder (expected a megatron-core GPTModel chunk)")
+
+
+def find_routers(model_chunks: Sequence[Any]) -> list[ChunkRouter]:
+    """Every replay-enabled ``TopKRouter`` under each chunk's decoder, in forward order (MTP routers excluded)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    found = []
+    for vp_stage, chunk in enumerate(model_chunks):
+        routers = [m for m in _decoder(chunk).modules() if isinstance(m, TopKRouter)]
+        for router in sorted(routers, key=lambda r: int(r.layer_number)):
+            if getattr(router, "router_replay", None) is None:
+                raise ReplayConfigError(
+                    f"router of layer {router.layer_number} has no router_replay: build the model with "
+                    "moe_enable_routing_replay=True (--moe-enable-routing-replay)"
+                )
+            found.append(ChunkRouter(vp_stage, int(router.layer_number), router))
+    return found
+
+
+def check_config(config: Any, spec: ModelSpec) -> None:
+    """Refuse configurations in which replay would be bypassed or wrong (megatron-core checks none of them)."""
+    problems = []
+    if not getattr(config, "moe_enable_routing_replay", False):
+        problems.append("moe_enable_routing_replay is off: the routers have no RouterReplay")
+    if getattr(config, "moe_router_fusion", False):
+        problems.append("moe_router_fusion=True returns before compute_topk, so replay is silently ignored")
+    balancing = str(getattr(config, "moe_router_load_balancing_type", "") or "")
+    if "sinkhorn" in balancing or "quantile" in balancing:
+        problems.append(f"moe_router_load_balancing_type={balancing!r} bypasses compute_topk, so replay is ignored")
+    if getattr(config, "moe_expert_capacity_factor", None) is not None:
+        problems.append("moe_expert_capacity_factor drops tokens after routing, including replayed routes")
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        problems.append(
+            "overlap_moe_expert_parallel_comm interleaves sub-micro-batches, which breaks the global replay action"
+        )
+    if getattr(config, "num_moe_experts", spec.num_experts) != spec.num_experts:
+        problems.append(f"num_moe_experts={config.num_moe_experts}, the routing has {spec.num_experts} experts")
+    if getattr(config, "moe_router_topk", spec.topk) != spec.topk:
+        problems.append(f"moe_router_topk={config.moe_router_topk}, the routing has top-{spec.topk}")
+    if problems:
+        raise ReplayConfigError("routing replay cannot run with this configuration: " + "; ".join(problems))
+
+
+def check_tokens(replay: MicroBatchReplay, token_ids: Sequence[npt.ArrayLike]) -> None:
+    """Prove the routing belongs to the tokens about to be fed: their hashes must match the stored ones."""
+    if len(token_ids) != len(replay.sample_ids):
+        raise AlignmentError(
+            f"micro-batch {replay.index}: {len(token_ids)} token sequences for {len(replay.sample_ids)} samples"
+        )
+    for sid, stored, tokens in zip(replay.sample_ids, replay.token_hashes, token_ids, strict=True):
+        fed = token_hash(np.asarray(tokens))
+        if stored is not None and stored != fed:
+            raise AlignmentError(
+                f"sample {sid!r}: the tokens fed hash to {fed}, the routing was recorded for "
+                f"{stored}; the micro-batch order or content differs from the rollout"
+            )
+
+
+class MegatronReplay:
+    """Hands one rank's replay tensors to megatron-core's routers, micro-batch by micro-batch."""
+
+    def __init__(self, model_chunks: Sequence[Any], plan: AlignmentPlan, *, config: Any = None) -> None:
+        if config is not None:
+            check_config(config, plan.spec)
+        self.plan = plan
+        self.routers = find_routers(model_chunks)
+        found = [(r.vp_stage, r.layer_number) for r in self.routers]
+        expected = [(r.vp_stage, r.layer_number) for r in plan.routers]
+        if found != expected:
+            raise AlignmentError(
+                f"the model's routers (vp_stage, layer_number) {found} differ from the plan's {expected}: the "
+                "pipeline layout or the model spec does not match the model"
+            )
+        self._handles = [r.module.register_forward_pre_hook(self._check_rows_hook(r)) for r in self.routers]
+
+    def _check_rows_hook(self, router: ChunkRouter) -> Any:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        def check(module: Any, args: tuple[Any, ...]) -> None:
+            replay = module.router_replay
+            hidden = args[0]
+            tokens = int(hidden.shape[0] * hidden.shape[1]) if hidden.dim() == 3 else int(hidden.shape[0])
+            action = replay.router_replay_action
+            target = None
+            if action == RouterReplayAction.REPLAY_FORWARD:
+                target = replay.target_topk_idx
+            elif action == RouterReplayAction.REPLAY_BACKWARD and replay.replay_backward_list:
+                target = replay.replay_backward_list[0]
+            if target is not None and int(target.shape[0]) != tokens:
+                raise AlignmentError(
+                    f"layer {router.layer_number}: the router sees {tokens} tokens, the replay holds "
+                    f"{int(target.shape[0])} rows; the packing, CP/SP split or micro-batch differs from the plan"
+                )
+
+        return check
+
+    @contextmanager
+    def forward(
+        self,
+        replay: MicroBatchReplay,
+        *,
+        vp_stage: int | None = None,
+        device: Any = None,
+        tokens: Sequence[npt.ArrayLike] | None = None,
+    ) -> Iterator[None]:
+        """Replay ``replay`` in the forward run inside the block (one model chunk, or all with ``vp_stage=None``)."""
+        import torch
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if tokens is not None:
+            check_tokens(replay, tokens)
+        by_layer = {r.layer_number: j for j, r in enumerate(replay.routers)}
+        # Actions are set on this model's decoder routers only: a process-global flip would also reach MTP routers
+        # and orphans of a decoder built twice, which have no targets.
+        for router in self.routers:
+            router.module.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            if vp_stage is None or router.vp_stage == vp_stage:
+                target = torch.from_numpy(replay.ids[by_layer[router.layer_number]])
+                router.module.router_replay.set_target_indices(target if device is None else target.to(device))
+        try:
+            yield
+        finally:
+            # Recomputation in the backward pass pops the targets just set, oldest first.
+            for router in self.routers:
+                router.module.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
+    def end_step(self) -> None:
+        """Clear every target and the action after the optimizer step."""
+        for router in self.routers:
+            router.module.router_replay.clear_indices()
+            router.module.router_replay.clear_router_replay_action()
+
+    def remove(self) -> None:
+        """Remove the row-count hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

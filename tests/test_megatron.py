@@ -1,0 +1,273 @@
+"""Installing replay into the real megatron-core 0.16 (CPU, gloo, world size 1): routers select exactly the stored
+experts, gradients reach the router, recomputation pops the same targets, and wrong setups fail loudly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import routelog
+from routelog import AlignmentError, ModelSpec, Record, ReplayConfigError
+from routelog.align import AlignmentPlan, Packing, ParallelLayout, RankCoords, parse_micro_batches
+from routelog.loader import ReplayLoader
+
+pytestmark = pytest.mark.usefixtures("megatron_env")
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+FREQ = [0, 1, 1, 1, 0, 1, 1, 1]
+SPEC = ModelSpec.from_megatron(num_layers=8, num_moe_experts=8, moe_router_topk=2, moe_layer_freq=FREQ)
+HIDDEN = 32
+
+
+def megatron_config(**overrides: Any) -> Any:
+    from megatron.core.transformer import TransformerConfig
+
+    fields: dict[str, Any] = {
+        "num_layers": 8,
+        "hidden_size": HIDDEN,
+        "num_attention_heads": 4,
+        "num_moe_experts": 8,
+        "moe_router_topk": 2,
+        "moe_ffn_hidden_size": 16,
+        "ffn_hidden_size": 64,
+        "moe_layer_freq": FREQ,
+        "moe_enable_routing_replay": True,
+        "moe_token_dispatcher_type": "allgather",
+        "use_cpu_initialization": True,
+        "params_dtype": torch.float32,
+        "add_bias_linear": False,
+        "moe_aux_loss_coeff": 0.0,
+    }
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_chunks(config: Any, pp_rank: int = 0) -> list[Any]:
+    """Real GPTModel chunks (one per virtual stage) of pipeline rank ``pp_rank``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()
+    torch.manual_seed(0)
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for v in range(vpp):
+        block = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, vp_stage=v if vpp > 1 else None, pp_rank=pp_rank
+        )
+        chunks.append(
+            GPTModel(
+                config=config,
+                transformer_layer_spec=block,
+                vocab_size=64,
+                max_sequence_length=256,
+                pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+                vp_stage=v if vpp > 1 else None,
+                pre_process=v == 0,
+                post_process=v == vpp - 1,
+            )
+        )
+    return chunks
+
+
+@pytest.fixture
+def store_url(make_routing: Callable[..., np.ndarray]) -> str:
+    import uuid
+
+    url = f"memory://megatron/{uuid.uuid4().hex}"
+    rng = np.random.default_rng(0)
+    with routelog.open_writer(url, 0, model_spec=SPEC) as writer:
+        for i, n in enumerate([13, 22, 9, 17]):
+            valid = np.ones(n, bool)
+            valid[-1] = False
+            writer.append(
+                Record(
+                    sample_id=f"s{i}",
+                    expert_ids=make_routing(rng, n, 6, 8, 2),
+                    prompt_len=4,
+                    response_len=n - 4,
+                    valid=valid,
+                    token_ids=np.arange(n) + i,
+                )
+            )
+    return url
+
+
+def plan(rank: RankCoords | None = None, layout: ParallelLayout | None = None) -> AlignmentPlan:
+    return AlignmentPlan(
+        SPEC,
+        layout or ParallelLayout(),
+        Packing("verl"),
+        rank or RankCoords(),
+        tuple(parse_micro_batches("s0,s1|s2,s3")),
+    )
+
+
+def moe_layers(chunk: Any) -> Iterator[Any]:
+    for layer in chunk.decoder.layers:
+        if hasattr(layer.mlp, "router"):
+            yield layer
+
+
+def selected(routing_map: Any) -> np.ndarray:
+    """Sorted expert IDs per row of a routing map [T, E]."""
+    return np.sort(np.nonzero(routing_map.numpy())[1].reshape(routing_map.shape[0], -1), axis=-1)
+
+
+def run_moe_layers(chunk: Any, rows: int, seed: int = 1) -> tuple[dict[int, np.ndarray], Any]:
+    """Forward every MoE layer of a chunk on random hidden states [T, 1, H]; returns each router's selection."""
+    torch.manual_seed(seed)
+    seen: dict[int, np.ndarray] = {}
+    total = None
+    for layer in moe_layers(chunk):
+        router = layer.mlp.router
+        handle = router.register_forward_hook(
+            lambda module, args, out: seen.__setitem__(int(module.layer_number), selected(out[1]))
+        )
+        hidden = torch.randn(rows, 1, HIDDEN, requires_grad=True)
+        out, _ = layer.mlp(hidden)
+        total = out.sum() if total is None else total + out.sum()
+        handle.remove()
+    return seen, total
+
+
+def test_routers_select_exactly_the_stored_experts_and_gradients_flow(store_url: str) -> None:
+    from routelog.megatron import MegatronReplay
+
+    config = megatron_config()
+    (chunk,) = build_chunks(config)
+    replay = MegatronReplay([chunk], plan(), config=config)
+    for mb in ReplayLoader(store_url, 0, plan()):
+        with replay.forward(
+            mb,
+            tokens=[
+                np.arange(n) + int(s[1:])
+                for s, n in zip(mb.sample_ids, [13, 22, 9, 17][int(mb.sample_ids[0][1:]) :], strict=False)
+            ],
+        ):
+            seen, loss = run_moe_layers(chunk, mb.ids.shape[1])
+        for j, router in enumerate(mb.routers):
+            np.testing.assert_array_equal(seen[router.layer_number], np.sort(mb.ids[j], axis=-1))
+        loss.backward()
+        for layer in moe_layers(chunk):
+            assert layer.mlp.router.weight.grad is not None
+            assert layer.mlp.router.weight.grad.abs().sum() > 0, "softmax weights come from the live logits"
+    replay.end_step()
+    for layer in moe_layers(chunk):
+        assert layer.mlp.router.router_replay.target_topk_idx is None
+
+
+def test_recompute_pops_the_same_targets_in_order(store_url: str) -> None:
+    from routelog.megatron import MegatronReplay
+
+    (chunk,) = build_chunks(megatron_config())
+    replay = MegatronReplay([chunk], plan())
+    mbs = list(ReplayLoader(store_url, 0, plan()))
+    for mb in mbs:  # forward of micro-batch 0 then 1 (activation recomputation deferred to backward)
+        with replay.forward(mb):
+            run_moe_layers(chunk, mb.ids.shape[1])
+    first = next(moe_layers(chunk)).mlp.router
+    for mb in mbs:  # recomputation in backward order of 1F1B: oldest first
+        _, routing_map = first(torch.randn(mb.ids.shape[1], 1, HIDDEN))
+        np.testing.assert_array_equal(selected(routing_map), np.sort(mb.layer_ids(int(first.layer_number)), -1))
+    assert first.router_replay.replay_backward_list == []
+    replay.end_step()
+
+
+def test_virtual_stages_are_walked_by_layer_number(store_url: str) -> None:
+    from routelog.megatron import MegatronReplay, find_routers
+
+    config = megatron_config(
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32
+    )
+    chunks = build_chunks(config, pp_rank=0)
+    assert [(r.vp_stage, r.layer_number) for r in find_routers(chunks)] == [(0, 2), (1, 6)]
+    layout = ParallelLayout(pp=2, vpp=2)
+    MegatronReplay(chunks, plan(RankCoords(pp=0), layout))
+    with pytest.raises(AlignmentError, match="differ from the plan"):
+        MegatronReplay(chunks, plan(RankCoords(pp=1), layout))
+
+
+def test_row_count_mismatch_fails_loudly(store_url: str) -> None:
+    from routelog.megatron import MegatronReplay
+
+    (chunk,) = build_chunks(megatron_config())
+    replay = MegatronReplay([chunk], plan())
+    mb = next(iter(ReplayLoader(store_url, 0, plan())))
+    with replay.forward(mb), pytest.raises(AlignmentError, match="the router sees"):
+        run_moe_layers(chunk, mb.ids.shape[1] + 1)
+    replay.end_step()
+
+
+def test_tokens_that_do_not_match_the_routing_are_refused(store_url: str) -> None:
+    from routelog.megatron import MegatronReplay
+
+    (chunk,) = build_chunks(megatron_config())
+    replay = MegatronReplay([chunk], plan())
+    mb = next(iter(ReplayLoader(store_url, 0, plan())))
+    with (
+        pytest.raises(AlignmentError, match="tokens fed hash"),
+        replay.forward(mb, tokens=[np.arange(13), np.arange(22)]),
+    ):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"moe_router_fusion": True}, "moe_router_fusion"),
+        ({"moe_router_load_balancing_type": "sinkhorn"}, "sinkhorn"),
+        ({"moe_expert_capacity_factor": 1.0, "moe_token_drop_policy": "probs"}, "capacity_factor"),
+        ({"moe_enable_routing_replay": False}, "moe_enable_routing_replay"),
+        ({"moe_router_topk": 3}, "moe_router_topk"),
+    ],
+)
+def test_configurations_that_bypass_replay_are_refused(overrides: dict[str, Any], words: str) -> None:
+    from routelog.megatron import check_config
+
+    try:
+        config = megatron_config(**overrides)
+    except (ValueError, AssertionError) as exc:  # megatron-core itself refuses some combinations on CPU
+        pytest.skip(f"megatron-core refuses the configuration itself: {exc}")
+    with pytest.raises(ReplayConfigError, match=words):
+        check_config(config, SPEC)
+
+
+def test_r2_recordings_from_megatron_rebuild_records(store_url: str) -> None:
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from routelog.engines.megatron_r2 import RecordedShard, records_from_recordings
+    from routelog.megatron import find_routers
+
+    (chunk,) = build_chunks(megatron_config())
+    p = plan()
+    routers = find_routers([chunk])
+    shards, truth = [], {}
+    for router in routers:
+        router.module.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+    loader = ReplayLoader(store_url, 0, p)
+    for mb in loader:
+        seen, _ = run_moe_layers(chunk, mb.ids.shape[1], seed=mb.index)
+        recorded = [r.module.router_replay.get_recorded_indices().numpy() for r in routers]
+        shards.append(RecordedShard(p, mb.index, recorded))
+        truth[mb.index] = (mb, seen)
+    for router in routers:
+        router.module.router_replay.clear_indices()
+        router.module.router_replay.clear_router_replay_action()
+    snapshot = routelog.open_store(store_url).step(0)
+    lengths = {sid: (snapshot.info(sid).prompt_len, snapshot.info(sid).response_len) for sid in p.sample_ids}
+    rebuilt = {r.sample_id: r for r in records_from_recordings(shards, lengths)}
+    for mb, seen in truth.values():
+        real = np.flatnonzero(mb.positions[:, 0] >= 0)
+        for router in mb.routers:
+            for row in real:
+                sid, pos = p.sample_ids[mb.positions[row, 0]], mb.positions[row, 1]
+                got = np.sort(np.asarray(rebuilt[sid].expert_ids)[pos, router.moe_index])
+                np.testing.assert_array_equal(got, seen[router.layer_number][row])
+        assert mb.routers
