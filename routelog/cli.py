@@ -89,6 +89,49 @@ def _try_open(url: str, options: dict[str, Any]) -> Store | None:
         return None
 
 
+# -- demo -------------------------------------------------------------------------------------------------------
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Option(help="Directory for metrics.json, report.png and the default store.")] = Path(
+        "routelog-demo"
+    ),
+    store: Annotated[str | None, typer.Option(help="Store URL (default: a local store under --out).")] = None,
+    quick: Annotated[bool, typer.Option(help="Small models and batch (about a minute).")] = False,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Record -> store -> load aligned -> replay on tiny CPU MoE models, with the R3 paper's metrics."""
+    from routelog.demo import run_demo
+
+    if storage_options:
+        raise typer.BadParameter("the demo takes credentials from the environment; --storage-options is not used")
+    with _progress() as progress:
+        task = progress.add_task("routelog demo", total=9)
+
+        def step(message: str) -> None:
+            progress.update(task, description=message)
+            progress.advance(task)
+
+        metrics = run_demo(out, store_url=store, quick=quick, progress=step)
+    table = Table("model", "", "router diff", "token diff", "mean seq diff", "KL (k3)", "F(t=2)")
+    for name in ("qwen3_moe", "deepseek_v3"):
+        for mode in ("no_replay", "replay"):
+            m = metrics[name][mode]
+            table.add_row(
+                name if mode == "no_replay" else "",
+                "without R3" if mode == "no_replay" else "with R3",
+                f"{m['router_diff_rate']:.2%}",
+                f"{m['token_diff_rate']:.2%}",
+                f"{m['mean_sequence_diff']:.2f}",
+                f"{m['kl_k3']:.2e}",
+                f"{m['f_t2']:.2%}",
+            )
+    table.add_row(
+        "dense", "baseline", "", "", "", f"{metrics['dense']['kl_k3']:.2e}", f"{metrics['dense']['f_t2']:.2%}"
+    )
+    console.print(table)
+    console.print(f"wrote {out / 'metrics.json'} and {out / 'report.png'} in {metrics['seconds']:.0f} s")
+
+
 # -- synth ------------------------------------------------------------------------------------------------------
 @app.command()
 def synth(

@@ -44,3 +44,15 @@ def test_megatron_replay() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "micro-batch 0: 31 rows x 3 routers replayed (29 recorded" in result.stdout
+
+
+def test_r3_on_cpu(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "r3_on_cpu.py"), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "with R3: router diff 0.00%" in result.stdout

@@ -197,15 +197,20 @@ def replay_weights(router: Any, logits: Any, indices: Any, spec: ModelSpec) -> A
 
 
 @contextmanager
-def replay(model: Any, spec: ModelSpec, indices: Mapping[int, Any]) -> Iterator[None]:
+def replay(model: Any, spec: ModelSpec, indices: Mapping[int, Any], mask: Any | None = None) -> Iterator[None]:
     """Force every MoE router to select ``indices[layer]`` (``[tokens, K]`` int64, the flattened batch in the order
-    the router sees it) during the forward passes inside the block."""
+    the router sees it) during the forward passes inside the block.
+
+    ``mask`` (``[tokens]`` bool) limits replay to the rows that have a recorded route (the final token, padding):
+    the others keep the router's own choice, as verl's masked replay does.
+    """
     import torch
 
     routers = find_routers(model, spec)
     missing = sorted(set(routers) - set(indices))
     if missing:
         raise ReplayConfigError(f"no replay indices for MoE layers {missing}")
+    keep = None if mask is None else torch.as_tensor(mask, dtype=torch.bool)[:, None]
     handles = []
 
     def hook_for(layer: int) -> Any:
@@ -213,12 +218,14 @@ def replay(model: Any, spec: ModelSpec, indices: Mapping[int, Any]) -> Iterator[
 
         def rewrite(module: Any, inputs: Any, output: Any) -> Any:
             _check_router_output(layer, output)
-            logits = output[0]
+            logits, _, native = output
             if logits.shape[0] != target.shape[0]:
                 raise ReplayConfigError(
                     f"layer {layer}: the router sees {logits.shape[0]} tokens, the replay holds {target.shape[0]}"
                 )
             chosen = target.to(logits.device)
+            if keep is not None:
+                chosen = torch.where(keep.to(logits.device), chosen, native)
             return logits, replay_weights(module, logits, chosen, spec), chosen
 
         return rewrite
