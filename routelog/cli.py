@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
@@ -234,6 +235,10 @@ def inspect(
 def ls_records(
     url: Annotated[str, typer.Argument(help="Store URL.")],
     step: Annotated[int, typer.Option(help="Step to list.")],
+    as_of: Annotated[
+        datetime | None,
+        typer.Option("--as-of", help="The step as it was at this UTC time (ISO 8601): commits made by then only."),
+    ] = None,
     json_out: JsonFlag = False,
     storage_options: StorageOptions = None,
 ) -> None:
@@ -241,7 +246,8 @@ def ls_records(
     from routelog.store import open_store
     from routelog.summary import record_listing
 
-    rows = record_listing(open_store(url, storage_options=_options(storage_options)).step(step))
+    when = None if as_of is None else (as_of if as_of.tzinfo else as_of.replace(tzinfo=UTC))
+    rows = record_listing(open_store(url, storage_options=_options(storage_options)).step(step, as_of=when))
     if json_out:
         _print_json(rows)
         return
@@ -446,6 +452,58 @@ def align(
         writer.close()
     routers = [r.layer_number for r in plan.routers]
     err_console.print(f"wrote {len(plan.micro_batches)} micro-batches x {len(routers)} routers {routers} to {out}")
+
+
+# -- steps ------------------------------------------------------------------------------------------------------
+@app.command()
+def seal(
+    url: Annotated[str, typer.Argument(help="Store URL.")],
+    step: Annotated[int, typer.Option(help="Step to seal.")],
+    storage_options: StorageOptions = None,
+) -> None:
+    """Seal a step: no more commits are accepted; readers then need three GETs whatever the number of parts."""
+    from routelog.store import open_store
+
+    record = open_store(url, storage_options=_options(storage_options)).seal(step)
+    console.print(
+        f"sealed step {step}: {len(record.commits)} commits, {record.n_records} records, {record.n_tokens:,} tokens"
+    )
+
+
+@app.command()
+def gc(
+    url: Annotated[str, typer.Argument(help="Store URL.")],
+    older_than: Annotated[str, typer.Option(help="Grace period, e.g. 6h, 30m, 2d.")] = "24h",
+    delete: Annotated[bool, typer.Option("--delete", help="Delete (default: dry run, only report).")] = False,
+    json_out: JsonFlag = False,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Find (and with --delete remove) objects of dead writers that no commit or seal references."""
+    from routelog.gc import collect_garbage, parse_duration
+    from routelog.store import open_store
+
+    try:
+        seconds = parse_duration(older_than)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    report = collect_garbage(open_store(url, storage_options=_options(storage_options)), seconds, delete=delete)
+    if json_out:
+        _print_json(
+            {
+                "orphans": report.orphans,
+                "bytes": report.bytes,
+                "deleted": report.deleted,
+                "kept_young": report.kept_young,
+            }
+        )
+        return
+    for key, size in sorted(report.orphans.items()):
+        console.print(f"{'deleted' if report.deleted else 'orphan'} {key} ({size:,} bytes)", highlight=False)
+    verb = "deleted" if report.deleted else "would delete (dry run; add --delete)"
+    console.print(
+        f"{verb} {len(report.orphans)} objects, {report.bytes:,} bytes; {report.kept_young} younger "
+        f"unreferenced objects kept"
+    )
 
 
 # -- verify -----------------------------------------------------------------------------------------------------

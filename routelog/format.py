@@ -165,6 +165,16 @@ class RunDocument(_Document):
     """Free-form user configuration of the run."""
 
 
+class Consolidated(_Document):
+    """The step's commits and index gathered in two objects at seal time, so readers of a sealed step need
+    three GETs whatever the number of parts (keys relative to the step directory)."""
+
+    commits: ObjectInfo
+    """JSON list of the commit records, in the order of :attr:`SealRecord.commits`."""
+    index: ObjectInfo
+    """Parquet: every index row of the step plus ``_commit`` (int32), the row's position in that list."""
+
+
 class SealRecord(_Document):
     """``steps/<step>/_SEALED.json``: the step is closed; exactly these commits are its content."""
 
@@ -177,6 +187,8 @@ class SealRecord(_Document):
     """Commit file names (``<writer>.<seq>.json``) in the step, sorted."""
     n_records: int = Field(ge=0)
     n_tokens: int = Field(ge=0)
+    consolidated: Consolidated | None = None
+    """Optional copies of the commits and indexes; readers MAY use them instead of reading each part's."""
 
 
 DOCUMENT_MODELS: dict[str, type[BaseModel]] = {

@@ -7,10 +7,12 @@ of the sharded array; the array metadata comes embedded in the commit), concurre
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +23,7 @@ import zarr
 
 from routelog import layout
 from routelog.errors import CorruptDataError, DuplicateSampleError, RecordNotFoundError
-from routelog.format import CommitRecord, IndexRow, SealRecord, Span, parse_document
+from routelog.format import INDEX_SCHEMA, CommitRecord, Consolidated, IndexRow, SealRecord, Span, parse_document
 from routelog.part import BlockRequest, ShardIndexCache, fetch_blocks, index_from_parquet
 from routelog.record import Record
 
@@ -159,18 +161,29 @@ class StepSnapshot:
 
     # -- loading -------------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, store: Store, step: int) -> StepSnapshot:
+    def load(cls, store: Store, step: int, *, as_of: datetime | None = None) -> StepSnapshot:
+        """The step's committed records; with ``as_of``, only commits created by then (and the seal only if it
+        was sealed by then), i.e. the step as a reader saw it at that time."""
         storage = store.storage
         seal_key = layout.seal_key(step)
         try:
-            seal = parse_document(storage.read(seal_key), SealRecord, storage.url_of(seal_key))
-            names, sealed = seal.commits, True
+            seal: SealRecord | None = parse_document(storage.read(seal_key), SealRecord, storage.url_of(seal_key))
         except FileNotFoundError:
-            names = [n for n in storage.list(layout.commits_dir(step)) if layout.parse_commit_name(n)]
-            sealed = False
+            seal = None
+        if seal is not None and as_of is not None and seal.sealed_at > as_of:
+            seal = None
+        if seal is not None and seal.consolidated is not None:
+            return cls._load_consolidated(store, step, seal.consolidated)
+        names = (
+            seal.commits
+            if seal is not None
+            else [n for n in storage.list(layout.commits_dir(step)) if layout.parse_commit_name(n)]
+        )
         keys = [layout.commit_key(step, n) for n in names]
         raw = storage.read_many(keys)
         commits = [parse_document(raw[k], CommitRecord, storage.url_of(k)) for k in keys]
+        if as_of is not None:
+            commits = [c for c in commits if c.created_at <= as_of]
         index_keys = [f"{layout.part_dir(step, c.part)}/{layout.INDEX}" for c in commits]
         try:
             index_bytes = storage.read_many(index_keys)
@@ -178,16 +191,32 @@ class StepSnapshot:
             raise CorruptDataError(f"step {step} of {store.url}: a committed part's index is missing ({exc})") from exc
         tables = []
         for i, key in enumerate(index_keys):
-            try:
-                table = index_from_parquet(index_bytes[key])
-            except (pa.ArrowException, OSError) as exc:
-                raise CorruptDataError(f"{storage.url_of(key)}: unreadable Parquet index ({exc})") from exc
+            table = _parquet(index_bytes[key], storage.url_of(key))
             tables.append(table.append_column("_commit", pa.array([i] * table.num_rows, pa.int32())))
-        from routelog.format import INDEX_SCHEMA
-
         empty = INDEX_SCHEMA.empty_table().append_column("_commit", pa.array([], pa.int32()))
         index = pa.concat_tables([empty, *tables], promote_options="permissive")
-        return cls(store=store, step=step, commits=commits, index=index, sealed=sealed)
+        return cls(store=store, step=step, commits=commits, index=index, sealed=seal is not None)
+
+    @classmethod
+    def _load_consolidated(cls, store: Store, step: int, consolidated: Consolidated) -> StepSnapshot:
+        """A sealed step from its two consolidated objects (checked against the seal's SHA-256s)."""
+        storage = store.storage
+        base = layout.step_dir(step)
+        keys = [f"{base}/{consolidated.commits.key}", f"{base}/{consolidated.index.key}"]
+        try:
+            data = storage.read_many(keys)
+        except FileNotFoundError as exc:
+            raise CorruptDataError(f"step {step} of {store.url}: a consolidated object of the seal is missing") from exc
+        for info, key in zip((consolidated.commits, consolidated.index), keys, strict=True):
+            if hashlib.sha256(data[key]).hexdigest() != info.sha256:
+                raise CorruptDataError(f"{storage.url_of(key)}: SHA-256 differs from the seal (corrupted)")
+        try:
+            docs = json.loads(data[keys[0]])
+            commits = [CommitRecord.model_validate(doc) for doc in docs]
+        except ValueError as exc:
+            raise CorruptDataError(f"{storage.url_of(keys[0])}: not a list of commit records ({exc})") from exc
+        index = _parquet(data[keys[1]], storage.url_of(keys[1]))
+        return cls(store=store, step=step, commits=commits, index=index, sealed=True)
 
     def _commit_of(self, position: int) -> int:
         return int(self._commit_column[position])
@@ -307,6 +336,13 @@ class StepSnapshot:
             raise CorruptDataError(f"span reference {part_key!r} points at an uncommitted part") from None
         self._foreign[part_key] = commit
         return commit
+
+
+def _parquet(data: bytes, where: str) -> pa.Table:
+    try:
+        return index_from_parquet(data)
+    except (pa.ArrowException, OSError) as exc:
+        raise CorruptDataError(f"{where}: unreadable Parquet index ({exc})") from exc
 
 
 def _contiguous_runs(positions: Sequence[int]) -> list[tuple[int, int]]:

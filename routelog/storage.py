@@ -9,17 +9,61 @@ listing of one prefix, deletes, and a zarr store for ranged reads.
 
 from __future__ import annotations
 
+import errno
 import json
 import posixpath
-from collections.abc import Iterable, Mapping
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import datetime
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
 from zarr.storage import FsspecStore
 
 from routelog.errors import StoreError
+
+T = TypeVar("T")
+
+_TRANSIENT_ERRNOS = {
+    errno.EAGAIN,
+    errno.EBUSY,
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.EPIPE,
+    getattr(errno, "EREMOTEIO", 121),
+}
+_PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Errors worth retrying: timeouts, dropped connections, throttling and 5xx (s3fs maps SlowDown and 503 to
+    ``EBUSY``, 500 to ``EREMOTEIO``, and S3's in-flight conditional-write conflict 409 to ``EBUSY``)."""
+    if isinstance(exc, _PERMANENT):
+        return False
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+        return True
+    name = type(exc).__name__
+    return any(word in name for word in ("Timeout", "Connection", "Throttl", "ServerDisconnected", "ClientPayload"))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded retries with exponential backoff and full jitter for transient storage errors."""
+
+    attempts: int = 6
+    base_delay: float = 0.05
+    max_delay: float = 2.0
+    deadline: float = 60.0
+    """Seconds after which no new attempt starts, whatever ``attempts`` says."""
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
 
 
 def parse_storage_options(text: str | None) -> dict[str, Any]:
@@ -35,6 +79,23 @@ def parse_storage_options(text: str | None) -> dict[str, Any]:
     return value
 
 
+@dataclass(frozen=True)
+class ObjectStat:
+    size: int
+    modified: float
+    """Seconds since the epoch, from the storage service (S3 ``LastModified``) or the filesystem."""
+
+
+def _modified(info: Mapping[str, Any]) -> float:
+    for key in ("LastModified", "mtime", "created", "last_modified"):
+        value = info.get(key)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+    return 0.0
+
+
 @dataclass
 class Storage:
     """A store root on some filesystem; keys are ``/``-separated paths relative to the root."""
@@ -43,6 +104,25 @@ class Storage:
     fs: AbstractFileSystem
     root: str
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    sleep: Callable[[float], None] = time.sleep
+
+    def _call(self, operation: str, key: str, fn: Callable[[], T]) -> T:
+        """Run one storage operation, retrying transient errors; a final failure names the operation and key."""
+        start = time.monotonic()
+        for attempt in range(self.retry.attempts):
+            try:
+                return fn()
+            except Exception as exc:
+                last = attempt == self.retry.attempts - 1 or time.monotonic() - start > self.retry.deadline
+                if not is_transient(exc):
+                    raise
+                if last:
+                    raise StoreError(
+                        f"{operation} {self.url_of(key)} failed after {attempt + 1} attempts: {exc!r}"
+                    ) from exc
+                self.sleep(self.retry.delay(attempt))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     @classmethod
     def open(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
@@ -80,7 +160,7 @@ class Storage:
 
     def read(self, key: str) -> bytes:
         """The whole object; ``FileNotFoundError`` when absent."""
-        data = self.fs.cat_file(self.path(key), **self._whole_object_kwargs)
+        data = self._call("read", key, lambda: self.fs.cat_file(self.path(key), **self._whole_object_kwargs))
         return bytes(data)
 
     def read_many(self, keys: Iterable[str]) -> dict[str, bytes]:
@@ -89,56 +169,76 @@ class Storage:
         if not keys:
             return {}
         paths = [self.path(k) for k in keys]
-        found = self.fs.cat(paths, on_error="return", **self._whole_object_kwargs)
-        out: dict[str, bytes] = {}
-        for key, path in zip(keys, paths, strict=True):
-            value = found.get(path) if isinstance(found, dict) else found
-            if isinstance(value, BaseException):
-                raise value
-            if value is None:
-                raise FileNotFoundError(path)
-            out[key] = bytes(value)
-        return out
+
+        def fetch() -> dict[str, bytes]:
+            found = self.fs.cat(paths, on_error="return", **self._whole_object_kwargs)
+            out: dict[str, bytes] = {}
+            for key, path in zip(keys, paths, strict=True):
+                value = found.get(path) if isinstance(found, dict) else found
+                if isinstance(value, BaseException):
+                    raise value
+                if value is None:
+                    raise FileNotFoundError(path)
+                out[key] = bytes(value)
+            return out
+
+        return self._call("read", keys[0], fetch)
 
     def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes]:
         """Byte ranges ``[start, stop)`` of objects, fetched concurrently on async filesystems."""
         if not ranges:
             return []
         paths = [self.path(key) for key, _, _ in ranges]
-        found = self.fs.cat_ranges(paths, [r[1] for r in ranges], [r[2] for r in ranges], on_error="return")
-        out = []
-        for (key, start, stop), value in zip(ranges, found, strict=True):
-            if isinstance(value, BaseException):
-                raise value
-            if len(value) != stop - start:
-                raise FileNotFoundError(f"{self.path(key)}: range [{start}, {stop}) past the end of the object")
-            out.append(value if isinstance(value, bytes) else bytes(value))
-        return out
+
+        def fetch() -> list[bytes]:
+            found = self.fs.cat_ranges(paths, [r[1] for r in ranges], [r[2] for r in ranges], on_error="return")
+            out = []
+            for (key, start, stop), value in zip(ranges, found, strict=True):
+                if isinstance(value, BaseException):
+                    raise value
+                if len(value) != stop - start:
+                    raise FileNotFoundError(f"{self.path(key)}: range [{start}, {stop}) past the end of the object")
+                out.append(value if isinstance(value, bytes) else bytes(value))
+            return out
+
+        return self._call("read", ranges[0][0], fetch)
 
     def write(self, key: str, data: bytes) -> None:
         """Write an object under a name nobody else uses (data objects have unique names)."""
-        self.fs.pipe_file(self.path(key), data)
+        self._call("write", key, lambda: self.fs.pipe_file(self.path(key), data))
 
     def write_many(self, objects: Mapping[str, bytes]) -> None:
         """Write several uniquely named objects (concurrently on async filesystems)."""
         if objects:
-            self.fs.pipe({self.path(k): v for k, v in objects.items()})
+            paths = {self.path(k): v for k, v in objects.items()}
+            self._call("write", next(iter(objects)), lambda: self.fs.pipe(paths))
 
     def create(self, key: str, data: bytes) -> bool:
-        """Create ``key`` only if it does not exist; ``False`` when it already did (someone else won)."""
-        try:
-            self.fs.pipe_file(self.path(key), data, mode="create")
-        except FileExistsError:
-            return False
-        return True
+        """Create ``key`` only if it does not exist; ``False`` when it already did (someone else won).
+
+        A retried create that finds the key may be finding its own earlier attempt, whose response was lost: when
+        the object holds exactly ``data``, the create succeeded.
+        """
+        attempts = 0
+
+        def put() -> bool:
+            nonlocal attempts
+            attempts += 1
+            try:
+                self.fs.pipe_file(self.path(key), data, mode="create")
+            except FileExistsError:
+                return attempts > 1 and self.read(key) == data
+            return True
+
+        return self._call("create", key, put)
 
     def exists(self, key: str) -> bool:
-        return bool(self.fs.exists(self.path(key)))
+        return bool(self._call("stat", key, lambda: self.fs.exists(self.path(key))))
 
     def list(self, prefix: str) -> list[str]:
         """Names directly under ``prefix`` (one level, no recursion); empty when the prefix is absent."""
         try:
-            entries = self.fs.ls(self.path(prefix), detail=False, refresh=True)
+            entries = self._call("list", prefix, lambda: self.fs.ls(self.path(prefix), detail=False, refresh=True))
         except FileNotFoundError:
             return []
         base = self.path(prefix).rstrip("/")
@@ -151,23 +251,32 @@ class Storage:
                 names.append(name)
         return sorted(n for n in names if n)
 
-    def find(self, prefix: str) -> dict[str, int]:
-        """Every object below ``prefix`` (recursive) with its size, keyed relative to the root."""
+    def find(self, prefix: str) -> dict[str, ObjectStat]:
+        """Every object below ``prefix`` (recursive) with its size and modification time, keyed by store key."""
         base = self.path(prefix).rstrip("/")
         try:
-            found = self.fs.find(base, detail=True)
+            found = self._call("list", prefix, lambda: self.fs.find(base, detail=True))
         except FileNotFoundError:
             return {}
         root = self.root.rstrip("/") + "/" if self.root else ""
-        return {str(path)[len(root) :]: int(info.get("size") or 0) for path, info in found.items()}
+        return {
+            str(path)[len(root) :]: ObjectStat(int(info.get("size") or 0), _modified(info))
+            for path, info in found.items()
+            if info.get("type", "file") != "directory"
+        }
 
     def size(self, key: str) -> int:
-        return int(self.fs.size(self.path(key)))
+        return int(self._call("stat", key, lambda: self.fs.size(self.path(key))))
 
     def delete(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
         paths = [self.path(k) for k in keys]
         if paths:
-            self.fs.rm(paths)
+            self._call("delete", keys[0], lambda: self.fs.rm(paths))
+
+    def delete_tree(self, prefix: str) -> None:
+        """Every object below ``prefix``, and the directory itself on filesystems that have directories."""
+        self._call("delete", prefix, lambda: self.fs.rm(self.path(prefix), recursive=True))
 
     def invalidate(self) -> None:
         """Drop cached listings so the next listing sees other writers' objects."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from pydantic import JsonValue
@@ -15,6 +16,7 @@ from routelog.spec import ModelSpec
 from routelog.storage import Storage
 
 if TYPE_CHECKING:
+    from routelog.format import SealRecord
     from routelog.part import PartOptions
     from routelog.reader import StepSnapshot
     from routelog.writer import StepWriter
@@ -26,6 +28,18 @@ class Store:
     def __init__(self, storage: Storage, run: RunDocument) -> None:
         self.storage = storage
         self.run = run
+
+    @classmethod
+    def on(cls, storage: Storage) -> Store:
+        """The store rooted at an already configured :class:`~routelog.storage.Storage`."""
+        try:
+            data = storage.read(layout.RUN_DOCUMENT)
+        except FileNotFoundError:
+            raise StoreNotFoundError(
+                f"no routelog store at {storage.url!r} (no {layout.RUN_DOCUMENT}); create one with "
+                "routelog.create_store or by writing records (routelog synth, routelog ingest)"
+            ) from None
+        return cls(storage, parse_document(data, RunDocument, storage.url_of(layout.RUN_DOCUMENT)))
 
     def __repr__(self) -> str:
         return f"Store({self.url!r}, run_id={self.run.run_id!r})"
@@ -43,11 +57,12 @@ class Store:
         names = self.storage.list(layout.STEPS)
         return sorted(s for s in (layout.parse_step_name(n) for n in names) if s is not None)
 
-    def step(self, step: int) -> StepSnapshot:
-        """The committed records of ``step`` as of now (or exactly the sealed set, once sealed)."""
+    def step(self, step: int, *, as_of: datetime | None = None) -> StepSnapshot:
+        """The committed records of ``step`` now (exactly the sealed set, once sealed), or as they were at
+        ``as_of`` (commits created by then, by the writers' clocks)."""
         from routelog.reader import StepSnapshot
 
-        return StepSnapshot.load(self, step)
+        return StepSnapshot.load(self, step, as_of=as_of)
 
     def writer(
         self,
@@ -56,24 +71,27 @@ class Store:
         *,
         options: PartOptions | None = None,
         flush_bytes: int | None = None,
+        **streaming: Any,
     ) -> StepWriter:
-        """A writer appending records to ``step``; use it as a context manager."""
+        """A writer appending records to ``step``; use it as a context manager.
+
+        ``streaming`` takes :class:`~routelog.writer.StepWriter`'s ``flush_seconds``, ``max_pending``,
+        ``background`` and ``on_commit``.
+        """
         from routelog.writer import StepWriter
 
-        return StepWriter(self, step, writer_id=writer_id, options=options, flush_bytes=flush_bytes)
+        return StepWriter(self, step, writer_id=writer_id, options=options, flush_bytes=flush_bytes, **streaming)
+
+    def seal(self, step: int) -> SealRecord:
+        """Close ``step``: its content becomes exactly the commits made so far; see :func:`routelog.seal.seal_step`."""
+        from routelog.seal import seal_step
+
+        return seal_step(self, step)
 
 
 def open_store(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Store:
     """Open an existing store; :class:`StoreNotFoundError` when there is none at ``url``."""
-    storage = Storage.open(url, storage_options)
-    try:
-        data = storage.read(layout.RUN_DOCUMENT)
-    except FileNotFoundError:
-        raise StoreNotFoundError(
-            f"no routelog store at {url!r} (no {layout.RUN_DOCUMENT}); create one with routelog.create_store "
-            "or by writing records (routelog synth, routelog ingest)"
-        ) from None
-    return Store(storage, parse_document(data, RunDocument, storage.url_of(layout.RUN_DOCUMENT)))
+    return Store.on(Storage.open(url, storage_options))
 
 
 def create_store(

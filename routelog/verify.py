@@ -81,6 +81,16 @@ def _verify_seal(store: Store, step: int, names: list[str], report: VerifyReport
     except RoutelogError as exc:
         report.problems.append(str(exc))
         return
+    if seal.consolidated is not None:
+        for info in (seal.consolidated.commits, seal.consolidated.index):
+            object_key = f"{layout.step_dir(step)}/{info.key}"
+            try:
+                data = storage.read(object_key)
+            except FileNotFoundError:
+                report.problems.append(f"{storage.url_of(object_key)}: missing (the seal lists it)")
+                continue
+            if len(data) != info.size or hashlib.sha256(data).hexdigest() != info.sha256:
+                report.problems.append(f"{storage.url_of(object_key)}: size or SHA-256 differs from the seal")
     missing = sorted(set(seal.commits) - set(names))
     if missing:
         report.problems.append(f"step {step}: the seal lists commits that do not exist: {missing}")

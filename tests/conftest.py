@@ -128,3 +128,13 @@ def megatron_env() -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3_endpoint: str) -> Iterator[None]:
+    """One local Ray cluster per test session (2 CPUs); workers inherit the moto S3 environment."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {k: os.environ[k] for k in [*S3_ENV, "AWS_ENDPOINT_URL"]}})
+    yield
+    ray.shutdown()

@@ -173,3 +173,33 @@ def test_bad_storage_options_are_reported(bad: str, tmp_path: Path) -> None:
     result = _cli("inspect", str(tmp_path), "--storage-options", bad)
     assert result.returncode == 2
     assert "--storage-options" in result.stderr
+
+
+def test_seal_gc_and_ls_as_of(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    _run("synth", url, "--step", "0", "--records", "3", "--tokens", "16", "--layers", "2", "--sample-prefix", "a-")
+    between = _run("ls", url, "--step", "0", "--json")
+    cutoff = max(c.created_at for c in routelog.open_store(url).step(0).commits).isoformat()
+    _run("synth", url, "--step", "0", "--records", "2", "--tokens", "16", "--layers", "2", "--sample-prefix", "b-")
+    earlier = json.loads(_run("ls", url, "--step", "0", "--as-of", cutoff, "--json"))
+    assert [r["sample_id"] for r in earlier] == [r["sample_id"] for r in json.loads(between)]
+    assert len(json.loads(_run("ls", url, "--step", "0", "--json"))) == 5
+
+    # A dead writer's upload (no commit) next to the committed parts:
+    orphan = tmp_path / "run" / "steps" / f"{0:010d}" / "parts" / "dead.00000000.0badc0ffee"
+    orphan.mkdir(parents=True)
+    (orphan / "index.parquet").write_bytes(b"half an upload")
+    dry = json.loads(_run("gc", url, "--older-than", "0", "--json"))
+    assert list(dry["orphans"]) == ["steps/0000000000/parts/dead.00000000.0badc0ffee/index.parquet"]
+    assert not dry["deleted"] and orphan.exists(), "a dry run by default"
+    assert "kept" in _run("gc", url), "younger than the default 24 h grace period: kept"
+    assert json.loads(_run("gc", url, "--older-than", "0", "--delete", "--json"))["deleted"]
+    assert not (orphan / "index.parquet").exists()
+
+    assert "5 records" in _run("seal", url, "--step", "0")
+    again = _cli("seal", url, "--step", "0")
+    assert again.returncode == 2 and "already sealed" in again.stderr
+    refused = _cli("synth", url, "--step", "0", "--records", "1", "--tokens", "8", "--layers", "2")
+    assert refused.returncode == 2 and "sealed" in refused.stderr
+    assert len(json.loads(_run("ls", url, "--step", "0", "--json"))) == 5
+    assert _cli("verify", url).returncode == 0

@@ -47,3 +47,16 @@ def test_bench_loader_compares_with_the_whole_step_baseline() -> None:
         "bytes_baseline_over_routelog",
         "peak_rss_baseline_over_routelog",
     }
+
+
+def test_bench_writers_commits_every_record_and_reports_the_np_save_baseline() -> None:
+    result = _tool(str(TOOLS / "bench_writers.py"), "--quick", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["np_save_local"]["MBps"] > 0
+    for target in ("local", "s3_moto"):
+        assert [r["writers"] for r in report[target]] == [1, 2]
+        for row in report[target]:
+            assert row["parts"] >= row["writers"], "every writer commits at least one part"
+            assert row["objects_per_flush"] >= 2, "a flush writes data objects and one commit record"
+    assert set(report["ratios_vs_np_save"]) == {f"{t}_{n}_writers" for t in ("local", "s3_moto") for n in (1, 2)}

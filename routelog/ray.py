@@ -1,0 +1,205 @@
+"""Ray: writers as actors (or inside existing rollout workers), and Ray Data reads of many stores.
+
+Nothing crosses Ray as a custom Python object: a record travels as numpy arrays plus a JSON string of metadata,
+and the datasets hold plain columns, so a reader needs routelog only to decode, never to unpickle.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from functools import cache, partial
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routelog.format import Segment
+from routelog.part import PartOptions
+from routelog.record import Record
+from routelog.spec import ModelSpec
+from routelog.store import Store, create_store, open_store
+
+
+def ray_writer_id(prefix: str = "ray") -> str:
+    """A writer id that is stable for the current Ray actor (or task), for writers inside rollout workers."""
+    import ray
+
+    context = ray.get_runtime_context()
+    ident = context.get_actor_id() or context.get_task_id() or context.get_worker_id()
+    return f"{prefix}-{str(ident)[-16:]}"
+
+
+def record_payload(record: Record) -> dict[str, Any]:
+    """A record as plain arrays and a JSON string, for shipping through Ray."""
+    meta = {
+        "sample_id": record.sample_id,
+        "prompt_len": record.prompt_len,
+        "response_len": record.response_len,
+        "token_hash": record.token_hash,
+        "group_id": record.group_id,
+        "policy_version": record.policy_version,
+        "engine": record.engine,
+        "engine_version": record.engine_version,
+        "segments": [s.model_dump() for s in record.segments],
+        "extra": dict(record.extra or {}),
+    }
+    return {
+        "expert_ids": np.asarray(record.expert_ids),
+        "valid": None if record.valid is None else np.asarray(record.valid),
+        "token_ids": None if record.token_ids is None else np.asarray(record.token_ids),
+        "meta": json.dumps(meta),
+    }
+
+
+def record_from_payload(payload: Mapping[str, Any]) -> Record:
+    meta = json.loads(payload["meta"])
+    return Record(
+        sample_id=meta["sample_id"],
+        expert_ids=payload["expert_ids"],
+        prompt_len=meta["prompt_len"],
+        response_len=meta["response_len"],
+        valid=payload.get("valid"),
+        token_ids=payload.get("token_ids"),
+        token_hash=meta["token_hash"],
+        group_id=meta["group_id"],
+        policy_version=meta["policy_version"],
+        engine=meta["engine"],
+        engine_version=meta["engine_version"],
+        segments=[Segment.model_validate(s) for s in meta["segments"]],
+        extra=meta["extra"] or None,
+    )
+
+
+class RoutingWriter:
+    """A writer for one step, meant to run as a Ray actor (see :func:`remote_writer`)."""
+
+    def __init__(
+        self,
+        url: str,
+        step: int,
+        writer_id: str,
+        model_spec_json: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        flush_bytes: int | None = None,
+        topk_order: str = "sorted",
+    ) -> None:
+        store = (
+            create_store(url, ModelSpec.model_validate_json(model_spec_json), storage_options=storage_options)
+            if model_spec_json
+            else open_store(url, storage_options=storage_options)
+        )
+        options = PartOptions(topk_order="score" if topk_order == "score" else "sorted")
+        self._writer = store.writer(step, writer_id, options=options, flush_bytes=flush_bytes)
+
+    def append(self, payload: Mapping[str, Any]) -> None:
+        self._writer.append(record_from_payload(payload))
+
+    def append_many(self, payloads: Sequence[Mapping[str, Any]]) -> int:
+        for payload in payloads:
+            self.append(payload)
+        return len(payloads)
+
+    def flush(self) -> int:
+        return len(self._writer.flush())
+
+    def close(self) -> list[str]:
+        """Commit the rest; returns the part names this writer committed."""
+        return [c.part for c in self._writer.close()]
+
+
+def remote_writer(
+    url: str,
+    step: int,
+    writer_id: str,
+    *,
+    model_spec: ModelSpec | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    num_cpus: float = 0.5,
+    **kwargs: Any,
+) -> Any:
+    """Start a :class:`RoutingWriter` actor; feed it ``record_payload(record)`` dicts."""
+    import ray
+
+    actor = ray.remote(num_cpus=num_cpus)(RoutingWriter)
+    spec_json = None if model_spec is None else model_spec.model_dump_json()
+    return actor.remote(url, step, writer_id, spec_json, dict(storage_options or {}), **kwargs)
+
+
+@cache
+def _store(url: str, options_json: str) -> Store:
+    return open_store(url, storage_options=json.loads(options_json))
+
+
+def _index_rows(task: dict[str, Any]) -> list[dict[str, Any]]:
+    store = _store(task["url"], task["options"])
+    steps = store.steps() if task["step"] is None else [task["step"]]
+    rows = []
+    for step in steps:
+        snapshot = store.step(step)
+        for info in snapshot.infos():
+            rows.append(
+                {
+                    "url": task["url"],
+                    "options": task["options"],
+                    "step": step,
+                    "sample_id": info.sample_id,
+                    "group_id": info.group_id,
+                    "policy_version": info.policy_version,
+                    "n_tokens": info.n_tokens,
+                    "prompt_len": info.prompt_len,
+                    "response_len": info.response_len,
+                    "n_missing": info.n_missing,
+                }
+            )
+    return rows
+
+
+def read_index(
+    urls: Iterable[str], *, steps: Sequence[int] | None = None, storage_options: Mapping[str, Any] | None = None
+) -> Any:
+    """A Ray dataset with one row per record of the stores (all steps, or ``steps``): the index, no routing."""
+    import ray
+
+    options = json.dumps(dict(storage_options or {}))
+    tasks = [{"url": u, "step": s, "options": options} for u in urls for s in (steps if steps is not None else [None])]
+    return ray.data.from_items(tasks).flat_map(_index_rows)
+
+
+def _fetch_routing(batch: dict[str, npt.NDArray[Any]], moe_layers: list[int] | None) -> dict[str, Any]:
+    ids: list[npt.NDArray[Any]] = []
+    valid: list[npt.NDArray[np.bool_]] = []
+    keys = list(zip(batch["url"], batch["options"], batch["step"], batch["sample_id"], strict=True))
+    by_step: dict[tuple[str, str, int], list[str]] = {}
+    for url, options, step, sid in keys:
+        by_step.setdefault((str(url), str(options), int(step)), []).append(str(sid))
+    fetched = {}
+    for (url, options, step), sids in by_step.items():
+        snapshot = _store(url, options).step(step)
+        for routing in snapshot.read_many(sids, moe_layers=moe_layers):
+            fetched[(url, step, routing.sample_id)] = routing
+    for url, _, step, sid in keys:
+        routing = fetched[(str(url), int(step), str(sid))]
+        ids.append(routing.expert_ids)
+        valid.append(routing.valid)
+    out: dict[str, Any] = dict(batch)
+    out["expert_ids"] = ids
+    out["valid"] = valid
+    return out
+
+
+def read_routing(
+    urls: Iterable[str],
+    *,
+    steps: Sequence[int] | None = None,
+    moe_layers: Sequence[int] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    batch_size: int = 16,
+) -> Any:
+    """The index of :func:`read_index`, then every record's routing fetched in parallel: adds ``expert_ids``
+    (``[n_tokens, layers, K]`` int16, -1 on missing rows) and ``valid``."""
+    return read_index(urls, steps=steps, storage_options=storage_options).map_batches(
+        partial(_fetch_routing, moe_layers=None if moe_layers is None else list(moe_layers)),
+        batch_size=batch_size,
+        batch_format="numpy",
+    )

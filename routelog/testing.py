@@ -1,0 +1,144 @@
+"""Test helpers shipped with routelog: a fault-injecting filesystem to exercise retries and failure paths.
+
+``FaultyFileSystem`` wraps any fsspec filesystem and makes a seeded fraction of calls fail the way object stores
+fail: timeouts, dropped connections, throttling (``SlowDown``) and 500s, either before the operation or after it
+(the request went through but the response was lost, the ambiguous case of exclusive creates). Keys matching
+``permanent`` fail with ``PermissionError`` every time.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from fsspec.spec import AbstractFileSystem
+
+from routelog.storage import Storage
+
+_TRANSIENT: list[Callable[[str], BaseException]] = [
+    lambda path: TimeoutError(f"injected: read timeout on {path}"),
+    lambda path: ConnectionResetError(f"injected: connection reset on {path}"),
+    lambda path: OSError(errno.EBUSY, f"injected: SlowDown (503) on {path}"),
+    lambda path: OSError(getattr(errno, "EREMOTEIO", 121), f"injected: InternalError (500) on {path}"),
+]
+
+
+class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
+    """Delegates to ``inner``, injecting transient errors with probability ``rate`` per call."""
+
+    cachable = False
+
+    def __init__(
+        self,
+        inner: AbstractFileSystem,
+        *,
+        rate: float = 0.2,
+        seed: int = 0,
+        after_rate: float = 0.5,
+        permanent: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.inner = inner
+        self.protocol = inner.protocol
+        self.rate = rate
+        self.after_rate = after_rate
+        self.permanent = re.compile(permanent) if permanent else None
+        self.injected = 0
+        self._random = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def _roll(self, path: str) -> tuple[BaseException | None, bool]:
+        """An error to raise (or None), and whether to raise it after performing the operation."""
+        with self._lock:
+            if self._random.random() >= self.rate:
+                return None, False
+            self.injected += 1
+            make = self._random.choice(_TRANSIENT)
+            return make(path), self._random.random() < self.after_rate
+
+    def _run(self, path: str, operation: Callable[[], Any], *, mutating: bool) -> Any:
+        if self.permanent is not None and mutating and self.permanent.search(path):
+            raise PermissionError(errno.EACCES, f"injected: access denied to {path}")
+        error, after = self._roll(path)
+        if error is not None and not (after and mutating):
+            raise error
+        result = operation()
+        if error is not None:
+            raise error
+        return result
+
+    # -- the primitives routelog.storage.Storage uses ------------------------------------------------------------
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> Any:
+        return self._run(path, lambda: self.inner.cat_file(path, start=start, end=end, **kwargs), mutating=False)
+
+    def cat(self, path: Any, recursive: bool = False, on_error: str = "raise", **kwargs: Any) -> Any:
+        first = path[0] if isinstance(path, list) and path else str(path)
+        return self._run(
+            first, lambda: self.inner.cat(path, recursive=recursive, on_error=on_error, **kwargs), mutating=False
+        )
+
+    def cat_ranges(
+        self, paths: list[str], starts: Any, ends: Any, max_gap: Any = None, on_error: str = "return", **kwargs: Any
+    ) -> Any:
+        return self._run(
+            paths[0] if paths else "",
+            lambda: self.inner.cat_ranges(paths, starts, ends, max_gap=max_gap, on_error=on_error, **kwargs),
+            mutating=False,
+        )
+
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> Any:
+        return self._run(path, lambda: self.inner.pipe_file(path, value, mode=mode, **kwargs), mutating=True)
+
+    def pipe(self, path: Any, value: Any = None, **kwargs: Any) -> Any:
+        items = path if isinstance(path, dict) else {path: value}
+        for key in items:
+            if self.permanent is not None and self.permanent.search(key):
+                raise PermissionError(errno.EACCES, f"injected: access denied to {key}")
+        return self._run(next(iter(items)), lambda: self.inner.pipe(items, **kwargs), mutating=True)
+
+    def exists(self, path: str, **kwargs: Any) -> bool:
+        return bool(self._run(path, lambda: self.inner.exists(path, **kwargs), mutating=False))
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
+        return self._run(path, lambda: self.inner.ls(path, detail=detail, **kwargs), mutating=False)
+
+    def find(
+        self, path: str, maxdepth: int | None = None, withdirs: bool = False, detail: bool = False, **kwargs: Any
+    ) -> Any:
+        return self._run(
+            path,
+            lambda: self.inner.find(path, maxdepth=maxdepth, withdirs=withdirs, detail=detail, **kwargs),
+            mutating=False,
+        )
+
+    def size(self, path: str) -> Any:
+        return self._run(path, lambda: self.inner.size(path), mutating=False)
+
+    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> Any:
+        first = path[0] if isinstance(path, list) and path else str(path)
+        return self._run(first, lambda: self.inner.rm(path, recursive=recursive, maxdepth=maxdepth), mutating=True)
+
+    def invalidate_cache(self, path: str | None = None) -> None:
+        self.inner.invalidate_cache(path)
+
+
+def faulty_storage(
+    url: str, *, rate: float = 0.2, seed: int = 0, after_rate: float = 0.5, permanent: str | None = None
+) -> tuple[Storage, FaultyFileSystem]:
+    """A :class:`~routelog.storage.Storage` for ``url`` whose filesystem injects faults (fast retries)."""
+    from routelog.storage import RetryPolicy
+
+    clean = Storage.open(url)
+    faulty = FaultyFileSystem(clean.fs, rate=rate, seed=seed, after_rate=after_rate, permanent=permanent)
+    storage = Storage(
+        url=clean.url,
+        fs=faulty,
+        root=clean.root,
+        storage_options=clean.storage_options,
+        retry=RetryPolicy(attempts=12, base_delay=0.001, max_delay=0.01),
+    )
+    return storage, faulty

@@ -1,0 +1,162 @@
+"""Writer benchmark: ingest throughput of 1, 2 and 4 concurrent writers to local disk and to S3 (a local moto
+server), peak RSS per writer and objects per flush, next to ``np.save`` of the same arrays (no compression).
+
+Each writer is its own process (as rollout workers are); routing is generated before the clock starts. MB/s count
+raw-equivalent routing bytes (one byte per expert ID) over the wall time from the first append to the last commit.
+
+    python tools/bench_writers.py [--json] [--quick] [--records N --tokens T --layers L]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import routelog
+from routelog import Record
+from routelog.synth import synth_routing, synthetic_spec
+
+
+def _routing(args: argparse.Namespace, seed: int) -> list[np.ndarray]:
+    spec = synthetic_spec(args.layers, 128, 8)
+    rng = np.random.default_rng(seed)
+    return [synth_routing(rng, args.tokens, spec, None, 0.0) for _ in range(args.records)]
+
+
+def _peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """One writer: generate its routing, then append everything and close, timed."""
+    arrays = _routing(args, seed=args.writer)
+    spec = synthetic_spec(args.layers, 128, 8)
+    store = routelog.create_store(args.url, spec)
+    objects = []
+    start = time.perf_counter()
+    with store.writer(0, f"bench-{args.writer}", flush_bytes=args.flush_mb << 20,
+                      on_commit=lambda commit, ids: objects.append(len(commit.objects) + 1)) as writer:
+        for i, ids in enumerate(arrays):
+            writer.append(Record(sample_id=f"w{args.writer}-{i}", expert_ids=ids, prompt_len=args.tokens // 4,
+                                 response_len=args.tokens - args.tokens // 4))
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "raw_bytes": sum(a.nbytes for a in arrays), "peak_rss_mb": _peak_rss_mb(),
+            "parts": len(objects), "objects_per_flush": float(np.mean(objects)) if objects else 0.0}
+
+
+def baseline(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """np.save of the same arrays to local disk, one file per record, no compression."""
+    arrays = _routing(args, seed=0)
+    start = time.perf_counter()
+    for i, ids in enumerate(arrays):
+        with (root / f"{i}.npy").open("wb") as handle:
+            np.save(handle, ids, allow_pickle=False)
+    seconds = time.perf_counter() - start
+    raw = sum(a.nbytes for a in arrays)
+    return {"seconds": seconds, "raw_bytes": raw, "MBps": raw / seconds / 1e6}
+
+
+def run_writers(args: argparse.Namespace, url: str, writers: int, env: dict[str, str]) -> dict[str, Any]:
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--child", "--url", url, "--writer", str(w), "--records",
+                          str(args.records), "--tokens", str(args.tokens), "--layers", str(args.layers),
+                          "--flush-mb", str(args.flush_mb)], stdout=subprocess.PIPE, text=True, env=env)
+        for w in range(writers)
+    ]
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=1800)
+        if proc.returncode:
+            raise SystemExit(f"a writer failed with exit code {proc.returncode}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    wall = max(r["seconds"] for r in results)
+    raw = sum(r["raw_bytes"] for r in results)
+    committed = len(routelog.open_store(url).step(0))
+    if committed != writers * args.records:
+        raise SystemExit(f"{committed} records committed, expected {writers * args.records}")
+    return {"writers": writers, "MBps": raw / wall / 1e6, "seconds": wall,
+            "peak_rss_mb_per_writer": max(r["peak_rss_mb"] for r in results),
+            "objects_per_flush": float(np.mean([r["objects_per_flush"] for r in results])),
+            "parts": sum(r["parts"] for r in results)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--records", type=int, default=32, help="records per writer")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--flush-mb", type=int, default=16)
+    parser.add_argument("--writers", default="1,2,4")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--writer", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.records, args.tokens, args.layers, args.flush_mb, args.writers = 4, 256, 8, 1, "1,2"
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per S3 request otherwise
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+                 region_name="us-east-1").create_bucket(Bucket="bench")
+    os.environ.update({k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+                                           "AWS_ENDPOINT_URL")})
+    counts = [int(n) for n in args.writers.split(",")]
+    report: dict[str, Any] = {"config": {"records_per_writer": args.records, "tokens": args.tokens,
+                                         "layers": args.layers, "experts": 128, "topk": 8, "flush_mb": args.flush_mb}}
+    with tempfile.TemporaryDirectory(prefix="routelog-bench-writers-") as tmp:
+        root = Path(tmp)
+        (root / "npy").mkdir()
+        report["np_save_local"] = baseline(args, root / "npy")
+        report["local"] = [run_writers(args, str(root / f"local-{n}"), n, env) for n in counts]
+        report["s3_moto"] = [run_writers(args, f"s3://bench/{uuid.uuid4().hex}-{n}", n, env) for n in counts]
+    server.stop()
+    base = report["np_save_local"]["MBps"]
+    report["ratios_vs_np_save"] = {
+        f"{target}_{r['writers']}_writers": r["MBps"] / base for target in ("local", "s3_moto") for r in report[target]
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    cfg = report["config"]
+    print(f"{cfg['records_per_writer']} records x {cfg['tokens']} tokens x {cfg['layers']} layers (top-8 of 128) "
+          f"per writer, parts of {cfg['flush_mb']} MiB")
+    print(f"np.save, local, no compression: {base:8.0f} MB/s")
+    print(f"{'target':10s} {'writers':>8s} {'MB/s':>8s} {'x np.save':>10s} {'peak RSS/writer MB':>19s} "
+          f"{'objects/flush':>14s}")
+    for target in ("local", "s3_moto"):
+        for r in report[target]:
+            print(f"{target:10s} {r['writers']:8d} {r['MBps']:8.0f} {r['MBps'] / base:10.2f} "
+                  f"{r['peak_rss_mb_per_writer']:19.0f} {r['objects_per_flush']:14.1f}")
+
+
+if __name__ == "__main__":
+    main()
