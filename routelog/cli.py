@@ -156,6 +156,10 @@ def synth(
     writer_id: Annotated[str | None, typer.Option(help="Writer id (default: random).")] = None,
     with_token_ids: Annotated[bool, typer.Option(help="Store token ids, not only their hash.")] = False,
     topk_order: Annotated[str, typer.Option(help="'sorted' (canonical, smallest) or 'score'.")] = "sorted",
+    logprob_noise: Annotated[
+        float | None,
+        typer.Option(help="Attach logprob_infer, then annotate logprob_train with this log-scale noise."),
+    ] = None,
     storage_options: StorageOptions = None,
 ) -> None:
     """Write synthetic routing to a store (creating it if needed)."""
@@ -181,6 +185,7 @@ def synth(
         sample_prefix=sample_prefix,
         step=step,
         with_token_ids=with_token_ids,
+        logprob_noise=logprob_noise,
     )
     options = PartOptions(topk_order="score" if topk_order == "score" else "sorted")
     with _progress() as progress, store.writer(step, writer_id, options=options) as writer:
@@ -189,6 +194,18 @@ def synth(
             writer.append(record)
             progress.advance(task)
     err_console.print(f"wrote {records} records to step {step} of {store.url} in {len(writer.commits)} part(s)")
+    if logprob_noise is not None:
+        _annotate_training_logprobs(store, step, config, logprob_noise, f"{writer.writer_id[:58]}-train")
+
+
+def _annotate_training_logprobs(store: Store, step: int, config: Any, noise: float, writer_id: str) -> None:
+    from routelog.synth import synth_records, synth_training_logprobs
+    from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
+
+    with store.annotate(step, writer_id) as annotator:
+        for i, record in enumerate(synth_records(store.model_spec, config)):
+            infer = np.asarray((record.token_values or {})[LOGPROB_INFER], np.float32)
+            annotator.add(record.sample_id, {LOGPROB_TRAIN: synth_training_logprobs(infer, noise, config.seed + i)})
 
 
 # -- inspect / ls / cat -----------------------------------------------------------------------------------------
@@ -543,6 +560,155 @@ def verify(
         )
     if not report.ok:
         raise typer.Exit(1)
+
+
+# -- audits ---------------------------------------------------------------------------------------------------------
+StepsOption = Annotated[list[int] | None, typer.Option("--step", help="Step to include (repeatable; default: all).")]
+PlotOption = Annotated[Path | None, typer.Option("--plot", help="Write a figure (PNG) here.")]
+RayFlag = Annotated[
+    bool, typer.Option("--ray", help="Spread the work over a Ray cluster (RAY_ADDRESS, or a local one).")
+]
+
+
+class _AuditProgress:
+    """A progress bar over records on stderr (only when it is a terminal)."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.bar = _progress()
+        self.bar.disable = not err_console.is_terminal
+        self.task = self.bar.add_task(label, total=total)
+
+    def __enter__(self) -> _AuditProgress:
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+    def __call__(self, records: int) -> None:
+        self.bar.advance(self.task, records)
+
+
+def _report(result: Any, json_out: bool, plot: Path | None, draw: Any, lines: list[str]) -> None:
+    if plot is not None:
+        draw(result, plot)
+    if json_out:
+        typer.echo(result.model_dump_json(indent=1))
+        return
+    for line in lines:
+        console.print(line, highlight=False, soft_wrap=True)
+    if plot is not None:
+        console.print(f"figure: {plot}", highlight=False)
+
+
+@app.command()
+def stats(
+    url: Annotated[str, typer.Argument(help="Store URL.")],
+    step: StepsOption = None,
+    json_out: JsonFlag = False,
+    plot: PlotOption = None,
+    use_ray: RayFlag = False,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Per MoE layer: expert load, imbalance (max/mean, CV) and routing entropy; totals."""
+    from routelog import audit
+    from routelog.audit.figures import stats_figure
+
+    options = _options(storage_options)
+    with _AuditProgress("stats", audit.total_records(url, step, options)) as progress:
+        result = audit.stats(url, step, storage_options=options, use_ray=use_ray, progress=progress)
+    table = Table("layer", "imbalance (max/mean)", "CV", "entropy / log2 E", "busiest expert")
+    for layer in result.layers:
+        table.add_row(
+            str(layer.layer),
+            f"{layer.imbalance:.3f}",
+            f"{layer.cv:.3f}",
+            f"{layer.entropy_normalized:.4f}",
+            str(int(np.argmax(layer.load))),
+        )
+    summary = (
+        f"{result.url}: steps {result.steps}, {result.records} records, {result.tokens} tokens "
+        f"({result.rows} routed), {result.stored_bytes} B stored = {result.bytes_per_token_layer:.2f} B/token-layer"
+    )
+    _report(result, json_out, plot, stats_figure, [summary])
+    if not json_out:
+        console.print(table)
+
+
+@app.command()
+def diff(
+    url_a: Annotated[str, typer.Argument(help="First store URL (e.g. the inference recording).")],
+    url_b: Annotated[str, typer.Argument(help="Second store URL (e.g. a training-side recording); may be the same.")],
+    step: Annotated[int, typer.Option(help="Step of the first store.")],
+    step_b: Annotated[int | None, typer.Option(help="Step of the second store (default: --step).")] = None,
+    json_out: JsonFlag = False,
+    plot: PlotOption = None,
+    use_ray: RayFlag = False,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Routing differences of the same records (router, token and sequence level; per layer): paper Fig. 3."""
+    from routelog import audit
+    from routelog.audit.figures import diff_figure
+
+    options = _options(storage_options)
+    with _AuditProgress("diff", audit.total_records(url_a, [step], options)) as progress:
+        result = audit.diff(
+            url_a, url_b, step, step_b=step_b, storage_options=options, use_ray=use_ray, progress=progress
+        )
+    lines = [
+        f"{result.a} vs {result.b}: {result.records_compared} records compared ({result.only_a} only in the first, "
+        f"{result.only_b} only in the second), {result.rows_compared} routed tokens",
+        f"router-level diff {100 * result.router_diff_rate:.2f} %, token-level {100 * result.token_diff_rate:.2f} %, "
+        f"mean sequence-level {result.mean_sequence_diff:.3f} experts/token",
+    ]
+    _report(result, json_out, plot, diff_figure, lines)
+
+
+@app.command()
+def mismatch(
+    url: Annotated[str, typer.Argument(help="Store URL with logprob_infer and logprob_train columns.")],
+    step: StepsOption = None,
+    json_out: JsonFlag = False,
+    plot: PlotOption = None,
+    use_ray: RayFlag = False,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Per step: training-inference KL (k3) and F(t) for t in 1.5, 2, 5 from stored log-probs: paper Fig. 5."""
+    from routelog import audit
+    from routelog.audit.figures import mismatch_figure
+
+    options = _options(storage_options)
+    with _AuditProgress("mismatch", audit.total_records(url, step, options)) as progress:
+        result = audit.mismatch(url, step, storage_options=options, use_ray=use_ray, progress=progress)
+    lines = [
+        f"step {s.step}: {s.tokens} tokens, KL k3 {s.kl_k3:.3e}, "
+        + ", ".join(f"F({t}) {v:.3e}" for t, v in s.extreme.items())
+        for s in result.steps
+    ] or [f"{url}: no record has both logprob_infer and logprob_train"]
+    _report(result, json_out, plot, mismatch_figure, lines)
+
+
+@app.command()
+def drift(
+    url: Annotated[str, typer.Argument(help="Store URL.")],
+    other: Annotated[str | None, typer.Option(help="Another run's store: compare the same steps.")] = None,
+    step: StepsOption = None,
+    json_out: JsonFlag = False,
+    plot: PlotOption = None,
+    use_ray: RayFlag = False,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Expert-load shift: Jensen-Shannon divergence per layer between consecutive steps and between two runs."""
+    from routelog import audit
+    from routelog.audit.figures import drift_figure
+
+    options = _options(storage_options)
+    total = audit.total_records(url, step, options) + (audit.total_records(other, step, options) if other else 0)
+    with _AuditProgress("drift", total) as progress:
+        result = audit.drift(url, other, step, storage_options=options, use_ray=use_ray, progress=progress)
+    lines = [f"{p.a} -> {p.b}: mean JS {p.mean_js:.3e}, max {p.max_js:.3e} bits" for p in result.consecutive]
+    lines += [f"{p.a} vs {p.b}: mean JS {p.mean_js:.3e}, max {p.max_js:.3e} bits" for p in result.between_runs]
+    _report(result, json_out, plot, drift_figure, lines or [f"{url}: a single step, nothing to compare"])
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ SUPPORTED_FEATURES: frozenset[str] = frozenset()
 RUN_KIND: Final = "routelog.run"
 COMMIT_KIND: Final = "routelog.commit"
 SEAL_KIND: Final = "routelog.seal"
+ANNOTATION_KIND: Final = "routelog.annotation"
 
 
 class ArrowType:
@@ -133,6 +134,23 @@ class RoutingArrayInfo(_Document):
     """A copy of ``routing/zarr.json``, so readers open the array without fetching it."""
 
 
+class ValueColumn(_Document):
+    """A per-token float column (see ``routelog.values``): entry ``t`` belongs to input position ``t``."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,63}$")
+    """``logprob_infer`` and ``logprob_train`` are the well-known names; others are free."""
+    dtype: Literal["float32"] = "float32"
+
+
+class ValuesInfo(_Document):
+    """The Parquet object holding a part's per-token columns: ``sample_id``, ``token_hash``, then one
+    ``list<float32>`` column per declared name (null where a record has no such column; NaN = no value)."""
+
+    key: str = "values.parquet"
+    """Path relative to the part (or annotation) directory; also listed in ``objects``."""
+    columns: list[ValueColumn]
+
+
 class CommitRecord(_Document):
     """Created exclusively, last, under ``steps/<step>/commits/<writer>.<seq>.json``: the part becomes visible."""
 
@@ -149,6 +167,28 @@ class CommitRecord(_Document):
     n_records: int = Field(ge=0)
     n_tokens: int = Field(ge=0)
     routing: RoutingArrayInfo
+    objects: list[ObjectInfo]
+    values: ValuesInfo | None = None
+    """Per-token float columns of the part's records, if any were attached (added in format 1.1: readers that
+    do not know the field ignore it and never fetch the object)."""
+
+
+class AnnotationCommit(_Document):
+    """Created exclusively, last, under ``steps/<step>/annotations/<writer>.<seq>.json``: per-token columns for
+    records already committed in the step (e.g. the trainer's log-probs), stored under
+    ``steps/<step>/annotations/<part>/``."""
+
+    format_version: int = FORMAT_VERSION
+    kind: Literal["routelog.annotation"] = ANNOTATION_KIND
+    features: list[str] = []
+    step: int = Field(ge=0)
+    part: str
+    """Directory name of the data under ``steps/<step>/annotations/``."""
+    writer_id: str
+    seq: int = Field(ge=0)
+    created_at: datetime
+    n_records: int = Field(ge=0)
+    values: ValuesInfo
     objects: list[ObjectInfo]
 
 
@@ -195,6 +235,7 @@ DOCUMENT_MODELS: dict[str, type[BaseModel]] = {
     "run": RunDocument,
     "commit": CommitRecord,
     "seal": SealRecord,
+    "annotation": AnnotationCommit,
     "index_row": IndexRow,
     "model_spec": ModelSpec,
 }

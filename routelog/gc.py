@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from routelog import layout
 from routelog.errors import RoutelogError
-from routelog.format import CommitRecord, SealRecord, parse_document
+from routelog.format import AnnotationCommit, CommitRecord, SealRecord, parse_document
 from routelog.seal import SEALED_DIR
 from routelog.store import Store
 
@@ -46,23 +46,31 @@ class GcReport:
         return sum(self.orphans.values())
 
 
+def _referenced_parts(store: Store, directory: str, model: type[CommitRecord] | type[AnnotationCommit]) -> set[str]:
+    """Part names claimed by the commit documents in ``directory``. An unreadable commit still claims every part
+    of its writer and sequence number (as a prefix ending in '.'): deleting data because of a damaged commit would
+    lose committed records. `routelog verify` reports it."""
+    storage = store.storage
+    claimed = set()
+    for name in storage.list(directory):
+        if layout.parse_commit_name(name) is None:
+            continue
+        key = f"{directory}/{name}"
+        try:
+            claimed.add(parse_document(storage.read(key), model, storage.url_of(key)).part)
+        except RoutelogError:
+            claimed.add(name.rsplit(".", 1)[0] + ".")
+    return claimed
+
+
 def collect_garbage(store: Store, older_than: float, *, delete: bool = False, now: float | None = None) -> GcReport:
     """Find (and with ``delete``, remove) unreferenced part and seal objects older than ``older_than`` seconds."""
     storage = store.storage
     now = time.time() if now is None else now
     report = GcReport()
     for step in store.steps():
-        referenced = set()
-        for name in storage.list(layout.commits_dir(step)):
-            if layout.parse_commit_name(name) is None:
-                continue
-            key = layout.commit_key(step, name)
-            try:
-                referenced.add(parse_document(storage.read(key), CommitRecord, storage.url_of(key)).part)
-            except RoutelogError:
-                # An unreadable commit still claims its part: deleting data because of a damaged commit would lose
-                # committed records. `routelog verify` reports it.
-                referenced.add(name.rsplit(".", 1)[0] + ".")
+        referenced = _referenced_parts(store, layout.commits_dir(step), CommitRecord)
+        annotated = _referenced_parts(store, layout.annotations_dir(step), AnnotationCommit)
         sealed: set[str] = set()
         seal_key = layout.seal_key(step)
         try:
@@ -74,11 +82,15 @@ def collect_garbage(store: Store, older_than: float, *, delete: bool = False, no
         base = layout.step_dir(step)
         # Candidates by unit of deletion: a whole part directory, or one consolidated seal object.
         candidates: dict[str, list[tuple[str, int, float]]] = {}
-        for key, stat in storage.find(layout.parts_dir(step)).items():
-            part = key[len(layout.parts_dir(step)) + 1 :].split("/", 1)[0]
-            if part in referenced or any(part.startswith(prefix) for prefix in referenced if prefix.endswith(".")):
-                continue
-            candidates.setdefault(layout.part_dir(step, part), []).append((key, stat.size, stat.modified))
+        for directory, claimed in ((layout.parts_dir(step), referenced), (layout.annotations_dir(step), annotated)):
+            for key, stat in storage.find(directory).items():
+                rest = key[len(directory) + 1 :]
+                if "/" not in rest:  # a commit document itself, not data
+                    continue
+                part = rest.split("/", 1)[0]
+                if part in claimed or any(part.startswith(prefix) for prefix in claimed if prefix.endswith(".")):
+                    continue
+                candidates.setdefault(f"{directory}/{part}", []).append((key, stat.size, stat.modified))
         for key, stat in storage.find(f"{base}/{SEALED_DIR}").items():
             if key[len(base) + 1 :] not in sealed:
                 candidates.setdefault(key, []).append((key, stat.size, stat.modified))
@@ -88,7 +100,7 @@ def collect_garbage(store: Store, older_than: float, *, delete: bool = False, no
                 report.kept_young += len(objects)
                 continue
             report.orphans.update({key: size for key, size, _ in objects})
-            if unit.startswith(layout.parts_dir(step)):
+            if not unit.startswith(f"{base}/{SEALED_DIR}"):
                 report.trees.append(unit)
     if delete and report.orphans:
         storage.delete([k for k in report.orphans if not any(k.startswith(t + "/") for t in report.trees)])

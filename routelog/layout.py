@@ -72,3 +72,12 @@ def new_part_name(writer_id: str, seq: int) -> str:
 
 def seal_key(step: int) -> str:
     return f"{step_dir(step)}/_SEALED.json"
+
+
+def annotations_dir(step: int) -> str:
+    """Annotation commits (``<writer>.<seq>.json``) and their data directories (``<writer>.<seq>.<nonce>/``)."""
+    return f"{step_dir(step)}/annotations"
+
+
+def annotation_key(step: int, name: str) -> str:
+    return f"{annotations_dir(step)}/{name}"

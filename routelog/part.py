@@ -23,7 +23,17 @@ import pyarrow.parquet as pq
 from routelog import layout
 from routelog.codec import TopkOrder, decode_rows, storage_dtype
 from routelog.errors import CorruptDataError
-from routelog.format import FORMAT_VERSION, INDEX_SCHEMA, CommitRecord, IndexRow, ObjectInfo, RoutingArrayInfo, Span
+from routelog.format import (
+    FORMAT_VERSION,
+    INDEX_SCHEMA,
+    CommitRecord,
+    IndexRow,
+    ObjectInfo,
+    RoutingArrayInfo,
+    Span,
+    ValueColumn,
+    ValuesInfo,
+)
 from routelog.record import PreparedRecord
 from routelog.shard import (
     ChunkRead,
@@ -37,6 +47,7 @@ from routelog.shard import (
 )
 from routelog.spec import ModelSpec
 from routelog.storage import Storage
+from routelog.values import VALUES_OBJECT, values_to_parquet
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,7 @@ class BuiltPart:
     routing: RoutingArrayInfo
     rows: list[IndexRow]
     n_tokens: int
+    values: ValuesInfo | None = None
 
     def object_infos(self) -> list[ObjectInfo]:
         return [
@@ -102,11 +114,19 @@ def build_part(records: Sequence[PreparedRecord], spec: ModelSpec, options: Part
     )
     objects, metadata = _encode_routing(data, info, spec, options.zstd_level)
     objects[layout.INDEX] = index_to_parquet(rows)
+    names = sorted({name for r in records for name in r.values})
+    values = None
+    if names:  # only parts with per-token columns carry the values object
+        values = ValuesInfo(key=VALUES_OBJECT, columns=[ValueColumn(name=n) for n in names])
+        objects[VALUES_OBJECT] = values_to_parquet(
+            [(r.row.sample_id, r.row.token_hash, r.values) for r in records], names
+        )
     return BuiltPart(
         objects=objects,
         routing=info.model_copy(update={"zarr_metadata": metadata}),
         rows=rows,
         n_tokens=sum(r.n_tokens for r in rows),
+        values=values,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -23,14 +23,28 @@ import zarr
 
 from routelog import layout
 from routelog.errors import CorruptDataError, DuplicateSampleError, RecordNotFoundError
-from routelog.format import INDEX_SCHEMA, CommitRecord, Consolidated, IndexRow, SealRecord, Span, parse_document
+from routelog.format import (
+    INDEX_SCHEMA,
+    AnnotationCommit,
+    CommitRecord,
+    Consolidated,
+    IndexRow,
+    SealRecord,
+    Span,
+    ValuesInfo,
+    parse_document,
+)
 from routelog.part import BlockRequest, ShardIndexCache, fetch_blocks, index_from_parquet
 from routelog.record import Record
+from routelog.values import FloatArray, values_from_parquet
 
 if TYPE_CHECKING:
     import torch
 
     from routelog.store import Store
+
+_VALUES_CACHE = 4
+"""Values objects kept decoded per snapshot (streaming reads visit parts one after another)."""
 
 MISSING = -1
 """Value of rows the engine never computed in :attr:`RecordRouting.expert_ids`."""
@@ -135,11 +149,16 @@ class StepSnapshot:
     index: pa.Table
     """All index rows of the step, plus ``_commit``: the position of the row's commit in :attr:`commits`."""
     sealed: bool
+    as_of: datetime | None = None
     _positions: dict[str, int] = field(init=False, repr=False)
     _commit_column: npt.NDArray[np.int32] = field(init=False, repr=False)
     _own: dict[str, CommitRecord] = field(init=False, repr=False)
     _foreign: dict[str, CommitRecord] = field(default_factory=dict, init=False, repr=False)
     _index_cache: ShardIndexCache = field(default_factory=ShardIndexCache, init=False, repr=False)
+    _annotations: list[AnnotationCommit] | None = field(default=None, init=False, repr=False)
+    _values_cache: OrderedDict[tuple[str, tuple[str, ...]], dict[str, dict[str, FloatArray]]] = field(
+        default_factory=OrderedDict, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         self._commit_column = self.index.column("_commit").to_numpy()
@@ -173,7 +192,7 @@ class StepSnapshot:
         if seal is not None and as_of is not None and seal.sealed_at > as_of:
             seal = None
         if seal is not None and seal.consolidated is not None:
-            return cls._load_consolidated(store, step, seal.consolidated)
+            return cls._load_consolidated(store, step, seal.consolidated, as_of)
         names = (
             seal.commits
             if seal is not None
@@ -195,10 +214,12 @@ class StepSnapshot:
             tables.append(table.append_column("_commit", pa.array([i] * table.num_rows, pa.int32())))
         empty = INDEX_SCHEMA.empty_table().append_column("_commit", pa.array([], pa.int32()))
         index = pa.concat_tables([empty, *tables], promote_options="permissive")
-        return cls(store=store, step=step, commits=commits, index=index, sealed=seal is not None)
+        return cls(store=store, step=step, commits=commits, index=index, sealed=seal is not None, as_of=as_of)
 
     @classmethod
-    def _load_consolidated(cls, store: Store, step: int, consolidated: Consolidated) -> StepSnapshot:
+    def _load_consolidated(
+        cls, store: Store, step: int, consolidated: Consolidated, as_of: datetime | None
+    ) -> StepSnapshot:
         """A sealed step from its two consolidated objects (checked against the seal's SHA-256s)."""
         storage = store.storage
         base = layout.step_dir(step)
@@ -216,7 +237,7 @@ class StepSnapshot:
         except ValueError as exc:
             raise CorruptDataError(f"{storage.url_of(keys[0])}: not a list of commit records ({exc})") from exc
         index = _parquet(data[keys[1]], storage.url_of(keys[1]))
-        return cls(store=store, step=step, commits=commits, index=index, sealed=True)
+        return cls(store=store, step=step, commits=commits, index=index, sealed=True, as_of=as_of)
 
     def _commit_of(self, position: int) -> int:
         return int(self._commit_column[position])
@@ -305,6 +326,89 @@ class StepSnapshot:
             )
             for r in rows
         ]
+
+    # -- per-token values ------------------------------------------------------------------------------------------
+    @property
+    def annotations(self) -> list[AnnotationCommit]:
+        """The step's annotation commits (per-token columns added after the records; as of :attr:`as_of`)."""
+        if self._annotations is None:
+            storage = self.store.storage
+            names = [n for n in storage.list(layout.annotations_dir(self.step)) if layout.parse_commit_name(n)]
+            keys = [layout.annotation_key(self.step, n) for n in names]
+            raw = storage.read_many(keys)
+            docs = [parse_document(raw[k], AnnotationCommit, storage.url_of(k)) for k in keys]
+            self._annotations = [d for d in docs if self.as_of is None or d.created_at <= self.as_of]
+        return self._annotations
+
+    def value_columns(self) -> list[str]:
+        """Names of the per-token columns present in the step (in parts or annotations)."""
+        names = {c.name for commit in self.commits if commit.values for c in commit.values.columns}
+        names.update(c.name for a in self.annotations for c in a.values.columns)
+        return sorted(names)
+
+    def token_values(self, sample_ids: Iterable[str], names: Sequence[str]) -> dict[str, dict[str, FloatArray]]:
+        """``{sample_id: {name: float32 [n_tokens]}}`` for the named columns each record has (a column a record
+        lacks is absent from its dict). Only the values objects of the records' parts are fetched, and only the
+        named columns of them; a column given twice for one record (in its part and an annotation, or two
+        annotations) raises :class:`DuplicateSampleError`."""
+        wanted = tuple(sorted(set(names)))
+        rows = {sid: self.info(sid) for sid in sample_ids}
+        out: dict[str, dict[str, FloatArray]] = {sid: {} for sid in rows}
+        sources: dict[tuple[str, str], str] = {}
+        by_part: dict[str, CommitRecord] = {}
+        for sid in rows:
+            commit = self.commits[self._commit_of(self._position(sid))]
+            if commit.values is not None and wanted:
+                by_part[layout.part_dir(self.step, commit.part)] = commit
+        places: list[tuple[str, ValuesInfo, list[str]]] = [
+            (key, c.values, [n for n in wanted if any(col.name == n for col in c.values.columns)])
+            for key, c in by_part.items()
+            if c.values is not None
+        ]
+        places += [
+            (
+                f"{layout.annotations_dir(self.step)}/{a.part}",
+                a.values,
+                [n for n in wanted if n in {c.name for c in a.values.columns}],
+            )
+            for a in self.annotations
+        ]
+        for base, info, columns in places:
+            if not columns:
+                continue
+            for sid, values in self._values_of(f"{base}/{info.key}", tuple(columns)).items():
+                if sid not in out:
+                    continue
+                for name, array in values.items():
+                    if (sid, name) in sources:
+                        raise DuplicateSampleError(
+                            sid,
+                            f"token_values[{name!r}]",
+                            f"is given twice in step {self.step} ({sources[(sid, name)]} and {base})",
+                            "annotate each record's column once; remove the extra annotation commit",
+                        )
+                    sources[(sid, name)] = base
+                    if len(array) != rows[sid].n_tokens:
+                        raise CorruptDataError(f"{base}: column {name!r} of sample {sid!r} has the wrong length")
+                    out[sid][name] = array
+        return out
+
+    def _values_of(self, key: str, columns: tuple[str, ...]) -> dict[str, dict[str, FloatArray]]:
+        """One values object's columns, with a small LRU so streaming over a part reads its object once."""
+        cache_key = (key, columns)
+        if cache_key in self._values_cache:
+            self._values_cache.move_to_end(cache_key)
+            return self._values_cache[cache_key]
+        storage = self.store.storage
+        try:
+            data = storage.read(key)
+        except FileNotFoundError:
+            raise CorruptDataError(f"{storage.url_of(key)}: a committed values object is missing") from None
+        values = values_from_parquet(data, columns, storage.url_of(key))
+        self._values_cache[cache_key] = values
+        while len(self._values_cache) > _VALUES_CACHE:
+            self._values_cache.popitem(last=False)
+        return values
 
     def open_zarr(self, part: str) -> zarr.Array[Any]:
         """A part's routing array opened with zarr-python (stored form: gaps when sorted, uint16 as byte planes;

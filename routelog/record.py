@@ -24,6 +24,7 @@ from routelog.codec import (
 from routelog.errors import InvalidRecordError
 from routelog.format import IndexRow, Segment, Span
 from routelog.spec import ModelSpec
+from routelog.values import FloatArray, check_token_values
 
 TOKEN_HASH_PREFIX = "blake2b-128:"
 
@@ -57,6 +58,9 @@ class Record:
     engine_version: str | None = None
     segments: Sequence[Segment] = ()
     extra: Mapping[str, Any] | None = None
+    token_values: Mapping[str, npt.ArrayLike] | None = None
+    """Per-token float columns, each ``[n_tokens]`` (NaN = no value), e.g. ``{"logprob_infer": ...}`` with the
+    sampled tokens' log-probs; see :mod:`routelog.values`."""
 
     @property
     def n_tokens(self) -> int:
@@ -70,6 +74,8 @@ class PreparedRecord:
     row: IndexRow
     rows: IdArray
     """``[n_moe_layers, n_valid_rows, topk]`` (layer-major) in stored form (gaps when sorted)."""
+    values: dict[str, FloatArray] = field(default_factory=dict)
+    """Validated per-token columns (float32, ``[n_tokens]``)."""
     raw_nbytes: int = field(default=0)
     """Size of the valid rows at one byte/two bytes per ID, the 'raw-equivalent' measure of throughput."""
 
@@ -90,6 +96,7 @@ def prepare_record(record: Record, spec: ModelSpec, step: int, topk_order: TopkO
     digest = _check_tokens(record, n)
     segments = _check_segments(record, n)
     extra = _check_extra(record)
+    values = check_token_values(record.token_values, n, sid)
 
     starts, stops = _runs(valid)
     chosen = ids if valid.all() else ids[valid]
@@ -129,7 +136,7 @@ def prepare_record(record: Record, spec: ModelSpec, step: int, topk_order: TopkO
         segments=segments,
         extra=extra,
     )
-    return PreparedRecord(row=row, rows=stored, raw_nbytes=stored.nbytes)
+    return PreparedRecord(row=row, rows=stored, values=values, raw_nbytes=stored.nbytes)
 
 
 def _raise_row_problem(sid: str, spec: ModelSpec, problem: RowProblem, token: int, layer: int) -> None:

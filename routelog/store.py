@@ -16,6 +16,7 @@ from routelog.spec import ModelSpec
 from routelog.storage import Storage
 
 if TYPE_CHECKING:
+    from routelog.annotate import Annotator
     from routelog.format import SealRecord
     from routelog.part import PartOptions
     from routelog.reader import StepSnapshot
@@ -63,6 +64,12 @@ class Store:
         from routelog.reader import StepSnapshot
 
         return StepSnapshot.load(self, step, as_of=as_of)
+
+    def annotate(self, step: int, writer_id: str) -> Annotator:
+        """Attach per-token columns (e.g. the trainer's ``logprob_train``) to records committed in ``step``."""
+        from routelog.annotate import Annotator
+
+        return Annotator(self, step, writer_id)
 
     def writer(
         self,

@@ -17,6 +17,7 @@ import numpy.typing as npt
 from routelog.format import Segment
 from routelog.record import Record, token_hash
 from routelog.spec import ModelSpec
+from routelog.values import LOGPROB_INFER
 
 VOCAB_SIZE = 32000
 _REJECTION_ROUNDS = 8
@@ -44,6 +45,9 @@ class SynthConfig:
     missing_final_row: bool = True
     """Mark the final token's row missing, as every inference engine leaves it."""
     with_token_ids: bool = False
+    logprob_noise: float | None = None
+    """If set, attach ``logprob_infer`` (log-probs of the sampled response tokens, NaN on the prompt); the matching
+    training log-probs are :func:`synth_training_logprobs` with this noise."""
     """Store the token ids (the hash is always stored)."""
 
     def __post_init__(self) -> None:
@@ -137,6 +141,13 @@ def synth_records(spec: ModelSpec, config: SynthConfig) -> Iterator[Record]:
         if config.missing_final_row:
             valid[-1] = False
         group = i // max(1, config.group_size)
+        values = None
+        if config.logprob_noise is not None:
+            infer = np.full(n, np.nan, np.float32)
+            # Own generator: attaching log-probs must not change the routing or tokens of later records.
+            values_rng = np.random.default_rng([config.seed, i, 1])
+            infer[prompt:] = np.log(values_rng.beta(5.0, 1.0, size=n - prompt) + 1e-6)
+            values = {LOGPROB_INFER: infer}
         yield Record(
             sample_id=f"{config.sample_prefix}{i:06d}",
             expert_ids=ids,
@@ -152,7 +163,17 @@ def synth_records(spec: ModelSpec, config: SynthConfig) -> Iterator[Record]:
                 Segment(start=0, end=prompt, policy_version=config.step, source="prompt"),
                 Segment(start=prompt, end=n, policy_version=config.step, source="response"),
             ),
+            token_values=values,
         )
+
+
+def synth_training_logprobs(infer: npt.NDArray[np.float32], noise: float, seed: int) -> npt.NDArray[np.float32]:
+    """What a trainer would report for these tokens: the inference log-probs with Gaussian noise on the log scale
+    (capped at 0), the shape of the train-inference mismatch the R3 paper measures."""
+    rng = np.random.default_rng(seed)
+    train = infer.astype(np.float64) + rng.normal(0.0, noise, size=infer.shape)
+    out: npt.NDArray[np.float32] = np.minimum(train, 0.0).astype(np.float32)
+    return out
 
 
 def synthetic_spec(layers: int, experts: int, topk: int) -> ModelSpec:

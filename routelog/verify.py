@@ -10,10 +10,12 @@ import numpy as np
 
 from routelog import layout
 from routelog.errors import RoutelogError
-from routelog.format import CommitRecord, IndexRow, SealRecord, parse_document
+from routelog.format import CommitRecord, IndexRow, ObjectInfo, SealRecord, parse_document
 from routelog.part import BlockRequest, fetch_blocks, index_from_parquet
 from routelog.reader import StepSnapshot
+from routelog.storage import Storage
 from routelog.store import Store
+from routelog.values import values_from_parquet
 
 
 @dataclass
@@ -66,9 +68,37 @@ def _verify_step(store: Store, step: int, report: VerifyReport) -> None:
                 "`routelog gc` removes such orphans"
             )
     try:
-        StepSnapshot.load(store, step)
+        snapshot = StepSnapshot.load(store, step)
     except RoutelogError as exc:
         report.problems.append(f"step {step}: the snapshot cannot be read: {exc}")
+        return
+    try:
+        _verify_values(snapshot, report)
+    except RoutelogError as exc:
+        report.problems.append(f"step {step}: per-token values: {exc}")
+
+
+def _verify_values(snapshot: StepSnapshot, report: VerifyReport) -> None:
+    """Annotation objects match their commits, name committed records only, and every column of every record
+    is given once with one value per token."""
+    storage = snapshot.store.storage
+    for annotation in snapshot.annotations:
+        report.commits += 1
+        base = f"{layout.annotations_dir(snapshot.step)}/{annotation.part}"
+        for obj in annotation.objects:
+            report.objects += 1
+            key = f"{base}/{obj.key}"
+            data = _read_checked(storage, key, obj, "the annotation commit", report)
+            if data is None:
+                continue
+            names = [c.name for c in annotation.values.columns]
+            strangers = sorted(set(values_from_parquet(data, names, storage.url_of(key))) - set(snapshot.sample_ids))
+            if strangers:
+                report.problems.append(f"{storage.url_of(key)}: annotates samples not committed: {strangers[:8]}")
+    columns = snapshot.value_columns()
+    ids = snapshot.sample_ids
+    for start in range(0, len(ids) if columns else 0, 1024):
+        snapshot.token_values(ids[start : start + 1024], columns)
 
 
 def _verify_seal(store: Store, step: int, names: list[str], report: VerifyReport) -> None:
@@ -83,14 +113,7 @@ def _verify_seal(store: Store, step: int, names: list[str], report: VerifyReport
         return
     if seal.consolidated is not None:
         for info in (seal.consolidated.commits, seal.consolidated.index):
-            object_key = f"{layout.step_dir(step)}/{info.key}"
-            try:
-                data = storage.read(object_key)
-            except FileNotFoundError:
-                report.problems.append(f"{storage.url_of(object_key)}: missing (the seal lists it)")
-                continue
-            if len(data) != info.size or hashlib.sha256(data).hexdigest() != info.sha256:
-                report.problems.append(f"{storage.url_of(object_key)}: size or SHA-256 differs from the seal")
+            _read_checked(storage, f"{layout.step_dir(step)}/{info.key}", info, "the seal", report)
     missing = sorted(set(seal.commits) - set(names))
     if missing:
         report.problems.append(f"step {step}: the seal lists commits that do not exist: {missing}")
@@ -114,15 +137,9 @@ def _verify_commit(store: Store, step: int, commit: CommitRecord, seen: dict[str
     blobs: dict[str, bytes] = {}
     for obj in commit.objects:
         report.objects += 1
-        try:
-            data = storage.read(f"{base}/{obj.key}")
-        except FileNotFoundError:
-            report.problems.append(f"{where}/{obj.key}: missing (the commit lists it)")
-            continue
-        if len(data) != obj.size or hashlib.sha256(data).hexdigest() != obj.sha256:
-            report.problems.append(f"{where}/{obj.key}: size or SHA-256 differs from the commit (corrupted)")
-            continue
-        blobs[obj.key] = data
+        data = _read_checked(storage, f"{base}/{obj.key}", obj, "the commit", report)
+        if data is not None:
+            blobs[obj.key] = data
     if layout.INDEX not in blobs:
         return
     rows = [IndexRow.model_validate(r) for r in index_from_parquet(blobs[layout.INDEX]).to_pylist()]
@@ -176,3 +193,16 @@ def _verify_routing(store: Store, step: int, commit: CommitRecord, report: Verif
                 f"{where}: routing row {row} decodes to an invalid top-k set {ids[int(np.argmax(bad))].tolist()}"
             )
             return
+
+
+def _read_checked(storage: Storage, key: str, info: ObjectInfo, owner: str, report: VerifyReport) -> bytes | None:
+    """The object if it exists with the size and SHA-256 ``owner`` lists; otherwise a problem and None."""
+    try:
+        data = storage.read(key)
+    except FileNotFoundError:
+        report.problems.append(f"{storage.url_of(key)}: missing ({owner} lists it)")
+        return None
+    if len(data) != info.size or hashlib.sha256(data).hexdigest() != info.sha256:
+        report.problems.append(f"{storage.url_of(key)}: size or SHA-256 differs from {owner} (corrupted)")
+        return None
+    return data

@@ -355,6 +355,7 @@ def publish_part(store: Store, step: int, writer_id: str, seq: int, built: Built
         n_tokens=built.n_tokens,
         routing=built.routing,
         objects=built.object_infos(),
+        values=built.values,
     )
     key = layout.commit_key(step, layout.commit_name(writer_id, seq))
     if not storage.create(key, dump_document(commit)):

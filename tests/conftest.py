@@ -134,7 +134,12 @@ def megatron_env() -> None:
 def ray_cluster(s3_endpoint: str) -> Iterator[None]:
     """One local Ray cluster per test session (2 CPUs); workers inherit the moto S3 environment."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {k: os.environ[k] for k in [*S3_ENV, "AWS_ENDPOINT_URL"]}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        runtime_env={"env_vars": {k: os.environ[k] for k in [*S3_ENV, "AWS_ENDPOINT_URL"]}},
+    )
     yield
     ray.shutdown()

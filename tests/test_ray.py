@@ -21,9 +21,18 @@ def make_records(prefix: str, n: int, seed: int) -> list[Record]:
         tokens = int(rng.integers(5, 40))
         valid = np.ones(tokens, bool)
         valid[-1] = False
-        out.append(Record(sample_id=f"{prefix}{i}", expert_ids=np.argsort(rng.random((tokens, 3, 32)), -1)[..., :4],
-                          prompt_len=2, response_len=tokens - 2, valid=valid, token_ids=rng.integers(0, 99, tokens),
-                          group_id=f"g{i // 4}", policy_version=1))
+        out.append(
+            Record(
+                sample_id=f"{prefix}{i}",
+                expert_ids=np.argsort(rng.random((tokens, 3, 32)), -1)[..., :4],
+                prompt_len=2,
+                response_len=tokens - 2,
+                valid=valid,
+                token_ids=rng.integers(0, 99, tokens),
+                group_id=f"g{i // 4}",
+                policy_version=1,
+            )
+        )
     return out
 
 

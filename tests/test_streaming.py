@@ -31,8 +31,13 @@ def records(n: int, seed: int = 0, prefix: str = "r", tokens: int = 24) -> Itera
     rng = np.random.default_rng(seed)
     for i in range(n):
         ids = np.argsort(rng.random((tokens, 3, 16)), axis=-1)[..., :2]
-        yield Record(sample_id=f"{prefix}{i:04d}", expert_ids=ids, prompt_len=4, response_len=tokens - 4,
-                     token_ids=rng.integers(0, 500, tokens))
+        yield Record(
+            sample_id=f"{prefix}{i:04d}",
+            expert_ids=ids,
+            prompt_len=4,
+            response_len=tokens - 4,
+            token_ids=rng.integers(0, 500, tokens),
+        )
 
 
 def committed_ids(store: Store, step: int = 0) -> list[str]:
@@ -116,7 +121,7 @@ def test_permanent_faults_surface_with_the_key_and_commit_nothing(memory_url: st
     writer = store.writer(0, "w")
     for record in records(3):
         writer.append(record)
-    with pytest.raises(WriterError, match="index.parquet") as info:
+    with pytest.raises(WriterError, match=r"index\.parquet") as info:
         writer.close()
     assert info.value.sample_ids == ["r0000", "r0001", "r0002"]
     assert isinstance(info.value.__cause__, PermissionError)

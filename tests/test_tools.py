@@ -60,3 +60,14 @@ def test_bench_writers_commits_every_record_and_reports_the_np_save_baseline() -
             assert row["parts"] >= row["writers"], "every writer commits at least one part"
             assert row["objects_per_flush"] >= 2, "a flush writes data objects and one commit record"
     assert set(report["ratios_vs_np_save"]) == {f"{t}_{n}_writers" for t in ("local", "s3_moto") for n in (1, 2)}
+
+
+def test_bench_audit_measures_stats_and_diff_against_a_plain_read() -> None:
+    result = _tool(str(TOOLS / "bench_audit.py"), "--quick", "--no-ray", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["config"]["token_rows"] == 64 * 1024
+    for name in ("read_only", "stats", "diff"):
+        assert report[name]["tokens"] == 64 * 1024 and report[name]["tokens_per_s"] > 0
+        assert report[name]["peak_rss_mb"] > 0
+    assert set(report["ratios"]) == {"stats_vs_read_only", "diff_vs_read_only"}

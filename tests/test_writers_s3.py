@@ -23,14 +23,26 @@ def _env() -> dict[str, str]:
 
 def test_eight_processes_commit_exactly_once(s3_bucket: str) -> None:
     url = f"s3://{s3_bucket}/concurrent"
-    procs = [subprocess.Popen([sys.executable, CHILD, url, f"worker-{i}", f"p{i}-", "200"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=_env()) for i in range(8)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, CHILD, url, f"worker-{i}", f"p{i}-", "200"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        for i in range(8)
+    ]
     committed: list[str] = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-2000:]
-        committed += [sid for line in out.splitlines() if line.startswith("COMMITTED ")
-                      for sid in line.split(" ", 1)[1].split(",")]
+        committed += [
+            sid
+            for line in out.splitlines()
+            if line.startswith("COMMITTED ")
+            for sid in line.split(" ", 1)[1].split(",")
+        ]
     snapshot = routelog.open_store(url).step(0)  # raises DuplicateSampleError on any double commit
     expected = sorted(f"p{i}-{j:05d}" for i in range(8) for j in range(200))
     assert sorted(snapshot.sample_ids) == expected
@@ -46,22 +58,37 @@ def test_sigkill_at_random_points_loses_nothing_committed(s3_bucket: str) -> Non
     kills = 0
     deadline = time.monotonic() + 240
     while kills < 20 and time.monotonic() < deadline:
-        proc = subprocess.Popen([sys.executable, CHILD, url, "rollout-0", "s", "60", "600"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=_env())
+        proc = subprocess.Popen(
+            [sys.executable, CHILD, url, "rollout-0", "s", "60", "600"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
         time.sleep(rng.uniform(0.3, 3.0))
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             kills += 1
         out, _ = proc.communicate(timeout=60)
-        committed |= {sid for line in out.splitlines() if line.startswith("COMMITTED ")
-                      for sid in line.split(" ", 1)[1].split(",")}
+        committed |= {
+            sid
+            for line in out.splitlines()
+            if line.startswith("COMMITTED ")
+            for sid in line.split(" ", 1)[1].split(",")
+        }
         interim = routelog.open_store(url).step(0)  # readable after every kill, no duplicates
         assert committed <= set(interim.sample_ids), "every record whose commit returned is present"
     assert kills >= 20
     report = verify_store(routelog.open_store(url))
     assert report.ok, report.problems
-    final = subprocess.run([sys.executable, CHILD, url, "rollout-0", "s", "60", "600"], capture_output=True, text=True,
-                           env=_env(), timeout=120, check=False)
+    final = subprocess.run(
+        [sys.executable, CHILD, url, "rollout-0", "s", "60", "600"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+        check=False,
+    )
     assert final.returncode == 0, final.stderr[-2000:]
     assert sorted(routelog.open_store(url).step(0).sample_ids) == [f"s{i:05d}" for i in range(60)]
     assert verify_store(routelog.open_store(url)).ok

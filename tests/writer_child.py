@@ -25,8 +25,15 @@ def main() -> None:
         for i in range(n):
             tokens = 8 + i % 5
             ids = np.stack([np.argsort(np.random.default_rng(i).random((3, 16)), axis=-1)[:, :2]] * tokens)
-            writer.append(Record(sample_id=f"{prefix}{i:05d}", expert_ids=ids, prompt_len=2, response_len=tokens - 2,
-                                 token_ids=np.arange(tokens) + i))
+            writer.append(
+                Record(
+                    sample_id=f"{prefix}{i:05d}",
+                    expert_ids=ids,
+                    prompt_len=2,
+                    response_len=tokens - 2,
+                    token_ids=np.arange(tokens) + i,
+                )
+            )
     print("DONE", flush=True)
 
 

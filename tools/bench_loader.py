@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from benchlib import peak_rss_mb
 
 import routelog
 from routelog import PartOptions, Record
@@ -77,9 +77,9 @@ def run_routelog(store: str, records: int) -> dict[str, Any]:
         read["requests"] += 1
         return data
 
-    storage.read_ranges = lambda r: [count(d) for d in ranges(r)]  # type: ignore[method-assign]
-    storage.read = lambda k: count(whole(k))  # type: ignore[method-assign]
-    storage.read_many = lambda ks: {k: count(v) for k, v in many(ks).items()}  # type: ignore[method-assign]
+    storage.read_ranges = lambda r: [count(d) for d in ranges(r)]  # type: ignore[method-assign,assignment]
+    storage.read = lambda k: count(whole(k))  # type: ignore[method-assign,assignment]
+    storage.read_many = lambda ks: {k: count(v) for k, v in many(ks).items()}  # type: ignore[method-assign,assignment]
     plan = plan_for(opened.model_spec, records)
     replay = ReplayLoader(opened, 0, plan, prefetch=0).load(0)
     seconds = time.perf_counter() - start
@@ -90,7 +90,7 @@ def run_routelog(store: str, records: int) -> dict[str, Any]:
         "rows": int(replay.ids.shape[1]),
         "routers": len(replay.routers),
         "checksum": int(replay.ids.sum()),
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),
     }
 
 
@@ -132,19 +132,8 @@ def run_baseline(npy: str, records: int, layers: int) -> dict[str, Any]:
         "rows": int(replay.ids.shape[1]),
         "routers": len(replay.routers),
         "checksum": int(replay.ids.sum()),
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),
     }
-
-
-def _peak_rss_mb() -> float:
-    """Peak RSS of this process image (VmHWM; ru_maxrss would carry the parent's peak across fork+exec)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _child(side: str, args: argparse.Namespace, paths: dict[str, Any]) -> dict[str, Any]:

@@ -22,9 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from benchlib import peak_rss_mb
 
 import routelog
 from routelog import Record
+from routelog.part import PartOptions, build_part
+from routelog.record import prepare_record
 from routelog.synth import synth_routing, synthetic_spec
 
 
@@ -34,28 +37,47 @@ def _routing(args: argparse.Namespace, seed: int) -> list[np.ndarray]:
     return [synth_routing(rng, args.tokens, spec, None, 0.0) for _ in range(args.records)]
 
 
-def _peak_rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One writer: generate its routing, then append everything and close, timed."""
     arrays = _routing(args, seed=args.writer)
     spec = synthetic_spec(args.layers, 128, 8)
     store = routelog.create_store(args.url, spec)
     objects = []
+    # Warm up outside the clock: the first part pays one-time lazy imports inside zarr/pyarrow (~0.2 s), which a
+    # writer living for a whole RL run pays once, not per flush.
+    build_part(
+        [
+            prepare_record(
+                Record(sample_id="warmup", expert_ids=arrays[0][:16], prompt_len=4, response_len=12), spec, 0, "sorted"
+            )
+        ],
+        spec,
+        PartOptions(),
+    )
     start = time.perf_counter()
-    with store.writer(0, f"bench-{args.writer}", flush_bytes=args.flush_mb << 20,
-                      on_commit=lambda commit, ids: objects.append(len(commit.objects) + 1)) as writer:
+    with store.writer(
+        0,
+        f"bench-{args.writer}",
+        flush_bytes=args.flush_mb << 20,
+        on_commit=lambda commit, ids: objects.append(len(commit.objects) + 1),
+    ) as writer:
         for i, ids in enumerate(arrays):
-            writer.append(Record(sample_id=f"w{args.writer}-{i}", expert_ids=ids, prompt_len=args.tokens // 4,
-                                 response_len=args.tokens - args.tokens // 4))
+            writer.append(
+                Record(
+                    sample_id=f"w{args.writer}-{i}",
+                    expert_ids=ids,
+                    prompt_len=args.tokens // 4,
+                    response_len=args.tokens - args.tokens // 4,
+                )
+            )
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "raw_bytes": sum(a.nbytes for a in arrays), "peak_rss_mb": _peak_rss_mb(),
-            "parts": len(objects), "objects_per_flush": float(np.mean(objects)) if objects else 0.0}
+    return {
+        "seconds": seconds,
+        "raw_bytes": sum(a.nbytes for a in arrays),
+        "peak_rss_mb": peak_rss_mb(),
+        "parts": len(objects),
+        "objects_per_flush": float(np.mean(objects)) if objects else 0.0,
+    }
 
 
 def baseline(args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -72,9 +94,28 @@ def baseline(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 def run_writers(args: argparse.Namespace, url: str, writers: int, env: dict[str, str]) -> dict[str, Any]:
     procs = [
-        subprocess.Popen([sys.executable, __file__, "--child", "--url", url, "--writer", str(w), "--records",
-                          str(args.records), "--tokens", str(args.tokens), "--layers", str(args.layers),
-                          "--flush-mb", str(args.flush_mb)], stdout=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                "--url",
+                url,
+                "--writer",
+                str(w),
+                "--records",
+                str(args.records),
+                "--tokens",
+                str(args.tokens),
+                "--layers",
+                str(args.layers),
+                "--flush-mb",
+                str(args.flush_mb),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for w in range(writers)
     ]
     results = []
@@ -88,10 +129,14 @@ def run_writers(args: argparse.Namespace, url: str, writers: int, env: dict[str,
     committed = len(routelog.open_store(url).step(0))
     if committed != writers * args.records:
         raise SystemExit(f"{committed} records committed, expected {writers * args.records}")
-    return {"writers": writers, "MBps": raw / wall / 1e6, "seconds": wall,
-            "peak_rss_mb_per_writer": max(r["peak_rss_mb"] for r in results),
-            "objects_per_flush": float(np.mean([r["objects_per_flush"] for r in results])),
-            "parts": sum(r["parts"] for r in results)}
+    return {
+        "writers": writers,
+        "MBps": raw / wall / 1e6,
+        "seconds": wall,
+        "peak_rss_mb_per_writer": max(r["peak_rss_mb"] for r in results),
+        "objects_per_flush": float(np.mean([r["objects_per_flush"] for r in results])),
+        "parts": sum(r["parts"] for r in results),
+    }
 
 
 def main() -> None:
@@ -121,17 +166,32 @@ def main() -> None:
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+    }
     import boto3
 
-    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
-                 region_name="us-east-1").create_bucket(Bucket="bench")
-    os.environ.update({k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
-                                           "AWS_ENDPOINT_URL")})
+    boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench", region_name="us-east-1"
+    ).create_bucket(Bucket="bench")
+    os.environ.update(
+        {k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")}
+    )
     counts = [int(n) for n in args.writers.split(",")]
-    report: dict[str, Any] = {"config": {"records_per_writer": args.records, "tokens": args.tokens,
-                                         "layers": args.layers, "experts": 128, "topk": 8, "flush_mb": args.flush_mb}}
+    report: dict[str, Any] = {
+        "config": {
+            "records_per_writer": args.records,
+            "tokens": args.tokens,
+            "layers": args.layers,
+            "experts": 128,
+            "topk": 8,
+            "flush_mb": args.flush_mb,
+        }
+    }
     with tempfile.TemporaryDirectory(prefix="routelog-bench-writers-") as tmp:
         root = Path(tmp)
         (root / "npy").mkdir()
@@ -147,15 +207,21 @@ def main() -> None:
         print(json.dumps(report, indent=1))
         return
     cfg = report["config"]
-    print(f"{cfg['records_per_writer']} records x {cfg['tokens']} tokens x {cfg['layers']} layers (top-8 of 128) "
-          f"per writer, parts of {cfg['flush_mb']} MiB")
+    print(
+        f"{cfg['records_per_writer']} records x {cfg['tokens']} tokens x {cfg['layers']} layers (top-8 of 128) "
+        f"per writer, parts of {cfg['flush_mb']} MiB"
+    )
     print(f"np.save, local, no compression: {base:8.0f} MB/s")
-    print(f"{'target':10s} {'writers':>8s} {'MB/s':>8s} {'x np.save':>10s} {'peak RSS/writer MB':>19s} "
-          f"{'objects/flush':>14s}")
+    print(
+        f"{'target':10s} {'writers':>8s} {'MB/s':>8s} {'x np.save':>10s} {'peak RSS/writer MB':>19s} "
+        f"{'objects/flush':>14s}"
+    )
     for target in ("local", "s3_moto"):
         for r in report[target]:
-            print(f"{target:10s} {r['writers']:8d} {r['MBps']:8.0f} {r['MBps'] / base:10.2f} "
-                  f"{r['peak_rss_mb_per_writer']:19.0f} {r['objects_per_flush']:14.1f}")
+            print(
+                f"{target:10s} {r['writers']:8d} {r['MBps']:8.0f} {r['MBps'] / base:10.2f} "
+                f"{r['peak_rss_mb_per_writer']:19.0f} {r['objects_per_flush']:14.1f}"
+            )
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ def main() -> int:
     expected: dict[str, np.ndarray] = {}
     write_dense_first(FIXTURES, expected)
     write_wide(FIXTURES, expected)
-    np.savez_compressed(FIXTURES / "expected.npz", **expected)
+    np.savez_compressed(FIXTURES / "expected.npz", **expected)  # type: ignore[arg-type]
     print(f"wrote {FIXTURES}")
     return 0
 

@@ -1,0 +1,136 @@
+"""``routelog diff``: the routing of the same records in two stores or steps (the R3 paper's Fig. 3).
+
+Records are matched by sample id; their tokens must be the same (token count, and token hash where both stores
+have one): comparing routing of different tokens would be meaningless, so a mismatch is an error naming the
+sample. Only rows routed in both are compared.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel
+
+from routelog.audit.units import WorkUnit, batches, pack, unpack
+from routelog.errors import InvalidRecordError
+from routelog.format import IndexRow
+from routelog.metrics import routing_differences
+
+
+class TokenMismatchError(InvalidRecordError):
+    """The same sample id holds different tokens in the two stores compared."""
+
+
+def diff_unit(unit: WorkUnit, batch_records: int) -> bytes:
+    a, b = unit.snapshot(), unit.other_snapshot()
+    spec = a.store.model_spec
+    if (spec.num_moe_layers, spec.topk) != (b.store.model_spec.num_moe_layers, b.store.model_spec.topk):
+        raise ValueError(f"{a.store.url} and {b.store.url} have different layer maps or top-k; nothing to compare")
+    layers, k = spec.num_moe_layers, spec.topk
+    router_hist = np.zeros(k + 1, np.int64)
+    token_hist = np.zeros(layers * k + 1, np.int64)
+    layer_diff = np.zeros(layers, np.int64)
+    rows = 0
+    seq_means: list[float] = []
+    shared = [sid for sid in unit.sample_ids if sid in b]
+    for sid in shared:
+        _check_same_tokens(sid, a.info(sid), b.info(sid), a.store.url, b.store.url)
+    for batch in batches(a, shared, batch_records=batch_records):
+        others = b.read_many([r.sample_id for r in batch])
+        for left, right in zip(batch, others, strict=True):
+            both = left.valid & right.valid
+            ordered = left.topk_order == right.topk_order == "sorted"
+            counts = routing_differences(left.ids[both], right.ids[both], assume_sorted=ordered)  # [T, L]
+            router_hist += np.bincount(counts.ravel(), minlength=k + 1)
+            per_token = counts.sum(axis=1)
+            token_hist += np.bincount(per_token, minlength=layers * k + 1)
+            layer_diff += (counts > 0).sum(axis=0)
+            rows += int(both.sum())
+            if per_token.size:
+                seq_means.append(float(per_token.mean()))
+    return pack(
+        {
+            "router_hist": router_hist,
+            "token_hist": token_hist,
+            "layer_diff": layer_diff,
+            "rows": rows,
+            "seq_means": np.asarray(seq_means, np.float64),
+            "matched": len(shared),
+            "only_a": len(unit.sample_ids) - len(shared),
+        }
+    )
+
+
+def _check_same_tokens(sid: str, a: IndexRow, b: IndexRow, url_a: str, url_b: str) -> None:
+    if a.n_tokens != b.n_tokens or (a.token_hash and b.token_hash and a.token_hash != b.token_hash):
+        raise TokenMismatchError(
+            sid,
+            "token_hash",
+            f"the record has different tokens in {url_a} ({a.n_tokens} tokens, {a.token_hash}) and {url_b} "
+            f"({b.n_tokens} tokens, {b.token_hash})",
+            "compare stores recorded on the same rollouts (same sample ids for the same token sequences)",
+        )
+
+
+class LayerRate(BaseModel):
+    layer: int
+    """Global layer index."""
+    diff_rate: float
+    """Share of routed rows whose top-k set differs in this layer."""
+
+
+class DiffResult(BaseModel):
+    a: str
+    b: str
+    records_compared: int
+    only_a: int
+    only_b: int
+    rows_compared: int
+    router_diff_rate: float
+    """Share of (token, layer) decisions with a different set of experts."""
+    token_diff_rate: float
+    """Share of tokens with a different set in at least one layer."""
+    mean_sequence_diff: float
+    """Mean over records of the mean per-token count of differing experts (summed over layers)."""
+    router_hist: list[int]
+    """``router_hist[d]``: (token, layer) decisions with ``d`` of the K experts differing."""
+    token_hist: list[int]
+    """``token_hist[d]``: tokens with ``d`` differing experts summed over layers."""
+    sequence_means: list[float]
+    """Per compared record, sorted: the sequence-level values (histogram them)."""
+    layers: list[LayerRate]
+
+
+def merge_diffs(partials: list[bytes], a: str, b: str, only_b: int, layer_ids: list[int]) -> DiffResult:
+    parts = [unpack(p) for p in partials]
+    if not parts:
+        raise ValueError("nothing to compare")
+
+    def total(name: str) -> npt.NDArray[np.int64]:
+        out: npt.NDArray[np.int64] = np.sum([p[name] for p in parts], axis=0)
+        return out
+
+    router_hist, token_hist, layer_diff = total("router_hist"), total("token_hist"), total("layer_diff")
+    rows = int(total("rows"))
+    seq = np.sort(np.concatenate([p["seq_means"] for p in parts]))
+
+    return DiffResult(
+        a=a,
+        b=b,
+        records_compared=int(total("matched")),
+        only_a=int(total("only_a")),
+        only_b=only_b,
+        rows_compared=rows,
+        router_diff_rate=float(router_hist[1:].sum() / router_hist.sum()) if router_hist.sum() else float("nan"),
+        token_diff_rate=float(token_hist[1:].sum() / token_hist.sum()) if token_hist.sum() else float("nan"),
+        mean_sequence_diff=math.fsum(seq.tolist()) / seq.size if seq.size else float("nan"),
+        router_hist=[int(x) for x in router_hist],
+        token_hist=[int(x) for x in token_hist],
+        sequence_means=[float(x) for x in seq],
+        layers=[
+            LayerRate(layer=layer, diff_rate=float(d / rows) if rows else float("nan"))
+            for layer, d in zip(layer_ids, layer_diff, strict=True)
+        ],
+    )

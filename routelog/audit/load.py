@@ -1,0 +1,111 @@
+"""Expert load: how often each expert of each MoE layer was chosen, and ``routelog stats`` built on it."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel
+
+from routelog.audit.units import WorkUnit, batches, pack, unpack
+
+Counts = npt.NDArray[np.int64]
+
+
+def expert_counts(by_layer: npt.NDArray[np.unsignedinteger], valid: npt.NDArray[np.bool_], num_experts: int) -> Counts:
+    """``[L, E]`` choices per expert from one record's ``[L, T, K]`` routing (rows not in ``valid`` skipped)."""
+    layers = by_layer.shape[0]
+    chosen = by_layer[:, valid] if not valid.all() else by_layer
+    flat = chosen.reshape(layers, -1).astype(np.int64) + (np.arange(layers, dtype=np.int64) * num_experts)[:, None]
+    counts: Counts = np.bincount(flat.ravel(), minlength=layers * num_experts).reshape(layers, num_experts)
+    return counts
+
+
+def load_unit(unit: WorkUnit, batch_records: int) -> bytes:
+    """Partial load of one unit: ``counts [L, E]``, records, tokens and routed rows of its step."""
+    snapshot = unit.snapshot()
+    spec = snapshot.store.model_spec
+    counts = np.zeros((spec.num_moe_layers, spec.num_experts), np.int64)
+    tokens = rows = 0
+    for batch in batches(snapshot, unit.sample_ids, batch_records=batch_records):
+        for routing in batch:
+            counts += expert_counts(routing.by_layer, routing.valid, spec.num_experts)
+            tokens += routing.info.n_tokens
+            rows += int(routing.valid.sum())
+    return pack({"step": unit.step, "counts": counts, "records": len(unit.sample_ids), "tokens": tokens, "rows": rows})
+
+
+class StepLoad(BaseModel):
+    """Expert load of one step (or of several merged)."""
+
+    records: int = 0
+    tokens: int = 0
+    rows: int = 0
+    """Token rows that carry routing (tokens minus missing rows)."""
+    counts: list[list[int]]
+    """``[n_moe_layers][num_experts]`` choices."""
+
+    def array(self) -> Counts:
+        return np.asarray(self.counts, np.int64)
+
+
+def merge_loads(partials: list[bytes]) -> dict[int, StepLoad]:
+    """Sum partial loads per step (integers: exact in any order)."""
+    totals: dict[int, tuple[Counts, int, int, int]] = {}
+    for data in partials:
+        part = unpack(data)
+        step = int(part["step"])
+        counts, records, tokens, rows = totals.get(step, (np.zeros_like(part["counts"]), 0, 0, 0))
+        totals[step] = (
+            counts + part["counts"],
+            records + int(part["records"]),
+            tokens + int(part["tokens"]),
+            rows + int(part["rows"]),
+        )
+    return {
+        step: StepLoad(records=r, tokens=t, rows=w, counts=c.tolist()) for step, (c, r, t, w) in sorted(totals.items())
+    }
+
+
+class LayerStats(BaseModel):
+    layer: int
+    """Global layer index."""
+    load: list[int]
+    """Choices per expert."""
+    imbalance: float
+    """max / mean of the load (1 = perfectly balanced)."""
+    cv: float
+    """Coefficient of variation (std / mean) of the load."""
+    entropy_bits: float
+    """Entropy of the load distribution over experts."""
+    entropy_normalized: float
+    """``entropy_bits / log2(num_experts)``: 1 = uniform use of all experts."""
+
+
+class StatsResult(BaseModel):
+    url: str
+    steps: list[int]
+    records: int
+    tokens: int
+    rows: int
+    stored_bytes: int
+    bytes_per_token_layer: float
+    """Stored bytes (routing, index and values) per routed row and MoE layer."""
+    num_experts: int
+    topk: int
+    layers: list[LayerStats]
+
+
+def layer_stats(layer: int, load: Counts) -> LayerStats:
+    total = int(load.sum())
+    mean = total / load.size if load.size else 0.0
+    p = load / total if total else np.zeros(load.shape)
+    nonzero = p[p > 0]
+    entropy = float(-(nonzero * np.log2(nonzero)).sum())
+    return LayerStats(
+        layer=layer,
+        load=[int(x) for x in load],
+        imbalance=float(load.max() / mean) if mean else float("nan"),
+        cv=float(load.std() / mean) if mean else float("nan"),
+        entropy_bits=entropy,
+        entropy_normalized=entropy / float(np.log2(load.size)) if load.size > 1 else float("nan"),
+    )

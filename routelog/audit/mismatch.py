@@ -1,0 +1,96 @@
+"""``routelog mismatch``: training-inference mismatch per step from the stored log-probs (the R3 paper's Fig. 5).
+
+Per step, over tokens that have both ``logprob_infer`` and ``logprob_train``: the k3 estimate of
+KL(pi_infer || pi_train) and F(t), the share of tokens whose probability ratio exceeds ``t`` either way. Only the
+values objects are read, never routing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from pydantic import BaseModel
+
+from routelog.audit.units import WorkUnit, pack, unpack
+from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
+
+THRESHOLDS = (1.5, 2.0, 5.0)
+"""The paper's t values for F(t)."""
+_VALUES_BATCH = 1024
+
+
+def mismatch_unit(unit: WorkUnit, batch_records: int) -> bytes:
+    del batch_records  # values are small: read a unit's at once
+    snapshot = unit.snapshot()
+    partials: list[float] = []
+    exceed = np.zeros(len(THRESHOLDS), np.int64)
+    tokens = records = 0
+    ids = list(unit.sample_ids)
+    for start in range(0, len(ids), _VALUES_BATCH):
+        values = snapshot.token_values(ids[start : start + _VALUES_BATCH], [LOGPROB_INFER, LOGPROB_TRAIN])
+        for sid in ids[start : start + _VALUES_BATCH]:
+            columns = values[sid]
+            if LOGPROB_INFER not in columns or LOGPROB_TRAIN not in columns:
+                continue
+            infer = columns[LOGPROB_INFER].astype(np.float64)
+            train = columns[LOGPROB_TRAIN].astype(np.float64)
+            both = np.isfinite(infer) & np.isfinite(train)
+            if not both.any():
+                continue
+            log_ratio = train[both] - infer[both]
+            partials.append(float(np.sum(np.expm1(log_ratio) - log_ratio)))
+            exceed += [int((np.abs(log_ratio) > math.log(t)).sum()) for t in THRESHOLDS]
+            tokens += int(both.sum())
+            records += 1
+    return pack(
+        {
+            "step": unit.step,
+            "k3_partials": np.asarray(partials, np.float64),
+            "exceed": exceed,
+            "tokens": tokens,
+            "records": records,
+        }
+    )
+
+
+class StepMismatch(BaseModel):
+    step: int
+    records: int
+    """Records with both log-prob columns."""
+    tokens: int
+    """Tokens compared (both log-probs finite)."""
+    kl_k3: float
+    extreme: dict[str, float]
+    """F(t) keyed by ``t`` (``"1.5"``, ``"2"``, ``"5"``)."""
+
+
+class MismatchResult(BaseModel):
+    url: str
+    steps: list[StepMismatch]
+
+
+def merge_mismatch(partials: list[bytes], url: str) -> MismatchResult:
+    by_step: dict[int, list[dict[str, np.ndarray]]] = {}
+    for data in partials:
+        part = unpack(data)
+        by_step.setdefault(int(part["step"]), []).append(part)
+    steps = []
+    for step, parts in sorted(by_step.items()):
+        tokens = sum(int(p["tokens"]) for p in parts)
+        exceed = np.sum([p["exceed"] for p in parts], axis=0)
+        # fsum is the correctly rounded exact sum: the same whatever the order partials arrive in.
+        kl = math.fsum(x for p in parts for x in p["k3_partials"].tolist()) / tokens if tokens else float("nan")
+        steps.append(
+            StepMismatch(
+                step=step,
+                records=sum(int(p["records"]) for p in parts),
+                tokens=tokens,
+                kl_k3=kl,
+                extreme={
+                    f"{t:g}": float(e / tokens) if tokens else float("nan")
+                    for t, e in zip(THRESHOLDS, exceed, strict=True)
+                },
+            )
+        )
+    return MismatchResult(url=url, steps=steps)

@@ -1,0 +1,130 @@
+"""Work units of an audit: slices of a step's records, small enough to bound memory, plain enough to ship to Ray.
+
+An audit is a fold over units: each unit reads its records in batches and returns a partial result (an
+accumulator), and partial results merge by exact arithmetic (integer counts, and float partial sums combined with
+``math.fsum`` at the end), so the numbers do not depend on how units were spread over processes or machines.
+Accumulators cross process boundaries as ``.npz`` bytes loaded with ``allow_pickle=False``: no pickle.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import secrets
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routelog.reader import RecordRouting, StepSnapshot
+from routelog.store import Store, open_store
+
+DEFAULT_UNIT_RECORDS = 256
+"""Records per work unit (the grain of parallelism)."""
+DEFAULT_BATCH_RECORDS = 32
+"""Records read at once inside a unit: bounds memory to about this many records' routing."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A store to audit, as something a remote worker can open."""
+
+    url: str
+    options: str = "{}"
+    """``storage_options`` as JSON."""
+
+    @classmethod
+    def of(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> Source:
+        return cls(url, json.dumps(dict(storage_options or {}), sort_keys=True))
+
+    def open(self) -> Store:
+        return _open(self.url, self.options)
+
+
+@lru_cache(maxsize=8)
+def _open(url: str, options: str) -> Store:
+    return open_store(url, storage_options=json.loads(options))
+
+
+@lru_cache(maxsize=4)
+def _snapshot(url: str, options: str, step: int, plan: str) -> StepSnapshot:
+    # Keyed by the plan too: one audit reads each step once per process, a later audit sees later commits.
+    return _open(url, options).step(step)
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """Some records of ``step`` of ``source``, named explicitly (commits that appear after planning are in no
+    unit, so every unit sees exactly the planned records); ``other``/``other_step`` name what a diff compares
+    against."""
+
+    source: Source
+    step: int
+    sample_ids: tuple[str, ...]
+    plan: str
+    """Identifies the audit run (snapshots are cached per run in each process)."""
+    other: Source | None = None
+    other_step: int | None = None
+
+    def snapshot(self) -> StepSnapshot:
+        return _snapshot(self.source.url, self.source.options, self.step, self.plan)
+
+    def other_snapshot(self) -> StepSnapshot:
+        if self.other is None or self.other_step is None:
+            raise ValueError("this unit compares nothing")
+        return _snapshot(self.other.url, self.other.options, self.other_step, self.plan)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkUnit:
+        raw = json.loads(text)
+        other = raw.pop("other")
+        return cls(
+            source=Source(**raw.pop("source")),
+            sample_ids=tuple(raw.pop("sample_ids")),
+            other=None if other is None else Source(**other),
+            **raw,
+        )
+
+
+def plan_units(
+    source: Source,
+    steps: Sequence[int],
+    *,
+    unit_records: int = DEFAULT_UNIT_RECORDS,
+    other: Source | None = None,
+    other_steps: Sequence[int] | None = None,
+) -> list[WorkUnit]:
+    """Units covering every record of ``steps`` (paired with ``other_steps`` for diffs)."""
+    plan = secrets.token_hex(8)
+    units = []
+    for i, step in enumerate(steps):
+        ids = _snapshot(source.url, source.options, step, plan).sample_ids
+        other_step = None if other is None else (other_steps or steps)[i]
+        for start in range(0, len(ids), unit_records):
+            units.append(WorkUnit(source, step, tuple(ids[start : start + unit_records]), plan, other, other_step))
+    return units
+
+
+def batches(
+    snapshot: StepSnapshot, sample_ids: Sequence[str], *, batch_records: int = DEFAULT_BATCH_RECORDS
+) -> Iterator[list[RecordRouting]]:
+    """The routing of ``sample_ids``, ``batch_records`` records at a time."""
+    for start in range(0, len(sample_ids), batch_records):
+        yield snapshot.read_many(sample_ids[start : start + batch_records])
+
+
+def pack(arrays: Mapping[str, npt.ArrayLike]) -> bytes:
+    sink = io.BytesIO()
+    np.savez(sink, **{k: np.asarray(v) for k, v in arrays.items()})  # type: ignore[arg-type]
+    return sink.getvalue()
+
+
+def unpack(data: bytes) -> dict[str, npt.NDArray[Any]]:
+    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        return {k: npz[k] for k in npz.files}

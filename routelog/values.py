@@ -1,0 +1,116 @@
+"""Per-token float columns stored next to the routing: the inference log-prob of each token, the training log-prob
+when the trainer reports it, or any other per-token value a user declares.
+
+A part's columns live in their own Parquet object (``values.parquet``: ``sample_id``, ``token_hash``, one
+``list<float32>`` column per name), so readers that do not ask for values never fetch it, and those that do
+fetch only the columns they name. Entry ``t`` of a column belongs to input position ``t`` (the same axis as the
+routing rows); NaN means "no value" (e.g. prompt tokens have no sampling log-prob).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from routelog.errors import CorruptDataError, InvalidRecordError
+
+LOGPROB_INFER: Final = "logprob_infer"
+"""Log-probability of token ``t`` under the inference engine's sampling policy (NaN on prompt tokens)."""
+LOGPROB_TRAIN: Final = "logprob_train"
+"""Log-probability of token ``t`` recomputed by the trainer (NaN where not computed)."""
+
+VALUES_OBJECT: Final = "values.parquet"
+_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_RESERVED = frozenset({"sample_id", "token_hash"})
+
+FloatArray = npt.NDArray[np.float32]
+
+
+def check_value_name(name: str, sample_id: str | None) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in _RESERVED:
+        raise InvalidRecordError(
+            sample_id,
+            f"token_values[{name!r}]",
+            "a column name must be 1-64 characters of lowercase letters, digits and '_', starting with a letter, "
+            f"and not one of {sorted(_RESERVED)}",
+            f"use e.g. {LOGPROB_INFER!r} or {LOGPROB_TRAIN!r}",
+        )
+    return name
+
+
+def check_token_values(values: Mapping[str, Any] | None, n_tokens: int, sample_id: str) -> dict[str, FloatArray]:
+    """Validate per-token columns of one record: each 1-D, ``n_tokens`` long, real numbers (NaN = no value)."""
+    out: dict[str, FloatArray] = {}
+    for name, column in (values or {}).items():
+        field = f"token_values[{check_value_name(name, sample_id)!r}]"
+        try:
+            array = np.asarray(column, dtype=np.float32)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRecordError(sample_id, field, f"is not numeric ({exc})", "pass a float array") from None
+        if array.shape != (n_tokens,):
+            raise InvalidRecordError(
+                sample_id,
+                field,
+                f"has shape {array.shape}, expected ({n_tokens},): one value per token (prompt + response)",
+                "pad positions without a value (e.g. the prompt) with NaN",
+            )
+        if np.isposinf(array).any():
+            raise InvalidRecordError(sample_id, field, "contains +inf", "a log-probability is at most 0; use NaN")
+        out[name] = np.ascontiguousarray(array)
+    return out
+
+
+def values_to_parquet(
+    rows: Sequence[tuple[str, str | None, Mapping[str, FloatArray]]], columns: Sequence[str]
+) -> bytes:
+    """``(sample_id, token_hash, {name: values})`` rows -> Parquet bytes; a row lacking a column stores null.
+
+    Floats are byte-stream-split before zstd: log-probs share exponents, and splitting the bytes lets zstd see it.
+    """
+    arrays: dict[str, pa.Array] = {
+        "sample_id": pa.array([sid for sid, _, _ in rows], pa.string()),
+        "token_hash": pa.array([digest for _, digest, _ in rows], pa.string()),
+    }
+    for name in columns:
+        present = [values.get(name) for _, _, values in rows]
+        offsets = np.zeros(len(rows) + 1, np.int32)
+        offsets[1:] = np.cumsum([0 if v is None else len(v) for v in present])
+        flat = np.concatenate([v for v in present if v is not None] or [np.zeros(0, np.float32)])
+        mask = pa.array([v is None for v in present], pa.bool_())
+        arrays[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.float32()), mask=mask)
+    table = pa.table(arrays)
+    sink = io.BytesIO()
+    pq.write_table(
+        table, sink, compression="zstd", use_byte_stream_split=list(columns) or False, write_statistics=["sample_id"]
+    )
+    return sink.getvalue()
+
+
+def values_from_parquet(data: bytes, columns: Iterable[str], where: str) -> dict[str, dict[str, FloatArray]]:
+    """``{sample_id: {name: values}}`` for the named columns present in a values object (null cells skipped)."""
+    try:
+        with pq.ParquetFile(pa.BufferReader(data)) as parquet:
+            present = [c for c in columns if c in parquet.schema_arrow.names]
+            table = parquet.read(columns=["sample_id", *present], use_threads=False)
+    except (pa.ArrowException, OSError) as exc:
+        raise CorruptDataError(f"{where}: not a readable values object ({exc})") from exc
+    out: dict[str, dict[str, FloatArray]] = {}
+    sample_ids = table.column("sample_id").to_pylist()
+    for name in present:
+        column = table.column(name).combine_chunks()
+        flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+        offsets = column.offsets.to_numpy()
+        nulls = column.is_null().to_numpy(zero_copy_only=False)
+        for i, sid in enumerate(sample_ids):
+            if not nulls[i]:
+                out.setdefault(sid, {})[name] = flat[offsets[i] - offsets[0] : offsets[i + 1] - offsets[0]]
+    for sid in sample_ids:
+        out.setdefault(sid, {})
+    return out
