@@ -165,7 +165,8 @@ def synth(
     """Write synthetic routing to a store (creating it if needed)."""
     from routelog.part import PartOptions
     from routelog.store import create_store
-    from routelog.synth import SynthConfig, synth_records, synthetic_spec
+    from routelog.synth import SynthConfig, synth_records, synth_training_logprobs, synthetic_spec
+    from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
 
     options_ = _options(storage_options)
     if model_spec is not None:
@@ -188,24 +189,21 @@ def synth(
         logprob_noise=logprob_noise,
     )
     options = PartOptions(topk_order="score" if topk_order == "score" else "sorted")
+    train: dict[str, Any] = {}  # what a trainer would report later: annotated once the records are committed
     with _progress() as progress, store.writer(step, writer_id, options=options) as writer:
         task = progress.add_task(f"synth step {step}", total=records)
-        for record in synth_records(store.model_spec, config):
+        for i, record in enumerate(synth_records(store.model_spec, config)):
             writer.append(record)
+            if logprob_noise is not None and record.token_values:
+                train[record.sample_id] = synth_training_logprobs(
+                    np.asarray(record.token_values[LOGPROB_INFER], np.float32), logprob_noise, seed + i
+                )
             progress.advance(task)
     err_console.print(f"wrote {records} records to step {step} of {store.url} in {len(writer.commits)} part(s)")
-    if logprob_noise is not None:
-        _annotate_training_logprobs(store, step, config, logprob_noise, f"{writer.writer_id[:58]}-train")
-
-
-def _annotate_training_logprobs(store: Store, step: int, config: Any, noise: float, writer_id: str) -> None:
-    from routelog.synth import synth_records, synth_training_logprobs
-    from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
-
-    with store.annotate(step, writer_id) as annotator:
-        for i, record in enumerate(synth_records(store.model_spec, config)):
-            infer = np.asarray((record.token_values or {})[LOGPROB_INFER], np.float32)
-            annotator.add(record.sample_id, {LOGPROB_TRAIN: synth_training_logprobs(infer, noise, config.seed + i)})
+    if train:
+        with store.annotate(step, f"{writer.writer_id[:58]}-train") as annotator:
+            for sample_id, values in train.items():
+                annotator.add(sample_id, {LOGPROB_TRAIN: values})
 
 
 # -- inspect / ls / cat -----------------------------------------------------------------------------------------
@@ -571,12 +569,13 @@ RayFlag = Annotated[
 
 
 class _AuditProgress:
-    """A progress bar over records on stderr (only when it is a terminal)."""
+    """A progress bar over records on stderr (only when it is a terminal); an audit calls it with
+    (records done, records planned)."""
 
-    def __init__(self, label: str, total: int) -> None:
+    def __init__(self, label: str) -> None:
         self.bar = _progress()
         self.bar.disable = not err_console.is_terminal
-        self.task = self.bar.add_task(label, total=total)
+        self.task = self.bar.add_task(label, total=None)
 
     def __enter__(self) -> _AuditProgress:
         self.bar.start()
@@ -585,8 +584,8 @@ class _AuditProgress:
     def __exit__(self, *exc: object) -> None:
         self.bar.stop()
 
-    def __call__(self, records: int) -> None:
-        self.bar.advance(self.task, records)
+    def __call__(self, done: int, total: int) -> None:
+        self.bar.update(self.task, completed=done, total=total)
 
 
 def _report(result: Any, json_out: bool, plot: Path | None, draw: Any, lines: list[str]) -> None:
@@ -615,7 +614,7 @@ def stats(
     from routelog.audit.figures import stats_figure
 
     options = _options(storage_options)
-    with _AuditProgress("stats", audit.total_records(url, step, options)) as progress:
+    with _AuditProgress("stats") as progress:
         result = audit.stats(url, step, storage_options=options, use_ray=use_ray, progress=progress)
     table = Table("layer", "imbalance (max/mean)", "CV", "entropy / log2 E", "busiest expert")
     for layer in result.layers:
@@ -651,7 +650,7 @@ def diff(
     from routelog.audit.figures import diff_figure
 
     options = _options(storage_options)
-    with _AuditProgress("diff", audit.total_records(url_a, [step], options)) as progress:
+    with _AuditProgress("diff") as progress:
         result = audit.diff(
             url_a, url_b, step, step_b=step_b, storage_options=options, use_ray=use_ray, progress=progress
         )
@@ -678,7 +677,7 @@ def mismatch(
     from routelog.audit.figures import mismatch_figure
 
     options = _options(storage_options)
-    with _AuditProgress("mismatch", audit.total_records(url, step, options)) as progress:
+    with _AuditProgress("mismatch") as progress:
         result = audit.mismatch(url, step, storage_options=options, use_ray=use_ray, progress=progress)
     lines = [
         f"step {s.step}: {s.tokens} tokens, KL k3 {s.kl_k3:.3e}, "
@@ -703,8 +702,7 @@ def drift(
     from routelog.audit.figures import drift_figure
 
     options = _options(storage_options)
-    total = audit.total_records(url, step, options) + (audit.total_records(other, step, options) if other else 0)
-    with _AuditProgress("drift", total) as progress:
+    with _AuditProgress("drift") as progress:
         result = audit.drift(url, other, step, storage_options=options, use_ray=use_ray, progress=progress)
     lines = [f"{p.a} -> {p.b}: mean JS {p.mean_js:.3e}, max {p.max_js:.3e} bits" for p in result.consecutive]
     lines += [f"{p.a} vs {p.b}: mean JS {p.mean_js:.3e}, max {p.max_js:.3e} bits" for p in result.between_runs]

@@ -152,6 +152,7 @@ class StepSnapshot:
     as_of: datetime | None = None
     _positions: dict[str, int] = field(init=False, repr=False)
     _commit_column: npt.NDArray[np.int32] = field(init=False, repr=False)
+    _n_tokens: npt.NDArray[np.int32] = field(init=False, repr=False)
     _own: dict[str, CommitRecord] = field(init=False, repr=False)
     _foreign: dict[str, CommitRecord] = field(default_factory=dict, init=False, repr=False)
     _index_cache: ShardIndexCache = field(default_factory=ShardIndexCache, init=False, repr=False)
@@ -162,6 +163,7 @@ class StepSnapshot:
 
     def __post_init__(self) -> None:
         self._commit_column = self.index.column("_commit").to_numpy()
+        self._n_tokens = self.index.column("n_tokens").to_numpy()
         self._own = {layout.part_dir(self.step, c.part): c for c in self.commits}
         ids = self.index.column("sample_id").to_pylist()
         positions: dict[str, int] = {}
@@ -351,28 +353,19 @@ class StepSnapshot:
         lacks is absent from its dict). Only the values objects of the records' parts are fetched, and only the
         named columns of them; a column given twice for one record (in its part and an annotation, or two
         annotations) raises :class:`DuplicateSampleError`."""
-        wanted = tuple(sorted(set(names)))
-        rows = {sid: self.info(sid) for sid in sample_ids}
-        out: dict[str, dict[str, FloatArray]] = {sid: {} for sid in rows}
+        wanted = set(names)
+        # Only the token counts are needed: read them from the index column, not by building index rows.
+        lengths = {sid: int(self._n_tokens[self._position(sid)]) for sid in sample_ids}
+        out: dict[str, dict[str, FloatArray]] = {sid: {} for sid in lengths}
         sources: dict[tuple[str, str], str] = {}
-        by_part: dict[str, CommitRecord] = {}
-        for sid in rows:
+        holders: dict[str, ValuesInfo] = {}  # directory -> values object holding some of the wanted columns
+        for sid in lengths:
             commit = self.commits[self._commit_of(self._position(sid))]
-            if commit.values is not None and wanted:
-                by_part[layout.part_dir(self.step, commit.part)] = commit
-        places: list[tuple[str, ValuesInfo, list[str]]] = [
-            (key, c.values, [n for n in wanted if any(col.name == n for col in c.values.columns)])
-            for key, c in by_part.items()
-            if c.values is not None
-        ]
-        places += [
-            (
-                f"{layout.annotations_dir(self.step)}/{a.part}",
-                a.values,
-                [n for n in wanted if n in {c.name for c in a.values.columns}],
-            )
-            for a in self.annotations
-        ]
+            if commit.values is not None:
+                holders[layout.part_dir(self.step, commit.part)] = commit.values
+        for annotation in self.annotations:
+            holders[f"{layout.annotations_dir(self.step)}/{annotation.part}"] = annotation.values
+        places = [(base, info, sorted(wanted & {c.name for c in info.columns})) for base, info in holders.items()]
         for base, info, columns in places:
             if not columns:
                 continue
@@ -388,7 +381,7 @@ class StepSnapshot:
                             "annotate each record's column once; remove the extra annotation commit",
                         )
                     sources[(sid, name)] = base
-                    if len(array) != rows[sid].n_tokens:
+                    if len(array) != lengths[sid]:
                         raise CorruptDataError(f"{base}: column {name!r} of sample {sid!r} has the wrong length")
                     out[sid][name] = array
         return out

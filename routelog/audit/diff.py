@@ -8,6 +8,7 @@ sample. Only rows routed in both are compared.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -103,10 +104,18 @@ class DiffResult(BaseModel):
     layers: list[LayerRate]
 
 
-def merge_diffs(partials: list[bytes], a: str, b: str, only_b: int, layer_ids: list[int]) -> DiffResult:
-    parts = [unpack(p) for p in partials]
-    if not parts:
-        raise ValueError("nothing to compare")
+def merge_diffs(partials: list[bytes], a: str, b: str, only_b: int, layer_ids: list[int], topk: int) -> DiffResult:
+    layers = len(layer_ids)
+    nothing: dict[str, npt.NDArray[Any]] = {  # the identity of the sums below, so an empty step A merges like any other
+        "router_hist": np.zeros(topk + 1, np.int64),
+        "token_hist": np.zeros(layers * topk + 1, np.int64),
+        "layer_diff": np.zeros(layers, np.int64),
+        "rows": np.zeros((), np.int64),
+        "seq_means": np.zeros(0, np.float64),
+        "matched": np.zeros((), np.int64),
+        "only_a": np.zeros((), np.int64),
+    }
+    parts = [nothing, *(unpack(p) for p in partials)]
 
     def total(name: str) -> npt.NDArray[np.int64]:
         out: npt.NDArray[np.int64] = np.sum([p[name] for p in parts], axis=0)

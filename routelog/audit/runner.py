@@ -13,8 +13,8 @@ from typing import Any
 from routelog.audit.units import DEFAULT_BATCH_RECORDS, WorkUnit
 
 UnitFunction = Callable[[WorkUnit, int], bytes]
-Progress = Callable[[int], None]
-"""Called with the number of records a finished unit covered."""
+Progress = Callable[[int, int], None]
+"""Called after each unit with (records done, records in all units)."""
 
 
 def run_units(
@@ -26,18 +26,26 @@ def run_units(
     progress: Progress | None = None,
 ) -> list[bytes]:
     """The partial result of every unit (in no particular order when on Ray)."""
+    total = sum(len(u.sample_ids) for u in units)
+    done = 0
+
+    def finished(records: int) -> None:
+        nonlocal done
+        done += records
+        if progress is not None:
+            progress(done, total)
+
     if use_ray:
-        return _run_on_ray(units, fn, batch_records, progress)
+        return _run_on_ray(units, fn, batch_records, finished)
     out = []
     for unit in units:
         out.append(fn(unit, batch_records))
-        if progress is not None:
-            progress(len(unit.sample_ids))
+        finished(len(unit.sample_ids))
     return out
 
 
 def _run_on_ray(
-    units: Sequence[WorkUnit], fn: UnitFunction, batch_records: int, progress: Progress | None
+    units: Sequence[WorkUnit], fn: UnitFunction, batch_records: int, finished: Callable[[int], None]
 ) -> list[bytes]:
     import ray
 
@@ -57,6 +65,5 @@ def _run_on_ray(
     out = []
     for row in dataset.map(apply).iter_rows():
         out.append(bytes(row["result"]))
-        if progress is not None:
-            progress(int(row["records"]))
+        finished(int(row["records"]))
     return out

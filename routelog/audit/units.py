@@ -92,6 +92,19 @@ class WorkUnit:
         )
 
 
+@dataclass(frozen=True)
+class Plan:
+    """The work units of one audit, and the step snapshots they were cut from (loaded once, here)."""
+
+    units: list[WorkUnit]
+    snapshots: dict[int, StepSnapshot]
+    other_snapshots: dict[int, StepSnapshot]
+
+    @property
+    def records(self) -> int:
+        return sum(len(u.sample_ids) for u in self.units)
+
+
 def plan_units(
     source: Source,
     steps: Sequence[int],
@@ -99,16 +112,20 @@ def plan_units(
     unit_records: int = DEFAULT_UNIT_RECORDS,
     other: Source | None = None,
     other_steps: Sequence[int] | None = None,
-) -> list[WorkUnit]:
-    """Units covering every record of ``steps`` (paired with ``other_steps`` for diffs)."""
+) -> Plan:
+    """Units covering every record of ``steps`` (paired with ``other_steps`` of ``other`` for diffs)."""
     plan = secrets.token_hex(8)
     units = []
+    snapshots, other_snapshots = {}, {}
     for i, step in enumerate(steps):
-        ids = _snapshot(source.url, source.options, step, plan).sample_ids
+        snapshots[step] = _snapshot(source.url, source.options, step, plan)
+        ids = snapshots[step].sample_ids
         other_step = None if other is None else (other_steps or steps)[i]
+        if other is not None and other_step is not None:
+            other_snapshots[other_step] = _snapshot(other.url, other.options, other_step, plan)
         for start in range(0, len(ids), unit_records):
             units.append(WorkUnit(source, step, tuple(ids[start : start + unit_records]), plan, other, other_step))
-    return units
+    return Plan(units, snapshots, other_snapshots)
 
 
 def batches(
