@@ -13,6 +13,7 @@ from pathlib import Path
 
 import routelog
 from routelog.verify import verify_store
+from tests.writer_child import SPEC as CHILD_SPEC
 
 CHILD = str(Path(__file__).with_name("writer_child.py"))
 
@@ -53,6 +54,9 @@ def test_eight_processes_commit_exactly_once(s3_bucket: str) -> None:
 
 def test_sigkill_at_random_points_loses_nothing_committed(s3_bucket: str) -> None:
     url = f"s3://{s3_bucket}/killed"
+    # The store exists before the first child: a child killed while still importing must not leave the
+    # interim read below without a store to open (the children create it idempotently with the same spec).
+    routelog.create_store(url, CHILD_SPEC)
     rng = random.Random(7)
     committed: set[str] = set()
     kills = 0
