@@ -490,6 +490,9 @@ def gc(
     url: Annotated[str, typer.Argument(help="Store URL.")],
     older_than: Annotated[str, typer.Option(help="Grace period, e.g. 6h, 30m, 2d.")] = "24h",
     delete: Annotated[bool, typer.Option("--delete", help="Delete (default: dry run, only report).")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Accept a grace period under 1h: only when no writer is running.")
+    ] = False,
     json_out: JsonFlag = False,
     storage_options: StorageOptions = None,
 ) -> None:
@@ -501,7 +504,8 @@ def gc(
         seconds = parse_duration(older_than)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    report = collect_garbage(open_store(url, storage_options=_options(storage_options)), seconds, delete=delete)
+    store = open_store(url, storage_options=_options(storage_options))
+    report = collect_garbage(store, seconds, delete=delete, force=force)
     if json_out:
         _print_json(
             {
@@ -509,9 +513,14 @@ def gc(
                 "bytes": report.bytes,
                 "deleted": report.deleted,
                 "kept_young": report.kept_young,
+                "damaged": report.damaged,
             }
         )
+        if report.damaged:
+            raise typer.Exit(1)
         return
+    for damage in report.damaged:
+        err_console.print(f"[bold red]damaged:[/] {damage}", highlight=False, soft_wrap=True)
     for key, size in sorted(report.orphans.items()):
         console.print(f"{'deleted' if report.deleted else 'orphan'} {key} ({size:,} bytes)", highlight=False)
     verb = "deleted" if report.deleted else "would delete (dry run; add --delete)"
@@ -519,6 +528,9 @@ def gc(
         f"{verb} {len(report.orphans)} objects, {report.bytes:,} bytes; {report.kept_young} younger "
         f"unreferenced objects kept"
     )
+    if report.damaged:
+        err_console.print(f"{len(report.damaged)} damaged document(s): gc will delete nothing until they are repaired")
+        raise typer.Exit(1)
 
 
 # -- verify -----------------------------------------------------------------------------------------------------

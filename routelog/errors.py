@@ -78,4 +78,19 @@ class CommitConflictError(StoreError, FileExistsError):
 
 
 class StepSealedError(StoreError):
-    """The step is sealed: it accepts no more commits."""
+    """The step is sealed (or being sealed): it accepts no more commits. A writer that raises it names the
+    records that are not part of the step; append them to the next step."""
+
+
+class CommitUndecidedError(StoreError):
+    """A commit landed while a seal of its step was in progress and the seal did not finish in time: the records
+    are in the sealed step only if the seal's listing saw them. Finish the seal (``routelog seal``), then check."""
+
+
+class UnsafeKeyError(RoutelogError, ValueError):
+    """A name that would become part of an object key is not a plain name inside the store (``..``, ``/``,
+    characters outside the allowed set): refused before any storage call."""
+
+
+class GcRefusedError(StoreError):
+    """``routelog gc`` will not delete: a document it needs is damaged, or the grace period is unsafe."""

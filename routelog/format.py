@@ -7,6 +7,7 @@ derived from :class:`IndexRow`, so the JSON schema and the Parquet columns canno
 from __future__ import annotations
 
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -14,17 +15,36 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, model_validator
 
+from routelog import layout
 from routelog.codec import TopkOrder, Transform
 from routelog.errors import CorruptDataError, FormatVersionError
-from routelog.spec import ModelSpec
+from routelog.spec import MAX_EXPERTS, ModelSpec
+from routelog.values import VALUES_OBJECT
 
 FORMAT_VERSION = 1
 """The format this routelog writes, and the newest it reads."""
 
 SUPPORTED_FEATURES: frozenset[str] = frozenset()
 """Optional format features this routelog understands; a document requiring any other is refused."""
+
+# -- limits (FORMAT.md section 9): every size read from storage is bounded before anything is allocated --------
+MAX_RECORD_TOKENS: Final = 1 << 22
+"""Tokens of one record (prompt and response); 4 Mi tokens, far above any context length in use."""
+MAX_TOPK: Final = 1024
+MAX_MOE_LAYERS: Final = 4096
+MAX_CHUNK_BYTES: Final = 64 << 20
+"""Decoded size of one inner chunk of a routing array."""
+MAX_CHUNKS: Final = 1 << 24
+"""Inner chunks of one part's shard (its index alone is 16 bytes per chunk)."""
+MAX_PART_ROWS: Final = (1 << 31) - 1
+MAX_DOCUMENT_BYTES: Final = 256 << 20
+"""A JSON document (commit, seal, run, annotation, consolidated commit list)."""
+MAX_JSON_DEPTH: Final = 64
+"""Nesting of any JSON document or payload routelog parses."""
+MAX_NAME_CHARS: Final = 1024
+"""Sample ids, group ids and other free-text identifiers."""
 
 RUN_KIND: Final = "routelog.run"
 COMMIT_KIND: Final = "routelog.commit"
@@ -40,6 +60,18 @@ class ArrowType:
 
 
 Int32 = Annotated[int, ArrowType(pa.int32())]
+
+PartName = Annotated[str, StringConstraints(pattern=f"^{layout.PART_NAME_PATTERN}$")]
+"""``<writer>.<seq:08d>.<hex>``: a part or annotation directory, one path segment."""
+CommitName = Annotated[str, StringConstraints(pattern=f"^{layout.COMMIT_NAME_PATTERN}$")]
+WriterId = Annotated[str, StringConstraints(pattern=f"^{layout.WRITER_ID_PATTERN}$")]
+Segment_ = Annotated[str, StringConstraints(pattern=f"^{layout.SEGMENT_PATTERN}$")]
+RelativeKey = Annotated[str, StringConstraints(pattern=f"^{layout.RELATIVE_KEY_PATTERN}$")]
+SpanPart = Annotated[str, StringConstraints(pattern=f"^{layout.SPAN_PART_PATTERN}$")]
+SealedObject = Annotated[str, StringConstraints(pattern=f"^{layout.SEALED_OBJECT_PATTERN}$")]
+Sha256 = Annotated[str, StringConstraints(pattern="^[0-9a-f]{64}$")]
+TokenHash = Annotated[str, StringConstraints(pattern="^blake2b-128:[0-9a-f]{32}$")]
+Name = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
 
 
 def utc_now() -> datetime:
@@ -58,11 +90,11 @@ _D = TypeVar("_D", bound=_Document)
 class Span(_Document):
     """Tokens ``[token_start, token_start + n_rows)`` of a record are stored at rows ``[row, row + n_rows)``."""
 
-    token_start: Int32 = Field(ge=0)
-    n_rows: Int32 = Field(ge=1)
-    row: int = Field(ge=0)
+    token_start: Int32 = Field(ge=0, lt=MAX_RECORD_TOKENS)
+    n_rows: Int32 = Field(ge=1, le=MAX_RECORD_TOKENS)
+    row: int = Field(ge=0, le=MAX_PART_ROWS)
     """First row in the routing array of the part named by ``part``."""
-    part: str | None = None
+    part: SpanPart | None = None
     """Part holding the rows, as ``steps/<step>/parts/<part>`` relative to the store root; null = this record's
     own part. Version-1 writers always write null; readers MUST follow non-null references (shared prefixes)."""
 
@@ -70,35 +102,53 @@ class Span(_Document):
 class Segment(_Document):
     """Provenance of tokens ``[start, end)``: which policy version produced them and how."""
 
-    start: Int32 = Field(ge=0)
-    end: Int32 = Field(ge=0)
+    start: Int32 = Field(ge=0, le=MAX_RECORD_TOKENS)
+    end: Int32 = Field(ge=0, le=MAX_RECORD_TOKENS)
     policy_version: int | None = None
-    source: str | None = None
+    source: Name | None = None
     """Free text such as ``prompt``, ``response``, ``turn-2``, ``tool`` or ``resumed``."""
 
 
 class IndexRow(_Document):
     """One committed record: a Parquet row of the part's ``index.parquet``."""
 
-    sample_id: str
+    sample_id: Name = Field(min_length=1)
     """Unique within a step; never used as an object key."""
-    step: int
-    group_id: str | None = None
+    step: int = Field(ge=0)
+    group_id: Name | None = None
     policy_version: int | None = None
-    engine: str | None = None
-    engine_version: str | None = None
-    prompt_len: Int32 = Field(ge=0)
-    response_len: Int32 = Field(ge=0)
-    n_tokens: Int32 = Field(ge=0)
+    engine: Name | None = None
+    engine_version: Name | None = None
+    prompt_len: Int32 = Field(ge=0, le=MAX_RECORD_TOKENS)
+    response_len: Int32 = Field(ge=0, le=MAX_RECORD_TOKENS)
+    n_tokens: Int32 = Field(ge=0, le=MAX_RECORD_TOKENS)
     """``prompt_len + response_len``; routing row ``t`` belongs to input position ``t``."""
-    token_hash: str | None = None
+    token_hash: TokenHash | None = None
     """``blake2b-128:<hex>`` of the token ids as little-endian int64."""
     token_ids: list[Int32] | None = None
     spans: list[Span]
-    """Where the computed rows are stored; tokens covered by no span are missing (never computed)."""
+    """Where the computed rows are stored, ascending and disjoint; tokens covered by no span are missing."""
     segments: list[Segment]
     extra: str | None = None
     """User metadata as a JSON text."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> IndexRow:
+        if self.n_tokens != self.prompt_len + self.response_len:
+            raise ValueError(f"n_tokens {self.n_tokens} != prompt_len {self.prompt_len} + response_len")
+        if self.token_ids is not None and len(self.token_ids) != self.n_tokens:
+            raise ValueError(f"{len(self.token_ids)} token_ids for n_tokens {self.n_tokens}")
+        end = 0
+        for span in self.spans:
+            if span.token_start < end or span.token_start + span.n_rows > self.n_tokens:
+                raise ValueError(f"spans must be ascending, disjoint and inside [0, n_tokens={self.n_tokens})")
+            end = span.token_start + span.n_rows
+        end = 0
+        for segment in self.segments:
+            if not end <= segment.start <= segment.end <= self.n_tokens:
+                raise ValueError(f"segments must be ascending, disjoint and inside [0, n_tokens={self.n_tokens}]")
+            end = segment.end
+        return self
 
     @property
     def n_missing(self) -> int:
@@ -109,29 +159,45 @@ class IndexRow(_Document):
 class ObjectInfo(_Document):
     """One immutable data object of a part, for integrity checks."""
 
-    key: str
-    """Path relative to the part directory."""
-    size: int = Field(ge=0)
-    sha256: str
+    key: RelativeKey
+    """Path relative to the part directory (plain segments: it can never leave it)."""
+    size: int = Field(ge=0, lt=1 << 48)
+    sha256: Sha256
 
 
 class RoutingArrayInfo(_Document):
     """The zarr v3 array ``routing`` of a part: layer-major ``[num_moe_layers, n_rows, topk]`` stored IDs."""
 
-    path: str = "routing"
+    path: Segment_ = "routing"
     dtype: Literal["uint8", "uint16"]
-    n_rows: int = Field(ge=0)
-    num_moe_layers: int = Field(ge=1)
-    topk: int = Field(ge=1)
-    num_experts: int = Field(ge=1)
+    n_rows: int = Field(ge=0, le=MAX_PART_ROWS)
+    num_moe_layers: int = Field(ge=1, le=MAX_MOE_LAYERS)
+    topk: int = Field(ge=1, le=MAX_TOPK)
+    num_experts: int = Field(ge=1, le=MAX_EXPERTS)
     transform: Transform
     """``sorted_gaps``: rows are sorted IDs stored as gaps (see FORMAT.md); ``none``: IDs as given."""
     topk_order: TopkOrder
     """``sorted``: rows were canonicalised ascending; ``score``: the engine's order was kept."""
-    chunk_rows: int = Field(ge=1)
-    chunk_layers: int = Field(ge=1)
+    chunk_rows: int = Field(ge=1, le=MAX_PART_ROWS)
+    chunk_layers: int = Field(ge=1, le=MAX_MOE_LAYERS)
     zarr_metadata: dict[str, JsonValue] = {}
     """A copy of ``routing/zarr.json``, so readers open the array without fetching it."""
+
+    @model_validator(mode="after")
+    def _bounded(self) -> RoutingArrayInfo:
+        if self.topk > self.num_experts:
+            raise ValueError(f"topk {self.topk} exceeds num_experts {self.num_experts}")
+        if (self.dtype == "uint8") != (self.num_experts <= 256):
+            raise ValueError(f"dtype {self.dtype} does not fit num_experts {self.num_experts}")
+        if self.chunk_layers > self.num_moe_layers:
+            raise ValueError(f"chunk_layers {self.chunk_layers} exceeds num_moe_layers {self.num_moe_layers}")
+        itemsize = 1 if self.dtype == "uint8" else 2
+        if self.chunk_layers * self.chunk_rows * self.topk * itemsize > MAX_CHUNK_BYTES:
+            raise ValueError(f"an inner chunk would decode to more than {MAX_CHUNK_BYTES} bytes")
+        grid = math.ceil(self.num_moe_layers / self.chunk_layers) * max(1, math.ceil(self.n_rows / self.chunk_rows))
+        if grid > MAX_CHUNKS:
+            raise ValueError(f"the shard would hold {grid} inner chunks (at most {MAX_CHUNKS})")
+        return self
 
 
 class ValueColumn(_Document):
@@ -146,9 +212,9 @@ class ValuesInfo(_Document):
     """The Parquet object holding a part's per-token columns: ``sample_id``, ``token_hash``, then one
     ``list<float32>`` column per declared name (null where a record has no such column; NaN = no value)."""
 
-    key: str = "values.parquet"
+    key: Segment_ = "values.parquet"
     """Path relative to the part (or annotation) directory; also listed in ``objects``."""
-    columns: list[ValueColumn]
+    columns: list[ValueColumn] = Field(min_length=1)
 
 
 class CommitRecord(_Document):
@@ -158,10 +224,10 @@ class CommitRecord(_Document):
     kind: Literal["routelog.commit"] = COMMIT_KIND
     features: list[str] = []
     step: int = Field(ge=0)
-    part: str
-    """Directory name of the part under ``steps/<step>/parts/``."""
-    writer_id: str
-    seq: int = Field(ge=0)
+    part: PartName
+    """Directory name of the part under ``steps/<step>/parts/``: ``<writer_id>.<seq:08d>.<hex>``."""
+    writer_id: WriterId
+    seq: int = Field(ge=0, lt=10**8)
     """The writer's commit counter; with ``writer_id`` it names the commit, which makes re-commits idempotent."""
     created_at: datetime
     n_records: int = Field(ge=0)
@@ -171,6 +237,17 @@ class CommitRecord(_Document):
     values: ValuesInfo | None = None
     """Per-token float columns of the part's records, if any were attached (added in format 1.1: readers that
     do not know the field ignore it and never fetch the object)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CommitRecord:
+        _check_owned_part(self.part, self.writer_id, self.seq)
+        _check_objects(self.objects, self.values)
+        return self
+
+    @property
+    def name(self) -> str:
+        """The commit's file name, ``<writer_id>.<seq:08d>.json``."""
+        return layout.commit_name(self.writer_id, self.seq)
 
 
 class AnnotationCommit(_Document):
@@ -182,14 +259,24 @@ class AnnotationCommit(_Document):
     kind: Literal["routelog.annotation"] = ANNOTATION_KIND
     features: list[str] = []
     step: int = Field(ge=0)
-    part: str
-    """Directory name of the data under ``steps/<step>/annotations/``."""
-    writer_id: str
-    seq: int = Field(ge=0)
+    part: PartName
+    """Directory name of the data under ``steps/<step>/annotations/``: ``<writer_id>.<seq:08d>.<hex>``."""
+    writer_id: WriterId
+    seq: int = Field(ge=0, lt=10**8)
     created_at: datetime
     n_records: int = Field(ge=0)
     values: ValuesInfo
     objects: list[ObjectInfo]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AnnotationCommit:
+        _check_owned_part(self.part, self.writer_id, self.seq)
+        _check_objects(self.objects, self.values)
+        return self
+
+    @property
+    def name(self) -> str:
+        return layout.commit_name(self.writer_id, self.seq)
 
 
 class RunDocument(_Document):
@@ -205,13 +292,19 @@ class RunDocument(_Document):
     """Free-form user configuration of the run."""
 
 
+class SealedObjectInfo(ObjectInfo):
+    """A consolidated object of a seal; ``key`` is ``_sealed/<nonce>.<kind>`` relative to the step directory."""
+
+    key: SealedObject  # type: ignore[assignment]
+
+
 class Consolidated(_Document):
     """The step's commits and index gathered in two objects at seal time, so readers of a sealed step need
     three GETs whatever the number of parts (keys relative to the step directory)."""
 
-    commits: ObjectInfo
+    commits: SealedObjectInfo
     """JSON list of the commit records, in the order of :attr:`SealRecord.commits`."""
-    index: ObjectInfo
+    index: SealedObjectInfo
     """Parquet: every index row of the step plus ``_commit`` (int32), the row's position in that list."""
 
 
@@ -223,18 +316,54 @@ class SealRecord(_Document):
     features: list[str] = []
     step: int = Field(ge=0)
     sealed_at: datetime
-    commits: list[str]
-    """Commit file names (``<writer>.<seq>.json``) in the step, sorted."""
+    commits: list[CommitName]
+    """Commit file names (``<writer>.<seq>.json``) in the step, sorted and unique."""
     n_records: int = Field(ge=0)
     n_tokens: int = Field(ge=0)
     consolidated: Consolidated | None = None
     """Optional copies of the commits and indexes; readers MAY use them instead of reading each part's."""
+
+    @model_validator(mode="after")
+    def _sorted(self) -> SealRecord:
+        if self.commits != sorted(set(self.commits)):
+            raise ValueError("commits must be sorted and unique")
+        return self
+
+
+class SealIntent(_Document):
+    """``steps/<step>/_SEALING.json``: created by a sealer before it lists the step's commits. A writer whose
+    commit finds no intent after its create knows every later seal lists it; one that finds it waits for the
+    seal and reads whether it was included."""
+
+    format_version: int = FORMAT_VERSION
+    kind: Literal["routelog.seal-intent"] = "routelog.seal-intent"
+    features: list[str] = []
+    step: int = Field(ge=0)
+    started_at: datetime
+
+
+def _check_owned_part(part: str, writer_id: str, seq: int) -> None:
+    """A commit's part directory is named after the commit (``<writer>.<seq>.``): a damaged or forged ``part``
+    cannot point at another writer's data."""
+    if not part.startswith(layout.part_prefix(writer_id, seq)):
+        raise ValueError(f"part {part!r} does not belong to commit {writer_id}.{seq:08d}")
+
+
+def _check_objects(objects: list[ObjectInfo], values: ValuesInfo | None) -> None:
+    keys = [o.key for o in objects]
+    if len(keys) != len(set(keys)):
+        raise ValueError("objects lists a key twice")
+    if values is not None and values.key not in keys:
+        raise ValueError(f"values object {values.key!r} is not listed in objects")
+    if values is None and VALUES_OBJECT in keys:
+        raise ValueError(f"objects lists {VALUES_OBJECT}, but no values columns are declared")
 
 
 DOCUMENT_MODELS: dict[str, type[BaseModel]] = {
     "run": RunDocument,
     "commit": CommitRecord,
     "seal": SealRecord,
+    "seal_intent": SealIntent,
     "annotation": AnnotationCommit,
     "index_row": IndexRow,
     "model_spec": ModelSpec,
@@ -253,19 +382,54 @@ def json_schemas() -> dict[str, dict[str, Any]]:
     return out
 
 
+def load_json(data: bytes | str, where: str, *, max_bytes: int = MAX_DOCUMENT_BYTES) -> Any:
+    """Parse JSON text bounded in size and nesting (:data:`MAX_JSON_DEPTH`); ``ValueError`` naming ``where``.
+
+    Callers turn the ``ValueError`` into their typed error (:class:`CorruptDataError` for stored documents,
+    :class:`~routelog.errors.IngestError` for engine payloads).
+    """
+    if len(data) > max_bytes:
+        raise ValueError(f"{where}: {len(data)} bytes of JSON, more than the {max_bytes} allowed")
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc})") from None
+    _check_depth(value, where)
+    return value
+
+
+def _check_depth(value: Any, where: str) -> None:
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, (dict, list)))
+
+
 def parse_document(data: bytes, model: type[_D], where: str) -> _D:
     """Parse a JSON document, refusing newer format versions and unknown features with a typed error."""
     try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptDataError(f"{where}: not valid JSON ({exc}); the object is damaged") from exc
+        raw = load_json(data, where)
+    except ValueError as exc:
+        raise CorruptDataError(f"{exc}; the object is damaged") from None
+    return validate_document(raw, model, where)
+
+
+def validate_document(raw: Any, model: type[_D], where: str) -> _D:
+    """A parsed JSON value as ``model``, after the version check; :class:`CorruptDataError` if it does not fit."""
     if not isinstance(raw, dict):
-        raise CorruptDataError(f"{where}: expected a JSON object")
+        raise CorruptDataError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     check_format(raw, where)
     try:
         return model.model_validate(raw)
     except ValueError as exc:
-        raise CorruptDataError(f"{where}: does not match the format-{FORMAT_VERSION} schema: {exc}") from exc
+        raise CorruptDataError(f"{where}: does not match the format-{FORMAT_VERSION} schema: {exc}") from None
 
 
 def check_format(doc: Mapping[str, Any], where: str) -> None:
@@ -278,7 +442,12 @@ def check_format(doc: Mapping[str, Any], where: str) -> None:
             f"{where} was written in routelog format version {version}; this routelog reads versions up to "
             f"{FORMAT_VERSION}. Upgrade routelog (pip install -U routelog) to read it."
         )
-    unknown = sorted(set(doc.get("features") or []) - SUPPORTED_FEATURES)
+    if version < 1:
+        raise CorruptDataError(f"{where}: 'format_version' {version} is not a routelog format version")
+    features = doc.get("features", [])
+    if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
+        raise CorruptDataError(f"{where}: 'features' must be a list of strings, got {features!r}")
+    unknown = sorted(set(features) - SUPPORTED_FEATURES)
     if unknown:
         raise FormatVersionError(
             f"{where} requires format features {unknown} that this routelog does not implement; upgrade routelog."

@@ -1,8 +1,14 @@
 """``routelog gc``: remove what dead writers and sealers left behind, never what is committed.
 
-An object is garbage only when no commit record names its part (a writer died between upload and commit, or its
-commit lost a conflict) or no seal names its consolidated file (a sealer died or lost), and it is older than the
-grace period: a live writer's part is uncommitted only for the seconds between its upload and its commit.
+An object is garbage only when gc can prove nothing references it: no commit record names its part (a writer died
+between upload and commit, or its commit lost a conflict), or no seal names its consolidated file (a sealer died or
+lost), and it is older than the grace period. Proof needs every document: if any commit, annotation or seal
+document of the store fails to parse or names data that is not there, gc reports it and deletes nothing.
+
+The grace period covers a live writer: its part is uncommitted only between its upload and its commit, and a writer
+never creates a commit later than :data:`routelog.writer.MAX_COMMIT_DELAY` after its upload started, so a grace of
+at least :data:`MIN_GRACE` (which also absorbs clock skew between gc's host and the storage service) cannot collect
+a part that is about to be committed. Shorter grace periods need ``force`` (no writer may be running).
 """
 
 from __future__ import annotations
@@ -12,10 +18,16 @@ import time
 from dataclasses import dataclass, field
 
 from routelog import layout
-from routelog.errors import RoutelogError
-from routelog.format import AnnotationCommit, CommitRecord, SealRecord, parse_document
-from routelog.seal import SEALED_DIR
+from routelog.errors import GcRefusedError, RoutelogError
+from routelog.format import AnnotationCommit, CommitRecord, load_json, validate_document
+from routelog.reader import check_commit, read_seal
+from routelog.storage import ObjectStat
 from routelog.store import Store
+from routelog.writer import MAX_COMMIT_DELAY
+
+MIN_GRACE = 3600.0
+"""The shortest grace period gc accepts without ``force``: :data:`~routelog.writer.MAX_COMMIT_DELAY` plus
+margin for retries and for clock skew between this host and the storage service."""
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -39,6 +51,8 @@ class GcReport:
     """Orphaned part directories (removed whole)."""
     kept_young: int = 0
     """Unreferenced objects younger than the grace period (possibly a live writer's), left alone."""
+    damaged: list[str] = field(default_factory=list)
+    """Documents that could not be read or name missing data: while any exists, gc deletes nothing."""
     deleted: bool = False
 
     @property
@@ -46,53 +60,57 @@ class GcReport:
         return sum(self.orphans.values())
 
 
-def _referenced_parts(store: Store, directory: str, model: type[CommitRecord] | type[AnnotationCommit]) -> set[str]:
-    """Part names claimed by the commit documents in ``directory``. An unreadable commit still claims every part
-    of its writer and sequence number (as a prefix ending in '.'): deleting data because of a damaged commit would
-    lose committed records. `routelog verify` reports it."""
-    storage = store.storage
-    claimed = set()
-    for name in storage.list(directory):
-        if layout.parse_commit_name(name) is None:
-            continue
-        key = f"{directory}/{name}"
-        try:
-            claimed.add(parse_document(storage.read(key), model, storage.url_of(key)).part)
-        except RoutelogError:
-            claimed.add(name.rsplit(".", 1)[0] + ".")
-    return claimed
+@dataclass
+class _StepSurvey:
+    """What one step references, and what it holds."""
+
+    claimed: set[str] = field(default_factory=set)
+    """Part and annotation directories named by a document."""
+    protected: set[str] = field(default_factory=set)
+    """``<writer>.<seq>.`` prefixes of commits a seal names whose documents are missing."""
+    consolidated: set[str] = field(default_factory=set)
+    """Consolidated objects the seal names (relative to the step directory)."""
+    commits: dict[str, CommitRecord] = field(default_factory=dict)
+    """The step's readable commit documents by key."""
 
 
-def collect_garbage(store: Store, older_than: float, *, delete: bool = False, now: float | None = None) -> GcReport:
-    """Find (and with ``delete``, remove) unreferenced part and seal objects older than ``older_than`` seconds."""
+def collect_garbage(
+    store: Store, older_than: float, *, delete: bool = False, now: float | None = None, force: bool = False
+) -> GcReport:
+    """Find (and with ``delete``, remove) unreferenced part and seal objects older than ``older_than`` seconds.
+
+    Raises :class:`GcRefusedError` for a grace period under :data:`MIN_GRACE` without ``force``, and, when
+    ``delete`` is asked, if any document is damaged (:attr:`GcReport.damaged` lists them in a dry run).
+    """
+    if older_than < MIN_GRACE and not force:
+        raise GcRefusedError(
+            f"a grace period of {older_than:.0f} s could delete a live writer's part before its commit (writers "
+            f"commit up to {MAX_COMMIT_DELAY:.0f} s after uploading); use at least {MIN_GRACE:.0f} s (1h), or pass "
+            "force (--force) when no writer is running"
+        )
     storage = store.storage
     now = time.time() if now is None else now
     report = GcReport()
     for step in store.steps():
-        referenced = _referenced_parts(store, layout.commits_dir(step), CommitRecord)
-        annotated = _referenced_parts(store, layout.annotations_dir(step), AnnotationCommit)
-        sealed: set[str] = set()
-        seal_key = layout.seal_key(step)
-        try:
-            seal = parse_document(storage.read(seal_key), SealRecord, storage.url_of(seal_key))
-            if seal.consolidated is not None:
-                sealed = {seal.consolidated.commits.key, seal.consolidated.index.key}
-        except FileNotFoundError:
-            pass
         base = layout.step_dir(step)
+        survey = _survey(store, step, report.damaged)
+        found = {
+            directory: storage.find(directory) for directory in (layout.parts_dir(step), layout.annotations_dir(step))
+        }
+        _check_claims(store, survey, found[layout.parts_dir(step)], report.damaged)
         # Candidates by unit of deletion: a whole part directory, or one consolidated seal object.
         candidates: dict[str, list[tuple[str, int, float]]] = {}
-        for directory, claimed in ((layout.parts_dir(step), referenced), (layout.annotations_dir(step), annotated)):
-            for key, stat in storage.find(directory).items():
+        for directory, objects in found.items():
+            for key, stat in objects.items():
                 rest = key[len(directory) + 1 :]
                 if "/" not in rest:  # a commit document itself, not data
                     continue
                 part = rest.split("/", 1)[0]
-                if part in claimed or any(part.startswith(prefix) for prefix in claimed if prefix.endswith(".")):
+                if part in survey.claimed or any(part.startswith(prefix) for prefix in survey.protected):
                     continue
                 candidates.setdefault(f"{directory}/{part}", []).append((key, stat.size, stat.modified))
-        for key, stat in storage.find(f"{base}/{SEALED_DIR}").items():
-            if key[len(base) + 1 :] not in sealed:
+        for key, stat in storage.find(f"{base}/{layout.SEALED_DIR}").items():
+            if key[len(base) + 1 :] not in survey.consolidated:
                 candidates.setdefault(key, []).append((key, stat.size, stat.modified))
         for unit, objects in candidates.items():
             newest = max(modified for _, _, modified in objects)
@@ -100,11 +118,73 @@ def collect_garbage(store: Store, older_than: float, *, delete: bool = False, no
                 report.kept_young += len(objects)
                 continue
             report.orphans.update({key: size for key, size, _ in objects})
-            if not unit.startswith(f"{base}/{SEALED_DIR}"):
+            if not unit.startswith(f"{base}/{layout.SEALED_DIR}"):
                 report.trees.append(unit)
+    if delete and report.damaged:
+        raise GcRefusedError(
+            f"{store.url}: gc deletes nothing while documents are damaged (run routelog verify): "
+            + "; ".join(report.damaged[:8])
+        )
     if delete and report.orphans:
         storage.delete([k for k in report.orphans if not any(k.startswith(t + "/") for t in report.trees)])
         for tree in report.trees:
             storage.delete_tree(tree)
         report.deleted = True
     return report
+
+
+def _survey(store: Store, step: int, damaged: list[str]) -> _StepSurvey:
+    """Parse every commit, annotation and seal document of ``step``; unreadable ones go to ``damaged``."""
+    storage = store.storage
+    survey = _StepSurvey()
+    for directory, model in (
+        (layout.commits_dir(step), CommitRecord),
+        (layout.annotations_dir(step), AnnotationCommit),
+    ):
+        for name in storage.list(directory):
+            if not name.endswith(".json"):
+                continue
+            key = f"{directory}/{name}"
+            try:
+                if layout.parse_commit_name(name) is None:
+                    raise GcRefusedError(f"{storage.url_of(key)}: not a commit name")
+                doc = validate_document(load_json(storage.read(key), storage.url_of(key)), model, storage.url_of(key))
+                check_commit(doc, name, step, store.model_spec, storage.url_of(key))
+            except (RoutelogError, ValueError) as exc:
+                damaged.append(str(exc))
+                continue
+            survey.claimed.add(doc.part)
+            if isinstance(doc, CommitRecord):
+                survey.commits[key] = doc
+    try:
+        seal = read_seal(store, step)
+    except RoutelogError as exc:
+        damaged.append(str(exc))
+        return survey
+    if seal is None:
+        return survey
+    existing = set(storage.list(layout.commits_dir(step)))
+    survey.protected.update(name.removesuffix("json") for name in seal.commits if name not in existing)
+    if seal.consolidated is not None:
+        info = seal.consolidated.commits
+        survey.consolidated = {info.key, seal.consolidated.index.key}
+        key = f"{layout.step_dir(step)}/{info.key}"
+        try:
+            docs = load_json(storage.read_verified(key, info.size, info.sha256, "the seal"), storage.url_of(key))
+            if not isinstance(docs, list):
+                raise GcRefusedError(f"{storage.url_of(key)}: not a list of commit records")
+            survey.claimed.update(validate_document(d, CommitRecord, storage.url_of(key)).part for d in docs)
+        except (RoutelogError, ValueError) as exc:
+            damaged.append(str(exc))
+    return survey
+
+
+def _check_claims(store: Store, survey: _StepSurvey, parts: dict[str, ObjectStat], damaged: list[str]) -> None:
+    """Every commit's part holds the objects it lists, at their sizes: a commit whose ``part`` was damaged names a
+    directory that is not there, and the real part must not then look unreferenced."""
+    for key, commit in survey.commits.items():
+        base = layout.part_dir(commit.step, commit.part)
+        wrong = [o.key for o in commit.objects if (stat := parts.get(f"{base}/{o.key}")) is None or stat.size != o.size]
+        if wrong:
+            url = store.storage.url_of(key)
+            damaged.append(f"{url}: its part {commit.part!r} lacks (or has other sizes of) {wrong}")

@@ -207,8 +207,9 @@ class ShardIndexCache:
             (_shard_key(key, commits[key]), 0, shard_layout(commits[key].routing).index_nbytes) for key in missing
         ]
         for key, data in zip(missing, _read_ranges(storage, ranges, [()] * len(missing)), strict=True):
+            commit = commits[key]
             try:
-                self._indexes[key] = decode_shard_index(data, shard_layout(commits[key].routing))
+                self._indexes[key] = decode_shard_index(data, shard_layout(commit.routing), _shard_nbytes(commit))
             except ShardFormatError as exc:
                 raise CorruptDataError(f"{storage.url_of(_shard_key(key, commits[key]))}: {exc}") from exc
         return {key: self._indexes[key] for key in commits if key in self._indexes}
@@ -246,23 +247,26 @@ def fetch_blocks(
             cl0, cr0 = chunk.layer_chunk * layout_.chunk_layers, chunk.row_chunk * layout_.chunk_rows
             ls, le = max(l0, cl0), min(l1, cl0 + layout_.chunk_layers)
             rs, re_ = max(r0, cr0), min(r1, cr0 + layout_.chunk_rows)
-            if chunk.start is None:  # never written: the fill value 0, un-transformed like any stored row
-                raw.fill(0)
-            else:
-                try:
-                    decode_chunk(pieces[(request.part_key, chunk.start)], layout_, out=raw)
-                except ShardFormatError as exc:
-                    raise CorruptDataError(
-                        f"{storage.url_of(_shard_key(request.part_key, request.commit))}: inner chunk rows "
-                        f"[{cr0}, {cr0 + layout_.chunk_rows}) layer chunk {chunk.layer_chunk} cannot be decoded "
-                        f"({exc}); affected samples: {list(request.samples[:8])}"
-                    ) from exc
+            try:
+                decode_chunk(pieces[(request.part_key, chunk.start)], layout_, out=raw)
+            except ShardFormatError as exc:
+                raise CorruptDataError(
+                    f"{storage.url_of(_shard_key(request.part_key, request.commit))}: inner chunk rows "
+                    f"[{cr0}, {cr0 + layout_.chunk_rows}) layer chunk {chunk.layer_chunk} cannot be decoded "
+                    f"({exc}); affected samples: {list(request.samples[:8])}"
+                ) from exc
             # Un-transform the whole chunk while it is contiguous and in cache, then place the overlap: one
             # contiguous copy per layer.
             decode_rows(raw, routing.transform, out=ids)
             block[ls - l0 : le - l0, rs - r0 : re_ - r0] = ids[ls - cl0 : le - cl0, rs - cr0 : re_ - cr0]
         blocks.append(block)
     return blocks
+
+
+def _shard_nbytes(commit: CommitRecord) -> int:
+    """The shard's size as its commit lists it (0 when unlisted: every chunk then lies outside it)."""
+    key = f"{commit.routing.path}/{shard_layout(commit.routing).shard_key}"
+    return next((o.size for o in commit.objects if o.key == key), 0)
 
 
 def _shard_key(part_key: str, commit: CommitRecord) -> str:
@@ -278,10 +282,9 @@ def _read_pieces(
     commits: dict[str, CommitRecord] = {}
     for request, chunks in zip(requests, plans, strict=True):
         for chunk in chunks:
-            if chunk.start is not None and chunk.stop is not None:
-                wanted.setdefault(request.part_key, set()).add((chunk.start, chunk.stop))
-                samples.setdefault(request.part_key, set()).update(request.samples)
-                commits[request.part_key] = request.commit
+            wanted.setdefault(request.part_key, set()).add((chunk.start, chunk.stop))
+            samples.setdefault(request.part_key, set()).update(request.samples)
+            commits[request.part_key] = request.commit
     ranges = [(part, lo, hi) for part, spans in wanted.items() for lo, hi in coalesce(list(spans), MAX_GAP)]
     datas = _read_ranges(
         storage,

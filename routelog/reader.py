@@ -7,7 +7,6 @@ of the sharded array; the array metadata comes embedded in the commit), concurre
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 import zarr
 
 from routelog import layout
@@ -29,13 +29,18 @@ from routelog.format import (
     CommitRecord,
     Consolidated,
     IndexRow,
+    ObjectInfo,
     SealRecord,
     Span,
     ValuesInfo,
+    load_json,
     parse_document,
+    validate_document,
 )
-from routelog.part import BlockRequest, ShardIndexCache, fetch_blocks, index_from_parquet
+from routelog.part import BlockRequest, ShardIndexCache, fetch_blocks, index_from_parquet, shard_layout
 from routelog.record import Record
+from routelog.spec import ModelSpec
+from routelog.storage import check_digest
 from routelog.values import FloatArray, values_from_parquet
 
 if TYPE_CHECKING:
@@ -184,61 +189,71 @@ class StepSnapshot:
     @classmethod
     def load(cls, store: Store, step: int, *, as_of: datetime | None = None) -> StepSnapshot:
         """The step's committed records; with ``as_of``, only commits created by then (and the seal only if it
-        was sealed by then), i.e. the step as a reader saw it at that time."""
+        was sealed by then), i.e. the step as a reader saw it at that time.
+
+        Everything used is checked before use: each commit against its file name, its step and the run's model
+        spec, each index against the SHA-256 its commit lists, and the rows against the commit's counts.
+        """
         storage = store.storage
-        seal_key = layout.seal_key(step)
-        try:
-            seal: SealRecord | None = parse_document(storage.read(seal_key), SealRecord, storage.url_of(seal_key))
-        except FileNotFoundError:
-            seal = None
+        seal = read_seal(store, step)
         if seal is not None and as_of is not None and seal.sealed_at > as_of:
             seal = None
         if seal is not None and seal.consolidated is not None:
-            return cls._load_consolidated(store, step, seal.consolidated, as_of)
-        names = (
-            seal.commits
-            if seal is not None
-            else [n for n in storage.list(layout.commits_dir(step)) if layout.parse_commit_name(n)]
-        )
+            return cls._load_consolidated(store, step, seal, seal.consolidated, as_of)
+        names = seal.commits if seal is not None else list_commit_names(store, step)
         keys = [layout.commit_key(step, n) for n in names]
-        raw = storage.read_many(keys)
+        try:
+            raw = storage.read_many(keys)
+        except FileNotFoundError as exc:
+            raise CorruptDataError(f"step {step} of {store.url}: a commit the seal lists is missing ({exc})") from None
         commits = [parse_document(raw[k], CommitRecord, storage.url_of(k)) for k in keys]
+        for name, commit in zip(names, commits, strict=True):
+            check_commit(commit, name, step, store.model_spec, storage.url_of(layout.commit_key(step, name)))
         if as_of is not None:
             commits = [c for c in commits if c.created_at <= as_of]
-        index_keys = [f"{layout.part_dir(step, c.part)}/{layout.INDEX}" for c in commits]
-        try:
-            index_bytes = storage.read_many(index_keys)
-        except FileNotFoundError as exc:
-            raise CorruptDataError(f"step {step} of {store.url}: a committed part's index is missing ({exc})") from exc
         tables = []
-        for i, key in enumerate(index_keys):
-            table = _parquet(index_bytes[key], storage.url_of(key))
+        for i, commit in enumerate(commits):
+            key = f"{layout.part_dir(step, commit.part)}/{layout.INDEX}"
+            info = object_info(commit, layout.INDEX, storage.url_of(layout.commit_key(step, commit.name)))
+            data = storage.read_verified(key, info.size, info.sha256, f"commit {commit.name}")
+            table = _parquet(data, storage.url_of(key))
             tables.append(table.append_column("_commit", pa.array([i] * table.num_rows, pa.int32())))
         empty = INDEX_SCHEMA.empty_table().append_column("_commit", pa.array([], pa.int32()))
-        index = pa.concat_tables([empty, *tables], promote_options="permissive")
+        index = _concat([empty, *tables], f"step {step} of {store.url}")
+        check_index(index, commits, step, f"step {step} of {store.url}")
+        if seal is not None:
+            check_seal_counts(seal, index, commits, f"step {step} of {store.url}")
         return cls(store=store, step=step, commits=commits, index=index, sealed=seal is not None, as_of=as_of)
 
     @classmethod
     def _load_consolidated(
-        cls, store: Store, step: int, consolidated: Consolidated, as_of: datetime | None
+        cls, store: Store, step: int, seal: SealRecord, consolidated: Consolidated, as_of: datetime | None
     ) -> StepSnapshot:
         """A sealed step from its two consolidated objects (checked against the seal's SHA-256s)."""
         storage = store.storage
         base = layout.step_dir(step)
-        keys = [f"{base}/{consolidated.commits.key}", f"{base}/{consolidated.index.key}"]
+        owner = f"the seal of step {step}"
+        commits_key, index_key = (f"{base}/{consolidated.commits.key}", f"{base}/{consolidated.index.key}")
         try:
-            data = storage.read_many(keys)
+            data = storage.read_many([commits_key, index_key])  # one batch: three requests open a sealed step
         except FileNotFoundError as exc:
-            raise CorruptDataError(f"step {step} of {store.url}: a consolidated object of the seal is missing") from exc
-        for info, key in zip((consolidated.commits, consolidated.index), keys, strict=True):
-            if hashlib.sha256(data[key]).hexdigest() != info.sha256:
-                raise CorruptDataError(f"{storage.url_of(key)}: SHA-256 differs from the seal (corrupted)")
+            raise CorruptDataError(f"step {step} of {store.url}: a consolidated object of {owner} is missing") from exc
+        commits_data, index_data = data[commits_key], data[index_key]
+        for key, info in ((commits_key, consolidated.commits), (index_key, consolidated.index)):
+            check_digest(data[key], info.size, info.sha256, f"{storage.url_of(key)} (listed by {owner})")
+        where = storage.url_of(commits_key)
         try:
-            docs = json.loads(data[keys[0]])
-            commits = [CommitRecord.model_validate(doc) for doc in docs]
+            docs = load_json(commits_data, where)
         except ValueError as exc:
-            raise CorruptDataError(f"{storage.url_of(keys[0])}: not a list of commit records ({exc})") from exc
-        index = _parquet(data[keys[1]], storage.url_of(keys[1]))
+            raise CorruptDataError(str(exc)) from None
+        if not isinstance(docs, list) or len(docs) != len(seal.commits):
+            raise CorruptDataError(f"{where}: not a list of the {len(seal.commits)} commit records the seal names")
+        commits = [validate_document(doc, CommitRecord, f"{where} [{i}]") for i, doc in enumerate(docs)]
+        for name, commit in zip(seal.commits, commits, strict=True):
+            check_commit(commit, name, step, store.model_spec, f"{where} ({name})")
+        index = _parquet(index_data, storage.url_of(index_key))
+        check_index(index, commits, step, storage.url_of(index_key))
+        check_seal_counts(seal, index, commits, f"step {step} of {store.url}")
         return cls(store=store, step=step, commits=commits, index=index, sealed=True, as_of=as_of)
 
     def _commit_of(self, position: int) -> int:
@@ -282,7 +297,14 @@ class StepSnapshot:
     def _row(self, position: int) -> IndexRow:
         data = self.index.slice(position, 1).to_pylist()[0]
         data.pop("_commit")
-        return IndexRow.model_validate(data)
+        try:
+            return IndexRow.model_validate(data)
+        except ValueError as exc:
+            part = self.commits[self._commit_of(position)].part
+            raise CorruptDataError(
+                f"step {self.step} of {self.store.url}, part {part!r}: index row {data.get('sample_id')!r} breaks "
+                f"the format ({exc})"
+            ) from None
 
     # -- routing -----------------------------------------------------------------------------------------------------
     def read(self, sample_id: str, *, moe_layers: Sequence[int] | None = None) -> RecordRouting:
@@ -338,7 +360,11 @@ class StepSnapshot:
             names = [n for n in storage.list(layout.annotations_dir(self.step)) if layout.parse_commit_name(n)]
             keys = [layout.annotation_key(self.step, n) for n in names]
             raw = storage.read_many(keys)
-            docs = [parse_document(raw[k], AnnotationCommit, storage.url_of(k)) for k in keys]
+            docs = []
+            for name, key in zip(names, keys, strict=True):
+                doc = parse_document(raw[key], AnnotationCommit, storage.url_of(key))
+                check_commit(doc, name, self.step, self.store.model_spec, storage.url_of(key))
+                docs.append(doc)
             self._annotations = [d for d in docs if self.as_of is None or d.created_at <= self.as_of]
         return self._annotations
 
@@ -358,18 +384,19 @@ class StepSnapshot:
         lengths = {sid: int(self._n_tokens[self._position(sid)]) for sid in sample_ids}
         out: dict[str, dict[str, FloatArray]] = {sid: {} for sid in lengths}
         sources: dict[tuple[str, str], str] = {}
-        holders: dict[str, ValuesInfo] = {}  # directory -> values object holding some of the wanted columns
+        # directory -> the commit declaring a values object there, and its declaration
+        holders: dict[str, tuple[CommitRecord | AnnotationCommit, ValuesInfo]] = {}
         for sid in lengths:
             commit = self.commits[self._commit_of(self._position(sid))]
             if commit.values is not None:
-                holders[layout.part_dir(self.step, commit.part)] = commit.values
+                holders[layout.part_dir(self.step, commit.part)] = (commit, commit.values)
         for annotation in self.annotations:
-            holders[f"{layout.annotations_dir(self.step)}/{annotation.part}"] = annotation.values
-        places = [(base, info, sorted(wanted & {c.name for c in info.columns})) for base, info in holders.items()]
-        for base, info, columns in places:
+            holders[f"{layout.annotations_dir(self.step)}/{annotation.part}"] = (annotation, annotation.values)
+        for base, (holder, declared) in holders.items():
+            columns = sorted(wanted & {c.name for c in declared.columns})
             if not columns:
                 continue
-            for sid, values in self._values_of(f"{base}/{info.key}", tuple(columns)).items():
+            for sid, values in self._values_of(base, holder, declared, tuple(columns)).items():
                 if sid not in out:
                     continue
                 for name, array in values.items():
@@ -386,22 +413,33 @@ class StepSnapshot:
                     out[sid][name] = array
         return out
 
-    def _values_of(self, key: str, columns: tuple[str, ...]) -> dict[str, dict[str, FloatArray]]:
-        """One values object's columns, with a small LRU so streaming over a part reads its object once."""
+    def _values_of(
+        self, base: str, holder: CommitRecord | AnnotationCommit, declared: ValuesInfo, columns: tuple[str, ...]
+    ) -> dict[str, dict[str, FloatArray]]:
+        """One values object's columns, checked against its commit (SHA-256, declared columns, records and token
+        hashes), with a small LRU so streaming over a part reads its object once."""
+        key = f"{base}/{declared.key}"
         cache_key = (key, columns)
         if cache_key in self._values_cache:
             self._values_cache.move_to_end(cache_key)
             return self._values_cache[cache_key]
         storage = self.store.storage
-        try:
-            data = storage.read(key)
-        except FileNotFoundError:
-            raise CorruptDataError(f"{storage.url_of(key)}: a committed values object is missing") from None
-        values = values_from_parquet(data, columns, storage.url_of(key))
-        self._values_cache[cache_key] = values
+        where = storage.url_of(key)
+        info = object_info(holder, declared.key, where)
+        data = storage.read_verified(key, info.size, info.sha256, f"commit {holder.name}")
+        contents = values_from_parquet(data, columns, where, declared=[c.name for c in declared.columns])
+        own = isinstance(holder, CommitRecord)
+        for sid, digest in contents.token_hashes.items():
+            position = self._positions.get(sid)
+            if position is None or (own and self.commits[self._commit_of(position)] is not holder):
+                raise CorruptDataError(f"{where}: holds values of sample {sid!r}, which it may not annotate")
+            committed = self.index.column("token_hash")[position].as_py()
+            if digest is not None and committed is not None and digest != committed:
+                raise CorruptDataError(f"{where}: values of sample {sid!r} were computed on other tokens")
+        self._values_cache[cache_key] = contents.values
         while len(self._values_cache) > _VALUES_CACHE:
             self._values_cache.popitem(last=False)
-        return values
+        return contents.values
 
     def open_zarr(self, part: str) -> zarr.Array[Any]:
         """A part's routing array opened with zarr-python (stored form: gaps when sorted, uint16 as byte planes;
@@ -437,9 +475,117 @@ class StepSnapshot:
 
 def _parquet(data: bytes, where: str) -> pa.Table:
     try:
-        return index_from_parquet(data)
+        table = index_from_parquet(data)
     except (pa.ArrowException, OSError) as exc:
         raise CorruptDataError(f"{where}: unreadable Parquet index ({exc})") from exc
+    missing = [name for name in INDEX_SCHEMA.names if name not in table.schema.names]
+    if missing:
+        raise CorruptDataError(f"{where}: the index lacks the columns {missing}")
+    return table
+
+
+def _concat(tables: list[pa.Table], where: str) -> pa.Table:
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except pa.ArrowException as exc:
+        raise CorruptDataError(f"{where}: a part's index has columns of the wrong type ({exc})") from exc
+
+
+# -- checks shared by readers and verify ----------------------------------------------------------------------------
+def read_seal(store: Store, step: int) -> SealRecord | None:
+    """The step's seal document, or None when the step is not sealed."""
+    storage = store.storage
+    key = layout.seal_key(step)
+    try:
+        data = storage.read(key)
+    except FileNotFoundError:
+        return None
+    seal = parse_document(data, SealRecord, storage.url_of(key))
+    if seal.step != step:
+        raise CorruptDataError(f"{storage.url_of(key)}: the seal is for step {seal.step}, not {step}")
+    return seal
+
+
+def list_commit_names(store: Store, step: int) -> list[str]:
+    """File names of the step's commit documents (other names in the directory are ignored)."""
+    return [n for n in store.storage.list(layout.commits_dir(step)) if layout.parse_commit_name(n)]
+
+
+def check_commit(commit: CommitRecord | AnnotationCommit, name: str, step: int, spec: ModelSpec, where: str) -> None:
+    """A commit read under ``name`` is the commit of that name, of this step, and of the run's model."""
+    if commit.name != name:
+        raise CorruptDataError(f"{where}: the document is commit {commit.name}, found under the name {name}")
+    if commit.step != step:
+        raise CorruptDataError(f"{where}: the commit is for step {commit.step}, found in step {step}")
+    if isinstance(commit, AnnotationCommit):
+        return
+    info = commit.routing
+    if (info.num_moe_layers, info.topk, info.num_experts) != (spec.num_moe_layers, spec.topk, spec.num_experts):
+        raise CorruptDataError(
+            f"{where}: routing of L={info.num_moe_layers}, K={info.topk}, E={info.num_experts} does not match the "
+            f"run's model spec (L={spec.num_moe_layers}, K={spec.topk}, E={spec.num_experts})"
+        )
+    attributes = info.zarr_metadata.get("attributes")
+    stamped = attributes.get("routelog") if isinstance(attributes, dict) else None
+    moe_layers = stamped.get("moe_layers") if isinstance(stamped, dict) else None
+    if moe_layers is not None and moe_layers != list(spec.moe_layers):
+        raise CorruptDataError(
+            f"{where}: the part was written for MoE layers {moe_layers}, the run's model spec has "
+            f"{list(spec.moe_layers)}"
+        )
+    if info.n_rows and object_info(commit, f"{info.path}/{shard_layout(info).shard_key}", where).size < (
+        shard_layout(info).index_nbytes
+    ):
+        raise CorruptDataError(f"{where}: the routing shard is smaller than its own chunk index")
+
+
+def object_info(commit: CommitRecord | AnnotationCommit, key: str, where: str) -> ObjectInfo:
+    """The commit's entry for object ``key``; a commit that does not list an object it needs is damaged."""
+    for info in commit.objects:
+        if info.key == key:
+            return info
+    raise CorruptDataError(f"{where}: the commit does not list its object {key!r}")
+
+
+def check_index(index: pa.Table, commits: Sequence[CommitRecord], step: int, where: str) -> None:
+    """The rows agree with their commits: counts, token totals, step, and spans inside the part's rows."""
+    commit_of = index.column("_commit").to_numpy(zero_copy_only=False)
+    if commit_of.size and (commit_of.min() < 0 or commit_of.max() >= len(commits)):
+        raise CorruptDataError(f"{where}: a row names a commit the step does not have")
+    counts = np.bincount(commit_of, minlength=len(commits)) if len(commits) else np.zeros(0, np.int64)
+    n_tokens = index.column("n_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+    tokens = np.bincount(commit_of, weights=n_tokens, minlength=len(commits)) if len(commits) else counts
+    for i, commit in enumerate(commits):
+        if counts[i] != commit.n_records or int(tokens[i]) != commit.n_tokens:
+            raise CorruptDataError(
+                f"{where}: part {commit.part!r} indexes {int(counts[i])} records of {int(tokens[i])} tokens, its "
+                f"commit says {commit.n_records} records of {commit.n_tokens} tokens"
+            )
+    steps = index.column("step").to_numpy(zero_copy_only=False)
+    if steps.size and (steps != step).any():
+        raise CorruptDataError(f"{where}: index rows of step {int(steps[steps != step][0])} in step {step}")
+    spans = index.column("spans").combine_chunks()
+    flat = pc.list_flatten(spans)
+    if len(flat) == 0:
+        return
+    owner = np.repeat(commit_of, pc.list_value_length(spans).fill_null(0).to_numpy(zero_copy_only=False))
+    own = pc.is_null(flat.field("part")).to_numpy(zero_copy_only=False)
+    ends = flat.field("row").to_numpy(zero_copy_only=False) + flat.field("n_rows").to_numpy(zero_copy_only=False)
+    limits = np.array([c.routing.n_rows for c in commits], dtype=np.int64)[owner]
+    if (own & (ends > limits)).any():
+        bad = int(np.argmax(own & (ends > limits)))
+        raise CorruptDataError(
+            f"{where}: a span of part {commits[int(owner[bad])].part!r} reaches row {int(ends[bad])}, past the "
+            f"part's {int(limits[bad])} rows"
+        )
+
+
+def check_seal_counts(seal: SealRecord, index: pa.Table, commits: Sequence[CommitRecord], where: str) -> None:
+    if seal.n_records != index.num_rows or seal.n_tokens != sum(c.n_tokens for c in commits):
+        raise CorruptDataError(
+            f"{where}: the seal says {seal.n_records} records of {seal.n_tokens} tokens, its commits hold "
+            f"{index.num_rows} records of {sum(c.n_tokens for c in commits)} tokens"
+        )
 
 
 def _contiguous_runs(positions: Sequence[int]) -> list[tuple[int, int]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,11 +23,14 @@ from routelog.codec import (
     storage_dtype,
 )
 from routelog.errors import InvalidRecordError
-from routelog.format import IndexRow, Segment, Span
+from routelog.format import MAX_NAME_CHARS, MAX_RECORD_TOKENS, IndexRow, Segment, Span, load_json
 from routelog.spec import ModelSpec
 from routelog.values import FloatArray, check_token_values
 
 TOKEN_HASH_PREFIX = "blake2b-128:"
+_TOKEN_HASH = re.compile(r"blake2b-128:[0-9a-f]{32}")
+MAX_TOKEN_ID = 2**31 - 1
+"""Token ids are stored as int32 in the index."""
 
 
 def token_hash(token_ids: npt.ArrayLike) -> str:
@@ -81,14 +85,34 @@ class PreparedRecord:
 
 
 def prepare_record(record: Record, spec: ModelSpec, step: int, topk_order: TopkOrder) -> PreparedRecord:
-    """Validate ``record`` against ``spec`` and convert it to stored form; raise :class:`InvalidRecordError`."""
+    """Validate ``record`` against ``spec`` and convert it to stored form; raise :class:`InvalidRecordError`.
+
+    Everything the part's index and values objects will hold is checked here, on the caller's thread, so a bad
+    record is refused by ``append`` and can never fail the part it would have shared with good records.
+    """
     sid = record.sample_id
-    if not isinstance(sid, str) or not sid:
+    if not isinstance(sid, str) or not sid or not _is_text(sid):
         raise InvalidRecordError(
             None,
             "sample_id",
-            f"must be a non-empty string, got {sid!r}",
+            f"must be a non-empty string of valid Unicode up to {MAX_NAME_CHARS} characters, got {sid!r}",
             "give every record a unique string id (e.g. '<request-id>/<choice>')",
+        )
+    for name in ("group_id", "engine", "engine_version"):
+        value = getattr(record, name)
+        if value is not None and (not isinstance(value, str) or not _is_text(value)):
+            raise InvalidRecordError(
+                sid,
+                name,
+                f"must be a string of valid Unicode up to {MAX_NAME_CHARS} characters or None, got {value!r}",
+                "pass a plain string",
+            )
+    if record.policy_version is not None and not _is_int64(record.policy_version):
+        raise InvalidRecordError(
+            sid,
+            "policy_version",
+            f"must be an integer or None, got {record.policy_version!r}",
+            "pass the weight version as an int",
         )
     n = _check_lengths(record)
     ids = _check_ids_shape(record, spec, n)
@@ -156,14 +180,37 @@ def _raise_row_problem(sid: str, spec: ModelSpec, problem: RowProblem, token: in
     )
 
 
+def _is_text(value: str) -> bool:
+    """At most MAX_NAME_CHARS characters that encode as UTF-8 (no lone surrogates)."""
+    if len(value) > MAX_NAME_CHARS:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_int64(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and -(2**63) <= int(value) < 2**63
+
+
 def _check_lengths(record: Record) -> int:
     for name in ("prompt_len", "response_len"):
         value = getattr(record, name)
-        if not isinstance(value, (int, np.integer)) or value < 0:
+        if not _is_int64(value) or value < 0:
             raise InvalidRecordError(
                 record.sample_id, name, f"must be a non-negative int, got {value!r}", "pass token counts"
             )
-    return int(record.prompt_len) + int(record.response_len)
+    n = int(record.prompt_len) + int(record.response_len)
+    if n > MAX_RECORD_TOKENS:
+        raise InvalidRecordError(
+            record.sample_id,
+            "prompt_len",
+            f"prompt_len + response_len = {n} exceeds the format's limit of {MAX_RECORD_TOKENS} tokens per record",
+            "split the sequence into several records",
+        )
+    return n
 
 
 def _check_ids_shape(record: Record, spec: ModelSpec, n: int) -> npt.NDArray[np.integer[Any]]:
@@ -241,13 +288,25 @@ def _check_tokens(record: Record, n: int) -> str | None:
     sid = record.sample_id
     digest = record.token_hash
     if record.token_ids is not None:
-        tokens = np.asarray(record.token_ids)
+        try:
+            tokens = np.asarray(record.token_ids)
+        except (ValueError, TypeError, OverflowError) as exc:  # ragged nested lists
+            raise InvalidRecordError(
+                sid, "token_ids", f"is not a flat list of ids ({exc})", "pass one id per token"
+            ) from None
         if tokens.ndim != 1 or tokens.shape[0] != n or tokens.dtype.kind not in "iu":
             raise InvalidRecordError(
                 sid,
                 "token_ids",
                 f"has shape {tokens.shape} and dtype {tokens.dtype}, expected {n} integer ids",
                 "pass the prompt and response token ids",
+            )
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID):
+            raise InvalidRecordError(
+                sid,
+                "token_ids",
+                f"has ids outside [0, {MAX_TOKEN_ID}] (min {int(tokens.min())}, max {int(tokens.max())})",
+                "pass the tokenizer's ids; the index stores them as int32",
             )
         computed = token_hash(tokens)
         if digest is not None and digest != computed:
@@ -258,18 +317,39 @@ def _check_tokens(record: Record, n: int) -> str | None:
                 "omit token_hash to have it computed, or hash with routelog.token_hash",
             )
         digest = computed
-    if digest is not None and not digest.startswith(TOKEN_HASH_PREFIX):
+    if digest is not None and (not isinstance(digest, str) or not _TOKEN_HASH.fullmatch(digest)):
         raise InvalidRecordError(
             sid,
             "token_hash",
-            f"{digest!r} is not a {TOKEN_HASH_PREFIX} digest",
+            f"{digest!r} is not a {TOKEN_HASH_PREFIX} digest (32 lowercase hex digits)",
             "compute it with routelog.token_hash(token_ids)",
         )
     return digest
 
 
 def _check_segments(record: Record, n: int) -> list[Segment]:
-    segments = list(record.segments) or [Segment(start=0, end=n, policy_version=record.policy_version)]
+    given = record.segments
+    if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Sequence):
+        raise InvalidRecordError(
+            record.sample_id,
+            "segments",
+            f"must be a list of Segment, got {type(given).__name__}",
+            "pass routelog.Segment objects (or dicts with start, end, policy_version, source)",
+        )
+    segments = []
+    for i, seg in enumerate(given):
+        try:
+            segments.append(seg if isinstance(seg, Segment) else Segment.model_validate(seg))
+        except ValueError as exc:
+            raise InvalidRecordError(
+                record.sample_id,
+                f"segments[{i}]",
+                f"is not a segment ({exc.__class__.__name__}: {exc})".split("\n")[0],
+                "pass routelog.Segment(start=..., end=..., policy_version=..., source=...)",
+            ) from None
+        if segments[-1].source is not None and not _is_text(segments[-1].source):
+            raise InvalidRecordError(record.sample_id, f"segments[{i}].source", "is not valid Unicode", "pass text")
+    segments = segments or [Segment(start=0, end=n, policy_version=record.policy_version)]
     previous_end = 0
     for i, seg in enumerate(segments):
         if not (previous_end <= seg.start <= seg.end <= n):
@@ -286,9 +366,15 @@ def _check_segments(record: Record, n: int) -> list[Segment]:
 def _check_extra(record: Record) -> str | None:
     if record.extra is None:
         return None
+    if not isinstance(record.extra, Mapping):
+        raise InvalidRecordError(
+            record.sample_id, "extra", f"must be a mapping, got {type(record.extra).__name__}", "pass a dict"
+        )
     try:
-        return json.dumps(dict(record.extra), sort_keys=True, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        text = json.dumps(dict(record.extra), sort_keys=True, allow_nan=False)
+        load_json(text, "extra")  # bounded nesting, as every reader will parse it
+        return text
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidRecordError(
             record.sample_id,
             "extra",

@@ -1,9 +1,16 @@
 """Sealing a step: from then on its content is exactly the commits made before, and readers need three GETs.
 
-The sealer reads the step once, writes the consolidated commit list and index under fresh names, then creates
-``_SEALED.json`` exclusively: of two sealers exactly one wins; the loser's consolidated objects are deleted (or
-left for ``routelog gc``). Writers refuse to start on a sealed step, and a commit that lands after the seal is
-reported to its writer as not accepted (readers never see it).
+The fence between sealing and committing (FORMAT.md section 3, rule 5):
+
+1. the sealer creates ``_SEALING.json`` (its intent) before it lists the step's commits;
+2. it lists and reads the commits, writes the consolidated commit list and index under fresh names, then creates
+   ``_SEALED.json`` exclusively: of two sealers exactly one wins, the loser's objects are deleted;
+3. a writer, after its commit's exclusive create, reads whether ``_SEALING.json`` exists. If it does not, every
+   sealer lists after that moment and so includes the commit: the writer may report it committed. If it does,
+   the writer waits for ``_SEALED.json`` and reports the commit committed only if the seal lists it.
+
+So a writer is never told "committed" for a record that a reader of the sealed step will not see. A sealer that
+dies between the two creates leaves the step refusing new commits; running the seal again finishes it.
 """
 
 from __future__ import annotations
@@ -12,41 +19,55 @@ import hashlib
 import io
 import json
 import secrets
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 
 from routelog import layout
 from routelog.errors import StepSealedError
-from routelog.format import Consolidated, ObjectInfo, SealRecord, dump_document, parse_document, utc_now
-from routelog.reader import StepSnapshot
+from routelog.format import (
+    Consolidated,
+    SealedObjectInfo,
+    SealIntent,
+    SealRecord,
+    dump_document,
+    utc_now,
+)
+from routelog.reader import StepSnapshot, read_seal
 
 if TYPE_CHECKING:
     from routelog.store import Store
 
-SEALED_DIR = "_sealed"
 
+def seal_step(store: Store, step: int, *, after_listing: Callable[[Sequence[str]], None] | None = None) -> SealRecord:
+    """Seal ``step`` exactly once; :class:`StepSealedError` if it already is (by this or another process).
 
-def seal_step(store: Store, step: int) -> SealRecord:
-    """Seal ``step`` exactly once; :class:`StepSealedError` if it already is (by this or another process)."""
+    ``after_listing`` is called with the commit names the seal will hold, between the listing and the seal's
+    create: tests use it to make the commit/seal race deterministic.
+    """
     storage = store.storage
     key = layout.seal_key(step)
-    if storage.exists(key):
-        existing = parse_document(storage.read(key), SealRecord, storage.url_of(key))
+    existing = read_seal(store, step)
+    if existing is not None:
         raise StepSealedError(f"step {step} of {store.url} was already sealed at {existing.sealed_at.isoformat()}")
-    snapshot = StepSnapshot.load(store, step)
-    names = [layout.commit_name(c.writer_id, c.seq) for c in snapshot.commits]
+    intent = SealIntent(step=step, started_at=utc_now())
+    storage.create(layout.sealing_key(step), dump_document(intent))  # an earlier sealer's intent serves as well
+    snapshot = StepSnapshot.load(store, step)  # lists the commits after the intent exists (in name order)
+    names = [c.name for c in snapshot.commits]
+    if after_listing is not None:
+        after_listing(names)
     commits_json = json.dumps([c.model_dump(mode="json") for c in snapshot.commits]).encode()
     sink = io.BytesIO()
     pq.write_table(snapshot.index, sink, compression="zstd")
     nonce = secrets.token_hex(6)
     objects = {
-        f"{SEALED_DIR}/{nonce}.commits.json": commits_json,
-        f"{SEALED_DIR}/{nonce}.index.parquet": sink.getvalue(),
+        f"{layout.SEALED_DIR}/{nonce}.commits.json": commits_json,
+        f"{layout.SEALED_DIR}/{nonce}.index.parquet": sink.getvalue(),
     }
     base = layout.step_dir(step)
     storage.write_many({f"{base}/{k}": v for k, v in objects.items()})
-    infos = [ObjectInfo(key=k, size=len(v), sha256=hashlib.sha256(v).hexdigest()) for k, v in objects.items()]
+    infos = [SealedObjectInfo(key=k, size=len(v), sha256=hashlib.sha256(v).hexdigest()) for k, v in objects.items()]
     seal = SealRecord(
         step=step,
         sealed_at=utc_now(),

@@ -32,7 +32,8 @@ import numpy.typing as npt
 from numcodecs import Zstd
 
 EMPTY = np.uint64(2**64 - 1)
-"""Index entry of an inner chunk that was never written (zarr reads it as the fill value 0)."""
+"""Index entry of an inner chunk that was never written (zarr reads it as the fill value 0; routelog refuses it:
+its writers write every chunk)."""
 
 
 class ShardFormatError(ValueError):
@@ -149,14 +150,37 @@ def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int)
     return b"".join([index_bytes, _crc(index_bytes), *pieces])
 
 
-def decode_shard_index(data: bytes, layout: ShardLayout) -> npt.NDArray[np.uint64]:
-    """``[layer_chunks, row_chunks, 2]`` (offset, nbytes) from the shard's leading index bytes."""
+def max_piece_nbytes(layout: ShardLayout) -> int:
+    """The most bytes one stored inner chunk can take: zstd's worst-case bound for the chunk, plus its crc32c."""
+    raw = math.prod(layout.chunk_shape) * layout.planes
+    return raw + (raw >> 8) + 64 + 4
+
+
+def decode_shard_index(data: bytes, layout: ShardLayout, shard_nbytes: int) -> npt.NDArray[np.uint64]:
+    """``[layer_chunks, row_chunks, 2]`` (offset, nbytes) from the shard's leading index bytes.
+
+    Every chunk must be present (routelog writes them all; a missing chunk would read back as the fill value, i.e.
+    made-up routes) and lie inside the shard's ``shard_nbytes``, at most the compression bound long.
+    """
     if len(data) != layout.index_nbytes:
         raise ShardFormatError(f"shard index has {len(data)} bytes, expected {layout.index_nbytes}")
     body, crc = data[:-4], data[-4:]
     if _crc(body) != crc:
         raise ShardFormatError("shard index checksum mismatch")
-    return np.frombuffer(body, dtype="<u8").reshape(*layout.grid, 2)
+    index = np.frombuffer(body, dtype="<u8").reshape(*layout.grid, 2)
+    offsets, sizes = index[..., 0], index[..., 1]
+    if ((offsets == EMPTY) | (sizes == EMPTY)).any():
+        raise ShardFormatError("the shard index marks an inner chunk as never written; its rows were lost")
+    ends = offsets + sizes  # no overflow: both are below 2**63 once the checks below pass
+    if (
+        (offsets < layout.index_nbytes).any()
+        or (sizes < 5).any()
+        or (sizes > max_piece_nbytes(layout)).any()
+        or (offsets > shard_nbytes).any()
+        or (ends > shard_nbytes).any()
+    ):
+        raise ShardFormatError(f"the shard index points outside the shard's {shard_nbytes} bytes")
+    return index
 
 
 _ZSTD = Zstd()
@@ -186,9 +210,11 @@ def decode_chunk(
 
 
 def _decompress(payload: memoryview, out: npt.NDArray[np.uint8], size: int) -> None:
+    # Decoding into the chunk-sized ``out`` bounds the work: a frame that claims (or streams) more than one chunk
+    # fails ("destination buffer too small") instead of allocating what it claims.
     try:
         written = _ZSTD.decode(np.frombuffer(payload, dtype=np.uint8), out=out)
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         raise ShardFormatError(f"zstd cannot decode the inner chunk ({exc})") from exc
     if np.asarray(written).nbytes != size:
         raise ShardFormatError(f"inner chunk decodes to {np.asarray(written).nbytes} bytes, expected {size}")
@@ -196,12 +222,12 @@ def _decompress(payload: memoryview, out: npt.NDArray[np.uint8], size: int) -> N
 
 @dataclass(frozen=True)
 class ChunkRead:
-    """One inner chunk to fetch: its grid position and byte range in the shard (None when never written)."""
+    """One inner chunk to fetch: its grid position and byte range in the shard."""
 
     layer_chunk: int
     row_chunk: int
-    start: int | None
-    stop: int | None
+    start: int
+    stop: int
 
 
 def chunks_for(
@@ -214,10 +240,7 @@ def chunks_for(
     for lc in range(l0, l1):
         for rc in range(r0, r1):
             offset, nbytes = index[lc, rc]
-            if offset == EMPTY and nbytes == EMPTY:
-                reads.append(ChunkRead(lc, rc, None, None))
-            else:
-                reads.append(ChunkRead(lc, rc, int(offset), int(offset + nbytes)))
+            reads.append(ChunkRead(lc, rc, int(offset), int(offset + nbytes)))
     return reads
 
 

@@ -10,6 +10,7 @@ listing of one prefix, deletes, and a zarr store for ranged reads.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import posixpath
 import random
@@ -23,7 +24,8 @@ import fsspec
 from fsspec.spec import AbstractFileSystem
 from zarr.storage import FsspecStore
 
-from routelog.errors import StoreError
+from routelog.errors import CorruptDataError, StoreError
+from routelog.layout import check_key
 
 T = TypeVar("T")
 
@@ -77,6 +79,12 @@ def parse_storage_options(text: str | None) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise StoreError('--storage-options must be a JSON object, e.g. \'{"endpoint_url": "http://..."}\'')
     return value
+
+
+def check_digest(data: bytes, size: int, sha256: str, where: str) -> None:
+    """:class:`~routelog.errors.CorruptDataError` unless ``data`` has this size and SHA-256."""
+    if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
+        raise CorruptDataError(f"{where}: size or SHA-256 differs from what was committed (the object is damaged)")
 
 
 @dataclass(frozen=True)
@@ -146,6 +154,9 @@ class Storage:
         return proto if isinstance(proto, str) else proto[0]
 
     def path(self, key: str) -> str:
+        """The filesystem path of ``key``; a key that is not a plain relative key raises
+        :class:`~routelog.errors.UnsafeKeyError` (no storage call can leave the store)."""
+        check_key(key)
         return posixpath.join(self.root, key) if key else self.root
 
     def url_of(self, key: str) -> str:
@@ -162,6 +173,19 @@ class Storage:
         """The whole object; ``FileNotFoundError`` when absent."""
         data = self._call("read", key, lambda: self.fs.cat_file(self.path(key), **self._whole_object_kwargs))
         return bytes(data)
+
+    def read_verified(self, key: str, size: int, sha256: str, owner: str) -> bytes:
+        """The whole object, checked against the size and SHA-256 ``owner`` (a commit or seal) lists for it.
+
+        Missing, truncated or altered objects raise :class:`~routelog.errors.CorruptDataError` naming the object
+        and its owner: a reader never uses bytes its commit does not vouch for.
+        """
+        try:
+            data = self.read(key)
+        except FileNotFoundError:
+            raise CorruptDataError(f"{self.url_of(key)}: missing ({owner} lists it)") from None
+        check_digest(data, size, sha256, f"{self.url_of(key)} (listed by {owner})")
+        return data
 
     def read_many(self, keys: Iterable[str]) -> dict[str, bytes]:
         """Several whole objects in one call (concurrent requests on async filesystems such as S3)."""

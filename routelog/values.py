@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
@@ -51,9 +52,15 @@ def check_token_values(values: Mapping[str, Any] | None, n_tokens: int, sample_i
     for name, column in (values or {}).items():
         field = f"token_values[{check_value_name(name, sample_id)!r}]"
         try:
-            array = np.asarray(column, dtype=np.float32)
+            given = np.asarray(column)
         except (TypeError, ValueError) as exc:
             raise InvalidRecordError(sample_id, field, f"is not numeric ({exc})", "pass a float array") from None
+        if given.dtype.kind not in "fiu":
+            raise InvalidRecordError(
+                sample_id, field, f"is not numeric (dtype {given.dtype}); expected real numbers", "pass a float array"
+            )
+        with np.errstate(over="ignore"):
+            array = given.astype(np.float32)
         if array.shape != (n_tokens,):
             raise InvalidRecordError(
                 sample_id,
@@ -93,24 +100,45 @@ def values_to_parquet(
     return sink.getvalue()
 
 
-def values_from_parquet(data: bytes, columns: Iterable[str], where: str) -> dict[str, dict[str, FloatArray]]:
-    """``{sample_id: {name: values}}`` for the named columns present in a values object (null cells skipped)."""
+@dataclass(frozen=True)
+class ValuesContents:
+    """What a values object holds for the columns asked for."""
+
+    values: dict[str, dict[str, FloatArray]]
+    """``{sample_id: {name: values}}`` (null cells skipped); every sample of the object has an entry."""
+    token_hashes: dict[str, str | None]
+    """The token hash each sample's values were computed on."""
+
+
+def values_from_parquet(
+    data: bytes, columns: Iterable[str], where: str, *, declared: Sequence[str] | None = None
+) -> ValuesContents:
+    """The named columns of a values object; with ``declared``, the object's value columns must be exactly those
+    its commit declares (a renamed or dropped declaration is damage, not a missing column)."""
     try:
         with pq.ParquetFile(pa.BufferReader(data)) as parquet:
-            present = [c for c in columns if c in parquet.schema_arrow.names]
-            table = parquet.read(columns=["sample_id", *present], use_threads=False)
-    except (pa.ArrowException, OSError) as exc:
+            names = parquet.schema_arrow.names
+            present = [c for c in columns if c in names]
+            table = parquet.read(columns=["sample_id", "token_hash", *present], use_threads=False)
+    except (pa.ArrowException, OSError, KeyError) as exc:
         raise CorruptDataError(f"{where}: not a readable values object ({exc})") from exc
-    out: dict[str, dict[str, FloatArray]] = {}
+    if declared is not None and sorted(set(names) - _RESERVED) != sorted(declared):
+        raise CorruptDataError(
+            f"{where}: holds columns {sorted(set(names) - _RESERVED)}, its commit declares {sorted(declared)}"
+        )
     sample_ids = table.column("sample_id").to_pylist()
+    if len(set(sample_ids)) != len(sample_ids) or any(not isinstance(s, str) for s in sample_ids):
+        raise CorruptDataError(f"{where}: sample ids are missing or repeated")
+    out: dict[str, dict[str, FloatArray]] = {sid: {} for sid in sample_ids}
     for name in present:
         column = table.column(name).combine_chunks()
+        if not pa.types.is_list(column.type) or not pa.types.is_floating(column.type.value_type):
+            raise CorruptDataError(f"{where}: column {name!r} is {column.type}, not list<float32>")
         flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
         offsets = column.offsets.to_numpy()
         nulls = column.is_null().to_numpy(zero_copy_only=False)
         for i, sid in enumerate(sample_ids):
             if not nulls[i]:
-                out.setdefault(sid, {})[name] = flat[offsets[i] - offsets[0] : offsets[i + 1] - offsets[0]]
-    for sid in sample_ids:
-        out.setdefault(sid, {})
-    return out
+                out[sid][name] = flat[offsets[i] - offsets[0] : offsets[i + 1] - offsets[0]]
+    hashes = dict(zip(sample_ids, table.column("token_hash").to_pylist(), strict=True))
+    return ValuesContents(values=out, token_hashes=hashes)

@@ -1,21 +1,28 @@
-"""``routelog verify``: re-check a whole store against its own commit records and the format's rules."""
+"""``routelog verify``: re-check a whole store against its own commit records and the format's rules.
+
+Verify reads every step through the same code the readers use (so a store verify calls sound is one every reader
+can read, and one a reader fails on is never called sound), and adds what a reader need not look at: objects no
+commit lists, the copy of ``zarr.json``, rows no record references, seals against the commit files, and every
+decoded row as a valid top-k set.
+"""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from routelog import layout
-from routelog.errors import RoutelogError
-from routelog.format import CommitRecord, IndexRow, ObjectInfo, SealRecord, parse_document
-from routelog.part import BlockRequest, fetch_blocks, index_from_parquet
-from routelog.reader import StepSnapshot
+from routelog.errors import CorruptDataError, RoutelogError
+from routelog.format import AnnotationCommit, CommitRecord, IndexRow, load_json, parse_document
+from routelog.part import index_from_parquet, shard_layout
+from routelog.reader import RecordRouting, StepSnapshot, check_commit, list_commit_names, read_seal
 from routelog.storage import Storage
 from routelog.store import Store
-from routelog.values import values_from_parquet
+
+_BATCH = 64
+"""Records read (and decoded) at a time."""
 
 
 @dataclass
@@ -35,31 +42,36 @@ class VerifyReport:
 
 
 def verify_store(store: Store, *, progress: Callable[[str], None] | None = None) -> VerifyReport:
-    """Check every step: commit schemas, object sizes and SHA-256s, indexes, spans and every routing row."""
+    """Check every step: documents, objects (sizes, SHA-256s, nothing unlisted), indexes, spans, and every row."""
     report = VerifyReport()
     for step in store.steps():
         report.steps += 1
         if progress:
             progress(f"step {step}")
-        _verify_step(store, step, report)
+        try:
+            _verify_step(store, step, report)
+        except RoutelogError as exc:
+            report.problems.append(f"step {step}: {exc}")
     return report
 
 
 def _verify_step(store: Store, step: int, report: VerifyReport) -> None:
     storage = store.storage
-    names = [n for n in storage.list(layout.commits_dir(step)) if layout.parse_commit_name(n)]
+    names = list_commit_names(store, step)
     commits: list[CommitRecord] = []
     for name in names:
         key = layout.commit_key(step, name)
         try:
-            commits.append(parse_document(storage.read(key), CommitRecord, storage.url_of(key)))
+            commit = parse_document(storage.read(key), CommitRecord, storage.url_of(key))
+            check_commit(commit, name, step, store.model_spec, storage.url_of(key))
         except RoutelogError as exc:
             report.problems.append(str(exc))
+            continue
+        commits.append(commit)
     report.commits += len(commits)
-    _verify_seal(store, step, names, report)
-    seen: dict[str, str] = {}
     for commit in commits:
-        _verify_commit(store, step, commit, seen, report)
+        _verify_part(store, step, commit, report)
+    _verify_seal(store, step, names, commits, report)
     committed = {c.part for c in commits}
     for part in storage.list(layout.parts_dir(step)):
         if part not in committed:
@@ -70,139 +82,157 @@ def _verify_step(store: Store, step: int, report: VerifyReport) -> None:
     try:
         snapshot = StepSnapshot.load(store, step)
     except RoutelogError as exc:
-        report.problems.append(f"step {step}: the snapshot cannot be read: {exc}")
+        report.problems.append(f"step {step}: the step cannot be read: {exc}")
         return
-    try:
-        _verify_values(snapshot, report)
-    except RoutelogError as exc:
-        report.problems.append(f"step {step}: per-token values: {exc}")
+    _verify_records(snapshot, report)
+    _verify_values(snapshot, report)
 
 
-def _verify_values(snapshot: StepSnapshot, report: VerifyReport) -> None:
-    """Annotation objects match their commits, name committed records only, and every column of every record
-    is given once with one value per token."""
-    storage = snapshot.store.storage
-    for annotation in snapshot.annotations:
-        report.commits += 1
-        base = f"{layout.annotations_dir(snapshot.step)}/{annotation.part}"
-        for obj in annotation.objects:
-            report.objects += 1
-            key = f"{base}/{obj.key}"
-            data = _read_checked(storage, key, obj, "the annotation commit", report)
-            if data is None:
-                continue
-            # Only the sample ids here: the columns are decoded once, below, through the snapshot.
-            strangers = sorted(set(values_from_parquet(data, [], storage.url_of(key))) - set(snapshot.sample_ids))
-            if strangers:
-                report.problems.append(f"{storage.url_of(key)}: annotates samples not committed: {strangers[:8]}")
-    columns = snapshot.value_columns()
-    ids = snapshot.sample_ids
-    for start in range(0, len(ids) if columns else 0, 1024):
-        snapshot.token_values(ids[start : start + 1024], columns)
-
-
-def _verify_seal(store: Store, step: int, names: list[str], report: VerifyReport) -> None:
+def _verify_part(store: Store, step: int, commit: CommitRecord, report: VerifyReport) -> None:
+    """The part's directory holds exactly the listed objects, intact, and its index agrees with the commit."""
     storage = store.storage
-    key = layout.seal_key(step)
-    try:
-        seal = parse_document(storage.read(key), SealRecord, storage.url_of(key))
-    except FileNotFoundError:
-        return
-    except RoutelogError as exc:
-        report.problems.append(str(exc))
-        return
-    if seal.consolidated is not None:
-        for info in (seal.consolidated.commits, seal.consolidated.index):
-            _read_checked(storage, f"{layout.step_dir(step)}/{info.key}", info, "the seal", report)
-    missing = sorted(set(seal.commits) - set(names))
-    if missing:
-        report.problems.append(f"step {step}: the seal lists commits that do not exist: {missing}")
-    late = sorted(set(names) - set(seal.commits))
-    if late:
-        report.notes.append(f"step {step}: commits made after the seal are not part of the step: {late}")
-
-
-def _verify_commit(store: Store, step: int, commit: CommitRecord, seen: dict[str, str], report: VerifyReport) -> None:
-    storage = store.storage
-    spec = store.model_spec
     base = layout.part_dir(step, commit.part)
     where = storage.url_of(base)
-    info = commit.routing
-    if (info.num_moe_layers, info.topk, info.num_experts) != (spec.num_moe_layers, spec.topk, spec.num_experts):
-        report.problems.append(
-            f"{where}: routing shape (L={info.num_moe_layers}, K={info.topk}, "
-            f"E={info.num_experts}) differs from the run's model spec"
-        )
-        return
+    present = {key[len(base) + 1 :] for key in storage.find(base)}
+    listed = {o.key for o in commit.objects}
+    if present - listed:
+        report.problems.append(f"{where}: objects its commit does not list: {sorted(present - listed)}")
     blobs: dict[str, bytes] = {}
     for obj in commit.objects:
         report.objects += 1
-        data = _read_checked(storage, f"{base}/{obj.key}", obj, "the commit", report)
+        data = _read_checked(storage, f"{base}/{obj.key}", obj.size, obj.sha256, f"commit {commit.name}", report)
         if data is not None:
             blobs[obj.key] = data
+    info = commit.routing
+    metadata = blobs.get(f"{info.path}/zarr.json")
+    if metadata is not None:
+        try:
+            stored = load_json(metadata, f"{where}/{info.path}/zarr.json")
+        except ValueError as exc:
+            report.problems.append(str(exc))
+        else:
+            expected = shard_layout(info).zarr_metadata(0, {})
+            if stored != info.zarr_metadata:
+                report.problems.append(f"{where}: zarr.json differs from the copy in its commit")
+            if stored.get("shape") != expected["shape"] or stored.get("data_type") != expected["data_type"]:
+                report.problems.append(f"{where}: zarr.json describes shape {stored.get('shape')}, not the part's")
     if layout.INDEX not in blobs:
         return
-    rows = [IndexRow.model_validate(r) for r in index_from_parquet(blobs[layout.INDEX]).to_pylist()]
-    report.records += len(rows)
-    if len(rows) != commit.n_records:
-        report.problems.append(f"{where}: index has {len(rows)} records, the commit says {commit.n_records}")
-    for row in rows:
-        if row.sample_id in seen:
-            report.problems.append(
-                f"step {step}: sample {row.sample_id!r} is committed twice "
-                f"(parts {seen[row.sample_id]!r} and {commit.part!r})"
-            )
-        seen[row.sample_id] = commit.part
-        covered = sum(s.n_rows for s in row.spans)
-        if row.n_tokens != row.prompt_len + row.response_len or covered > row.n_tokens:
-            report.problems.append(f"{where}: sample {row.sample_id!r} has inconsistent lengths")
-        for span in row.spans:
-            if span.part is None and span.row + span.n_rows > info.n_rows:
-                report.problems.append(
-                    f"{where}: sample {row.sample_id!r} span rows [{span.row}, "
-                    f"{span.row + span.n_rows}) exceed the part's {info.n_rows} rows"
-                )
-            if span.token_start + span.n_rows > row.n_tokens:
-                report.problems.append(f"{where}: sample {row.sample_id!r} span covers tokens past its length")
-    _verify_routing(store, step, commit, report)
-
-
-def _verify_routing(store: Store, step: int, commit: CommitRecord, report: VerifyReport) -> None:
-    """Decode every row (crc32c per chunk is checked by zarr) and check it is a valid top-k set."""
-    info = commit.routing
-    if info.n_rows == 0:
+    try:
+        rows = [IndexRow.model_validate(r) for r in index_from_parquet(blobs[layout.INDEX]).to_pylist()]
+    except (ValueError, OSError) as exc:
+        report.problems.append(f"{where}: the index does not parse ({str(exc).splitlines()[0]})")
         return
-    part_key = layout.part_dir(step, commit.part)
-    where = store.storage.url_of(part_key)
-    for start in range(0, info.n_rows, 1 << 16):
-        stop = min(start + (1 << 16), info.n_rows)
-        request = BlockRequest(part_key, commit, (0, info.num_moe_layers), (start, stop))
+    report.records += len(rows)
+    covered = np.zeros(info.n_rows, dtype=np.int32)
+    for row in rows:
+        for span in row.spans:
+            if span.part is None and span.row + span.n_rows <= info.n_rows:
+                covered[span.row : span.row + span.n_rows] += 1
+    if info.n_rows and (covered != 1).any():
+        row = int(np.argmax(covered != 1))
+        report.problems.append(
+            f"{where}: routing row {row} is referenced by {int(covered[row])} spans (each stored row belongs to "
+            "exactly one record)"
+        )
+
+
+def _verify_seal(store: Store, step: int, names: list[str], commits: list[CommitRecord], report: VerifyReport) -> None:
+    storage = store.storage
+    seal = read_seal(store, step)
+    if seal is None:
+        return
+    missing = sorted(set(seal.commits) - set(names))
+    if missing:
+        report.problems.append(f"step {step}: the seal lists commits whose documents are missing: {missing}")
+    late = sorted(set(names) - set(seal.commits))
+    if late:
+        report.notes.append(f"step {step}: commits made after the seal are not part of the step: {late}")
+    if seal.consolidated is None:
+        return
+    info = seal.consolidated.commits
+    key = f"{layout.step_dir(step)}/{info.key}"
+    report.objects += 2
+    data = _read_checked(storage, key, info.size, info.sha256, "the seal", report)
+    index = seal.consolidated.index
+    _read_checked(storage, f"{layout.step_dir(step)}/{index.key}", index.size, index.sha256, "the seal", report)
+    if data is None:
+        return
+    by_name = {c.name: c.model_dump(mode="json") for c in commits}
+    try:
+        docs = load_json(data, storage.url_of(key))
+    except ValueError as exc:
+        report.problems.append(str(exc))
+        return
+    if not isinstance(docs, list) or len(docs) != len(seal.commits):
+        return  # the step's read below reports it
+    for name, doc in zip(seal.commits, docs, strict=True):
+        if name in by_name and by_name[name] != doc:
+            report.problems.append(f"{storage.url_of(key)}: commit {name} differs from its document")
+
+
+def _verify_records(snapshot: StepSnapshot, report: VerifyReport) -> None:
+    """Read every record as a reader does and check each routed row is a valid top-k set."""
+    ids = snapshot.sample_ids
+    for start in range(0, len(ids), _BATCH):
         try:
-            (block,) = fetch_blocks(store.storage, [request])
+            routings = snapshot.read_many(ids[start : start + _BATCH])
         except RoutelogError as exc:
-            report.problems.append(str(exc))
+            report.problems.append(f"step {snapshot.step}: {exc}")
             return
-        ids = block.reshape(-1, info.topk)
-        ordered = ids if info.topk_order == "sorted" else np.sort(ids, axis=1)
-        bad = ordered[:, -1] >= info.num_experts
-        if info.topk > 1:
-            bad |= (ordered[:, 1:] <= ordered[:, :-1]).any(axis=1)
-        if bad.any():  # rows are layer-major: [layers, stop - start]
-            row = start + int(np.argmax(bad)) % (stop - start)
-            report.problems.append(
-                f"{where}: routing row {row} decodes to an invalid top-k set {ids[int(np.argmax(bad))].tolist()}"
-            )
-            return
+        for routing in routings:
+            problem = _topk_problem(routing, snapshot.store.model_spec.num_experts)
+            if problem:
+                report.problems.append(f"step {snapshot.step}, sample {routing.sample_id!r}: {problem}")
+                return
 
 
-def _read_checked(storage: Storage, key: str, info: ObjectInfo, owner: str, report: VerifyReport) -> bytes | None:
+def _topk_problem(routing: RecordRouting, num_experts: int) -> str | None:
+    rows = routing.by_layer[:, routing.valid].reshape(-1, routing.by_layer.shape[-1])
+    ordered = rows if routing.topk_order == "sorted" else np.sort(rows, axis=1)
+    bad = ordered[:, -1] >= num_experts
+    if rows.shape[1] > 1:
+        bad |= (ordered[:, 1:] <= ordered[:, :-1]).any(axis=1)
+    if bad.any():
+        return f"a routed row decodes to an invalid top-k set {rows[int(np.argmax(bad))].tolist()}"
+    return None
+
+
+def _verify_values(snapshot: StepSnapshot, report: VerifyReport) -> None:
+    """Annotation objects match their commits, and every column of every record reads as readers read it."""
+    storage = snapshot.store.storage
+    try:
+        annotations = snapshot.annotations
+    except RoutelogError as exc:
+        report.problems.append(f"step {snapshot.step}: annotations: {exc}")
+        return
+    for annotation in annotations:
+        report.commits += 1
+        report.objects += len(annotation.objects)
+        _verify_annotation_objects(storage, snapshot.step, annotation, report)
+    columns = snapshot.value_columns()
+    ids = snapshot.sample_ids
+    try:
+        for start in range(0, len(ids) if columns else 0, 1024):
+            snapshot.token_values(ids[start : start + 1024], columns)
+    except RoutelogError as exc:
+        report.problems.append(f"step {snapshot.step}: per-token values: {exc}")
+
+
+def _verify_annotation_objects(storage: Storage, step: int, annotation: AnnotationCommit, report: VerifyReport) -> None:
+    base = f"{layout.annotations_dir(step)}/{annotation.part}"
+    present = {key[len(base) + 1 :] for key in storage.find(base)}
+    extra = present - {o.key for o in annotation.objects}
+    if extra:
+        report.problems.append(f"{storage.url_of(base)}: objects its annotation commit does not list: {sorted(extra)}")
+    for obj in annotation.objects:
+        _read_checked(storage, f"{base}/{obj.key}", obj.size, obj.sha256, f"annotation {annotation.name}", report)
+
+
+def _read_checked(storage: Storage, key: str, size: int, sha256: str, owner: str, report: VerifyReport) -> bytes | None:
     """The object if it exists with the size and SHA-256 ``owner`` lists; otherwise a problem and None."""
     try:
-        data = storage.read(key)
-    except FileNotFoundError:
-        report.problems.append(f"{storage.url_of(key)}: missing ({owner} lists it)")
+        return storage.read_verified(key, size, sha256, owner)
+    except CorruptDataError as exc:
+        report.problems.append(str(exc))
         return None
-    if len(data) != info.size or hashlib.sha256(data).hexdigest() != info.sha256:
-        report.problems.append(f"{storage.url_of(key)}: size or SHA-256 differs from {owner} (corrupted)")
-        return None
-    return data

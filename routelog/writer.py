@@ -12,6 +12,12 @@ flush_bytes`` whatever the run length. Parts are flushed by size and by age.
 
 Restart: a writer re-opened with the same id continues its commit sequence and skips records its earlier
 incarnation already committed (same sample id and tokens), so re-sending everything after a crash is safe.
+
+Sealing: after its commit's exclusive create a writer checks the seal fence (see :mod:`routelog.seal`), so it
+reports a commit as done only if every reader of the step, sealed or not, will see it.
+
+Errors: a failed part is reported once, at the writer's next call, as :class:`WriterError` naming the records
+that were not committed (they may be appended again); the writer stays usable. Only a sealed step ends it.
 """
 
 from __future__ import annotations
@@ -27,9 +33,17 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from routelog import layout
-from routelog.errors import CommitConflictError, DuplicateSampleError, RoutelogError, StepSealedError, StoreError
-from routelog.format import CommitRecord, SealRecord, dump_document, parse_document, utc_now
+from routelog.errors import (
+    CommitConflictError,
+    CommitUndecidedError,
+    DuplicateSampleError,
+    RoutelogError,
+    StepSealedError,
+    StoreError,
+)
+from routelog.format import CommitRecord, dump_document, parse_document, utc_now
 from routelog.part import BuiltPart, PartOptions, build_part, index_from_parquet
+from routelog.reader import read_seal
 from routelog.record import PreparedRecord, Record, prepare_record
 
 if TYPE_CHECKING:
@@ -39,6 +53,13 @@ DEFAULT_FLUSH_BYTES = 64 << 20
 """Raw-equivalent bytes of routing buffered before a part is written (zarr's >= 1 MB advice, S3's 8-16 MB GETs)."""
 DEFAULT_FLUSH_SECONDS = 30.0
 """A part is also written once its oldest record has waited this long."""
+MAX_COMMIT_DELAY = 600.0
+"""Seconds after a part's upload started past which its commit is not attempted (the part is uploaded again under a
+fresh name): ``routelog gc`` may remove uncommitted objects older than its grace period, whose minimum is well
+above this (see :data:`routelog.gc.MIN_GRACE`)."""
+DEFAULT_SEAL_WAIT = 300.0
+"""Seconds a writer whose commit met a seal in progress waits for the seal to learn whether it was included."""
+_UPLOAD_ATTEMPTS = 3
 
 
 def default_writer_id() -> str:
@@ -80,6 +101,8 @@ class StepWriter:
         max_pending: int = 2,
         background: bool = True,
         on_commit: Callable[[CommitRecord, list[str]], None] | None = None,
+        seal_wait: float = DEFAULT_SEAL_WAIT,
+        max_commit_delay: float = MAX_COMMIT_DELAY,
     ) -> None:
         self.store = store
         self.step = layout.check_step(step)
@@ -88,6 +111,8 @@ class StepWriter:
         self.flush_bytes = flush_bytes or DEFAULT_FLUSH_BYTES
         self.flush_seconds = flush_seconds
         self.on_commit = on_commit
+        self.seal_wait = seal_wait
+        self.max_commit_delay = max_commit_delay
         self._check_not_sealed()
         self.commits: list[CommitRecord] = []
         self.skipped: list[str] = []
@@ -101,6 +126,7 @@ class StepWriter:
         self._done = threading.Condition(self._lock)
         self._pending = 0
         self._error: WriterError | None = None
+        self._sealed: StepSealedError | None = None
         self._closed = False
         self._aborted = False
         self._queue: queue.Queue[_Batch | None] = queue.Queue(maxsize=max(1, max_pending))
@@ -111,8 +137,15 @@ class StepWriter:
 
     # -- restart ---------------------------------------------------------------------------------------------
     def _check_not_sealed(self) -> None:
-        if self.store.storage.exists(layout.seal_key(self.step)):
+        """Refuse to upload into a step that is sealed or being sealed (its commits would be refused)."""
+        storage = self.store.storage
+        if storage.exists(layout.seal_key(self.step)):
             raise StepSealedError(f"step {self.step} of {self.store.url} is sealed and accepts no more records")
+        if storage.exists(layout.sealing_key(self.step)):
+            raise StepSealedError(
+                f"step {self.step} of {self.store.url} is being sealed and accepts no more records (if the sealer "
+                f"died, finish it: routelog seal {self.store.url} --step {self.step})"
+            )
 
     def _own_commits(self) -> tuple[int, dict[str, tuple[str | None, int]]]:
         """One past this writer id's last commit, and the (token hash, length) of every record it committed."""
@@ -230,47 +263,83 @@ class StepWriter:
             return max(0.01, min(1.0, self.flush_seconds - self._age()))
 
     def _process(self, batch: _Batch) -> None:
-        sample_ids = [r.row.sample_id for r in batch.records]
         try:
-            if self._error is None and not self._aborted:
-                commit = self._publish(batch)
-                with self._lock:
-                    self.commits.append(commit)
-                if self.on_commit is not None:
-                    self.on_commit(commit, sample_ids)
+            if self._sealed is None and not self._aborted:
+                commit, refused = self._publish(batch)
+                if commit is not None:
+                    with self._lock:
+                        self.commits.append(commit)
+                    if self.on_commit is not None:
+                        self.on_commit(
+                            commit, [r.row.sample_id for r in batch.records if r.row.sample_id not in refused]
+                        )
+                if refused:
+                    self._fail(batch, RoutelogError("; ".join(refused.values())), list(refused))
         except Exception as exc:  # surfaced to the caller at its next call
-            error = WriterError(
-                f"writer {self.writer_id!r}, step {self.step}, commit {batch.seq}: {exc}; "
-                f"{len(sample_ids)} records not committed: {sample_ids[:5]}",
-                sample_ids,
-            )
-            error.__cause__ = exc
-            with self._lock:
-                self._error = self._error or error
+            self._fail(batch, exc, [r.row.sample_id for r in batch.records])
         finally:
             with self._done:
                 self._pending -= 1
                 self._done.notify_all()
 
-    def _publish(self, batch: _Batch) -> CommitRecord:
-        self._check_not_sealed()
-        built = build_part(batch.records, self.store.model_spec, self.options)
-        commit = publish_part(self.store, self.step, self.writer_id, batch.seq, built)
-        self._check_commit_counted(commit, [r.row.sample_id for r in batch.records])
-        return commit
+    def _fail(self, batch: _Batch, exc: Exception, sample_ids: list[str]) -> None:
+        """Record a failed part (or the records refused from it) for the caller's next call."""
+        error = WriterError(
+            f"writer {self.writer_id!r}, step {self.step}, commit {batch.seq}: {exc}; "
+            f"{len(sample_ids)} records not committed: {sample_ids[:5]}",
+            sample_ids,
+        )
+        error.__cause__ = exc
+        with self._lock:
+            if isinstance(exc, StepSealedError):
+                self._sealed = self._sealed or exc
+            self._sample_ids.difference_update(sample_ids)  # not committed: they may be appended again
+            if self._error is None:
+                self._error = error
+            else:  # several parts failed before the caller looked: report them together
+                self._error = WriterError(f"{self._error}; and {error}", [*self._error.sample_ids, *sample_ids])
 
-    def _check_commit_counted(self, commit: CommitRecord, sample_ids: list[str]) -> None:
-        """A step sealed between the check and the commit leaves the commit outside the seal: not accepted."""
-        storage = self.store.storage
-        key = layout.seal_key(self.step)
+    def _publish(self, batch: _Batch) -> tuple[CommitRecord | None, dict[str, str]]:
+        """Build, upload and commit a part; returns the commit (None if nothing was left to commit) and the records
+        refused while building, by sample id, with the reason."""
+        self._check_not_sealed()
+        records, refused = batch.records, {}
         try:
-            seal = parse_document(storage.read(key), SealRecord, storage.url_of(key))
-        except FileNotFoundError:
-            return
-        name = layout.commit_name(self.writer_id, commit.seq)
-        if name not in seal.commits:
+            built = build_part(records, self.store.model_spec, self.options)
+        except Exception:  # append validated these records: find the one that still fails
+            records, refused = _isolate_failures(records, self.store, self.options)
+            if not records:
+                return None, refused
+            built = build_part(records, self.store.model_spec, self.options)
+        commit = publish_part(
+            self.store, self.step, self.writer_id, batch.seq, built, max_commit_delay=self.max_commit_delay
+        )
+        self._confirm_commit(commit, [r.row.sample_id for r in records])
+        return commit, refused
+
+    def _confirm_commit(self, commit: CommitRecord, sample_ids: list[str]) -> None:
+        """The seal fence: a commit is done unless a seal in progress may have listed the step before it."""
+        storage = self.store.storage
+        if not storage.exists(layout.sealing_key(self.step)):
+            return  # any seal starts after this moment, so it lists this commit
+        deadline = time.monotonic() + self.seal_wait
+        delay = 0.05
+        while True:
+            seal = read_seal(self.store, self.step)
+            if seal is not None:
+                break
+            if time.monotonic() >= deadline:
+                raise CommitUndecidedError(
+                    f"commit {commit.name} landed while step {self.step} was being sealed, and the seal did not "
+                    f"finish within {self.seal_wait:.0f} s: its records are part of the step only if the seal "
+                    f"lists them. Finish the seal (routelog seal {self.store.url} --step {self.step}), then check "
+                    f"with routelog ls: {sample_ids[:5]}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+        if commit.name not in seal.commits:
             raise StepSealedError(
-                f"step {self.step} was sealed while commit {name} was being written; its records "
+                f"step {self.step} was sealed while commit {commit.name} was being written; its records "
                 f"are not part of the step: {sample_ids[:5]}"
             )
 
@@ -320,10 +389,15 @@ class StepWriter:
         if self._closed:
             raise ValueError(f"writer {self.writer_id!r} of step {self.step} is closed")
         self._raise_error()
+        if self._sealed is not None:
+            raise self._sealed
 
     def _raise_error(self) -> None:
-        if self._error is not None:
-            raise self._error
+        """Report a failed part once; the writer stays usable (except on a sealed step)."""
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def __enter__(self) -> StepWriter:
         return self
@@ -333,18 +407,58 @@ class StepWriter:
     ) -> None:
         if exc_type is not None and not issubclass(exc_type, Exception):
             self.abort()  # KeyboardInterrupt, SystemExit: do not start uploads while the process is going down
-        elif exc_type is not None and issubclass(exc_type, RoutelogError) and self._error is exc:
+        elif exc_type is not None and isinstance(exc, WriterError):
             self._stop()
         else:
             self.close()
 
 
-def publish_part(store: Store, step: int, writer_id: str, seq: int, built: BuiltPart) -> CommitRecord:
-    """Upload a part's objects, then create its commit record exclusively (the part becomes visible)."""
+def _isolate_failures(
+    records: list[PreparedRecord], store: Store, options: PartOptions
+) -> tuple[list[PreparedRecord], dict[str, str]]:
+    """When a part fails to build, the records that build on their own, and why each of the others fails: one bad
+    record costs only itself, never the good records it shares a part with."""
+    good: list[PreparedRecord] = []
+    refused: dict[str, str] = {}
+    for record in records:
+        try:
+            build_part([record], store.model_spec, options)
+        except Exception as exc:  # reported to the caller with the sample id
+            refused[record.row.sample_id] = f"sample {record.row.sample_id!r} cannot be stored: {exc!r}"
+        else:
+            good.append(record)
+    return good, refused
+
+
+def publish_part(
+    store: Store,
+    step: int,
+    writer_id: str,
+    seq: int,
+    built: BuiltPart,
+    *,
+    max_commit_delay: float = MAX_COMMIT_DELAY,
+) -> CommitRecord:
+    """Upload a part's objects, then create its commit record exclusively (the part becomes visible).
+
+    The create is only attempted within ``max_commit_delay`` seconds of the upload's start; a slower upload is
+    repeated under a fresh part name, so ``routelog gc`` (whose grace period is longer) never collects a part
+    that is about to be committed.
+    """
     storage = store.storage
-    part = layout.new_part_name(writer_id, seq)
-    base = layout.part_dir(step, part)
-    storage.write_many({f"{base}/{key}": data for key, data in built.objects.items()})
+    key = layout.commit_key(step, layout.commit_name(writer_id, seq))
+    for _ in range(_UPLOAD_ATTEMPTS):
+        started = time.monotonic()
+        part = layout.new_part_name(writer_id, seq)
+        base = layout.part_dir(step, part)
+        storage.write_many({f"{base}/{name}": data for name, data in built.objects.items()})
+        if time.monotonic() - started <= max_commit_delay:
+            break
+    else:
+        raise StoreError(
+            f"step {step}, commit {writer_id}.{seq:08d}: uploading the part took longer than {max_commit_delay:.0f} s "
+            f"{_UPLOAD_ATTEMPTS} times; not committed (the storage is too slow for gc's grace period)"
+        )
     commit = CommitRecord(
         step=step,
         part=part,
@@ -357,7 +471,6 @@ def publish_part(store: Store, step: int, writer_id: str, seq: int, built: Built
         objects=built.object_infos(),
         values=built.values,
     )
-    key = layout.commit_key(step, layout.commit_name(writer_id, seq))
     if not storage.create(key, dump_document(commit)):
         existing = parse_document(storage.read(key), CommitRecord, storage.url_of(key))
         if existing.part != part:

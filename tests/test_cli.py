@@ -189,11 +189,11 @@ def test_seal_gc_and_ls_as_of(tmp_path: Path) -> None:
     orphan = tmp_path / "run" / "steps" / f"{0:010d}" / "parts" / "dead.00000000.0badc0ffee"
     orphan.mkdir(parents=True)
     (orphan / "index.parquet").write_bytes(b"half an upload")
-    dry = json.loads(_run("gc", url, "--older-than", "0", "--json"))
+    dry = json.loads(_run("gc", url, "--older-than", "0", "--force", "--json"))
     assert list(dry["orphans"]) == ["steps/0000000000/parts/dead.00000000.0badc0ffee/index.parquet"]
     assert not dry["deleted"] and orphan.exists(), "a dry run by default"
     assert "kept" in _run("gc", url), "younger than the default 24 h grace period: kept"
-    assert json.loads(_run("gc", url, "--older-than", "0", "--delete", "--json"))["deleted"]
+    assert json.loads(_run("gc", url, "--older-than", "0", "--force", "--delete", "--json"))["deleted"]
     assert not (orphan / "index.parquet").exists()
 
     assert "5 records" in _run("seal", url, "--step", "0")

@@ -60,38 +60,52 @@ def test_zarr_python_reads_routelog_shards(layers: int, rows: int, k: int, cl: i
     np.testing.assert_array_equal(_logical(array, layout), data)
 
 
+def _zarr_python_shard(data: np.ndarray, layout: ShardLayout, *, write_empty_chunks: bool) -> bytes:
+    layers, rows, k = data.shape
+    buffers: dict[str, object] = {}
+    store = MemoryStore(buffers)  # type: ignore[arg-type]
+    with zarr.config.set({"array.write_empty_chunks": write_empty_chunks}):
+        array = zarr.create_array(store, shape=(layers, rows, k), dtype="uint8", chunks=(1, 1, 1))  # placeholder
+        array = zarr.AsyncArray(metadata=layout.zarr_metadata(3, {}), store_path=array.store_path)  # type: ignore[call-overload]
+        zarr.core.sync.sync(array._save_metadata(array.metadata))
+        view = zarr.Array(array)
+        view[...] = data if layout.planes == 1 else data.view(np.uint8).reshape(layers, rows, k, 2)
+    return bytes(buffers[layout.shard_key].to_bytes())  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize(("layers", "rows", "k", "cl", "cr", "dtype"), CASES)
 def test_routelog_reads_zarr_python_shards(layers: int, rows: int, k: int, cl: int, cr: int, dtype: type) -> None:
     rng = np.random.default_rng(layers + rows)
     data = rng.integers(0, np.iinfo(dtype).max, size=(layers, rows, k), dtype=dtype)
     if layers > cl or rows > cr:
-        data[: min(cl, layers), : min(cr, rows)] = 0  # one all-fill chunk: zarr-python leaves it unwritten
+        data[: min(cl, layers), : min(cr, rows)] = 0  # one all-fill chunk, written only with write_empty_chunks
     layout = ShardLayout(layers, rows, k, cl, cr, np.dtype(dtype))
-    buffers: dict[str, object] = {}
-    store = MemoryStore(buffers)  # type: ignore[arg-type]
-    array = zarr.create_array(store, shape=(layers, rows, k), dtype="uint8", chunks=(1, 1, 1))  # placeholder
-    array = zarr.AsyncArray(metadata=layout.zarr_metadata(3, {}), store_path=array.store_path)  # type: ignore[call-overload]
-    zarr.core.sync.sync(array._save_metadata(array.metadata))
-    view = zarr.Array(array)
-    view[...] = data if layout.planes == 1 else data.view(np.uint8).reshape(layers, rows, k, 2)
-    shard = buffers[layout.shard_key].to_bytes()  # type: ignore[attr-defined]
-    index = decode_shard_index(shard[: layout.index_nbytes], layout)
+    shard = _zarr_python_shard(data, layout, write_empty_chunks=True)
+    index = decode_shard_index(shard[: layout.index_nbytes], layout, len(shard))
     out = np.empty((layers, rows, k), dtype=dtype)
     for chunk in chunks_for(index, layout, (0, layers), (0, rows)):
         l0, r0 = chunk.layer_chunk * cl, chunk.row_chunk * cr
-        if chunk.start is None:
-            values = np.zeros(layout.chunk_shape, dtype=dtype)
-        else:
-            values = decode_chunk(shard[chunk.start : chunk.stop], layout)
+        values = decode_chunk(shard[chunk.start : chunk.stop], layout)
         out[l0 : l0 + cl, r0 : r0 + cr] = values[: min(cl, layers - l0), : min(cr, rows - r0)]
     np.testing.assert_array_equal(out, data)
+
+
+def test_a_chunk_marked_never_written_is_refused_not_filled() -> None:
+    """zarr-python leaves an all-fill chunk unwritten by default; routelog's writers write every chunk, so an
+    empty index entry means lost rows, never expert 0 (FORMAT.md section 4)."""
+    layout = ShardLayout(2, 100, 4, 1, 64, np.dtype(np.uint8))
+    data = np.random.default_rng(1).integers(1, 200, size=(2, 100, 4), dtype=np.uint8)
+    data[0, :64] = 0
+    shard = _zarr_python_shard(data, layout, write_empty_chunks=False)
+    with pytest.raises(ShardFormatError, match="never written"):
+        decode_shard_index(shard[: layout.index_nbytes], layout, len(shard))
 
 
 def test_stage_chunks_are_adjacent_bytes() -> None:
     layout = ShardLayout(16, 4096 * 4, 8, 4, 4096, np.dtype(np.uint8))
     data = np.random.default_rng(0).integers(0, 128, size=(16, 4096 * 4, 8), dtype=np.uint8)
     shard = encode_shard(data, layout, 3)
-    index = decode_shard_index(shard[: layout.index_nbytes], layout)
+    index = decode_shard_index(shard[: layout.index_nbytes], layout, len(shard))
     chunks = chunks_for(index, layout, (4, 8), (0, 4096 * 4))
     assert [c.layer_chunk for c in chunks] == [1, 1, 1, 1]
     assert all(a.stop == b.start for a, b in itertools.pairwise(chunks))
@@ -101,16 +115,14 @@ def test_damaged_bytes_fail_their_checksum() -> None:
     layout = ShardLayout(4, 100, 8, 4, 64, np.dtype(np.uint8))
     data = np.random.default_rng(0).integers(0, 128, size=(4, 100, 8), dtype=np.uint8)
     shard = bytearray(encode_shard(data, layout, 3))
-    index = decode_shard_index(bytes(shard[: layout.index_nbytes]), layout)
+    index = decode_shard_index(bytes(shard[: layout.index_nbytes]), layout, len(shard))
     first = chunks_for(index, layout, (0, 4), (0, 100))[0]
-    assert first.start is not None
-    assert first.stop is not None
     shard[first.start + 3] ^= 0xFF
     with pytest.raises(ShardFormatError, match="checksum"):
         decode_chunk(bytes(shard[first.start : first.stop]), layout)
     shard[5] ^= 0xFF
     with pytest.raises(ShardFormatError, match="index checksum"):
-        decode_shard_index(bytes(shard[: layout.index_nbytes]), layout)
+        decode_shard_index(bytes(shard[: layout.index_nbytes]), layout, len(shard))
 
 
 def test_tensorstore_style_reader_sees_documented_attributes() -> None:

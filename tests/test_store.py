@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 
@@ -21,7 +22,7 @@ from routelog import (
     StoreNotFoundError,
 )
 from routelog import layout as keys
-from routelog.format import CommitRecord, IndexRow, Span
+from routelog.format import CommitRecord, IndexRow, ObjectInfo, Span, dump_document
 from routelog.part import index_to_parquet
 from routelog.storage import Storage
 from routelog.verify import verify_store
@@ -239,7 +240,14 @@ def test_span_references_into_another_part_are_followed(
     deduped = row.model_copy(
         update={"spans": [Span(token_start=0, n_rows=6, row=0, part=shared), Span(token_start=6, n_rows=4, row=6)]}
     )
-    store.storage.write(f"{part_dir}/{keys.INDEX}", index_to_parquet([IndexRow.model_validate(deduped)]))
+    data = index_to_parquet([IndexRow.model_validate(deduped)])
+    store.storage.write(f"{part_dir}/{keys.INDEX}", data)
+    objects = [
+        o if o.key != keys.INDEX else ObjectInfo(key=o.key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+        for o in commit.objects
+    ]
+    rewritten = commit.model_copy(update={"objects": objects})
+    store.storage.write(keys.commit_key(1, commit.name), dump_document(rewritten))
     got = routelog.open_store(store_url).step(1).read("turn-2")
     np.testing.assert_array_equal(got.expert_ids, np.sort(full, axis=-1))
     assert isinstance(commit, CommitRecord)

@@ -121,7 +121,7 @@ def test_annotations_attach_training_logprobs_after_the_fact(memory_url: str, sm
     assert got["s4"] == {} and got["s5"] == {}
     report = verify_store(store)
     assert report.ok, report.problems
-    assert collect_garbage(store, 0.0).orphans == {}  # committed annotations are never garbage
+    assert collect_garbage(store, 0.0, force=True).orphans == {}  # committed annotations are never garbage
 
 
 def test_annotations_check_the_record_they_attach_to(memory_url: str, small_spec: ModelSpec) -> None:
@@ -165,6 +165,6 @@ def test_orphaned_annotation_data_is_collected(memory_url: str, small_spec: Mode
         writer.append(records(small_spec, 1)[0])
     # An annotator that died after uploading its values, before its commit:
     store.storage.write("steps/0000000000/annotations/t.00000000.abcdef012345/values.parquet", b"partial")
-    report = collect_garbage(store, 0.0, delete=True)
+    report = collect_garbage(store, 0.0, delete=True, force=True)
     assert list(report.orphans) == ["steps/0000000000/annotations/t.00000000.abcdef012345/values.parquet"]
     assert verify_store(store).ok

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import io
 import json
 import time
@@ -27,7 +28,7 @@ import pyarrow.parquet as pq
 from numcodecs import Zstd
 
 from routelog.codec import encode_rows, layer_major, sort_and_check
-from routelog.format import CommitRecord, RoutingArrayInfo, utc_now
+from routelog.format import CommitRecord, ObjectInfo, RoutingArrayInfo, utc_now
 from routelog.part import BlockRequest, PartOptions, fetch_blocks, shard_layout
 from routelog.shard import encode_shard
 from routelog.spec import entropy_bound_bytes
@@ -68,24 +69,28 @@ def routelog_codec(ids: np.ndarray, num_experts: int, chunk_rows: int, chunk_lay
             raise ValueError(problem)
         return encode_shard(encode_rows(rows, "sorted_gaps").reshape(layers, t, k), layout, 3)
 
-    commit = CommitRecord(
-        step=0,
-        part="part",
-        writer_id="bench",
-        seq=0,
-        created_at=utc_now(),
-        n_records=1,
-        n_tokens=t,
-        routing=info,
-        objects=[],
-    )
-    written: list[bytes] = []
+    def commit_for(shard: bytes) -> CommitRecord:
+        return CommitRecord(
+            step=0,
+            part="bench.00000000.0",
+            writer_id="bench",
+            seq=0,
+            created_at=utc_now(),
+            n_records=1,
+            n_tokens=t,
+            routing=info,
+            objects=[
+                ObjectInfo(key=f"routing/{layout.shard_key}", size=len(shard), sha256=hashlib.sha256(shard).hexdigest())
+            ],
+        )
+
+    written: list[tuple[bytes, CommitRecord]] = []
 
     def decode(shard: bytes) -> np.ndarray:
-        if not written or written[0] is not shard:  # upload once, outside the timed decodes that follow
+        if not written or written[0][0] is not shard:  # upload once, outside the timed decodes that follow
             storage.write(f"part/routing/{layout.shard_key}", shard)
-            written[:] = [shard]
-        (block,) = fetch_blocks(storage, [BlockRequest("part", commit, (0, layers), (0, t))])
+            written[:] = [(shard, commit_for(shard))]
+        (block,) = fetch_blocks(storage, [BlockRequest("part", written[0][1], (0, layers), (0, t))])
         return block.transpose(1, 0, 2)  # the [T, L, K] view readers hand out
 
     return {"encode": encode, "decode": decode, "size": len}
