@@ -10,6 +10,7 @@ can never attach to the wrong tokens. Annotations are additive metadata: they ar
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -17,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 import numpy.typing as npt
 
 from routelog import layout
-from routelog.errors import CommitConflictError, InvalidRecordError
+from routelog.errors import CommitConflictError, InvalidRecordError, StoreError
 from routelog.format import AnnotationCommit, ObjectInfo, ValueColumn, ValuesInfo, dump_document, utc_now
 from routelog.values import VALUES_OBJECT, FloatArray, check_token_values, values_to_parquet
+from routelog.writer import MAX_COMMIT_DELAY
 
 if TYPE_CHECKING:
     from routelog.store import Store
@@ -60,7 +62,13 @@ class Annotator:
         existing = [layout.parse_commit_name(n) for n in storage.list(layout.annotations_dir(self.step))]
         seq = 1 + max((p[1] for p in existing if p is not None and p[0] == self.writer_id), default=-1)
         part = layout.new_part_name(self.writer_id, seq)
+        started = time.monotonic()
         storage.write(f"{layout.annotation_key(self.step, part)}/{VALUES_OBJECT}", data)
+        if time.monotonic() - started > MAX_COMMIT_DELAY:  # gc may already consider the data an orphan
+            raise StoreError(
+                f"annotation {self.writer_id}.{seq:08d} of step {self.step}: the upload took longer than "
+                f"{MAX_COMMIT_DELAY:.0f} s; not committed, retry"
+            )
         commit = AnnotationCommit(
             step=self.step,
             part=part,

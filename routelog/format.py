@@ -217,31 +217,35 @@ class ValuesInfo(_Document):
     columns: list[ValueColumn] = Field(min_length=1)
 
 
-class CommitRecord(_Document):
-    """Created exclusively, last, under ``steps/<step>/commits/<writer>.<seq>.json``: the part becomes visible."""
+class _CommitBase(_Document):
+    """What a commit and an annotation commit share: the document named ``<writer_id>.<seq:08d>.json`` that makes
+    the data under ``part`` visible."""
 
     format_version: int = FORMAT_VERSION
-    kind: Literal["routelog.commit"] = COMMIT_KIND
     features: list[str] = []
     step: int = Field(ge=0)
     part: PartName
-    """Directory name of the part under ``steps/<step>/parts/``: ``<writer_id>.<seq:08d>.<hex>``."""
+    """Directory name of the data: ``<writer_id>.<seq:08d>.<hex>``."""
     writer_id: WriterId
     seq: int = Field(ge=0, lt=10**8)
     """The writer's commit counter; with ``writer_id`` it names the commit, which makes re-commits idempotent."""
     created_at: datetime
     n_records: int = Field(ge=0)
-    n_tokens: int = Field(ge=0)
-    routing: RoutingArrayInfo
     objects: list[ObjectInfo]
     values: ValuesInfo | None = None
-    """Per-token float columns of the part's records, if any were attached (added in format 1.1: readers that
-    do not know the field ignore it and never fetch the object)."""
 
     @model_validator(mode="after")
-    def _consistent(self) -> CommitRecord:
-        _check_owned_part(self.part, self.writer_id, self.seq)
-        _check_objects(self.objects, self.values)
+    def _consistent(self) -> _CommitBase:
+        # A damaged or forged ``part`` cannot point at another writer's data.
+        if not self.part.startswith(layout.part_prefix(self.writer_id, self.seq)):
+            raise ValueError(f"part {self.part!r} does not belong to commit {self.writer_id}.{self.seq:08d}")
+        keys = [o.key for o in self.objects]
+        if len(keys) != len(set(keys)):
+            raise ValueError("objects lists a key twice")
+        if self.values is not None and self.values.key not in keys:
+            raise ValueError(f"values object {self.values.key!r} is not listed in objects")
+        if self.values is None and VALUES_OBJECT in keys:
+            raise ValueError(f"objects lists {VALUES_OBJECT}, but no values columns are declared")
         return self
 
     @property
@@ -250,33 +254,25 @@ class CommitRecord(_Document):
         return layout.commit_name(self.writer_id, self.seq)
 
 
-class AnnotationCommit(_Document):
+class CommitRecord(_CommitBase):
+    """Created exclusively, last, under ``steps/<step>/commits/<writer>.<seq>.json``: the part under
+    ``steps/<step>/parts/<part>/`` becomes visible."""
+
+    kind: Literal["routelog.commit"] = COMMIT_KIND
+    n_tokens: int = Field(ge=0)
+    routing: RoutingArrayInfo
+    values: ValuesInfo | None = None
+    """Per-token float columns of the part's records, if any were attached (added in format 1.1: readers that
+    do not know the field ignore it and never fetch the object)."""
+
+
+class AnnotationCommit(_CommitBase):
     """Created exclusively, last, under ``steps/<step>/annotations/<writer>.<seq>.json``: per-token columns for
     records already committed in the step (e.g. the trainer's log-probs), stored under
     ``steps/<step>/annotations/<part>/``."""
 
-    format_version: int = FORMAT_VERSION
     kind: Literal["routelog.annotation"] = ANNOTATION_KIND
-    features: list[str] = []
-    step: int = Field(ge=0)
-    part: PartName
-    """Directory name of the data under ``steps/<step>/annotations/``: ``<writer_id>.<seq:08d>.<hex>``."""
-    writer_id: WriterId
-    seq: int = Field(ge=0, lt=10**8)
-    created_at: datetime
-    n_records: int = Field(ge=0)
     values: ValuesInfo
-    objects: list[ObjectInfo]
-
-    @model_validator(mode="after")
-    def _consistent(self) -> AnnotationCommit:
-        _check_owned_part(self.part, self.writer_id, self.seq)
-        _check_objects(self.objects, self.values)
-        return self
-
-    @property
-    def name(self) -> str:
-        return layout.commit_name(self.writer_id, self.seq)
 
 
 class RunDocument(_Document):
@@ -295,7 +291,7 @@ class RunDocument(_Document):
 class SealedObjectInfo(ObjectInfo):
     """A consolidated object of a seal; ``key`` is ``_sealed/<nonce>.<kind>`` relative to the step directory."""
 
-    key: SealedObject  # type: ignore[assignment]
+    key: SealedObject
 
 
 class Consolidated(_Document):
@@ -340,23 +336,6 @@ class SealIntent(_Document):
     features: list[str] = []
     step: int = Field(ge=0)
     started_at: datetime
-
-
-def _check_owned_part(part: str, writer_id: str, seq: int) -> None:
-    """A commit's part directory is named after the commit (``<writer>.<seq>.``): a damaged or forged ``part``
-    cannot point at another writer's data."""
-    if not part.startswith(layout.part_prefix(writer_id, seq)):
-        raise ValueError(f"part {part!r} does not belong to commit {writer_id}.{seq:08d}")
-
-
-def _check_objects(objects: list[ObjectInfo], values: ValuesInfo | None) -> None:
-    keys = [o.key for o in objects]
-    if len(keys) != len(set(keys)):
-        raise ValueError("objects lists a key twice")
-    if values is not None and values.key not in keys:
-        raise ValueError(f"values object {values.key!r} is not listed in objects")
-    if values is None and VALUES_OBJECT in keys:
-        raise ValueError(f"objects lists {VALUES_OBJECT}, but no values columns are declared")
 
 
 DOCUMENT_MODELS: dict[str, type[BaseModel]] = {

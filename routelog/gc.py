@@ -100,8 +100,8 @@ def collect_garbage(
         _check_claims(store, survey, found[layout.parts_dir(step)], report.damaged)
         # Candidates by unit of deletion: a whole part directory, or one consolidated seal object.
         candidates: dict[str, list[tuple[str, int, float]]] = {}
-        for directory, objects in found.items():
-            for key, stat in objects.items():
+        for directory, listing in found.items():
+            for key, stat in listing.items():
                 rest = key[len(directory) + 1 :]
                 if "/" not in rest:  # a commit document itself, not data
                     continue
@@ -137,10 +137,7 @@ def _survey(store: Store, step: int, damaged: list[str]) -> _StepSurvey:
     """Parse every commit, annotation and seal document of ``step``; unreadable ones go to ``damaged``."""
     storage = store.storage
     survey = _StepSurvey()
-    for directory, model in (
-        (layout.commits_dir(step), CommitRecord),
-        (layout.annotations_dir(step), AnnotationCommit),
-    ):
+    for directory in (layout.commits_dir(step), layout.annotations_dir(step)):
         for name in storage.list(directory):
             if not name.endswith(".json"):
                 continue
@@ -148,7 +145,12 @@ def _survey(store: Store, step: int, damaged: list[str]) -> _StepSurvey:
             try:
                 if layout.parse_commit_name(name) is None:
                     raise GcRefusedError(f"{storage.url_of(key)}: not a commit name")
-                doc = validate_document(load_json(storage.read(key), storage.url_of(key)), model, storage.url_of(key))
+                raw = load_json(storage.read(key), storage.url_of(key))
+                doc: CommitRecord | AnnotationCommit = (
+                    validate_document(raw, CommitRecord, storage.url_of(key))
+                    if directory == layout.commits_dir(step)
+                    else validate_document(raw, AnnotationCommit, storage.url_of(key))
+                )
                 check_commit(doc, name, step, store.model_spec, storage.url_of(key))
             except (RoutelogError, ValueError) as exc:
                 damaged.append(str(exc))

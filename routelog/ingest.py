@@ -7,7 +7,6 @@ layouts (veRL, slime). Nothing is ever unpickled.
 
 from __future__ import annotations
 
-import json
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -17,13 +16,16 @@ import numpy as np
 import numpy.typing as npt
 
 from routelog.engines import sglang, slime, verl, vllm
-from routelog.engines.common import to_full_axis
+from routelog.engines.common import load_npy, malformed, npy_header_nbytes, to_full_axis
 from routelog.errors import IngestError
+from routelog.format import load_json
 from routelog.reader import StepSnapshot
 from routelog.record import Record
 from routelog.spec import ModelSpec
 
 Engine = Literal["vllm", "sglang", "verl", "slime"]
+MAX_LINE_BYTES = 1 << 30
+"""One JSONL line (a response with base64 routing of a long sequence is tens of MB)."""
 ExportLayout = Literal["verl", "slime", "full", "moe", "vllm"]
 
 
@@ -59,27 +61,59 @@ def _http_records(
         sample_ids = [str(value)] if n == 1 else [f"{value}/{i}" for i in range(n)]
     module = vllm if engine == "vllm" else sglang
     try:
-        records: list[Record] = module.records_from_http(
-            response, spec, request=request, sample_ids=sample_ids, **common
-        )
+        with malformed(where):
+            records: list[Record] = module.records_from_http(
+                response, spec, request=request, sample_ids=sample_ids, **common
+            )
         return records
     except IngestError as exc:
         raise IngestError(f"{where}: {exc}") from exc
 
 
+_DEFLATE_MAX_RATIO = 1100
+"""Deflate expands at most ~1032:1: a member claiming more than this multiple of its stored bytes is a bomb."""
+
+
 def load_arrays(path: Path) -> dict[str, npt.NDArray[Any]]:
-    """Arrays of a ``.npz`` (loaded without pickle) or ``.safetensors`` file."""
+    """Arrays of a ``.npz`` (loaded without pickle) or ``.safetensors`` file.
+
+    ``.npz`` members are read with their ``.npy`` headers checked against the bytes actually stored before
+    anything is allocated, so a header (or a zip directory) that claims 2**40 elements is refused.
+    """
     if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
         from safetensors.numpy import load_file
 
-        return dict(load_file(str(path)))
+        try:
+            return dict(load_file(str(path)))
+        except (SafetensorError, ValueError, OSError) as exc:
+            raise IngestError(f"{path}: not a readable safetensors file ({exc})") from None
     try:
-        with np.load(path, allow_pickle=False) as data:
-            return {key: data[key] for key in data.files}
-    except ValueError as exc:
-        raise IngestError(
-            f"{path}: not a plain .npz (object arrays need pickle, which routelog refuses): {exc}"
-        ) from exc
+        with zipfile.ZipFile(path) as archive:
+            return {
+                info.filename.removesuffix(".npy"): _read_member(archive, info, f"{path}:{info.filename}")
+                for info in archive.infolist()
+                if not info.is_dir()
+            }
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        if isinstance(exc, IngestError):
+            raise
+        raise IngestError(f"{path}: not a readable .npz file ({exc})") from None
+
+
+def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> npt.NDArray[Any]:
+    if info.file_size > _DEFLATE_MAX_RATIO * max(info.compress_size, 1) + (1 << 20):
+        raise IngestError(f"{where}: claims {info.file_size} bytes from {info.compress_size} stored (a zip bomb)")
+    with archive.open(info) as member:
+        head = member.read(4096)
+        header_len, data_len = npy_header_nbytes(head, where)
+        if header_len + data_len != info.file_size:
+            raise IngestError(
+                f"{where}: the .npy header declares {data_len} bytes of data, the member holds "
+                f"{info.file_size - header_len} (truncated or forged)"
+            )
+        raw = head + member.read(info.file_size - len(head) + 1)
+    return load_npy(raw, where, "the member")
 
 
 def read_records(
@@ -106,14 +140,16 @@ def read_records(
                         continue
                     where = f"{path}:{number}"
                     try:
-                        line = json.loads(text)
-                    except json.JSONDecodeError as exc:
-                        raise IngestError(f"{where}: not a JSON line ({exc})") from exc
+                        line = load_json(text, where, max_bytes=MAX_LINE_BYTES)
+                    except ValueError as exc:
+                        raise IngestError(f"not a JSON line: {exc}") from None
                     yield from _http_records(engine, line, spec, where, sample_id_field, common)
         else:
             arrays = load_arrays(path)
             module = verl if engine == "verl" else slime
-            yield from module.records_from_arrays(arrays, spec, path.stem, policy_version=policy_version)
+            with malformed(str(path)):
+                records = module.records_from_arrays(arrays, spec, path.stem, policy_version=policy_version)
+            yield from records
 
 
 class NpzWriter:

@@ -428,6 +428,10 @@ class StepSnapshot:
         info = object_info(holder, declared.key, where)
         data = storage.read_verified(key, info.size, info.sha256, f"commit {holder.name}")
         contents = values_from_parquet(data, columns, where, declared=[c.name for c in declared.columns])
+        if len(contents.token_hashes) != holder.n_records:
+            raise CorruptDataError(
+                f"{where}: holds {len(contents.token_hashes)} records, its commit says {holder.n_records}"
+            )
         own = isinstance(holder, CommitRecord)
         for sid, digest in contents.token_hashes.items():
             position = self._positions.get(sid)
@@ -455,20 +459,27 @@ class StepSnapshot:
         return self._own.get(part_key) or self._foreign_commit(part_key)
 
     def _foreign_commit(self, part_key: str) -> CommitRecord:
-        """The commit of a part referenced from another step (a shared prefix stored once)."""
+        """The commit of a part referenced from another step (a shared prefix stored once): it must be committed
+        there (and listed by that step's seal, if sealed), and name exactly that part."""
         if part_key in self._foreign:
             return self._foreign[part_key]
-        pieces = part_key.split("/")
-        step = layout.parse_step_name(pieces[1]) if len(pieces) == 4 else None
-        parsed = layout.parse_commit_name(pieces[3].rsplit(".", 1)[0] + ".json") if step is not None else None
-        if step is None or parsed is None or pieces[0] != layout.STEPS or pieces[2] != "parts":
+        parsed = layout.parse_span_part(part_key)
+        if parsed is None:
             raise CorruptDataError(f"span reference {part_key!r} is not a part path of this store")
-        key = layout.commit_key(step, layout.commit_name(*parsed))
+        step, part = parsed
+        if step == self.step:
+            raise CorruptDataError(f"span reference {part_key!r} names a part this step does not commit")
+        name = part.rsplit(".", 1)[0] + ".json"
+        key = layout.commit_key(step, name)
         storage = self.store.storage
         try:
             commit = parse_document(storage.read(key), CommitRecord, storage.url_of(key))
         except FileNotFoundError:
             raise CorruptDataError(f"span reference {part_key!r} points at an uncommitted part") from None
+        check_commit(commit, name, step, self.store.model_spec, storage.url_of(key))
+        seal = read_seal(self.store, step)
+        if commit.part != part or (seal is not None and name not in seal.commits):
+            raise CorruptDataError(f"span reference {part_key!r} points at a part that step {step} does not hold")
         self._foreign[part_key] = commit
         return commit
 

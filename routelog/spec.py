@@ -291,31 +291,53 @@ def _megatron_layer_pattern(freq: int | Sequence[int] | str, num_layers: int) ->
     return pattern
 
 
+_MAX_LAYER_LIST = 100_000
+"""Entries of a ``moe_layer_freq`` list expression; far above any model's depth, far below a memory bomb."""
+
+
 def _eval_layer_list(text: str) -> int | list[int]:
-    """Evaluate Megatron's ``--moe-layer-freq`` string (an int or list arithmetic like ``[0]*3+[1]*58``)."""
+    """Evaluate Megatron's ``--moe-layer-freq`` string (an int or list arithmetic like ``[0]*3+[1]*58``).
+
+    Sizes are checked before any list is built: ``[0]*4000000000`` is refused, not allocated.
+    """
+    if len(text) > _MAX_LAYER_LIST:
+        raise ModelSpecError(f"moe_layer_freq is {len(text)} characters long; expected a short expression")
+
+    def bounded(n: int) -> int:
+        if not 0 <= n <= _MAX_LAYER_LIST:
+            raise ModelSpecError(f"moe_layer_freq {text[:64]!r}: a list of {n} entries is not a layer pattern")
+        return n
 
     def ev(node: ast.AST) -> int | list[int]:
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
             return node.value
         if isinstance(node, ast.List):
+            bounded(len(node.elts))
             return [_as_int(ev(e)) for e in node.elts]
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
             left, right = ev(node.left), ev(node.right)
             if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+                bounded(len(left) + len(right))
                 return left + right
             if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int):
+                bounded(len(left) * right)
                 return left * right
             if isinstance(node.op, ast.Mult) and isinstance(left, int) and isinstance(right, list):
+                bounded(len(right) * left)
                 return right * left
             if isinstance(left, int) and isinstance(right, int):
-                return left + right if isinstance(node.op, ast.Add) else left * right
-        raise ModelSpecError(f"moe_layer_freq {text!r}: only ints, lists, + and * are understood")
+                value = left + right if isinstance(node.op, ast.Add) else left * right
+                return bounded(value) if abs(value) > _MAX_LAYER_LIST else value
+        raise ModelSpecError(f"moe_layer_freq {text[:64]!r}: only ints, lists, + and * are understood")
 
     try:
         tree = ast.parse(text.strip(), mode="eval")
-    except SyntaxError as exc:
-        raise ModelSpecError(f"moe_layer_freq {text!r} is not an int or a list expression") from exc
-    return ev(tree.body)
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        raise ModelSpecError(f"moe_layer_freq {text[:64]!r} is not an int or a list expression") from exc
+    try:
+        return ev(tree.body)
+    except RecursionError:
+        raise ModelSpecError(f"moe_layer_freq {text[:64]!r} is nested too deeply") from None
 
 
 def _as_int(value: int | list[int]) -> int:

@@ -130,9 +130,9 @@ def _verify_part(store: Store, step: int, commit: CommitRecord, report: VerifyRe
             if span.part is None and span.row + span.n_rows <= info.n_rows:
                 covered[span.row : span.row + span.n_rows] += 1
     if info.n_rows and (covered != 1).any():
-        row = int(np.argmax(covered != 1))
+        first = int(np.argmax(covered != 1))
         report.problems.append(
-            f"{where}: routing row {row} is referenced by {int(covered[row])} spans (each stored row belongs to "
+            f"{where}: routing row {first} is referenced by {int(covered[first])} spans (each stored row belongs to "
             "exactly one record)"
         )
 

@@ -303,7 +303,8 @@ class StepWriter:
         """Build, upload and commit a part; returns the commit (None if nothing was left to commit) and the records
         refused while building, by sample id, with the reason."""
         self._check_not_sealed()
-        records, refused = batch.records, {}
+        records: list[PreparedRecord] = batch.records
+        refused: dict[str, str] = {}
         try:
             built = build_part(records, self.store.model_spec, self.options)
         except Exception:  # append validated these records: find the one that still fails

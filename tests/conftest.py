@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, settings
 
 from routelog import ModelSpec
 from routelog.synth import synthetic_spec
+from tests.records import random_routing
 
 settings.register_profile("default", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", parent=settings.get_profile("default"), derandomize=True)
@@ -94,12 +95,6 @@ def dense_first_spec() -> ModelSpec:
             "topk_group": 4,
         }
     )
-
-
-def random_routing(rng: np.random.Generator, tokens: int, layers: int, experts: int, topk: int) -> np.ndarray:
-    """``[tokens, layers, topk]`` int64 rows of distinct experts, in random (score-like) order."""
-    keys = rng.random((tokens * layers, experts))
-    return np.argsort(keys, axis=1)[:, :topk].reshape(tokens, layers, topk)
 
 
 @pytest.fixture

@@ -271,7 +271,7 @@ def _vllm_response(rows: Any) -> dict[str, Any]:
         (lambda s, ids: npy_b64(to_full_axis(ids[:-2], s).astype(np.uint8)), "4 routing rows, expected 5"),
         (lambda s, ids: npy_b64(to_full_axis(ids[:-1, :, :4], s).astype(np.uint8)), "top-k 4"),
         (lambda s, ids: npy_b64(np.full((5, s.num_layers, s.topk), 70, np.uint8)), "expert ID 70"),
-        (lambda s, ids: npy_b64(to_full_axis(ids[:-1], s).astype(np.uint8))[:-9], "not a base64-encoded .npy"),
+        (lambda s, ids: npy_b64(to_full_axis(ids[:-1], s).astype(np.uint8))[:-9], "not valid base64"),
         (lambda s, ids: npy_b64(ids[:-1, :3].astype(np.uint8)), "matches|8 decoder layers"),
     ],
     ids=["row count", "wrong K", "id out of range", "truncated base64", "layer axis matches neither"],

@@ -26,32 +26,13 @@ from routelog.format import CommitRecord, IndexRow, ObjectInfo, Span, dump_docum
 from routelog.part import index_to_parquet
 from routelog.storage import Storage
 from routelog.verify import verify_store
+from tests.records import sample_records
 
 MakeRouting = Callable[..., np.ndarray]
 
 
-def _records(spec: ModelSpec, make_routing: MakeRouting, n: int, seed: int, prefix: str = "") -> list[Record]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        tokens = int(rng.integers(3, 90))
-        valid = np.ones(tokens, bool)
-        valid[-1] = False  # the final sampled token is never forwarded
-        if i % 3 == 1:
-            valid[1:3] = False  # a multi-turn hole
-        out.append(
-            Record(
-                sample_id=f"{prefix}s{i}",
-                expert_ids=make_routing(rng, tokens, spec.num_moe_layers, spec.num_experts, spec.topk),
-                prompt_len=2,
-                response_len=tokens - 2,
-                valid=valid,
-                token_ids=rng.integers(0, 1000, tokens),
-                group_id=f"g{i // 2}",
-                policy_version=7,
-            )
-        )
-    return out
+def _records(spec: ModelSpec, n: int, seed: int, prefix: str = "") -> list[Record]:
+    return sample_records(spec, n, seed, prefix, holes=True)
 
 
 def _expected(record: Record, layers: list[int] | None = None) -> np.ndarray:
@@ -65,7 +46,7 @@ def _expected(record: Record, layers: list[int] | None = None) -> np.ndarray:
 def test_round_trip_with_missing_rows_and_layer_subsets(
     store_url: str, dense_first_spec: ModelSpec, make_routing: MakeRouting
 ) -> None:
-    records = _records(dense_first_spec, make_routing, 7, seed=0)
+    records = _records(dense_first_spec, 7, seed=0)
     with routelog.open_writer(store_url, step=3, model_spec=dense_first_spec, writer_id="w0") as writer:
         for record in records:
             writer.append(record)
@@ -89,8 +70,8 @@ def test_round_trip_with_missing_rows_and_layer_subsets(
 def test_many_parts_and_two_writers_in_one_step(
     store_url: str, small_spec: ModelSpec, make_routing: MakeRouting
 ) -> None:
-    first = _records(small_spec, make_routing, 6, seed=1, prefix="a-")
-    second = _records(small_spec, make_routing, 5, seed=2, prefix="b-")
+    first = _records(small_spec, 6, seed=1, prefix="a-")
+    second = _records(small_spec, 5, seed=2, prefix="b-")
     options = PartOptions(chunk_rows=16, chunk_layers=4)
     store = routelog.create_store(store_url, small_spec)
     with store.writer(0, "a", options=options, flush_bytes=1500) as wa, store.writer(0, "b", options=options) as wb:
@@ -147,7 +128,7 @@ def test_future_format_version_and_unknown_features(
 ) -> None:
     store = routelog.create_store(store_url, small_spec)
     with store.writer(0, "w") as writer:
-        writer.append(_records(small_spec, make_routing, 1, seed=3)[0])
+        writer.append(_records(small_spec, 1, seed=3)[0])
     commit_key = keys.commit_key(0, keys.commit_name("w", 0))
     commit = json.loads(store.storage.read(commit_key))
     store.storage.write(commit_key, json.dumps({**commit, "features": ["prefix-dedup-v9"]}).encode())
@@ -168,7 +149,7 @@ def _shard_key(store: routelog.Store, step: int) -> str:
 def test_corruption_is_detected_and_named(store_url: str, small_spec: ModelSpec, make_routing: MakeRouting) -> None:
     store = routelog.create_store(store_url, small_spec)
     with store.writer(0, "w", options=PartOptions(chunk_rows=16, chunk_layers=2)) as writer:
-        for record in _records(small_spec, make_routing, 4, seed=4):
+        for record in _records(small_spec, 4, seed=4):
             writer.append(record)
     key = _shard_key(store, 0)
     data = bytearray(store.storage.read(key))
@@ -187,7 +168,7 @@ def test_corruption_is_detected_and_named(store_url: str, small_spec: ModelSpec,
 def test_missing_object_is_detected(store_url: str, small_spec: ModelSpec, make_routing: MakeRouting) -> None:
     store = routelog.create_store(store_url, small_spec)
     with store.writer(0, "w") as writer:
-        writer.append(_records(small_spec, make_routing, 1, seed=6)[0])
+        writer.append(_records(small_spec, 1, seed=6)[0])
     store.storage.delete([_shard_key(store, 0)])
     with pytest.raises(CorruptDataError, match="missing"):
         routelog.open_store(store_url).step(0).read("s0")
@@ -197,7 +178,7 @@ def test_missing_object_is_detected(store_url: str, small_spec: ModelSpec, make_
 def test_restarted_writer_continues_its_sequence(
     store_url: str, small_spec: ModelSpec, make_routing: MakeRouting
 ) -> None:
-    records = _records(small_spec, make_routing, 3, seed=7)
+    records = _records(small_spec, 3, seed=7)
     store = routelog.create_store(store_url, small_spec)
     with store.writer(2, "rollout-1") as writer:
         writer.append(records[0])
@@ -209,7 +190,7 @@ def test_restarted_writer_continues_its_sequence(
 
 
 def test_a_sample_committed_twice_is_reported(store_url: str, small_spec: ModelSpec, make_routing: MakeRouting) -> None:
-    record = _records(small_spec, make_routing, 1, seed=8)[0]
+    record = _records(small_spec, 1, seed=8)[0]
     store = routelog.create_store(store_url, small_spec)
     for writer_id in ("a", "b"):
         with store.writer(0, writer_id) as writer:
@@ -255,7 +236,7 @@ def test_span_references_into_another_part_are_followed(
 
 def test_torch_view(store_url: str, small_spec: ModelSpec, make_routing: MakeRouting) -> None:
     torch = pytest.importorskip("torch")
-    record = _records(small_spec, make_routing, 2, seed=10)[1]
+    record = _records(small_spec, 2, seed=10)[1]
     with routelog.open_writer(store_url, step=0, model_spec=small_spec) as writer:
         writer.append(record)
     ids, valid = routelog.open_store(store_url).step(0).read("s1").to_torch()
@@ -298,7 +279,7 @@ def test_reads_fetch_about_only_the_requested_bytes(
 def test_parts_open_with_zarr_python(store_url: str, small_spec: ModelSpec, make_routing: MakeRouting) -> None:
     from routelog.codec import decode_rows
 
-    records = _records(small_spec, make_routing, 3, seed=12)
+    records = _records(small_spec, 3, seed=12)
     with routelog.open_writer(store_url, step=0, model_spec=small_spec) as writer:
         for record in records:
             writer.append(record)

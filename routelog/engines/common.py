@@ -13,7 +13,12 @@ Rules (see ``docs`` in ``schemas/FORMAT.md`` and the engine notes in each module
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import base64
+import binascii
+import io
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,11 +26,141 @@ import numpy as np
 import numpy.typing as npt
 
 from routelog.errors import IngestError
-from routelog.format import Segment
-from routelog.record import Record, token_hash
+from routelog.format import MAX_RECORD_TOKENS, Segment
+from routelog.record import MAX_TOKEN_ID, Record, token_hash
 from routelog.spec import ModelSpec
 
 LayerAxis = Literal["full", "moe"]
+
+MAX_PAYLOAD_BYTES = 4 << 30
+"""Decoded bytes of one routing payload (an array header claiming more is refused before anything is allocated)."""
+
+
+# -- payload fields, checked as they are read -------------------------------------------------------------------
+@contextmanager
+def malformed(where: str) -> Iterator[None]:
+    """Turn the raw errors a malformed payload can still provoke into :class:`IngestError` naming ``where``.
+
+    Adapters check the fields they read explicitly; this is the net under those checks, so no payload, however
+    broken, surfaces as a bare ``TypeError`` or ``IndexError``.
+    """
+    try:
+        yield
+    except IngestError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, RecursionError) as exc:
+        raise IngestError(f"{where}: malformed payload ({type(exc).__name__}: {exc})") from exc
+
+
+def mapping_field(value: Any, where: str, name: str, *, optional: bool = False) -> Mapping[str, Any]:
+    """A JSON object field (``{}`` when absent and ``optional``)."""
+    if value is None and optional:
+        return {}
+    if not isinstance(value, Mapping):
+        raise IngestError(f"{where}: {name} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def list_field(value: Any, where: str, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise IngestError(f"{where}: {name} must be a JSON list, got {type(value).__name__}")
+    return value
+
+
+def int_field(
+    value: Any, where: str, name: str, *, default: int | None = None, lo: int = 0, hi: int = 2**31 - 1
+) -> int:
+    """A JSON integer in ``[lo, hi]`` (not a bool, not a string, not a float)."""
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise IngestError(f"{where}: {name} must be an integer, got {value!r}")
+    if not lo <= int(value) <= hi:
+        raise IngestError(f"{where}: {name} = {value} is outside [{lo}, {hi}]")
+    return int(value)
+
+
+def token_ids_field(value: Any, where: str, name: str) -> npt.NDArray[np.int64]:
+    """Token ids: a flat list of integers in ``[0, 2**31)`` (the index stores them as int32)."""
+    ids = int_array(value, where, name, ndim=1)
+    if ids.size and (ids.min() < 0 or ids.max() > MAX_TOKEN_ID):
+        raise IngestError(f"{where}: {name} holds ids outside [0, {MAX_TOKEN_ID}]")
+    if ids.shape[0] > MAX_RECORD_TOKENS:
+        raise IngestError(f"{where}: {name} holds {ids.shape[0]} tokens, more than {MAX_RECORD_TOKENS} per record")
+    return ids
+
+
+def int_array(value: Any, where: str, name: str, *, ndim: int) -> npt.NDArray[np.int64]:
+    """Nested JSON lists of integers as an ``ndim``-D int64 array: floats, bools, strings, values beyond int64
+    and ragged lists are refused (never truncated or reshaped)."""
+    if isinstance(value, np.ndarray):
+        array = value
+    else:
+        try:
+            array = np.asarray(value)
+        except (ValueError, TypeError, OverflowError) as exc:  # ragged
+            raise IngestError(f"{where}: {name} is not a regular nested list of integers ({exc})") from None
+    if array.size == 0 and array.ndim <= ndim:
+        return np.zeros((0,) * ndim, dtype=np.int64) if array.ndim != ndim else array.astype(np.int64)
+    if array.dtype.kind not in "iu":
+        raise IngestError(f"{where}: {name} must hold integers, got {array.dtype} values")
+    if array.ndim != ndim:
+        raise IngestError(f"{where}: {name} has {array.ndim} dimensions {array.shape}, expected {ndim}")
+    if array.dtype.kind == "u" and array.dtype.itemsize == 8 and array.size and int(array.max()) > 2**63 - 1:
+        raise IngestError(f"{where}: {name} holds values beyond int64")
+    return array.astype(np.int64, copy=False)
+
+
+def decode_base64(text: Any, where: str, name: str) -> bytes:
+    if not isinstance(text, str):
+        raise IngestError(f"{where}: {name} must be a base64 string, got {type(text).__name__}")
+    if len(text) > MAX_PAYLOAD_BYTES * 4 // 3 + 4:
+        raise IngestError(f"{where}: {name} is {len(text)} characters, more than a routing payload can be")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise IngestError(f"{where}: {name} is not valid base64 (truncated?): {exc}") from None
+
+
+def load_npy(raw: bytes, where: str, name: str) -> npt.NDArray[Any]:
+    """An ``.npy`` file's array, never unpickled, with the header checked against the bytes actually present:
+    a header that claims 10**12 elements is refused, not allocated."""
+    stream = io.BytesIO(raw)
+    try:
+        major, _minor = np.lib.format.read_magic(stream)
+        if major == 1:
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+        elif major in (2, 3):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+        else:
+            raise ValueError(f"unknown .npy version {major}")
+    except (ValueError, OSError, SyntaxError, EOFError) as exc:
+        raise IngestError(f"{where}: {name} is not a valid .npy array ({exc})") from None
+    if dtype.hasobject or dtype.kind not in "biuf":
+        raise IngestError(f"{where}: {name} has dtype {dtype}; routing payloads are plain numbers")
+    count = math.prod(shape)
+    body = raw[stream.tell() :]
+    if count * dtype.itemsize != len(body):
+        raise IngestError(
+            f"{where}: {name}'s header declares shape {shape} of {dtype} ({count * dtype.itemsize} bytes), the "
+            f"payload holds {len(body)} bytes (truncated or forged)"
+        )
+    array = np.frombuffer(body, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+    return array
+
+
+def npy_header_nbytes(header: bytes, where: str) -> tuple[int, int]:
+    """``(header length, data bytes)`` an ``.npy`` header declares, from its first bytes (for bounded reads)."""
+    stream = io.BytesIO(header)
+    try:
+        major, _minor = np.lib.format.read_magic(stream)
+        read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        shape, _fortran, dtype = read(stream)
+    except (ValueError, OSError, SyntaxError, EOFError) as exc:
+        raise IngestError(f"{where}: not a valid .npy array ({exc})") from None
+    if dtype.hasobject:
+        raise IngestError(f"{where}: object arrays need pickle, which routelog refuses")
+    return stream.tell(), math.prod(shape) * dtype.itemsize
 
 
 def resolve_layer_axis(n_layers: int, spec: ModelSpec, where: str) -> LayerAxis:
@@ -154,6 +289,11 @@ def payload_to_record(
         raw = logical_ids(raw, physical_to_logical, where)
     rows = check_rows(Payload(payload.request_id, raw, payload.start), spec)
     n_tokens = prompt_len + response_len
+    if prompt_len < 0 or response_len < 0 or n_tokens > MAX_RECORD_TOKENS:
+        raise IngestError(
+            f"{where}: prompt {prompt_len} + response {response_len} tokens is not a record length (at most "
+            f"{MAX_RECORD_TOKENS})"
+        )
     start = payload.start
     expected = n_tokens - 1 - start
     if not 0 <= start <= n_tokens or rows.shape[0] not in (expected, expected + 1):
@@ -161,8 +301,9 @@ def payload_to_record(
             f"{where}: {rows.shape[0]} routing rows, expected {max(expected, 0)} (prompt {prompt_len} + response "
             f"{response_len} tokens - 1 final token never forwarded - {start} rows before the start offset)"
         )
-    if token_ids is not None and len(np.asarray(token_ids)) != n_tokens:
-        raise IngestError(f"{where}: {len(np.asarray(token_ids))} token ids for {n_tokens} tokens")
+    tokens = None if token_ids is None else token_ids_field(token_ids, where, "token ids")
+    if tokens is not None and tokens.shape[0] != n_tokens:
+        raise IngestError(f"{where}: {tokens.shape[0]} token ids for {n_tokens} tokens")
     ids = np.zeros((n_tokens, spec.num_moe_layers, spec.topk), dtype=np.int64)
     ids[start : start + rows.shape[0]] = rows
     valid = np.zeros(n_tokens, dtype=bool)
@@ -173,7 +314,7 @@ def payload_to_record(
         prompt_len=prompt_len,
         response_len=response_len,
         valid=valid,
-        token_ids=None if token_ids is None else np.asarray(token_ids, dtype=np.int64),
+        token_ids=tokens,
         group_id=group_id,
         policy_version=policy_version,
         engine=engine,

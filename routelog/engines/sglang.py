@@ -12,15 +12,25 @@ layers (the others all zero); such payloads are refused.
 from __future__ import annotations
 
 import base64
-import binascii
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from routelog.engines.common import Payload, payload_to_record, to_full_axis
+from routelog.engines.common import (
+    Payload,
+    decode_base64,
+    int_field,
+    list_field,
+    malformed,
+    mapping_field,
+    payload_to_record,
+    to_full_axis,
+    token_ids_field,
+)
 from routelog.errors import IngestError
+from routelog.format import MAX_RECORD_TOKENS
 from routelog.record import Record
 from routelog.spec import ModelSpec
 
@@ -29,10 +39,7 @@ ENGINE = "sglang"
 
 def decode_int32_base64(text: str, where: str) -> npt.NDArray[np.int32]:
     """The flat int32 values of SGLang's encoding (base64 of raw little-endian int32, no header)."""
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise IngestError(f"{where}: routed_experts is not valid base64 (truncated?): {exc}") from exc
+    raw = decode_base64(text, where, "routed_experts")
     if len(raw) % 4:
         raise IngestError(f"{where}: routed_experts has {len(raw)} bytes, not a whole number of int32 values")
     values: npt.NDArray[np.int32] = np.frombuffer(raw, dtype="<i4").astype(np.int32)
@@ -75,9 +82,37 @@ def record_from_generate(
     For a multi-turn continuation (``routed_experts_start_len > 0``) this record has rows only from the start
     offset; feed the turns to a :class:`~routelog.engines.common.TurnStitcher` instead to get one record.
     """
-    request = request or {}
-    meta = response.get("meta_info") or {}
+    request = mapping_field(request, "request", "the request", optional=True)
+    response = mapping_field(response, "response", "the response")
+    meta = mapping_field(response.get("meta_info"), "response", "meta_info", optional=True)
     request_id = str(meta.get("id") or request.get("rid") or "unknown")
+    with malformed(f"request {request_id}"):
+        return _record_from_generate(
+            response,
+            meta,
+            request,
+            request_id,
+            spec,
+            sample_id,
+            group_id,
+            policy_version,
+            engine_version,
+            physical_to_logical,
+        )
+
+
+def _record_from_generate(
+    response: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    request: Mapping[str, Any],
+    request_id: str,
+    spec: ModelSpec,
+    sample_id: str | None,
+    group_id: str | None,
+    policy_version: int | None,
+    engine_version: str | None,
+    physical_to_logical: npt.ArrayLike | None,
+) -> Record:
     where = f"request {request_id}"
     routed = meta.get("routed_experts")
     if not isinstance(routed, str):
@@ -85,12 +120,16 @@ def record_from_generate(
             f"{where}: meta_info has no routed_experts string; send return_routed_experts: true to "
             "a server started with --enable-return-routed-experts"
         )
-    output_ids = np.asarray(response.get("output_ids") or [], dtype=np.int64)
-    input_ids = request.get("input_ids")
-    prompt_len = len(input_ids) if input_ids is not None else int(meta.get("prompt_tokens", -1))
-    if prompt_len < 0:
+    output_ids = token_ids_field(response.get("output_ids") or [], where, "output_ids")
+    raw_inputs = request.get("input_ids")
+    input_ids = None if raw_inputs is None else token_ids_field(raw_inputs, where, "input_ids")
+    if input_ids is not None:
+        prompt_len = input_ids.shape[0]
+    elif meta.get("prompt_tokens") is not None:
+        prompt_len = int_field(meta["prompt_tokens"], where, "meta_info.prompt_tokens", hi=MAX_RECORD_TOKENS)
+    else:
         raise IngestError(f"{where}: neither the request's input_ids nor meta_info.prompt_tokens give the prompt")
-    start = int(request.get("routed_experts_start_len") or 0)
+    start = int_field(request.get("routed_experts_start_len"), where, "routed_experts_start_len", default=0)
     n_tokens = prompt_len + output_ids.shape[0]
     rows = _rows_for(routed, n_tokens, start, spec, where)
     return payload_to_record(
@@ -99,7 +138,7 @@ def record_from_generate(
         sample_id=sample_id or request_id,
         prompt_len=prompt_len,
         response_len=output_ids.shape[0],
-        token_ids=None if input_ids is None else np.concatenate([np.asarray(input_ids, np.int64), output_ids]),
+        token_ids=None if input_ids is None else np.concatenate([input_ids, output_ids]),
         group_id=group_id,
         policy_version=policy_version,
         engine=ENGINE,
@@ -127,10 +166,13 @@ def records_from_http(
         "engine_version": engine_version,
         "physical_to_logical": physical_to_logical,
     }
+    request = mapping_field(request, "request", "the request", optional=True)
     if isinstance(response, Mapping) and "choices" in response:
-        return _records_from_openai(response, spec, request or {}, sample_ids, common)
+        with malformed(f"request {response.get('id') or 'unknown'}"):
+            return _records_from_openai(response, spec, request, sample_ids, common)
+    if not isinstance(response, (Mapping, list)):
+        raise IngestError(f"response: expected a JSON object or a list of them, got {type(response).__name__}")
     responses = [response] if isinstance(response, Mapping) else list(response)
-    request = request or {}
     inputs = request.get("input_ids")
     batched = isinstance(inputs, list) and bool(inputs) and isinstance(inputs[0], list)
     records = []
@@ -151,23 +193,28 @@ def _records_from_openai(
     common: dict[str, Any],
 ) -> list[Record]:
     response_id = str(response.get("id") or "unknown")
-    choices = list(response["choices"])
-    prompt = response.get("prompt_token_ids") or request.get("prompt") or request.get("input_ids")
-    if not isinstance(prompt, list):
+    choices = list_field(response["choices"], f"request {response_id}", "choices")
+    raw_prompt = response.get("prompt_token_ids") or request.get("prompt") or request.get("input_ids")
+    if not isinstance(raw_prompt, list):
         raise IngestError(f"request {response_id}: no prompt token ids in the response or the request")
-    start = int(
-        request.get("routed_experts_start_len")
-        or (request.get("extra_body") or {}).get("routed_experts_start_len")
-        or 0
+    prompt = token_ids_field(raw_prompt, f"request {response_id}", "prompt token ids")
+    extra_body = mapping_field(request.get("extra_body"), f"request {response_id}", "extra_body", optional=True)
+    start = int_field(
+        request.get("routed_experts_start_len") or extra_body.get("routed_experts_start_len"),
+        f"request {response_id}",
+        "routed_experts_start_len",
+        default=0,
     )
     records = []
-    for position, choice in enumerate(choices):
-        index = int(choice.get("index", position))
+    for position, raw_choice in enumerate(choices):
+        choice = mapping_field(raw_choice, f"request {response_id}", f"choices[{position}]")
+        index = int_field(choice.get("index"), f"request {response_id}", f"choices[{position}].index", default=position)
         where = f"request {response_id} choice {index}"
-        routed = (choice.get("sgl_ext") or {}).get("routed_experts")
-        output = choice.get("token_ids") or choice.get("output_ids")
-        if not isinstance(routed, str) or output is None:
+        routed = mapping_field(choice.get("sgl_ext"), where, "sgl_ext", optional=True).get("routed_experts")
+        raw_output = choice.get("token_ids") or choice.get("output_ids")
+        if not isinstance(routed, str) or raw_output is None:
             raise IngestError(f"{where}: needs sgl_ext.routed_experts and the choice's token ids")
+        output = token_ids_field(raw_output, where, "token_ids")
         n_tokens = len(prompt) + len(output)
         rows = _rows_for(routed, n_tokens, start, spec, where)
         sid = sample_ids[position] if sample_ids else (f"{response_id}/{index}" if len(choices) > 1 else response_id)
@@ -178,7 +225,7 @@ def _records_from_openai(
                 sample_id=sid,
                 prompt_len=len(prompt),
                 response_len=len(output),
-                token_ids=[*prompt, *output],
+                token_ids=np.concatenate([prompt, output]),
                 engine=ENGINE,
                 **{**common, "group_id": common["group_id"] or response_id},
             )

@@ -17,7 +17,6 @@ the layer count is then checked against the model spec.
 from __future__ import annotations
 
 import base64
-import binascii
 import io
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,7 +24,19 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from routelog.engines.common import Payload, payload_to_record, to_full_axis
+from routelog.engines.common import (
+    Payload,
+    decode_base64,
+    int_array,
+    int_field,
+    list_field,
+    load_npy,
+    malformed,
+    mapping_field,
+    payload_to_record,
+    to_full_axis,
+    token_ids_field,
+)
 from routelog.errors import IngestError
 from routelog.record import Record
 from routelog.spec import ModelSpec
@@ -34,13 +45,9 @@ ENGINE = "vllm"
 
 
 def decode_npy_base64(text: str, where: str) -> npt.NDArray[Any]:
-    """vLLM 0.22+ HTTP encoding: base64 of ``np.save`` output (shape and dtype in the header; never pickled)."""
-    try:
-        raw = base64.b64decode(text, validate=True)
-        array = np.load(io.BytesIO(raw), allow_pickle=False)
-    except (binascii.Error, ValueError, EOFError, OSError) as exc:
-        raise IngestError(f"{where}: routed_experts is not a base64-encoded .npy file (truncated?): {exc}") from exc
-    return np.asarray(array)
+    """vLLM 0.22+ HTTP encoding: base64 of ``np.save`` output (shape and dtype in the header; never pickled, and
+    the header is checked against the bytes present before anything is allocated)."""
+    return load_npy(decode_base64(text, where, "routed_experts"), where, "routed_experts")
 
 
 def encode_npy_base64(array: npt.NDArray[Any]) -> str:
@@ -52,12 +59,15 @@ def encode_npy_base64(array: npt.NDArray[Any]) -> str:
 def _v021_rows(prompt: npt.ArrayLike, generated: npt.ArrayLike, spec: ModelSpec, where: str) -> npt.NDArray[Any]:
     """0.21: prompt and generation rows on the MoE-only axis, concatenated; trailing layers beyond the model's
     MoE layers must be zero (0.21 did not skip ``first_k_dense_replace`` layers when counting)."""
-    parts = [np.asarray(p, dtype=np.int64) for p in (prompt, generated)]
-    shaped = [p for p in parts if p.ndim == 3]
-    if not shaped or any(p.ndim != 3 and p.size for p in parts):
+    parts = [
+        int_array(p, where, name, ndim=3)
+        for p, name in ((prompt, "prompt_routed_experts"), (generated, "routed_experts"))
+    ]
+    shaped = [p for p in parts if p.size]
+    if not shaped:
         raise IngestError(f"{where}: vLLM 0.21 routing must be nested lists [rows, layers, topk]")
     try:
-        rows = np.concatenate([p if p.ndim == 3 else p.reshape(0, *shaped[0].shape[1:]) for p in parts])
+        rows = np.concatenate([p if p.size else p.reshape(0, *shaped[0].shape[1:]) for p in parts])
     except ValueError as exc:
         raise IngestError(f"{where}: prompt and generation routing have different shapes ({exc})") from exc
     layers = rows.shape[1]
@@ -132,12 +142,40 @@ def records_from_http(
     (``return_token_ids: true``), else from the request's token prompt; without output ids the response length
     is derived from the row count and no token hash is stored.
     """
-    request = request or {}
+    request = mapping_field(request, "request", "the request", optional=True)
+    response = mapping_field(response, "response", "the response")
     response_id = str(response.get("id") or request.get("request_id") or "unknown")
-    choices = list(response.get("choices") or [])
+    with malformed(f"request {response_id}"):
+        return _records_from_http(
+            response,
+            request,
+            response_id,
+            spec,
+            sample_ids,
+            group_id,
+            common={
+                "policy_version": policy_version,
+                "engine_version": engine_version,
+                "physical_to_logical": physical_to_logical,
+            },
+        )
+
+
+def _records_from_http(
+    response: Mapping[str, Any],
+    request: Mapping[str, Any],
+    response_id: str,
+    spec: ModelSpec,
+    sample_ids: Sequence[str] | None,
+    group_id: str | None,
+    common: dict[str, Any],
+) -> list[Record]:
+    choices = list_field(response.get("choices"), f"request {response_id}", "choices")
     if not choices:
         raise IngestError(f"request {response_id}: the response has no choices")
-    start = int(request.get("routed_experts_prompt_start") or 0)
+    start = int_field(
+        request.get("routed_experts_prompt_start"), f"request {response_id}", "routed_experts_prompt_start", default=0
+    )
     prompt_ids = response.get("prompt_token_ids")
     if (
         prompt_ids is None
@@ -146,8 +184,9 @@ def records_from_http(
     ):
         prompt_ids = request["prompt"]
     records = []
-    for position, choice in enumerate(choices):
-        index = int(choice.get("index", position))
+    for position, raw_choice in enumerate(choices):
+        choice = mapping_field(raw_choice, f"request {response_id}", f"choices[{position}]")
+        index = int_field(choice.get("index"), f"request {response_id}", f"choices[{position}].index", default=position)
         where = f"request {response_id} choice {index}"
         routed = choice.get("routed_experts")
         if routed is None:
@@ -162,9 +201,10 @@ def records_from_http(
                 f"{where}: no prompt token ids in the response or the request; send "
                 "'return_token_ids': true (or a token-id prompt) with the request"
             )
-        prompt = np.asarray(choice_prompt, dtype=np.int64)
+        prompt = token_ids_field(choice_prompt, where, "prompt_token_ids")
         output = choice.get("token_ids")
-        response_len = len(output) if output is not None else rows.shape[0] + 1 + start - prompt.shape[0]
+        output_ids = None if output is None else token_ids_field(output, where, "token_ids")
+        response_len = output_ids.shape[0] if output_ids is not None else rows.shape[0] + 1 + start - prompt.shape[0]
         sample_id = sample_ids[position] if sample_ids else _default_sample_id(response_id, index, len(choices))
         records.append(
             payload_to_record(
@@ -173,12 +213,10 @@ def records_from_http(
                 sample_id=sample_id,
                 prompt_len=prompt.shape[0],
                 response_len=response_len,
-                token_ids=None if output is None else np.concatenate([prompt, np.asarray(output, np.int64)]),
+                token_ids=None if output_ids is None else np.concatenate([prompt, output_ids]),
                 group_id=group_id or response_id,
-                policy_version=policy_version,
                 engine=ENGINE,
-                engine_version=engine_version,
-                physical_to_logical=physical_to_logical,
+                **common,
             )
         )
     return records
