@@ -34,8 +34,8 @@ from routelog.errors import (
 from routelog.format import FORMAT_VERSION, IndexRow, Segment
 from routelog.part import PartOptions
 from routelog.reader import RecordRouting, StepSnapshot
-from routelog.record import Record, token_hash
-from routelog.spec import ModelSpec, RouterSpec
+from routelog.record import Record, StreamRows, token_hash
+from routelog.spec import ModelSpec, RouterSpec, StreamSpec
 from routelog.store import Store, create_store, open_store
 from routelog.writer import StepWriter
 
@@ -91,6 +91,8 @@ __all__ = [
     "Store",
     "StoreError",
     "StoreNotFoundError",
+    "StreamRows",
+    "StreamSpec",
     "__version__",
     "create_store",
     "open_store",

@@ -99,14 +99,35 @@ class Span(_Document):
     own part. Version-1 writers always write null; readers MUST follow non-null references (shared prefixes)."""
 
 
+IdSpace = Literal["logical", "mapped_from_physical"]
+
+
 class Segment(_Document):
-    """Provenance of tokens ``[start, end)``: which policy version produced them and how."""
+    """Provenance of tokens ``[start, end)``: which policy version produced them, and how."""
 
     start: Int32 = Field(ge=0, le=MAX_RECORD_TOKENS)
     end: Int32 = Field(ge=0, le=MAX_RECORD_TOKENS)
     policy_version: int | None = None
+    """Weights that generated these tokens (partial rollouts resumed after a weight update change it mid-record)."""
     source: Name | None = None
     """Free text such as ``prompt``, ``response``, ``turn-2``, ``tool`` or ``resumed``."""
+    engine: Name | None = None
+    """Engine that routed these tokens (format 1.2), e.g. ``vllm``; the record's ``engine`` when null."""
+    engine_version: Name | None = None
+    """Its version (format 1.2); the record's ``engine_version`` when null."""
+    id_space: IdSpace | None = None
+    """``logical``: the engine reported logical expert IDs; ``mapped_from_physical``: it reported physical (EPLB)
+    IDs, mapped to logical with its table on ingest (format 1.2). Stored IDs are always logical."""
+
+
+StreamName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+
+
+class StreamSpans(_Document):
+    """Where a record's rows of one extra routing stream (format 1.2) are stored."""
+
+    name: StreamName
+    spans: list[Span]
 
 
 class IndexRow(_Document):
@@ -131,6 +152,8 @@ class IndexRow(_Document):
     segments: list[Segment]
     extra: str | None = None
     """User metadata as a JSON text."""
+    streams: list[StreamSpans] | None = None
+    """Rows of extra routing streams (format 1.2; e.g. ``mtp``), each stored in its own array of the part."""
 
     @model_validator(mode="after")
     def _consistent(self) -> IndexRow:
@@ -138,11 +161,14 @@ class IndexRow(_Document):
             raise ValueError(f"n_tokens {self.n_tokens} != prompt_len {self.prompt_len} + response_len")
         if self.token_ids is not None and len(self.token_ids) != self.n_tokens:
             raise ValueError(f"{len(self.token_ids)} token_ids for n_tokens {self.n_tokens}")
-        end = 0
-        for span in self.spans:
-            if span.token_start < end or span.token_start + span.n_rows > self.n_tokens:
-                raise ValueError(f"spans must be ascending, disjoint and inside [0, n_tokens={self.n_tokens})")
-            end = span.token_start + span.n_rows
+        for spans in [self.spans, *(s.spans for s in self.streams or [])]:
+            end = 0
+            for span in spans:
+                if span.token_start < end or span.token_start + span.n_rows > self.n_tokens:
+                    raise ValueError(f"spans must be ascending, disjoint and inside [0, n_tokens={self.n_tokens})")
+                end = span.token_start + span.n_rows
+        if self.streams is not None and len({s.name for s in self.streams}) != len(self.streams):
+            raise ValueError("a stream is listed twice")
         end = 0
         for segment in self.segments:
             if not end <= segment.start <= segment.end <= self.n_tokens:
@@ -168,7 +194,8 @@ class ObjectInfo(_Document):
 class RoutingArrayInfo(_Document):
     """The zarr v3 array ``routing`` of a part: layer-major ``[num_moe_layers, n_rows, topk]`` stored IDs."""
 
-    path: Segment_ = "routing"
+    path: RelativeKey = "routing"
+    """Directory of the array in the part: ``routing``, or ``streams/<name>`` for an extra stream."""
     dtype: Literal["uint8", "uint16"]
     n_rows: int = Field(ge=0, le=MAX_PART_ROWS)
     num_moe_layers: int = Field(ge=1, le=MAX_MOE_LAYERS)
@@ -264,6 +291,19 @@ class CommitRecord(_CommitBase):
     values: ValuesInfo | None = None
     """Per-token float columns of the part's records, if any were attached (added in format 1.1: readers that
     do not know the field ignore it and never fetch the object)."""
+    streams: dict[StreamName, RoutingArrayInfo] = {}
+    """Extra routing streams of the part's records (format 1.2), e.g. ``mtp``: the routing of multi-token-
+    prediction layers, kept apart from the decoder's so that it is never installed into a decoder router."""
+
+    @model_validator(mode="after")
+    def _stream_paths(self) -> CommitRecord:
+        for name, array in self.streams.items():
+            if array.path != f"{STREAMS_DIR}/{name}":
+                raise ValueError(f"stream {name!r} must be stored under {STREAMS_DIR}/{name}, not {array.path!r}")
+        return self
+
+
+STREAMS_DIR: Final = "streams"
 
 
 class AnnotationCommit(_CommitBase):
@@ -457,6 +497,8 @@ def _arrow_field(name: str, annotation: Any, metadata: list[Any]) -> pa.Field:
     if origin is list:
         (item,) = typing.get_args(annotation)
         dtype: pa.DataType = pa.list_(_arrow_field("element", item, []))
+    elif origin is Literal and all(isinstance(v, str) for v in typing.get_args(annotation)):
+        dtype = pa.string()
     elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
         dtype = pa.struct([_arrow_field(n, f.annotation, list(f.metadata)) for n, f in annotation.model_fields.items()])
     else:

@@ -12,7 +12,7 @@ import hashlib
 import io
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,11 +21,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from routelog import layout
-from routelog.codec import TopkOrder, decode_rows, storage_dtype
+from routelog.codec import IdArray, TopkOrder, decode_rows, storage_dtype
 from routelog.errors import CorruptDataError
 from routelog.format import (
     FORMAT_VERSION,
     INDEX_SCHEMA,
+    STREAMS_DIR,
     CommitRecord,
     IndexRow,
     ObjectInfo,
@@ -80,6 +81,7 @@ class BuiltPart:
     rows: list[IndexRow]
     n_tokens: int
     values: ValuesInfo | None = None
+    streams: dict[str, RoutingArrayInfo] = field(default_factory=dict)
 
     def object_infos(self) -> list[ObjectInfo]:
         return [
@@ -89,30 +91,49 @@ class BuiltPart:
 
 
 def build_part(records: Sequence[PreparedRecord], spec: ModelSpec, options: PartOptions) -> BuiltPart:
-    """Concatenate the records' stored rows into one sharded zarr array and write their Parquet index."""
+    """Concatenate the records' stored rows into one sharded zarr array (and one per extra stream the records
+    carry) and write their Parquet index."""
     rows: list[IndexRow] = []
     offset = 0
+    stream_offsets: dict[str, int] = {}
     for rec in records:
-        spans = [Span(token_start=s.token_start, n_rows=s.n_rows, row=s.row + offset) for s in rec.row.spans]
-        rows.append(rec.row.model_copy(update={"spans": spans}))
+        spans = [_shifted(s, offset) for s in rec.row.spans]
+        streams = None
+        if rec.row.streams:
+            streams = []
+            for entry in rec.row.streams:
+                base = stream_offsets.get(entry.name, 0)
+                streams.append(entry.model_copy(update={"spans": [_shifted(s, base) for s in entry.spans]}))
+                stream_offsets[entry.name] = base + rec.streams[entry.name].shape[1]
+        rows.append(rec.row.model_copy(update={"spans": spans, "streams": streams}))
         offset += rec.rows.shape[1]
-    dtype = storage_dtype(spec.num_experts)
-    layers, k = spec.num_moe_layers, spec.topk
-    data = np.concatenate([r.rows for r in records], axis=1) if records else np.zeros((layers, 0, k), dtype)
-    transform = "sorted_gaps" if options.topk_order == "sorted" else "none"
-    info = RoutingArrayInfo(
-        path=layout.ROUTING,
-        dtype="uint8" if dtype == np.uint8 else "uint16",
-        n_rows=offset,
-        num_moe_layers=layers,
-        topk=k,
-        num_experts=spec.num_experts,
-        transform=transform,
-        topk_order=options.topk_order,
-        chunk_rows=options.chunk_rows,
-        chunk_layers=min(options.chunk_layers, layers),
+    objects: dict[str, bytes] = {}
+    attributes = {"num_experts": spec.num_experts, "moe_layers": list(spec.moe_layers)}
+    info = _encode_array(
+        [r.rows for r in records],
+        layout.ROUTING,
+        spec.num_moe_layers,
+        spec.num_experts,
+        spec.topk,
+        options,
+        attributes,
+        objects,
     )
-    objects, metadata = _encode_routing(data, info, spec, options.zstd_level)
+    streams_info = {}
+    for name in sorted(stream_offsets):
+        declared = spec.stream(name)
+        if declared is None:
+            raise ValueError(f"stream {name!r} is not declared by the model spec")
+        streams_info[name] = _encode_array(
+            [r.streams[name] for r in records if name in r.streams],
+            f"{STREAMS_DIR}/{name}",
+            declared.num_layers,
+            declared.universe,
+            declared.topk,
+            options,
+            {"stream": name, "num_experts": declared.universe},
+            objects,
+        )
     objects[layout.INDEX] = index_to_parquet(rows)
     names = sorted({name for r in records for name in r.values})
     values = None
@@ -123,31 +144,51 @@ def build_part(records: Sequence[PreparedRecord], spec: ModelSpec, options: Part
         )
     return BuiltPart(
         objects=objects,
-        routing=info.model_copy(update={"zarr_metadata": metadata}),
+        routing=info,
         rows=rows,
         n_tokens=sum(r.n_tokens for r in rows),
         values=values,
+        streams=streams_info,
     )
 
 
-def _encode_routing(
-    data: np.ndarray[Any, Any], info: RoutingArrayInfo, spec: ModelSpec, zstd_level: int
-) -> tuple[dict[str, bytes], dict[str, Any]]:
+def _shifted(span: Span, offset: int) -> Span:
+    return Span(token_start=span.token_start, n_rows=span.n_rows, row=span.row + offset)
+
+
+def _encode_array(
+    blocks: list[IdArray],
+    path: str,
+    layers: int,
+    universe: int,
+    topk: int,
+    options: PartOptions,
+    attributes: dict[str, Any],
+    objects: dict[str, bytes],
+) -> RoutingArrayInfo:
+    """Encode stored rows ``[layers, rows, topk]`` (concatenated on axis 1) as one sharded array under ``path``,
+    adding its objects to ``objects``; returns its description (with the ``zarr.json`` copy)."""
+    dtype = storage_dtype(universe)
+    data = np.concatenate(blocks, axis=1) if blocks else np.zeros((layers, 0, topk), dtype)
+    info = RoutingArrayInfo(
+        path=path,
+        dtype="uint8" if dtype == np.uint8 else "uint16",
+        n_rows=data.shape[1],
+        num_moe_layers=layers,
+        topk=topk,
+        num_experts=universe,
+        transform="sorted_gaps" if options.topk_order == "sorted" else "none",
+        topk_order=options.topk_order,
+        chunk_rows=options.chunk_rows,
+        chunk_layers=min(options.chunk_layers, layers),
+    )
     layout_ = shard_layout(info)
-    attributes = {
-        "routelog": {
-            "format_version": FORMAT_VERSION,
-            "transform": info.transform,
-            "topk_order": info.topk_order,
-            "num_experts": spec.num_experts,
-            "moe_layers": list(spec.moe_layers),
-        }
-    }
-    metadata = layout_.zarr_metadata(zstd_level, attributes)
-    objects = {f"{info.path}/zarr.json": json.dumps(metadata, indent=1).encode()}
+    stamp = {"format_version": FORMAT_VERSION, "transform": info.transform, "topk_order": info.topk_order}
+    metadata = layout_.zarr_metadata(options.zstd_level, {"routelog": {**stamp, **attributes}})
+    objects[f"{path}/zarr.json"] = json.dumps(metadata, indent=1).encode()
     if info.n_rows:  # an empty array has no chunk to store
-        objects[f"{info.path}/{layout_.shard_key}"] = encode_shard(data, layout_, zstd_level)
-    return objects, metadata
+        objects[f"{path}/{layout_.shard_key}"] = encode_shard(data, layout_, options.zstd_level)
+    return info.model_copy(update={"zarr_metadata": metadata})
 
 
 def shard_layout(info: RoutingArrayInfo) -> ShardLayout:
@@ -184,35 +225,63 @@ MAX_GAP = 1 << 19
 
 @dataclass(frozen=True)
 class BlockRequest:
-    """MoE-axis layers ``[layers[0], layers[1])`` of rows ``[rows[0], rows[1])`` of one part."""
+    """Layers ``[layers[0], layers[1])`` of rows ``[rows[0], rows[1])`` of one routing array of one part."""
 
     part_key: str
     """The part directory relative to the store root."""
-    commit: CommitRecord
+    array: RoutingArrayInfo
+    """The part's decoder routing, or one of its streams."""
+    shard_nbytes: int
+    """The shard's size as the commit lists it (0 when unlisted: every chunk then lies outside it)."""
     layers: tuple[int, int]
     rows: tuple[int, int]
     samples: tuple[str, ...] = ()
     """Records these rows belong to, named in errors."""
 
+    @classmethod
+    def of(
+        cls,
+        part_key: str,
+        commit: CommitRecord,
+        layers: tuple[int, int],
+        rows: tuple[int, int],
+        samples: tuple[str, ...] = (),
+        *,
+        stream: str | None = None,
+    ) -> BlockRequest:
+        """A request for the commit's decoder routing, or for its stream ``stream``."""
+        array = commit.routing if stream is None else commit.streams[stream]
+        key = f"{array.path}/{shard_layout(array).shard_key}"
+        nbytes = next((o.size for o in commit.objects if o.key == key), 0)
+        return cls(part_key, array, nbytes, layers, rows, samples)
+
+    @property
+    def array_key(self) -> str:
+        """The array's directory relative to the store root (what the shard-index cache is keyed by)."""
+        return f"{self.part_key}/{self.array.path}"
+
+    @property
+    def shard_key(self) -> str:
+        return f"{self.array_key}/{shard_layout(self.array).shard_key}"
+
 
 class ShardIndexCache:
-    """Shard indexes already fetched, keyed by part (a snapshot keeps one, so each index is read once)."""
+    """Shard indexes already fetched, keyed by array (a snapshot keeps one, so each index is read once)."""
 
     def __init__(self) -> None:
         self._indexes: dict[str, npt.NDArray[np.uint64]] = {}
 
-    def fetch(self, storage: Storage, commits: dict[str, CommitRecord]) -> dict[str, npt.NDArray[np.uint64]]:
-        missing = [key for key, c in commits.items() if key not in self._indexes and c.routing.n_rows]
-        ranges = [
-            (_shard_key(key, commits[key]), 0, shard_layout(commits[key].routing).index_nbytes) for key in missing
-        ]
-        for key, data in zip(missing, _read_ranges(storage, ranges, [()] * len(missing)), strict=True):
-            commit = commits[key]
+    def fetch(self, storage: Storage, requests: Sequence[BlockRequest]) -> dict[str, npt.NDArray[np.uint64]]:
+        arrays = {r.array_key: r for r in requests}
+        missing = [r for key, r in arrays.items() if key not in self._indexes and r.array.n_rows]
+        ranges = [(r.shard_key, 0, shard_layout(r.array).index_nbytes) for r in missing]
+        for request, data in zip(missing, _read_ranges(storage, ranges, [()] * len(missing)), strict=True):
             try:
-                self._indexes[key] = decode_shard_index(data, shard_layout(commit.routing), _shard_nbytes(commit))
+                index = decode_shard_index(data, shard_layout(request.array), request.shard_nbytes)
             except ShardFormatError as exc:
-                raise CorruptDataError(f"{storage.url_of(_shard_key(key, commits[key]))}: {exc}") from exc
-        return {key: self._indexes[key] for key in commits if key in self._indexes}
+                raise CorruptDataError(f"{storage.url_of(request.shard_key)}: {exc}") from exc
+            self._indexes[request.array_key] = index
+        return {key: self._indexes[key] for key in arrays if key in self._indexes}
 
 
 def fetch_blocks(
@@ -226,77 +295,65 @@ def fetch_blocks(
     """
     if not requests:
         return []
-    commits = {r.part_key: r.commit for r in requests}
-    layouts = {key: shard_layout(c.routing) for key, c in commits.items()}
-    indexes = (cache or ShardIndexCache()).fetch(storage, commits)
+    indexes = (cache or ShardIndexCache()).fetch(storage, requests)
     plans = [
-        chunks_for(indexes[r.part_key], layouts[r.part_key], r.layers, r.rows)
-        if r.commit.routing.n_rows and r.rows[0] < r.rows[1]
+        chunks_for(indexes[r.array_key], shard_layout(r.array), r.layers, r.rows)
+        if r.array.n_rows and r.rows[0] < r.rows[1]
         else []
         for r in requests
     ]
     pieces = _read_pieces(storage, requests, plans)
     blocks = []
     for request, chunks in zip(requests, plans, strict=True):
-        routing, layout_ = request.commit.routing, layouts[request.part_key]
+        array, layout_ = request.array, shard_layout(request.array)
         raw = np.empty(layout_.chunk_shape, layout_.dtype)  # scratch: stored form of one chunk
         ids = np.empty(layout_.chunk_shape, layout_.dtype)  # scratch: its expert IDs
         (l0, l1), (r0, r1) = request.layers, request.rows
-        block = np.empty((l1 - l0, r1 - r0, routing.topk), dtype=layout_.dtype)
+        block = np.empty((l1 - l0, r1 - r0, array.topk), dtype=layout_.dtype)
         for chunk in chunks:
             cl0, cr0 = chunk.layer_chunk * layout_.chunk_layers, chunk.row_chunk * layout_.chunk_rows
             ls, le = max(l0, cl0), min(l1, cl0 + layout_.chunk_layers)
             rs, re_ = max(r0, cr0), min(r1, cr0 + layout_.chunk_rows)
             try:
-                decode_chunk(pieces[(request.part_key, chunk.start)], layout_, out=raw)
+                decode_chunk(pieces[(request.array_key, chunk.start)], layout_, out=raw)
             except ShardFormatError as exc:
                 raise CorruptDataError(
-                    f"{storage.url_of(_shard_key(request.part_key, request.commit))}: inner chunk rows "
-                    f"[{cr0}, {cr0 + layout_.chunk_rows}) layer chunk {chunk.layer_chunk} cannot be decoded "
-                    f"({exc}); affected samples: {list(request.samples[:8])}"
+                    f"{storage.url_of(request.shard_key)}: inner chunk rows [{cr0}, {cr0 + layout_.chunk_rows}) "
+                    f"layer chunk {chunk.layer_chunk} cannot be decoded ({exc}); affected samples: "
+                    f"{list(request.samples[:8])}"
                 ) from exc
             # Un-transform the whole chunk while it is contiguous and in cache, then place the overlap: one
             # contiguous copy per layer.
-            decode_rows(raw, routing.transform, out=ids)
+            decode_rows(raw, array.transform, out=ids)
             block[ls - l0 : le - l0, rs - r0 : re_ - r0] = ids[ls - cl0 : le - cl0, rs - cr0 : re_ - cr0]
         blocks.append(block)
     return blocks
 
 
-def _shard_nbytes(commit: CommitRecord) -> int:
-    """The shard's size as its commit lists it (0 when unlisted: every chunk then lies outside it)."""
-    key = f"{commit.routing.path}/{shard_layout(commit.routing).shard_key}"
-    return next((o.size for o in commit.objects if o.key == key), 0)
-
-
-def _shard_key(part_key: str, commit: CommitRecord) -> str:
-    return f"{part_key}/{commit.routing.path}/{shard_layout(commit.routing).shard_key}"
-
-
 def _read_pieces(
     storage: Storage, requests: Sequence[BlockRequest], plans: list[list[ChunkRead]]
 ) -> dict[tuple[str, int], memoryview]:
-    """The stored bytes of every planned chunk, keyed by (part, offset); nearby chunks share one ranged read."""
+    """The stored bytes of every planned chunk, keyed by (array, offset); nearby chunks share one ranged read."""
     wanted: dict[str, set[tuple[int, int]]] = {}
     samples: dict[str, set[str]] = {}
-    commits: dict[str, CommitRecord] = {}
+    shards: dict[str, str] = {}
     for request, chunks in zip(requests, plans, strict=True):
         for chunk in chunks:
-            wanted.setdefault(request.part_key, set()).add((chunk.start, chunk.stop))
-            samples.setdefault(request.part_key, set()).update(request.samples)
-            commits[request.part_key] = request.commit
-    ranges = [(part, lo, hi) for part, spans in wanted.items() for lo, hi in coalesce(list(spans), MAX_GAP)]
+            wanted.setdefault(request.array_key, set()).add((chunk.start, chunk.stop))
+            samples.setdefault(request.array_key, set()).update(request.samples)
+            shards[request.array_key] = request.shard_key
+    ranges = [(key, lo, hi) for key, spans in wanted.items() for lo, hi in coalesce(list(spans), MAX_GAP)]
     datas = _read_ranges(
         storage,
-        [(_shard_key(part, commits[part]), lo, hi) for part, lo, hi in ranges],
-        [tuple(samples[part]) for part, _, _ in ranges],
+        [(shards[key], lo, hi) for key, lo, hi in ranges],
+        [tuple(samples[key]) for key, _, _ in ranges],
     )
     pieces: dict[tuple[str, int], memoryview] = {}
-    for (part, lo, hi), data in zip(ranges, datas, strict=True):
+    for (key, lo, hi), data in zip(ranges, datas, strict=True):
         view = memoryview(data)
-        for start, stop in wanted[part]:
+        for start, stop in wanted[key]:
             if lo <= start and stop <= hi:
-                pieces[(part, start)] = view[start - lo : stop - lo]
+                pieces[(key, start)] = view[start - lo : stop - lo]
     return pieces
 
 

@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 import zarr
 
 from routelog import layout
+from routelog.codec import storage_dtype
 from routelog.errors import CorruptDataError, DuplicateSampleError, RecordNotFoundError
 from routelog.format import (
     INDEX_SCHEMA,
@@ -30,6 +31,7 @@ from routelog.format import (
     Consolidated,
     IndexRow,
     ObjectInfo,
+    RoutingArrayInfo,
     SealRecord,
     Span,
     ValuesInfo,
@@ -71,7 +73,9 @@ class RecordRouting:
     """Global layer indices of axis 1."""
     topk_order: str
     num_moe_layers: int
-    """Length of the model's MoE axis (``moe_layers`` may be a subset)."""
+    """Length of the model's MoE axis (``moe_layers`` may be a subset); of the stream's axis for a stream."""
+    stream: str | None = None
+    """The extra stream these rows are of (e.g. ``mtp``); None for the decoder routing."""
 
     @property
     def sample_id(self) -> str:
@@ -92,6 +96,8 @@ class RecordRouting:
 
     def to_record(self) -> Record:
         """The record as written (all of its layers must have been read), e.g. to export it to an engine layout."""
+        if self.stream is not None:
+            raise ValueError("to_record needs the decoder routing; this is the stream " + repr(self.stream))
         if self.moe_layers != tuple(range(self.num_moe_layers)):
             raise ValueError("to_record needs every MoE layer; read the record without moe_layers")
         info = self.info
@@ -134,13 +140,14 @@ class _PartRead:
     members: tuple[tuple[str, Span], ...]
     """The (sample id, span) pairs whose rows this read covers."""
 
-    def request(self, commit: CommitRecord) -> BlockRequest:
-        return BlockRequest(
-            part_key=self.part_key,
-            commit=commit,
-            rows=(self.row_start, self.row_stop),
-            layers=(self.layer_start, self.layer_stop),
-            samples=tuple(sorted({sid for sid, _ in self.members})),
+    def request(self, commit: CommitRecord, stream: str | None) -> BlockRequest:
+        return BlockRequest.of(
+            self.part_key,
+            commit,
+            (self.layer_start, self.layer_stop),
+            (self.row_start, self.row_stop),
+            tuple(sorted({sid for sid, _ in self.members})),
+            stream=stream,
         )
 
 
@@ -311,45 +318,69 @@ class StepSnapshot:
         """Routing of one record; ``moe_layers`` are positions on the MoE axis (default: all)."""
         return self.read_many([sample_id], moe_layers=moe_layers)[0]
 
-    def read_many(self, sample_ids: Iterable[str], *, moe_layers: Sequence[int] | None = None) -> list[RecordRouting]:
-        """Routing of several records, fetched concurrently; results follow the order of ``sample_ids``."""
+    def read_many(
+        self, sample_ids: Iterable[str], *, moe_layers: Sequence[int] | None = None, stream: str | None = None
+    ) -> list[RecordRouting]:
+        """Routing of several records, fetched concurrently; results follow the order of ``sample_ids``.
+
+        ``moe_layers`` are positions on the MoE axis (default: all). With ``stream`` (e.g. ``"mtp"``), the records'
+        rows of that extra stream instead, ``moe_layers`` then being positions on the stream's own layer axis.
+        """
         spec = self.store.model_spec
-        wanted = list(range(spec.num_moe_layers)) if moe_layers is None else sorted(set(moe_layers))
-        if any(not 0 <= j < spec.num_moe_layers for j in wanted):
-            raise ValueError(f"moe_layers {list(moe_layers or [])} outside [0, {spec.num_moe_layers})")
+        if stream is None:
+            n_layers, topk, dtype, names = spec.num_moe_layers, spec.topk, spec.id_dtype, tuple(spec.moe_layers)
+        else:
+            declared = spec.stream(stream)
+            if declared is None:
+                raise ValueError(
+                    f"model {spec.name!r} declares no stream {stream!r} ({[s.name for s in spec.streams]})"
+                )
+            n_layers, topk, names = declared.num_layers, declared.topk, tuple(range(declared.num_layers))
+            dtype = storage_dtype(declared.universe)
+        wanted = list(range(n_layers)) if moe_layers is None else sorted(set(moe_layers))
+        if any(not 0 <= j < n_layers for j in wanted):
+            raise ValueError(f"layers {list(moe_layers or [])} outside [0, {n_layers})")
         rows = [self.info(sid) for sid in sample_ids]
         own_part = {r.sample_id: self._part_key(r.sample_id) for r in rows}
-        out = {r.sample_id: np.zeros((len(wanted), r.n_tokens, spec.topk), dtype=spec.id_dtype) for r in rows}
+        out = {r.sample_id: np.zeros((len(wanted), r.n_tokens, topk), dtype=dtype) for r in rows}
         valid = {r.sample_id: np.zeros(r.n_tokens, dtype=bool) for r in rows}
         by_part: dict[str, list[tuple[str, Span]]] = defaultdict(list)
         for r in rows:
-            for span in r.spans:
+            for span in _spans(r, stream):
                 by_part[span.part or own_part[r.sample_id]].append((r.sample_id, span))
                 valid[r.sample_id][span.token_start : span.token_start + span.n_rows] = True
         commits = {key: self._commit_for(key) for key in by_part}
+        arrays = {key: _array(commit, stream, self.store.storage.url_of(key)) for key, commit in commits.items()}
         runs = _contiguous_runs(wanted)
         reads: list[_PartRead] = []
         for key, items in by_part.items():
-            for lo, hi, members in _merge_rows(items, commits[key].routing.chunk_rows):
+            for lo, hi, members in _merge_rows(items, arrays[key].chunk_rows):
                 for a, b in runs:
                     reads.append(_PartRead(key, lo, hi, wanted[a], wanted[b - 1] + 1, a, b, members))
-        requests = [read.request(commits[read.part_key]) for read in reads]
+        requests = [read.request(commits[read.part_key], stream) for read in reads]
         for read, block in zip(reads, fetch_blocks(self.store.storage, requests, self._index_cache), strict=True):
             for sid, span in read.members:
                 src = block[:, span.row - read.row_start : span.row - read.row_start + span.n_rows]
                 out[sid][read.out_start : read.out_stop, span.token_start : span.token_start + span.n_rows] = src
+        orders = {r.sample_id: self._topk_order(own_part[r.sample_id], stream) for r in rows}
         return [
             RecordRouting(
                 info=r,
                 by_layer=out[r.sample_id],
                 valid=valid[r.sample_id],
                 moe_layers=tuple(wanted),
-                layers=tuple(spec.moe_layers[j] for j in wanted),
-                topk_order=self._commit_for(own_part[r.sample_id]).routing.topk_order,
-                num_moe_layers=spec.num_moe_layers,
+                layers=tuple(names[j] for j in wanted),
+                topk_order=orders[r.sample_id],
+                num_moe_layers=n_layers,
+                stream=stream,
             )
             for r in rows
         ]
+
+    def _topk_order(self, part_key: str, stream: str | None) -> str:
+        commit = self._commit_for(part_key)
+        array = commit.routing if stream is None else commit.streams.get(stream, commit.routing)
+        return array.topk_order
 
     # -- per-token values ------------------------------------------------------------------------------------------
     @property
@@ -484,12 +515,27 @@ class StepSnapshot:
         return commit
 
 
+def _spans(row: IndexRow, stream: str | None) -> list[Span]:
+    """A record's spans of the decoder routing, or of one of its streams (none when it has no such rows)."""
+    if stream is None:
+        return row.spans
+    return next((entry.spans for entry in row.streams or [] if entry.name == stream), [])
+
+
+def _array(commit: CommitRecord, stream: str | None, where: str) -> RoutingArrayInfo:
+    if stream is None:
+        return commit.routing
+    if stream not in commit.streams:
+        raise CorruptDataError(f"{where}: records point into its stream {stream!r}, which its commit does not hold")
+    return commit.streams[stream]
+
+
 def _parquet(data: bytes, where: str) -> pa.Table:
     try:
         table = index_from_parquet(data)
     except (pa.ArrowException, OSError) as exc:
         raise CorruptDataError(f"{where}: unreadable Parquet index ({exc})") from exc
-    missing = [name for name in INDEX_SCHEMA.names if name not in table.schema.names]
+    missing = [name for name, f in IndexRow.model_fields.items() if f.is_required() and name not in table.schema.names]
     if missing:
         raise CorruptDataError(f"{where}: the index lacks the columns {missing}")
     return table
@@ -575,19 +621,47 @@ def check_index(index: pa.Table, commits: Sequence[CommitRecord], step: int, whe
     steps = index.column("step").to_numpy(zero_copy_only=False)
     if steps.size and (steps != step).any():
         raise CorruptDataError(f"{where}: index rows of step {int(steps[steps != step][0])} in step {step}")
-    spans = index.column("spans").combine_chunks()
+    limits = np.array([c.routing.n_rows for c in commits], dtype=np.int64)
+    _check_span_rows(index.column("spans").combine_chunks(), commit_of, limits, commits, where)
+    if "streams" not in index.schema.names:
+        return
+    streams = index.column("streams").combine_chunks()
+    entries = pc.list_flatten(streams)
+    if len(entries) == 0:
+        return
+    entry_commit = np.repeat(commit_of, pc.list_value_length(streams).fill_null(0).to_numpy(zero_copy_only=False))
+    names = entries.field("name").to_pylist()
+    for i, name in enumerate(names):
+        if name not in commits[int(entry_commit[i])].streams:
+            raise CorruptDataError(
+                f"{where}: a record has rows of stream {name!r}, part {commits[int(entry_commit[i])].part!r} holds none"
+            )
+    stream_limits = np.array(
+        [commits[int(c)].streams[n].n_rows for c, n in zip(entry_commit, names, strict=True)], dtype=np.int64
+    )
+    _check_span_rows(entries.field("spans"), np.arange(len(names)), stream_limits, None, where)
+
+
+def _check_span_rows(
+    spans: pa.Array,
+    owner_of_row: npt.NDArray[Any],
+    limits: npt.NDArray[np.int64],
+    commits: Sequence[CommitRecord] | None,
+    where: str,
+) -> None:
+    """Own spans (``part`` null) end within their array's rows; ``owner_of_row[i]`` indexes ``limits``."""
     flat = pc.list_flatten(spans)
     if len(flat) == 0:
         return
-    owner = np.repeat(commit_of, pc.list_value_length(spans).fill_null(0).to_numpy(zero_copy_only=False))
+    owner = np.repeat(owner_of_row, pc.list_value_length(spans).fill_null(0).to_numpy(zero_copy_only=False))
     own = pc.is_null(flat.field("part")).to_numpy(zero_copy_only=False)
     ends = flat.field("row").to_numpy(zero_copy_only=False) + flat.field("n_rows").to_numpy(zero_copy_only=False)
-    limits = np.array([c.routing.n_rows for c in commits], dtype=np.int64)[owner]
-    if (own & (ends > limits)).any():
-        bad = int(np.argmax(own & (ends > limits)))
+    past = own & (ends > limits[owner])
+    if past.any():
+        bad = int(np.argmax(past))
+        part = f" of part {commits[int(owner[bad])].part!r}" if commits is not None else ""
         raise CorruptDataError(
-            f"{where}: a span of part {commits[int(owner[bad])].part!r} reaches row {int(ends[bad])}, past the "
-            f"part's {int(limits[bad])} rows"
+            f"{where}: a span{part} reaches row {int(ends[bad])}, past the array's {int(limits[owner[bad]])} rows"
         )
 
 

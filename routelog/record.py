@@ -23,8 +23,8 @@ from routelog.codec import (
     storage_dtype,
 )
 from routelog.errors import InvalidRecordError
-from routelog.format import MAX_NAME_CHARS, MAX_RECORD_TOKENS, IndexRow, Segment, Span, load_json
-from routelog.spec import ModelSpec
+from routelog.format import MAX_NAME_CHARS, MAX_RECORD_TOKENS, IndexRow, Segment, Span, StreamSpans, load_json
+from routelog.spec import ModelSpec, StreamSpec
 from routelog.values import FloatArray, check_token_values
 
 TOKEN_HASH_PREFIX = "blake2b-128:"
@@ -37,6 +37,15 @@ def token_hash(token_ids: npt.ArrayLike) -> str:
     """The format's token hash: BLAKE2b with a 16-byte digest over the ids as little-endian int64."""
     ids = np.ascontiguousarray(np.asarray(token_ids), dtype="<i8")
     return TOKEN_HASH_PREFIX + hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
+
+
+@dataclass
+class StreamRows:
+    """One record's rows of an extra routing stream: ``expert_ids`` ``[n_tokens, stream layers, stream topk]``
+    and, optionally, which rows were computed (default: all)."""
+
+    expert_ids: npt.ArrayLike
+    valid: npt.ArrayLike | None = None
 
 
 @dataclass
@@ -65,6 +74,8 @@ class Record:
     token_values: Mapping[str, npt.ArrayLike] | None = None
     """Per-token float columns, each ``[n_tokens]`` (NaN = no value), e.g. ``{"logprob_infer": ...}`` with the
     sampled tokens' log-probs; see :mod:`routelog.values`."""
+    streams: Mapping[str, StreamRows] | None = None
+    """Extra routing streams the store's model spec declares (e.g. ``mtp``), stored apart from the decoder's."""
 
     @property
     def n_tokens(self) -> int:
@@ -80,6 +91,8 @@ class PreparedRecord:
     """``[n_moe_layers, n_valid_rows, topk]`` (layer-major) in stored form (gaps when sorted)."""
     values: dict[str, FloatArray] = field(default_factory=dict)
     """Validated per-token columns (float32, ``[n_tokens]``)."""
+    streams: dict[str, IdArray] = field(default_factory=dict)
+    """Stored rows of each extra stream, ``[stream layers, n_valid_rows, stream topk]`` (spans in ``row``)."""
     raw_nbytes: int = field(default=0)
     """Size of the valid rows at one byte/two bytes per ID, the 'raw-equivalent' measure of throughput."""
 
@@ -115,35 +128,20 @@ def prepare_record(record: Record, spec: ModelSpec, step: int, topk_order: TopkO
             "pass the weight version as an int",
         )
     n = _check_lengths(record)
-    ids = _check_ids_shape(record, spec, n)
-    valid = _check_valid(record, n)
+    valid = _check_valid(sid, "valid", record.valid, n)
     digest = _check_tokens(record, n)
     segments = _check_segments(record, n)
     extra = _check_extra(record)
     values = check_token_values(record.token_values, n, sid)
-
-    starts, stops = _runs(valid)
-    chosen = ids if valid.all() else ids[valid]
-    flat_valid = np.flatnonzero(valid)
-    problem = check_before_cast(chosen.reshape(-1, spec.topk), spec.num_experts)
-    if problem is not None:  # rows of `chosen` in token-major order
-        token, layer_pos = divmod(problem.row, spec.num_moe_layers)
-        _raise_row_problem(sid, spec, problem, int(flat_valid[token]), spec.moe_layers[layer_pos])
-    # Stored layer-major: [n_moe_layers, n_valid_rows, topk].
-    by_layer = layer_major(chosen.astype(storage_dtype(spec.num_experts), copy=False))
-    n_valid = by_layer.shape[1]
-    sorted_rows, problem = sort_and_check(by_layer.reshape(-1, spec.topk), spec.num_experts)
-    if problem is not None:  # rows in layer-major order
-        layer_pos, token = divmod(problem.row, n_valid)
-        _raise_row_problem(sid, spec, problem, int(flat_valid[token]), spec.moe_layers[layer_pos])
-    stored = encode_rows(sorted_rows, "sorted_gaps") if topk_order == "sorted" else by_layer.reshape(-1, spec.topk)
-    stored = stored.reshape(spec.num_moe_layers, n_valid, spec.topk)
-
-    spans = []
-    offset = 0
-    for start, stop in zip(starts, stops, strict=True):
-        spans.append(Span(token_start=start, n_rows=stop - start, row=offset))
-        offset += stop - start
+    main = _Axis("expert_ids", spec.num_moe_layers, spec.num_experts, spec.topk, spec.moe_layers, spec)
+    stored, spans = _stored_rows(sid, record.expert_ids, valid, main, n, topk_order)
+    streams: dict[str, IdArray] = {}
+    stream_spans: list[StreamSpans] = []
+    for name, (declared, given) in _check_streams(record, spec).items():
+        axis = _Axis(f"streams[{name!r}].expert_ids", declared.num_layers, declared.universe, declared.topk, None, spec)
+        stream_valid = _check_valid(sid, f"streams[{name!r}].valid", given.valid, n)
+        streams[name], spans_of_stream = _stored_rows(sid, given.expert_ids, stream_valid, axis, n, topk_order)
+        stream_spans.append(StreamSpans(name=name, spans=spans_of_stream))
     row = IndexRow(
         sample_id=sid,
         step=step,
@@ -159,23 +157,99 @@ def prepare_record(record: Record, spec: ModelSpec, step: int, topk_order: TopkO
         spans=spans,
         segments=segments,
         extra=extra,
+        streams=stream_spans or None,
     )
-    return PreparedRecord(row=row, rows=stored, values=values, raw_nbytes=stored.nbytes)
+    raw = stored.nbytes + sum(rows.nbytes for rows in streams.values())
+    return PreparedRecord(row=row, rows=stored, values=values, streams=streams, raw_nbytes=raw)
 
 
-def _raise_row_problem(sid: str, spec: ModelSpec, problem: RowProblem, token: int, layer: int) -> None:
+@dataclass(frozen=True)
+class _Axis:
+    """The routing a record's array must hold: the decoder's MoE layers, or an extra stream's."""
+
+    field: str
+    num_layers: int
+    universe: int
+    topk: int
+    layer_names: Sequence[int] | None
+    """Global layer numbers for messages (the stream's own positions when None)."""
+    spec: ModelSpec
+
+    def layer(self, position: int) -> int:
+        return position if self.layer_names is None else self.layer_names[position]
+
+
+def _stored_rows(
+    sid: str, given: npt.ArrayLike, valid: npt.NDArray[np.bool_], axis: _Axis, n: int, topk_order: TopkOrder
+) -> tuple[IdArray, list[Span]]:
+    """Validate one routing array and convert its computed rows to stored (layer-major, transformed) form."""
+    ids = _check_ids_shape(sid, given, axis, n)
+    starts, stops = _runs(valid)
+    chosen = ids if valid.all() else ids[valid]
+    flat_valid = np.flatnonzero(valid)
+    problem = check_before_cast(chosen.reshape(-1, axis.topk), axis.universe)
+    if problem is not None:  # rows of `chosen` in token-major order
+        token, layer_pos = divmod(problem.row, axis.num_layers)
+        _raise_row_problem(sid, axis, problem, int(flat_valid[token]), axis.layer(layer_pos))
+    # Stored layer-major: [layers, n_valid_rows, topk].
+    by_layer = layer_major(chosen.astype(storage_dtype(axis.universe), copy=False))
+    n_valid = by_layer.shape[1]
+    sorted_rows, problem = sort_and_check(by_layer.reshape(-1, axis.topk), axis.universe)
+    if problem is not None:  # rows in layer-major order
+        layer_pos, token = divmod(problem.row, n_valid)
+        _raise_row_problem(sid, axis, problem, int(flat_valid[token]), axis.layer(layer_pos))
+    stored = encode_rows(sorted_rows, "sorted_gaps") if topk_order == "sorted" else by_layer.reshape(-1, axis.topk)
+    spans = []
+    offset = 0
+    for start, stop in zip(starts, stops, strict=True):
+        spans.append(Span(token_start=start, n_rows=stop - start, row=offset))
+        offset += stop - start
+    return stored.reshape(axis.num_layers, n_valid, axis.topk), spans
+
+
+def _check_streams(record: Record, spec: ModelSpec) -> dict[str, tuple[StreamSpec, StreamRows]]:
+    given = record.streams or {}
+    if not isinstance(given, Mapping):
+        raise InvalidRecordError(
+            record.sample_id,
+            "streams",
+            f"must be a mapping of stream name to StreamRows, got {type(given).__name__}",
+            "pass {'mtp': routelog.StreamRows(expert_ids=...)}",
+        )
+    out = {}
+    for name, rows in given.items():
+        declared = spec.stream(name) if isinstance(name, str) else None
+        if declared is None:
+            raise InvalidRecordError(
+                record.sample_id,
+                f"streams[{name!r}]",
+                f"is not a stream of model {spec.name!r} (it declares {[s.name for s in spec.streams]})",
+                "declare the stream in the model spec (ModelSpec.streams, or with_mtp_stream() for MTP layers)",
+            )
+        if not isinstance(rows, StreamRows):
+            raise InvalidRecordError(
+                record.sample_id,
+                f"streams[{name!r}]",
+                f"is a {type(rows).__name__}, not StreamRows",
+                "wrap the stream's expert ids in routelog.StreamRows",
+            )
+        out[name] = (declared, rows)
+    return out
+
+
+def _raise_row_problem(sid: str, axis: _Axis, problem: RowProblem, token: int, layer: int) -> None:
     where = f"token {token}, layer {layer}"
     if problem.kind == "duplicate":
         raise InvalidRecordError(
             sid,
-            "expert_ids",
+            axis.field,
             f"{where} repeats an expert: {list(problem.values)}",
             "a top-k row must name k distinct experts; fix the capture or mark the row invalid instead of padding it",
         )
     raise InvalidRecordError(
         sid,
-        "expert_ids",
-        f"{where} has IDs {list(problem.values)} outside [0, num_experts={spec.num_experts})",
+        axis.field,
+        f"{where} has IDs {list(problem.values)} outside [0, num_experts={axis.universe})",
         "store logical expert IDs (convert physical EPLB IDs first) and check the spec",
     )
 
@@ -213,71 +287,74 @@ def _check_lengths(record: Record) -> int:
     return n
 
 
-def _check_ids_shape(record: Record, spec: ModelSpec, n: int) -> npt.NDArray[np.integer[Any]]:
-    sid = record.sample_id
-    ids = np.asarray(record.expert_ids)
+def _check_ids_shape(sid: str, given: npt.ArrayLike, axis: _Axis, n: int) -> npt.NDArray[np.integer[Any]]:
+    field, spec = axis.field, axis.spec
+    try:
+        ids = np.asarray(given)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRecordError(
+            sid, field, f"is not a regular array ({exc})", "pass a [tokens, layers, k] array"
+        ) from None
     if ids.dtype.kind not in "iu":
         raise InvalidRecordError(
             sid,
-            "expert_ids",
+            field,
             f"has dtype {ids.dtype}, expected an integer dtype",
             "pass integer expert IDs (uint8/uint16/int16/int32/int64)",
         )
     if ids.ndim != 3:
         raise InvalidRecordError(
             sid,
-            "expert_ids",
-            f"has shape {ids.shape}, expected 3 axes [n_tokens, n_moe_layers, topk]",
+            field,
+            f"has shape {ids.shape}, expected 3 axes [n_tokens, layers, topk]",
             "reshape the engine payload with the model spec (routelog.engines does this per engine)",
         )
     tokens, layers, k = ids.shape
-    if layers != spec.num_moe_layers:
+    if layers != axis.num_layers:
         hint = (
             f"the payload has the full layer axis ({spec.num_layers} layers); keep only the MoE layers "
             f"with routelog.engines.to_moe_axis"
-            if layers == spec.num_layers
-            else f"check the model spec: it has {spec.num_moe_layers} MoE layers {list(spec.moe_layers)}"
+            if layers == spec.num_layers and axis.layer_names is not None
+            else f"check the model spec: it has {axis.num_layers} layers here"
+            + (f", the MoE layers {list(axis.layer_names)}" if axis.layer_names is not None else "")
         )
         raise InvalidRecordError(
-            sid,
-            "expert_ids",
-            f"has {layers} layers on axis 1, the model spec has {spec.num_moe_layers} MoE layers",
-            hint,
+            sid, field, f"has {layers} layers on axis 1, the model spec has {axis.num_layers} MoE layers", hint
         )
-    if k != spec.topk:
+    if k != axis.topk:
         raise InvalidRecordError(
             sid,
-            "expert_ids",
-            f"has top-k {k} on axis 2, the model spec says {spec.topk}",
+            field,
+            f"has top-k {k} on axis 2, the model spec says {axis.topk}",
             "use the spec of the model that generated the routing",
         )
     if tokens != n:
         raise InvalidRecordError(
             sid,
-            "expert_ids",
+            field,
             f"has {tokens} rows, but prompt_len + response_len = {n}",
             "give one row per input position and mark rows the engine never computed "
             "(e.g. the final sampled token) with valid=False",
         )
-    if np.iinfo(ids.dtype).max < spec.num_experts - 1:
+    if np.iinfo(ids.dtype).max < axis.universe - 1:
         raise InvalidRecordError(
             sid,
-            "expert_ids",
-            f"dtype {ids.dtype} cannot hold expert IDs up to "
-            f"{spec.num_experts - 1}, so values were likely truncated upstream",
+            field,
+            f"dtype {ids.dtype} cannot hold expert IDs up to {axis.universe - 1}, so values were likely truncated "
+            "upstream",
             "capture the IDs in a wider dtype (uint16 or int32)",
         )
     return ids
 
 
-def _check_valid(record: Record, n: int) -> npt.NDArray[np.bool_]:
-    if record.valid is None:
+def _check_valid(sid: str, field: str, given: npt.ArrayLike | None, n: int) -> npt.NDArray[np.bool_]:
+    if given is None:
         return np.ones(n, dtype=bool)
-    valid = np.asarray(record.valid)
+    valid = np.asarray(given)
     if valid.dtype != np.bool_ or valid.shape != (n,):
         raise InvalidRecordError(
-            record.sample_id,
-            "valid",
+            sid,
+            field,
             f"has dtype {valid.dtype} and shape {valid.shape}, expected bool of shape ({n},)",
             "pass one bool per token row",
         )

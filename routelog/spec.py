@@ -43,6 +43,31 @@ class RouterSpec(BaseModel):
     """``routed_scaling_factor`` applied to the weights."""
 
 
+class StreamSpec(BaseModel):
+    """An extra per-token top-k decision stored beside the decoder routing (format 1.2): a stream of ``topk``
+    distinct values out of ``universe`` per token and layer. ``mtp`` holds the routing of multi-token-prediction
+    layers (their layer numbers collide with decoder layers in some trainers, so they are kept apart and never
+    installed into a decoder router); other names hold e.g. a sparse-attention indexer's top-k."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")
+    num_layers: int = Field(ge=1)
+    """Layers of the stream (its own axis, 0-based)."""
+    universe: int = Field(ge=1, le=MAX_EXPERTS)
+    """Values are in ``[0, universe)`` (experts for ``mtp``)."""
+    topk: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> StreamSpec:
+        if self.topk > self.universe:
+            raise ModelSpecError(f"stream {self.name!r}: topk {self.topk} exceeds universe {self.universe}")
+        return self
+
+
+MTP_STREAM = "mtp"
+
+
 class ModelSpec(BaseModel):
     """The layer map and routing shape of the model that produced the routing."""
 
@@ -67,7 +92,10 @@ class ModelSpec(BaseModel):
     logical_ids: Literal[True] = True
     """Stored IDs are always logical (pre-EPLB) expert IDs; adapters convert physical IDs on ingest."""
     mtp_layers: int = Field(default=0, ge=0)
-    """Multi-token-prediction layers after the decoder; never part of the stored routing."""
+    """Multi-token-prediction layers after the decoder; never part of the decoder routing (their routing, when
+    recorded, is the ``mtp`` stream)."""
+    streams: tuple[StreamSpec, ...] = ()
+    """Extra routing streams records may carry (format 1.2), e.g. ``mtp``."""
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -82,6 +110,14 @@ class ModelSpec(BaseModel):
             )
         if self.topk > self.num_experts:
             raise ModelSpecError(f"model {self.name!r}: topk {self.topk} exceeds num_experts {self.num_experts}")
+        names = [stream.name for stream in self.streams]
+        if len(names) != len(set(names)):
+            raise ModelSpecError(f"model {self.name!r}: stream names must be unique, got {names}")
+        mtp = self.stream(MTP_STREAM)
+        if mtp is not None and mtp.num_layers != self.mtp_layers:
+            raise ModelSpecError(
+                f"model {self.name!r}: the mtp stream has {mtp.num_layers} layers, mtp_layers is {self.mtp_layers}"
+            )
         groups = self.router.n_group
         if groups is not None and groups > 1 and self.num_experts % groups:
             raise ModelSpecError(
@@ -99,6 +135,17 @@ class ModelSpec(BaseModel):
     def id_dtype(self) -> np.dtype[Any]:
         """Narrowest unsigned dtype that holds every expert ID (uint8 up to 256 experts, else uint16)."""
         return np.dtype(np.uint8) if self.num_experts <= 256 else np.dtype(np.uint16)
+
+    def stream(self, name: str) -> StreamSpec | None:
+        """The declared stream ``name``, or None."""
+        return next((s for s in self.streams if s.name == name), None)
+
+    def with_mtp_stream(self) -> ModelSpec:
+        """This spec declaring the ``mtp`` stream (one layer per MTP layer, the decoder's experts and top-k)."""
+        if self.mtp_layers < 1 or self.stream(MTP_STREAM) is not None:
+            return self
+        stream = StreamSpec(name=MTP_STREAM, num_layers=self.mtp_layers, universe=self.num_experts, topk=self.topk)
+        return self.model_copy(update={"streams": (*self.streams, stream)})
 
     def is_moe(self, layer: int) -> bool:
         """Whether global layer ``layer`` routes."""
@@ -177,7 +224,7 @@ class ModelSpec(BaseModel):
                 scaling_factor=moe_router_topk_scaling_factor,
             ),
             mtp_layers=mtp_num_layers or 0,
-        )
+        ).with_mtp_stream()
 
     def megatron_moe_layer_freq(self) -> list[int]:
         """This spec's layer pattern as Megatron's ``moe_layer_freq`` list."""
@@ -271,7 +318,7 @@ def _from_hf(raw: Mapping[str, Any], name: str | None) -> ModelSpec:
         topk=topk,
         router=router,
         mtp_layers=int(config.get("num_nextn_predict_layers") or 0),
-    )
+    ).with_mtp_stream()
 
 
 # -- Megatron moe_layer_freq -------------------------------------------------------------------------------

@@ -15,7 +15,15 @@ import numpy as np
 
 from routelog import layout
 from routelog.errors import CorruptDataError, RoutelogError
-from routelog.format import AnnotationCommit, CommitRecord, IndexRow, load_json, parse_document
+from routelog.format import (
+    AnnotationCommit,
+    CommitRecord,
+    IndexRow,
+    RoutingArrayInfo,
+    Span,
+    load_json,
+    parse_document,
+)
 from routelog.part import index_from_parquet, shard_layout
 from routelog.reader import RecordRouting, StepSnapshot, check_commit, list_commit_names, read_seal
 from routelog.storage import Storage
@@ -103,19 +111,8 @@ def _verify_part(store: Store, step: int, commit: CommitRecord, report: VerifyRe
         data = _read_checked(storage, f"{base}/{obj.key}", obj.size, obj.sha256, f"commit {commit.name}", report)
         if data is not None:
             blobs[obj.key] = data
-    info = commit.routing
-    metadata = blobs.get(f"{info.path}/zarr.json")
-    if metadata is not None:
-        try:
-            stored = load_json(metadata, f"{where}/{info.path}/zarr.json")
-        except ValueError as exc:
-            report.problems.append(str(exc))
-        else:
-            expected = shard_layout(info).zarr_metadata(0, {})
-            if stored != info.zarr_metadata:
-                report.problems.append(f"{where}: zarr.json differs from the copy in its commit")
-            if stored.get("shape") != expected["shape"] or stored.get("data_type") != expected["data_type"]:
-                report.problems.append(f"{where}: zarr.json describes shape {stored.get('shape')}, not the part's")
+    for array in (commit.routing, *commit.streams.values()):
+        _verify_zarr_json(where, array, blobs.get(f"{array.path}/zarr.json"), report)
     if layout.INDEX not in blobs:
         return
     try:
@@ -124,15 +121,38 @@ def _verify_part(store: Store, step: int, commit: CommitRecord, report: VerifyRe
         report.problems.append(f"{where}: the index does not parse ({str(exc).splitlines()[0]})")
         return
     report.records += len(rows)
-    covered = np.zeros(info.n_rows, dtype=np.int32)
-    for row in rows:
-        for span in row.spans:
-            if span.part is None and span.row + span.n_rows <= info.n_rows:
-                covered[span.row : span.row + span.n_rows] += 1
-    if info.n_rows and (covered != 1).any():
+    _verify_coverage(where, "routing", commit.routing.n_rows, [s for row in rows for s in row.spans], report)
+    for name, array in commit.streams.items():
+        spans = [s for row in rows for entry in row.streams or [] if entry.name == name for s in entry.spans]
+        _verify_coverage(where, f"stream {name!r}", array.n_rows, spans, report)
+
+
+def _verify_zarr_json(where: str, array: RoutingArrayInfo, metadata: bytes | None, report: VerifyReport) -> None:
+    """``zarr.json`` equals the commit's copy and describes the array the commit says."""
+    if metadata is None:
+        return
+    try:
+        stored = load_json(metadata, f"{where}/{array.path}/zarr.json")
+    except ValueError as exc:
+        report.problems.append(str(exc))
+        return
+    expected = shard_layout(array).zarr_metadata(0, {})
+    if stored != array.zarr_metadata:
+        report.problems.append(f"{where}: {array.path}/zarr.json differs from the copy in its commit")
+    if stored.get("shape") != expected["shape"] or stored.get("data_type") != expected["data_type"]:
+        report.problems.append(f"{where}: {array.path}/zarr.json describes shape {stored.get('shape')}, not the part's")
+
+
+def _verify_coverage(where: str, what: str, n_rows: int, spans: list[Span], report: VerifyReport) -> None:
+    """Every stored row of an array belongs to exactly one record's own span."""
+    covered = np.zeros(n_rows, dtype=np.int32)
+    for span in spans:
+        if span.part is None and span.row + span.n_rows <= n_rows:
+            covered[span.row : span.row + span.n_rows] += 1
+    if n_rows and (covered != 1).any():
         first = int(np.argmax(covered != 1))
         report.problems.append(
-            f"{where}: routing row {first} is referenced by {int(covered[first])} spans (each stored row belongs to "
+            f"{where}: {what} row {first} is referenced by {int(covered[first])} spans (each stored row belongs to "
             "exactly one record)"
         )
 
@@ -172,19 +192,29 @@ def _verify_seal(store: Store, step: int, names: list[str], commits: list[Commit
 
 
 def _verify_records(snapshot: StepSnapshot, report: VerifyReport) -> None:
-    """Read every record as a reader does and check each routed row is a valid top-k set."""
+    """Read every record (and every stream the step's parts hold) as a reader does, and check each routed row is
+    a valid top-k set."""
+    spec = snapshot.store.model_spec
     ids = snapshot.sample_ids
-    for start in range(0, len(ids), _BATCH):
-        try:
-            routings = snapshot.read_many(ids[start : start + _BATCH])
-        except RoutelogError as exc:
-            report.problems.append(f"step {snapshot.step}: {exc}")
-            return
-        for routing in routings:
-            problem = _topk_problem(routing, snapshot.store.model_spec.num_experts)
-            if problem:
-                report.problems.append(f"step {snapshot.step}, sample {routing.sample_id!r}: {problem}")
+    streams = sorted({name for commit in snapshot.commits for name in commit.streams})
+    for stream in [None, *streams]:
+        declared = spec.stream(stream) if stream is not None else None
+        if stream is not None and declared is None:
+            report.problems.append(f"step {snapshot.step}: parts hold stream {stream!r}, the model spec has none")
+            continue
+        universe = spec.num_experts if declared is None else declared.universe
+        for start in range(0, len(ids), _BATCH):
+            try:
+                routings = snapshot.read_many(ids[start : start + _BATCH], stream=stream)
+            except RoutelogError as exc:
+                report.problems.append(f"step {snapshot.step}: {exc}")
                 return
+            for routing in routings:
+                problem = _topk_problem(routing, universe)
+                if problem:
+                    where = f"step {snapshot.step}, sample {routing.sample_id!r}"
+                    report.problems.append(f"{where}{f', stream {stream!r}' if stream else ''}: {problem}")
+                    return
 
 
 def _topk_problem(routing: RecordRouting, num_experts: int) -> str | None:

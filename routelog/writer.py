@@ -471,6 +471,7 @@ def publish_part(
         routing=built.routing,
         objects=built.object_infos(),
         values=built.values,
+        streams=built.streams,
     )
     if not storage.create(key, dump_document(commit)):
         existing = parse_document(storage.read(key), CommitRecord, storage.url_of(key))

@@ -90,7 +90,7 @@ def routelog_codec(ids: np.ndarray, num_experts: int, chunk_rows: int, chunk_lay
         if not written or written[0][0] is not shard:  # upload once, outside the timed decodes that follow
             storage.write(f"part/routing/{layout.shard_key}", shard)
             written[:] = [(shard, commit_for(shard))]
-        (block,) = fetch_blocks(storage, [BlockRequest("part", written[0][1], (0, layers), (0, t))])
+        (block,) = fetch_blocks(storage, [BlockRequest.of("part", written[0][1], (0, layers), (0, t))])
         return block.transpose(1, 0, 2)  # the [T, L, K] view readers hand out
 
     return {"encode": encode, "decode": decode, "size": len}
