@@ -271,3 +271,67 @@ def test_r2_recordings_from_megatron_rebuild_records(store_url: str) -> None:
                 got = np.sort(np.asarray(rebuilt[sid].expert_ids)[pos, router.moe_index])
                 np.testing.assert_array_equal(got, seen[router.layer_number][row])
         assert mb.routers
+
+
+def test_mtp_routers_are_never_replayed_and_their_recordings_become_the_mtp_stream(store_url: str) -> None:
+    """A model with an MTP layer: its router (layer_number past the decoder's) is not addressed by the installer,
+    keeps routing natively while the decoder replays, and its R2 recordings are kept apart as the mtp stream."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    from routelog.engines.megatron_r2 import RecordedShard, records_from_recordings
+    from routelog.megatron import MegatronReplay
+
+    RouterReplay.clear_global_router_replay_instances()
+    torch.manual_seed(0)
+    config = megatron_config(mtp_num_layers=1)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block,
+        vocab_size=64,
+        max_sequence_length=256,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        mtp_block_spec=get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=False),
+    )
+    (mtp_router,) = [m for name, m in model.named_modules() if isinstance(m, TopKRouter) and name.startswith("mtp")]
+    assert int(mtp_router.layer_number) == 9, "megatron-core 0.16 numbers the MTP router after the decoder"
+    p = plan()
+    replay = MegatronReplay([model], p, config=config)
+    assert [r.layer_number for r in replay.routers] == [r.layer_number for r in p.routers]
+    with ReplayLoader(store_url, 0, p) as loader:
+        mb = next(iter(loader))
+    rows = mb.ids.shape[1]
+    with replay.forward(mb):
+        seen, _ = run_moe_layers(model, rows)
+        hidden = torch.randn(rows, 1, HIDDEN)
+        native = selected(mtp_router(hidden)[1])  # the MTP router routes on its own logits
+    for j, router in enumerate(mb.routers):
+        np.testing.assert_array_equal(seen[router.layer_number], np.sort(mb.ids[j], axis=-1))
+    assert mtp_router.router_replay.router_replay_action is None
+    assert native.shape == (rows, 2)
+    replay.end_step()
+    replay.remove()
+
+    # R2: the MTP router's recording goes to the mtp stream, never into a decoder layer.
+    spec = SPEC.model_copy(update={"mtp_layers": 1}).with_mtp_stream()
+    p_mtp = AlignmentPlan(spec, ParallelLayout(), Packing("verl"), RankCoords(), p.micro_batches)
+    mtp_router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+    mtp_router(hidden)
+    mtp_rows = mtp_router.router_replay.get_recorded_indices().numpy()
+    decoder_rows = [mb.ids[j] for j in range(len(mb.routers))]
+    snapshot = routelog.open_store(store_url).step(0)
+    lengths = {sid: (snapshot.info(sid).prompt_len, snapshot.info(sid).response_len) for sid in p.sample_ids}
+    shard = RecordedShard(p_mtp, mb.index, decoder_rows, mtp_recordings=[mtp_rows])
+    rebuilt = {r.sample_id: r for r in records_from_recordings([shard], {s: lengths[s] for s in mb.sample_ids})}
+    real = np.flatnonzero(mb.positions[:, 0] >= 0)
+    for row in real:
+        sid, pos = p.sample_ids[mb.positions[row, 0]], mb.positions[row, 1]
+        streams = rebuilt[sid].streams
+        assert streams is not None
+        np.testing.assert_array_equal(np.asarray(streams["mtp"].expert_ids)[pos, 0], mtp_rows[row])
+    mtp_router.router_replay.clear_indices()
+    mtp_router.router_replay.clear_router_replay_action()
