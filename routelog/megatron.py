@@ -107,10 +107,77 @@ def check_tokens(replay: MicroBatchReplay, token_ids: Sequence[npt.ArrayLike]) -
             )
 
 
-class MegatronReplay:
-    """Hands one rank's replay tensors to megatron-core's routers, micro-batch by micro-batch."""
+class MaskedTopk:
+    """Wraps one router's ``RouterReplay.get_replay_topk`` so that rows whose mask is False take the router's own
+    top-k (the ``router`` missing-route policy), and counts how often the router's own choice differs from the
+    replayed one on the replayed rows.
 
-    def __init__(self, model_chunks: Sequence[Any], plan: AlignmentPlan, *, config: Any = None) -> None:
+    Masks are queued beside megatron-core's targets: the forward uses the newest, recomputation in the backward
+    pops the oldest with its target, exactly as ``replay_backward_list`` does.
+    """
+
+    def __init__(self, router_replay: Any, *, use_native_for_missing: bool) -> None:
+        self.replay = router_replay
+        self.use_native_for_missing = use_native_for_missing
+        self.current: Any = None
+        self.queued: list[Any] = []
+        self.rows = 0
+        """Replayed rows seen by forward passes."""
+        self.differing = 0
+        """Of those, rows whose native top-k set differs from the replayed one."""
+        self._original = router_replay.get_replay_topk
+        router_replay.get_replay_topk = self
+
+    def push(self, mask: Any) -> None:
+        self.current = mask
+        self.queued.append(mask)
+
+    def clear(self) -> None:
+        self.current, self.queued = None, []
+
+    def restore(self) -> None:
+        self.replay.get_replay_topk = self._original
+
+    def __call__(
+        self,
+        scores: Any,
+        topk: int,
+        num_groups: int | None = None,
+        group_topk: int | None = None,
+        default_compute_topk: Any = None,
+    ) -> tuple[Any, Any]:
+        import torch
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        action = self.replay.router_replay_action
+        if action == RouterReplayAction.REPLAY_FORWARD and self.current is not None:
+            target, mask, forward = self.replay.target_topk_idx, self.current, True
+        elif action == RouterReplayAction.REPLAY_BACKWARD and self.queued:
+            target, mask, forward = self.replay.replay_backward_list.pop(0), self.queued.pop(0), False
+        else:
+            return self._original(scores, topk, num_groups, group_topk, default_compute_topk)  # type: ignore[no-any-return]
+        target = target.to(scores.device)
+        mask = mask.to(scores.device)
+        _, native = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if forward:
+            same = (torch.sort(native, dim=1).values == torch.sort(target, dim=1).values).all(dim=1)
+            self.rows += int(mask.sum())
+            self.differing += int((mask & ~same).sum())
+        indices = torch.where(mask[:, None], target, native) if self.use_native_for_missing else target
+        return scores.gather(1, indices), indices
+
+
+class MegatronReplay:
+    """Hands one rank's replay tensors to megatron-core's routers, micro-batch by micro-batch.
+
+    With the plan's ``missing="router"`` (or ``measure=True``) each router's replay is wrapped by
+    :class:`MaskedTopk`: rows without a recorded route take the router's own top-k, and :meth:`router_diff`
+    reports, per layer, how often the router's own choice differs from the replayed one.
+    """
+
+    def __init__(
+        self, model_chunks: Sequence[Any], plan: AlignmentPlan, *, config: Any = None, measure: bool = False
+    ) -> None:
         if config is not None:
             check_config(config, plan.spec)
         self.plan = plan
@@ -123,6 +190,16 @@ class MegatronReplay:
                 "pipeline layout or the model spec does not match the model"
             )
         self._handles = [r.module.register_forward_pre_hook(self._check_rows_hook(r)) for r in self.routers]
+        self._masked: dict[int, MaskedTopk] = {}
+        if plan.missing == "router" or measure:
+            self._masked = {
+                r.layer_number: MaskedTopk(r.module.router_replay, use_native_for_missing=plan.missing == "router")
+                for r in self.routers
+            }
+
+    def router_diff(self) -> dict[int, tuple[int, int]]:
+        """Per ``layer_number``: (replayed rows, rows whose native top-k differs), since construction."""
+        return {n: (m.rows, m.differing) for n, m in self._masked.items()}
 
     def _check_rows_hook(self, router: ChunkRouter) -> Any:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -163,11 +240,14 @@ class MegatronReplay:
         by_layer = {r.layer_number: j for j, r in enumerate(replay.routers)}
         # Actions are set on this model's decoder routers only: a process-global flip would also reach MTP routers
         # and orphans of a decoder built twice, which have no targets.
+        mask = torch.from_numpy(replay.mask)
         for router in self.routers:
             router.module.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             if vp_stage is None or router.vp_stage == vp_stage:
                 target = torch.from_numpy(replay.ids[by_layer[router.layer_number]])
                 router.module.router_replay.set_target_indices(target if device is None else target.to(device))
+                if router.layer_number in self._masked:
+                    self._masked[router.layer_number].push(mask if device is None else mask.to(device))
         try:
             yield
         finally:
@@ -180,9 +260,14 @@ class MegatronReplay:
         for router in self.routers:
             router.module.router_replay.clear_indices()
             router.module.router_replay.clear_router_replay_action()
+        for masked in self._masked.values():
+            masked.clear()
 
     def remove(self) -> None:
-        """Remove the row-count hooks."""
+        """Remove the row-count hooks and the replay wrappers."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for masked in self._masked.values():
+            masked.restore()
+        self._masked.clear()

@@ -335,3 +335,52 @@ def test_mtp_routers_are_never_replayed_and_their_recordings_become_the_mtp_stre
         np.testing.assert_array_equal(np.asarray(streams["mtp"].expert_ids)[pos, 0], mtp_rows[row])
     mtp_router.router_replay.clear_indices()
     mtp_router.router_replay.clear_router_replay_action()
+
+
+def test_missing_rows_take_the_routers_own_choice_with_the_router_policy(
+    make_routing: Callable[..., np.ndarray],
+) -> None:
+    """``missing="router"`` (NeMo-RL's policy): rows the engine never routed are left to the router, every other
+    row replays; the wrapper also counts how often the router's own choice differs from the replayed one."""
+    import uuid
+
+    from routelog.megatron import MaskedTopk, MegatronReplay
+
+    url = f"memory://megatron/{uuid.uuid4().hex}"
+    rng = np.random.default_rng(3)
+    with routelog.open_writer(url, 0, model_spec=SPEC) as writer:
+        for i, n in enumerate([15, 11]):
+            valid = np.ones(n, bool)
+            valid[[3, 4, n - 1]] = False  # a hole the engine never prefilled, and the final token
+            writer.append(
+                Record(
+                    sample_id=f"s{i}",
+                    expert_ids=make_routing(rng, n, 6, 8, 2),
+                    prompt_len=2,
+                    response_len=n - 2,
+                    valid=valid,
+                )
+            )
+    p = AlignmentPlan(
+        SPEC, ParallelLayout(), Packing("verl"), RankCoords(), tuple(parse_micro_batches("s0,s1")), missing="router"
+    )
+    (chunk,) = build_chunks(megatron_config())
+    mb = next(iter(ReplayLoader(url, 0, p)))
+    native, _ = run_moe_layers(chunk, mb.ids.shape[1], seed=5)  # no replay action: the routers' own choice
+    replay = MegatronReplay([chunk], p, config=megatron_config())
+    with replay.forward(mb):
+        seen, loss = run_moe_layers(chunk, mb.ids.shape[1], seed=5)
+    loss.backward()
+    assert not mb.mask.all() and mb.mask.any()
+    for j, router in enumerate(mb.routers):
+        want = np.where(mb.mask[:, None], np.sort(mb.ids[j], axis=-1), native[router.layer_number])
+        np.testing.assert_array_equal(seen[router.layer_number], want)
+    diff = replay.router_diff()
+    for j, router in enumerate(mb.routers):
+        rows, differing = diff[router.layer_number]
+        assert rows == int(mb.mask.sum())
+        expected = (native[router.layer_number][mb.mask] != np.sort(mb.ids[j], -1)[mb.mask]).any(axis=1).sum()
+        assert differing == int(expected)
+    replay.end_step()
+    replay.remove()
+    assert not isinstance(next(moe_layers(chunk)).mlp.router.router_replay.get_replay_topk, MaskedTopk), "restored"
