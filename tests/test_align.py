@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -281,7 +282,8 @@ def test_layer_split_matches_megatron_core(case: dict[str, int], megatron_env: N
 
 class _CpGroup:
     """Stands in for a CP process group of ``size`` ranks (one process cannot hold several); megatron-core only
-    asks it for its size and this rank."""
+    asks it for its size and this rank (0.16 through the group, 0.19 through ``torch.distributed``, patched in the
+    test to answer for it)."""
 
     def __init__(self, size: int, rank: int) -> None:
         self._size, self._rank = size, rank
@@ -294,13 +296,27 @@ class _CpGroup:
 
 
 @pytest.mark.parametrize(("cp", "length"), [(2, 8), (2, 24), (4, 32), (3, 12)])
-def test_zigzag_matches_megatron_cp_batch_split(cp: int, length: int, megatron_env: None) -> None:
+def test_zigzag_matches_megatron_cp_batch_split(
+    cp: int, length: int, megatron_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import inspect
+
     import torch
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    for name, answer in (("get_world_size", _CpGroup.size), ("get_rank", _CpGroup.rank)):
+        real = getattr(torch.distributed, name)
+
+        def patched(group: Any = None, *, _real: Any = real, _answer: Any = answer) -> int:
+            return int(_answer(group)) if isinstance(group, _CpGroup) else int(_real(group))
+
+        monkeypatch.setattr(torch.distributed, name, patched)
+
+    # megatron-core 0.19 added a required ``is_hybrid_cp`` argument (False: the plain zigzag split).
+    extra = {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {}
     for rank in range(cp):
         batch = {"tokens": torch.arange(length)[None]}
-        split = get_batch_on_this_cp_rank(batch, cp_group=_CpGroup(cp, rank))["tokens"][0].numpy()
+        split = get_batch_on_this_cp_rank(batch, cp_group=_CpGroup(cp, rank), **extra)["tokens"][0].numpy()
         np.testing.assert_array_equal(zigzag_chunks(length, cp, rank), split)
 
 
