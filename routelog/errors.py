@@ -42,6 +42,16 @@ class IngestError(RoutelogError, ValueError):
     """An engine payload cannot be converted exactly; the message names the request and the field."""
 
 
+class RoutingAbsentError(IngestError):
+    """The engine returned no routing for a sample, for a reason it states (``reason``): the request was aborted,
+    it finished on a stop string (vLLM 0.21), it was preempted, or the server does not return routing at all.
+    ``routelog ingest --skip-absent`` counts such samples instead of stopping."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class AlignmentError(RoutelogError, ValueError):
     """Routing cannot be aligned to the trainer's batch or parallel layout as described."""
 

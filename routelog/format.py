@@ -118,6 +118,8 @@ class Segment(_Document):
     id_space: IdSpace | None = None
     """``logical``: the engine reported logical expert IDs; ``mapped_from_physical``: it reported physical (EPLB)
     IDs, mapped to logical with its table on ingest (format 1.2). Stored IDs are always logical."""
+    weight_version: Name | None = None
+    """The engine's own label of the weights (vLLM ``weight_versions``, SGLang ``weight_version``; format 1.2)."""
 
 
 StreamName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
@@ -154,6 +156,9 @@ class IndexRow(_Document):
     """User metadata as a JSON text."""
     streams: list[StreamSpans] | None = None
     """Rows of extra routing streams (format 1.2; e.g. ``mtp``), each stored in its own array of the part."""
+    payload_start: Int32 | None = Field(default=None, ge=0, le=MAX_RECORD_TOKENS)
+    """Input position of the first routing row the engine returned (vLLM ``routed_experts_prompt_start``, SGLang
+    ``routed_experts_start_len``; format 1.2): an export in the engine's layout starts its rows there."""
 
     @model_validator(mode="after")
     def _consistent(self) -> IndexRow:

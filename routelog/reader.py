@@ -115,6 +115,7 @@ class RecordRouting:
             engine_version=info.engine_version,
             segments=info.segments,
             extra=None if info.extra is None else json.loads(info.extra),
+            payload_start=info.payload_start,
         )
 
     def to_torch(self) -> tuple[torch.Tensor, torch.Tensor]:

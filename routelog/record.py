@@ -76,6 +76,9 @@ class Record:
     sampled tokens' log-probs; see :mod:`routelog.values`."""
     streams: Mapping[str, StreamRows] | None = None
     """Extra routing streams the store's model spec declares (e.g. ``mtp``), stored apart from the decoder's."""
+    payload_start: int | None = None
+    """Input position of the engine's first routing row (vLLM ``routed_experts_prompt_start``, SGLang
+    ``routed_experts_start_len``), kept so an export reproduces the engine's payload."""
 
     @property
     def n_tokens(self) -> int:
@@ -158,6 +161,7 @@ def prepare_record(record: Record, spec: ModelSpec, step: int, topk_order: TopkO
         segments=segments,
         extra=extra,
         streams=stream_spans or None,
+        payload_start=_check_payload_start(record, n),
     )
     raw = stored.nbytes + sum(rows.nbytes for rows in streams.values())
     return PreparedRecord(row=row, rows=stored, values=values, streams=streams, raw_nbytes=raw)
@@ -205,6 +209,18 @@ def _stored_rows(
         spans.append(Span(token_start=start, n_rows=stop - start, row=offset))
         offset += stop - start
     return stored.reshape(axis.num_layers, n_valid, axis.topk), spans
+
+
+def _check_payload_start(record: Record, n: int) -> int | None:
+    start = record.payload_start
+    if start is not None and (not _is_int64(start) or not 0 <= int(start) <= n):
+        raise InvalidRecordError(
+            record.sample_id,
+            "payload_start",
+            f"must be an int in [0, {n}] or None, got {start!r}",
+            "pass the engine's routed_experts_prompt_start / routed_experts_start_len",
+        )
+    return None if start is None else int(start)
 
 
 def _check_streams(record: Record, spec: ModelSpec) -> dict[str, tuple[StreamSpec, StreamRows]]:

@@ -188,12 +188,15 @@ def test_sglang_turns_stitch_on_start_len_and_refuse_a_changed_prefix() -> None:
 
 
 def test_sglang_openai_choices() -> None:
+    """SGLang 0.5.9+ puts the first choice's routing in the response-level ``sglext`` (the fixtures under
+    tests/fixtures/engines cover every version's exact payload)."""
     spec = INTERLEAVED
     ids = truth(spec, 8, seed=6)
     response = {
         "id": "chatcmpl-1",
         "prompt_token_ids": [1, 2, 3],
-        "choices": [{"index": 0, "token_ids": [4, 5, 6, 7, 8], "sgl_ext": {"routed_experts": sglang_meta(spec, ids)}}],
+        "choices": [{"index": 0, "token_ids": [4, 5, 6, 7, 8]}],
+        "sglext": {"routed_experts": sglang_meta(spec, ids)},
     }
     (record,) = sglang.records_from_http(response, spec)
     np.testing.assert_array_equal(np.asarray(record.expert_ids)[:-1], ids[:-1])
@@ -287,7 +290,7 @@ def test_bad_sglang_payloads_name_the_request() -> None:
     ids = truth(DSV3, 6, seed=12)
     good = sglang_meta(DSV3, ids)
     request = {"input_ids": [1, 2, 3]}
-    for text, words in [(good[:-6], "base64|whole number"), (sglang_meta(DSV3, ids[:-1]), "whole number of layers")]:
+    for text, words in [(good[:-6], "base64|whole number"), (sglang_meta(DSV3, ids[:-1]), "4 routing rows, expected 5")]:
         response = {"output_ids": [4, 5, 6], "meta_info": {"id": "rid-bad", "routed_experts": text}}
         with pytest.raises(IngestError, match=words) as info:
             sglang.records_from_http(response, DSV3, request=request)

@@ -25,8 +25,9 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from routelog.engines.versions import physical_id_note
 from routelog.errors import IngestError
-from routelog.format import MAX_RECORD_TOKENS, Segment
+from routelog.format import MAX_RECORD_TOKENS, IdSpace, Segment
 from routelog.record import MAX_TOKEN_ID, Record, token_hash
 from routelog.spec import ModelSpec
 
@@ -193,17 +194,43 @@ def to_full_axis(ids: npt.NDArray[Any], spec: ModelSpec, fill: int = 0) -> npt.N
     return out
 
 
-def logical_ids(ids: npt.NDArray[Any], physical_to_logical: npt.ArrayLike, where: str) -> npt.NDArray[np.int64]:
-    """Map physical expert IDs (after EPLB replication) to logical ones with the engine's table."""
-    table = np.asarray(physical_to_logical, dtype=np.int64)
-    if table.ndim != 1:
-        raise IngestError(f"{where}: the physical-to-logical table must be one-dimensional, got {table.shape}")
-    if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
+def logical_ids(
+    ids: npt.NDArray[Any],
+    physical_to_logical: npt.ArrayLike,
+    where: str,
+    *,
+    captured: npt.NDArray[np.bool_] | None = None,
+) -> npt.NDArray[np.int64]:
+    """Map physical expert IDs (after EPLB replication) to logical ones with the engine's table.
+
+    ``ids`` is ``[rows, num_moe_layers, K]`` on the MoE-only axis. The table is either one ``[num_physical]`` map
+    for every layer, or vLLM's own per-layer form ``[num_moe_layers, num_physical]`` (it differs per layer after
+    rebalancing). Only ``captured`` rows are mapped (a never-captured all-zero row stays missing, not "physical
+    expert 0").
+    """
+    table = np.asarray(physical_to_logical)
+    if table.dtype.kind not in "iu" or table.ndim not in (1, 2) or table.size == 0:
         raise IngestError(
-            f"{where}: physical expert IDs reach {int(ids.max())}, the EPLB table has {table.shape[0]} entries"
+            f"{where}: the physical-to-logical table must be integers of shape [num_physical] or "
+            f"[num_moe_layers, num_physical], got {table.dtype} {table.shape}"
         )
-    mapped: npt.NDArray[np.int64] = table[ids]
-    return mapped
+    table = table.astype(np.int64)
+    if table.ndim == 2 and table.shape[0] != ids.shape[1]:
+        raise IngestError(
+            f"{where}: the per-layer EPLB table has {table.shape[0]} rows, the payload has {ids.shape[1]} MoE layers"
+        )
+    rows = ids if captured is None else ids[captured]
+    if rows.size and (rows.min() < 0 or rows.max() >= table.shape[-1]):
+        raise IngestError(
+            f"{where}: physical expert IDs reach {int(rows.max())}, the EPLB table has {table.shape[-1]} entries"
+        )
+    mapped = table[rows] if table.ndim == 1 else table[np.arange(ids.shape[1])[None, :, None], rows]
+    out = np.zeros(ids.shape, dtype=np.int64)
+    if captured is None:
+        out[...] = mapped
+    else:
+        out[captured] = mapped
+    return out
 
 
 @dataclass(frozen=True)
@@ -216,10 +243,25 @@ class Payload:
     """``[n_rows, n_layers, K]``; row ``r`` is the routing of input position ``start + r``."""
     start: int = 0
     """Input position of the first row (vLLM ``routed_experts_prompt_start``, SGLang ``routed_experts_start_len``)."""
+    missing: npt.NDArray[np.bool_] | None = None
+    """Rows the payload itself marks as never routed (a -1 sentinel, a dummy final row); all-zero rows are found
+    by :func:`captured_rows`."""
 
 
-def check_rows(payload: Payload, spec: ModelSpec) -> npt.NDArray[Any]:
-    """Shape, layer axis, K and value range of a payload's rows; returns them on the MoE-only axis."""
+@dataclass(frozen=True)
+class NormalizedRows:
+    """A payload's rows on the MoE-only axis in logical IDs, and which of them hold routes."""
+
+    rows: npt.NDArray[np.int64]
+    captured: npt.NDArray[np.bool_]
+    id_space: IdSpace
+
+
+def normalize_rows(
+    payload: Payload, spec: ModelSpec, *, physical_to_logical: npt.ArrayLike | None = None
+) -> NormalizedRows:
+    """Shape, layer axis and K of a payload's rows; which rows hold routes (all-zero rows and rows the payload
+    marks missing do not); physical IDs mapped to logical; value range of the routed rows."""
     where = f"request {payload.request_id}"
     rows = np.asarray(payload.rows)
     if rows.ndim != 3:
@@ -232,38 +274,123 @@ def check_rows(payload: Payload, spec: ModelSpec) -> npt.NDArray[Any]:
         raise IngestError(f"{where}: routed experts have dtype {rows.dtype}, expected integers")
     if resolve_layer_axis(rows.shape[1], spec, where) == "full":
         rows = to_moe_axis(rows, spec)
-    if rows.size and (rows.min() < 0 or rows.max() >= spec.num_experts):
+    rows = rows.astype(np.int64)
+    missing = np.zeros(rows.shape[0], bool) if payload.missing is None else np.asarray(payload.missing, bool)
+    if missing.shape != (rows.shape[0],):
+        raise IngestError(f"{where}: the missing-row mask has {missing.shape[0]} entries for {rows.shape[0]} rows")
+    rows[missing] = 0
+    captured = captured_rows(rows, spec, where, ignore=missing) & ~missing
+    id_space: IdSpace = "logical"
+    if physical_to_logical is not None:
+        rows = logical_ids(rows, physical_to_logical, where, captured=captured)
+        id_space = "mapped_from_physical"
+    routed = rows[captured]
+    if routed.size and (routed.min() < 0 or routed.max() >= spec.num_experts):
         bad = np.argwhere((rows < 0) | (rows >= spec.num_experts))[0]
         raise IngestError(
             f"{where}: expert ID {int(rows[tuple(bad)])} at row {int(bad[0])}, MoE layer "
             f"{spec.moe_layers[int(bad[1])]} is outside [0, {spec.num_experts}); physical IDs after EPLB need the "
-            "engine's physical-to-logical table"
+            "engine's physical-to-logical table (--eplb-map)"
         )
-    return rows
+    return NormalizedRows(rows, captured, id_space)
 
 
-def captured_rows(rows: npt.NDArray[Any], spec: ModelSpec, where: str) -> npt.NDArray[np.bool_]:
-    """Which rows hold routes: all-zero rows were never captured; an all-zero MoE layer is a capture bug."""
+def check_rows(payload: Payload, spec: ModelSpec) -> npt.NDArray[Any]:
+    """Shape, layer axis, K and value range of a payload's rows; returns them on the MoE-only axis."""
+    return normalize_rows(payload, spec).rows
+
+
+def captured_rows(
+    rows: npt.NDArray[Any], spec: ModelSpec, where: str, *, ignore: npt.NDArray[np.bool_] | None = None
+) -> npt.NDArray[np.bool_]:
+    """Which rows hold routes: all-zero rows were never captured; an all-zero MoE layer is a capture bug.
+    Rows in ``ignore`` (already known missing) count for neither."""
     if rows.shape[0] == 0:
         return np.zeros(0, dtype=bool)
     if spec.topk == 1:
         return np.ones(rows.shape[0], dtype=bool)  # a single zero is expert 0, a real route
     zero: npt.NDArray[np.bool_] = ~np.any(rows, axis=2)  # [rows, layers]
-    dead_layers = np.flatnonzero(np.all(zero, axis=0))
-    if dead_layers.size and rows.shape[0] > 1:
+    considered = zero if ignore is None else zero[~ignore]
+    dead_layers = np.flatnonzero(np.all(considered, axis=0)) if considered.shape[0] else np.zeros(0, np.int64)
+    if dead_layers.size and considered.shape[0] > 1:
         layers = [spec.moe_layers[int(j)] for j in dead_layers]
         raise IngestError(
             f"{where}: MoE layers {layers} are all zeros for every token: the engine did not capture them (SGLang "
-            "with pipeline parallelism returns only the last stage's layers; vLLM 0.15 never bound its capturer). "
-            "Refusing to replay expert 0 everywhere"
+            "with pipeline parallelism returns only the last stage's layers; vLLM 0.15.0 and 0.15.1 never bound "
+            "their capturer). Refusing to replay expert 0 everywhere"
         )
     partial = np.any(zero, axis=1) & ~np.all(zero, axis=1)
+    if ignore is not None:
+        partial &= ~ignore
     if partial.any():
         row = int(np.argmax(partial))
         layers = [spec.moe_layers[int(j)] for j in np.flatnonzero(zero[row])]
         raise IngestError(f"{where}: row {row} has no route (all zeros) in MoE layers {layers} but routes in others")
     captured: npt.NDArray[np.bool_] = ~np.all(zero, axis=1)
     return captured
+
+
+def provenance(
+    prompt_len: int,
+    n_tokens: int,
+    *,
+    engine: str | None,
+    engine_version: str | None,
+    id_space: IdSpace,
+    policy_version: int | None = None,
+    weight_versions: Sequence[tuple[str, int, int]] = (),
+) -> list[Segment]:
+    """Segments of a single-request record: the prompt, then the response split where the engine reports a weight
+    change (``weight_versions``: ``(label, start, end)`` over output-token indexes, vLLM ``weight_versions`` /
+    SGLang ``meta_info.weight_versions``)."""
+
+    def segment(start: int, end: int, source: str, label: str | None = None) -> Segment:
+        version = int(label) if label is not None and label.isdigit() else policy_version
+        return Segment(
+            start=start,
+            end=end,
+            source=source,
+            policy_version=version,
+            engine=engine,
+            engine_version=engine_version,
+            id_space=id_space,
+            weight_version=label,
+        )
+
+    segments = [segment(0, prompt_len, "prompt")] if prompt_len else []
+    position = prompt_len
+    for label, start, end in sorted(weight_versions, key=lambda span: span[1]):
+        lo, hi = prompt_len + max(start, 0), min(prompt_len + end, n_tokens)
+        if lo > position:
+            segments.append(segment(position, lo, "response"))
+        if hi > lo:
+            segments.append(segment(lo, hi, "response", label))
+            position = hi
+    if position < n_tokens:
+        segments.append(segment(position, n_tokens, "response"))
+    return segments
+
+
+def weight_version_spans(value: Any, where: str) -> list[tuple[str, int, int]]:
+    """vLLM's ``[{version, start, end}]`` or SGLang's ``[[version, start, end]]`` weight-version spans."""
+    if value is None:
+        return []
+    spans = []
+    for i, item in enumerate(list_field(value, where, "weight_versions")):
+        if isinstance(item, Mapping):
+            label, start, end = item.get("version"), item.get("start"), item.get("end")
+        elif isinstance(item, list) and len(item) == 3:
+            label, start, end = item
+        else:
+            raise IngestError(f"{where}: weight_versions[{i}] is not a (version, start, end) span")
+        spans.append(
+            (
+                str(label),
+                int_field(start, where, f"weight_versions[{i}].start"),
+                int_field(end, where, f"weight_versions[{i}].end"),
+            )
+        )
+    return spans
 
 
 def payload_to_record(
@@ -279,21 +406,24 @@ def payload_to_record(
     engine: str | None = None,
     engine_version: str | None = None,
     physical_to_logical: npt.ArrayLike | None = None,
-    segments: Sequence[Segment] = (),
+    segments: Sequence[Segment] | None = None,
+    weight_versions: Sequence[tuple[str, int, int]] = (),
     extra: Mapping[str, Any] | None = None,
 ) -> Record:
-    """A record from one sequence's payload: rows placed at their input positions, the rest missing."""
+    """A record from one sequence's payload: rows placed at their input positions, the rest missing.
+
+    Without ``segments`` the record gets its provenance from :func:`provenance` (prompt, response, weight-version
+    spans, engine and version, logical or mapped IDs).
+    """
     where = f"request {payload.request_id}"
-    raw = np.asarray(payload.rows)
-    if physical_to_logical is not None and raw.ndim == 3:
-        raw = logical_ids(raw, physical_to_logical, where)
-    rows = check_rows(Payload(payload.request_id, raw, payload.start), spec)
     n_tokens = prompt_len + response_len
     if prompt_len < 0 or response_len < 0 or n_tokens > MAX_RECORD_TOKENS:
         raise IngestError(
             f"{where}: prompt {prompt_len} + response {response_len} tokens is not a record length (at most "
             f"{MAX_RECORD_TOKENS})"
         )
+    normalized = normalize_rows(payload, spec, physical_to_logical=physical_to_logical)
+    rows = normalized.rows
     start = payload.start
     expected = n_tokens - 1 - start
     if not 0 <= start <= n_tokens or rows.shape[0] not in (expected, expected + 1):
@@ -307,7 +437,17 @@ def payload_to_record(
     ids = np.zeros((n_tokens, spec.num_moe_layers, spec.topk), dtype=np.int64)
     ids[start : start + rows.shape[0]] = rows
     valid = np.zeros(n_tokens, dtype=bool)
-    valid[start : start + rows.shape[0]] = captured_rows(rows, spec, where)
+    valid[start : start + rows.shape[0]] = normalized.captured
+    if segments is None:
+        segments = provenance(
+            prompt_len,
+            n_tokens,
+            engine=engine,
+            engine_version=engine_version,
+            id_space=normalized.id_space,
+            policy_version=policy_version,
+            weight_versions=weight_versions,
+        )
     return Record(
         sample_id=sample_id,
         expert_ids=ids,
@@ -321,7 +461,61 @@ def payload_to_record(
         engine_version=engine_version,
         segments=segments,
         extra=extra,
+        payload_start=start,
     )
+
+
+# -- options every HTTP adapter takes ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class IngestOptions:
+    """What the caller knows about the payloads beyond what they carry."""
+
+    group_id: str | None = None
+    policy_version: int | None = None
+    engine_version: str | None = None
+    """The engine's version: decides how version-dependent payloads are read (see :mod:`routelog.engines.versions`)."""
+    physical_to_logical: npt.ArrayLike | None = None
+    """The engine's EPLB table (``[num_physical]`` or vLLM's ``[num_moe_layers, num_physical]``)."""
+    eplb: bool = False
+    """The engine ran with expert-parallel load balancing (replicated experts)."""
+
+
+def eplb_table(engine: str, options: IngestOptions, physical: bool | None, where: str) -> npt.ArrayLike | None:
+    """The table to map this payload's IDs with, or None; refuses what would silently mis-map.
+
+    ``physical`` says whether this engine version reports physical IDs under EPLB (None: unknown version).
+    """
+    table = options.physical_to_logical
+    version = options.engine_version or "of unknown version"
+    if table is not None and physical is False:
+        raise IngestError(
+            f"{where}: {engine} {version} reports logical expert IDs; mapping them with an EPLB table would corrupt "
+            f"them. Drop the table ({physical_id_note(engine, options.engine_version)})"
+        )
+    if options.eplb and table is None and physical is not False:
+        raise IngestError(
+            f"{where}: {engine} {version} ran with EPLB and may report physical expert IDs: pass its "
+            f"physical-to-logical table ({physical_id_note(engine, options.engine_version)})"
+        )
+    return table if options.eplb or table is not None else None
+
+
+def shaped_bytes(raw: bytes, dtype_name: Any, shape: Any, where: str, what: str) -> npt.NDArray[Any]:
+    """``raw`` little-endian values of a declared integer dtype and 3-D shape, checked against the byte count."""
+    if not isinstance(dtype_name, str) or dtype_name not in _ENVELOPE_DTYPES:
+        raise IngestError(f"{where}: {what} dtype {dtype_name!r} is not one of {sorted(_ENVELOPE_DTYPES)}")
+    given = list_field(shape, where, f"{what} shape")
+    dims = [int_field(d, where, f"{what} shape", hi=MAX_RECORD_TOKENS) for d in given]
+    dtype = np.dtype(dtype_name).newbyteorder("<")
+    if len(dims) != 3 or math.prod(dims) * dtype.itemsize != len(raw):
+        raise IngestError(
+            f"{where}: {what} declares shape {dims} of {dtype_name} ({math.prod(dims) * dtype.itemsize} bytes), "
+            f"it holds {len(raw)} bytes"
+        )
+    return np.frombuffer(raw, dtype=dtype).reshape(dims)
+
+
+_ENVELOPE_DTYPES = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"}
 
 
 class TurnStitcher:
@@ -341,6 +535,8 @@ class TurnStitcher:
         self._valid = np.zeros(0, dtype=bool)
         self._segments: list[Segment] = []
         self._prompt_len = 0
+        self._payload_start: int | None = None
+        self._turns = 0
 
     def add_turn(
         self,
@@ -351,9 +547,11 @@ class TurnStitcher:
         policy_version: int | None = None,
         source: str | None = None,
         physical_to_logical: npt.ArrayLike | None = None,
+        engine: str | None = None,
+        engine_version: str | None = None,
     ) -> None:
         """Add a turn: ``token_ids`` is the full sequence so far, ``prompt_len`` how many of them the turn was fed."""
-        tokens = np.asarray(token_ids, dtype=np.int64)
+        tokens = token_ids_field(token_ids, f"request {payload.request_id}", "token ids")
         where = f"request {payload.request_id}"
         start = payload.start
         if start > self._tokens.shape[0]:
@@ -375,22 +573,31 @@ class TurnStitcher:
             prompt_len=prompt_len,
             response_len=tokens.shape[0] - prompt_len,
             physical_to_logical=physical_to_logical,
+            engine=engine,
+            engine_version=engine_version,
         )
         ids = np.asarray(turn.expert_ids)
         valid = np.asarray(turn.valid)
         ids[:start] = self._ids[:start]
         valid[:start] = self._valid[:start]
         self._segments = [s.model_copy(update={"end": min(s.end, start)}) for s in self._segments if s.start < start]
+        id_space = turn.segments[-1].id_space if turn.segments else None
         self._segments.append(
             Segment(
                 start=start,
                 end=tokens.shape[0],
                 policy_version=policy_version,
-                source=source or f"turn-{len(self._segments)}",
+                source=source or f"turn-{self._turns}",
+                engine=engine,
+                engine_version=engine_version,
+                id_space=id_space,
             )
         )
         if not self._prompt_len:
             self._prompt_len = prompt_len
+        if self._payload_start is None:
+            self._payload_start = start
+        self._turns += 1
         self._tokens, self._ids, self._valid = tokens, ids, valid
 
     def record(self, **metadata: Any) -> Record:
@@ -405,5 +612,6 @@ class TurnStitcher:
             token_ids=self._tokens,
             token_hash=token_hash(self._tokens),
             segments=list(self._segments),
+            payload_start=self._payload_start,
             **metadata,
         )

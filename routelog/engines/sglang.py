@@ -1,26 +1,36 @@
-"""SGLang: ``meta_info["routed_experts"]`` of ``/generate`` and ``choices[i].sgl_ext.routed_experts`` of the
-OpenAI-compatible endpoints.
+"""SGLang: ``meta_info["routed_experts"]`` of ``/generate``, and the OpenAI-compatible endpoints.
 
-The payload is base64 of raw little-endian int32 with **no shape header**, logically
-``[seqlen - 1 - routed_experts_start_len, num_hidden_layers, K]`` on the full layer axis (dense layers zero). The
-row count follows from the token counts, so the layer count is derived from the payload size and checked against
-the model spec. Multi-turn sessions request only new rows with ``routed_experts_start_len`` and are stitched
-with :class:`routelog.engines.common.TurnStitcher`. With pipeline parallelism SGLang returns only one stage's
-layers (the others all zero); such payloads are refused.
+Facts by version, as read from each version's own code (``tests/fixtures/engines/FACTS.md``):
+
+* 0.5.7+ ``/generate``: ``meta_info.routed_experts``, base64 of raw little-endian int32 with **no shape header**,
+  logically ``[rows, num_hidden_layers, K]`` on the full layer axis (dense layers zero), rows ``[0, n - 1)``
+  (radix-cache hits filled). ``routed_experts_start_len`` is declared from 0.5.8 but honoured only from 0.5.12
+  (rows ``[start_len, n - 1)``); for an unknown version the row count of the payload decides which happened.
+* 0.5.9+ OpenAI ``/v1/completions`` and ``/v1/chat/completions``: response-level ``sglext.routed_experts``, for the
+  **first** choice only; the other choices get no routing.
+* 0.5.15+ chat with ``return_meta_info``: ``choices[i].meta_info.routed_experts`` per choice, ``prompt_token_ids``
+  on the choice (``response_token_ids`` from 0.5.18).
+* An abort while running returns the rows computed so far; an abort in the waiting queue has no routing at all.
+* With pipeline parallelism SGLang returns only one stage's layers (the others all zero): refused.
+
+Multi-turn sessions request only new rows with ``routed_experts_start_len`` and are stitched with
+:class:`routelog.engines.common.TurnStitcher`.
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from routelog.engines.common import (
+    IngestOptions,
     Payload,
     decode_base64,
+    eplb_table,
     int_field,
     list_field,
     malformed,
@@ -28,8 +38,10 @@ from routelog.engines.common import (
     payload_to_record,
     to_full_axis,
     token_ids_field,
+    weight_version_spans,
 )
-from routelog.errors import IngestError
+from routelog.engines.versions import sglang_honours_start_len
+from routelog.errors import IngestError, RoutingAbsentError
 from routelog.format import MAX_RECORD_TOKENS
 from routelog.record import Record
 from routelog.spec import ModelSpec
@@ -50,20 +62,62 @@ def encode_int32_base64(array: npt.NDArray[Any]) -> str:
     return base64.b64encode(np.ascontiguousarray(array, dtype="<i4").tobytes()).decode()
 
 
-def _rows_for(routed: str, n_tokens: int, start: int, spec: ModelSpec, where: str) -> npt.NDArray[np.int32]:
-    """Shape the flat values with the engine's row count (``n_tokens - 1 - start``; one surplus row, the final
-    token forwarded after all, is accepted); the layer count follows and must be one of the spec's axes."""
+def _rows_for(
+    routed: str, n_tokens: int, start: int, spec: ModelSpec, engine_version: str | None, where: str
+) -> tuple[npt.NDArray[np.int32], int]:
+    """Shape the flat values by the row count, and the input position of the first row.
+
+    The layer axis is SGLang's full axis, so the row count follows from the size. It must be ``n - 1 - start``
+    (0.5.12+ honour ``routed_experts_start_len``) or ``n - 1`` (0.5.8-0.5.11 ignore it); the version decides when
+    known, else the count itself. One surplus row (the final token forwarded after all) is accepted.
+    """
     flat = decode_int32_base64(routed, where)
-    for n_rows in (n_tokens - 1 - start, n_tokens - start):
-        if n_rows > 0 and flat.size % (n_rows * spec.topk) == 0:
-            layers = flat.size // (n_rows * spec.topk)
-            if layers in (spec.num_layers, spec.num_moe_layers):
-                return flat.reshape(n_rows, layers, spec.topk)
+    width = spec.num_layers * spec.topk
+    if flat.size % width:
+        raise IngestError(
+            f"{where}: routed_experts holds {flat.size} values, not a whole number of rows of {spec.num_layers} "
+            f"layers x top-{spec.topk} (SGLang's full layer axis); check the model spec"
+        )
+    n_rows = flat.size // width
+    honours = sglang_honours_start_len(engine_version)
+    starts = [start] if honours else [0] if honours is False else sorted({start, 0}, reverse=True)
+    for first in starts:
+        if n_rows in (n_tokens - 1 - first, n_tokens - first):
+            return flat.reshape(n_rows, spec.num_layers, spec.topk), first
+    ignored = " (SGLang before 0.5.12 ignores routed_experts_start_len)" if start and honours is None else ""
     raise IngestError(
-        f"{where}: routed_experts holds {flat.size} values, not a whole number of layers of top-{spec.topk} for "
-        f"{n_tokens - 1 - start} rows (expected {spec.num_layers} or {spec.num_moe_layers} layers per row); check "
-        "the request's routed_experts_start_len and the model spec"
+        f"{where}: {n_rows} routing rows, expected {n_tokens - 1 - starts[0]} for {n_tokens} tokens from position "
+        f"{starts[0]}{ignored}; check the request's routed_experts_start_len and the model spec"
     )
+
+
+def _absent(finish: Any, where: str, *, first_choice_only: bool = False) -> RoutingAbsentError:
+    if first_choice_only:
+        return RoutingAbsentError(
+            f"{where}: SGLang's OpenAI endpoints return routing for the first choice only (sglext.routed_experts); "
+            "request n=1 per prompt, use chat with return_meta_info (0.5.15+), or /generate",
+            "first_choice_only",
+        )
+    finish = finish if isinstance(finish, Mapping) else {}
+    if finish.get("type") == "abort":
+        return RoutingAbsentError(
+            f"{where}: the request was aborted ({finish.get('message')!r}) before SGLang computed routing for it; "
+            "drop the sample",
+            "aborted",
+        )
+    return RoutingAbsentError(
+        f"{where}: meta_info has no routed_experts; send return_routed_experts: true to a server started with "
+        "--enable-return-routed-experts",
+        "disabled",
+    )
+
+
+def _weight_versions(meta: Mapping[str, Any], output_len: int, where: str) -> list[tuple[str, int, int]]:
+    """SGLang's ``meta_info.weight_versions`` spans, or its single ``weight_version`` label for the whole output."""
+    spans = weight_version_spans(meta.get("weight_versions"), where)
+    if not spans and isinstance(meta.get("weight_version"), str) and output_len:
+        spans = [(meta["weight_version"], 0, output_len)]
+    return spans
 
 
 def record_from_generate(
@@ -76,6 +130,7 @@ def record_from_generate(
     policy_version: int | None = None,
     engine_version: str | None = None,
     physical_to_logical: npt.ArrayLike | None = None,
+    eplb: bool = False,
 ) -> Record:
     """A record from one ``/generate`` response (``output_ids``, ``meta_info``) and its request (``input_ids``).
 
@@ -86,19 +141,9 @@ def record_from_generate(
     response = mapping_field(response, "response", "the response")
     meta = mapping_field(response.get("meta_info"), "response", "meta_info", optional=True)
     request_id = str(meta.get("id") or request.get("rid") or "unknown")
+    options = IngestOptions(group_id, policy_version, engine_version, physical_to_logical, eplb)
     with malformed(f"request {request_id}"):
-        return _record_from_generate(
-            response,
-            meta,
-            request,
-            request_id,
-            spec,
-            sample_id,
-            group_id,
-            policy_version,
-            engine_version,
-            physical_to_logical,
-        )
+        return _record_from_generate(response, meta, request, request_id, spec, sample_id, options)
 
 
 def _record_from_generate(
@@ -108,18 +153,12 @@ def _record_from_generate(
     request_id: str,
     spec: ModelSpec,
     sample_id: str | None,
-    group_id: str | None,
-    policy_version: int | None,
-    engine_version: str | None,
-    physical_to_logical: npt.ArrayLike | None,
+    options: IngestOptions,
 ) -> Record:
     where = f"request {request_id}"
     routed = meta.get("routed_experts")
-    if not isinstance(routed, str):
-        raise IngestError(
-            f"{where}: meta_info has no routed_experts string; send return_routed_experts: true to "
-            "a server started with --enable-return-routed-experts"
-        )
+    if not isinstance(routed, str):  # absent (queued abort, flag off) or [] (0.5.7-0.5.10, no routing)
+        raise _absent(meta.get("finish_reason"), where)
     output_ids = token_ids_field(response.get("output_ids") or [], where, "output_ids")
     raw_inputs = request.get("input_ids")
     input_ids = None if raw_inputs is None else token_ids_field(raw_inputs, where, "input_ids")
@@ -129,9 +168,9 @@ def _record_from_generate(
         prompt_len = int_field(meta["prompt_tokens"], where, "meta_info.prompt_tokens", hi=MAX_RECORD_TOKENS)
     else:
         raise IngestError(f"{where}: neither the request's input_ids nor meta_info.prompt_tokens give the prompt")
-    start = int_field(request.get("routed_experts_start_len"), where, "routed_experts_start_len", default=0)
+    requested = int_field(request.get("routed_experts_start_len"), where, "routed_experts_start_len", default=0)
     n_tokens = prompt_len + output_ids.shape[0]
-    rows = _rows_for(routed, n_tokens, start, spec, where)
+    rows, start = _rows_for(routed, n_tokens, requested, spec, options.engine_version, where)
     return payload_to_record(
         Payload(request_id, rows, start),
         spec,
@@ -139,11 +178,12 @@ def _record_from_generate(
         prompt_len=prompt_len,
         response_len=output_ids.shape[0],
         token_ids=None if input_ids is None else np.concatenate([input_ids, output_ids]),
-        group_id=group_id,
-        policy_version=policy_version,
+        group_id=options.group_id,
+        policy_version=options.policy_version,
         engine=ENGINE,
-        engine_version=engine_version,
-        physical_to_logical=physical_to_logical,
+        engine_version=options.engine_version,
+        physical_to_logical=eplb_table(ENGINE, options, False, where),
+        weight_versions=_weight_versions(meta, output_ids.shape[0], where),
     )
 
 
@@ -157,31 +197,48 @@ def records_from_http(
     policy_version: int | None = None,
     engine_version: str | None = None,
     physical_to_logical: npt.ArrayLike | None = None,
+    eplb: bool = False,
+    on_absent: Callable[[RoutingAbsentError], None] | None = None,
 ) -> list[Record]:
     """Records from a ``/generate`` response (one object, or a list for a batched request) or an OpenAI-style
-    response whose choices carry ``sgl_ext.routed_experts``."""
-    common: dict[str, Any] = {
-        "group_id": group_id,
-        "policy_version": policy_version,
-        "engine_version": engine_version,
-        "physical_to_logical": physical_to_logical,
-    }
+    response (``sglext.routed_experts`` for the first choice, or ``choices[i].meta_info`` with
+    ``return_meta_info``). A sample without routing raises :class:`~routelog.errors.RoutingAbsentError` saying why,
+    or, with ``on_absent``, is handed to it and skipped."""
+    options = IngestOptions(group_id, policy_version, engine_version, physical_to_logical, eplb)
     request = mapping_field(request, "request", "the request", optional=True)
     if isinstance(response, Mapping) and "choices" in response:
         with malformed(f"request {response.get('id') or 'unknown'}"):
-            return _records_from_openai(response, spec, request, sample_ids, common)
+            return _records_from_openai(response, spec, request, sample_ids, options, on_absent)
     if not isinstance(response, (Mapping, list)):
         raise IngestError(f"response: expected a JSON object or a list of them, got {type(response).__name__}")
     responses = [response] if isinstance(response, Mapping) else list(response)
     inputs = request.get("input_ids")
     batched = isinstance(inputs, list) and bool(inputs) and isinstance(inputs[0], list)
     records = []
-    for i, item in enumerate(responses):
-        sub_request = dict(request)
-        if batched and inputs is not None:
-            sub_request["input_ids"] = inputs[i]
-        sid = sample_ids[i] if sample_ids else None
-        records.append(record_from_generate(item, spec, request=sub_request, sample_id=sid, **common))
+    with malformed("request"):
+        for i, item in enumerate(responses):
+            sub_request = dict(request)
+            if batched and inputs is not None:
+                sub_request["input_ids"] = inputs[i]
+            sid = sample_ids[i] if sample_ids else None
+            try:
+                record = record_from_generate(
+                    item,
+                    spec,
+                    request=sub_request,
+                    sample_id=sid,
+                    group_id=options.group_id,
+                    policy_version=options.policy_version,
+                    engine_version=options.engine_version,
+                    physical_to_logical=options.physical_to_logical,
+                    eplb=options.eplb,
+                )
+            except RoutingAbsentError as error:
+                if on_absent is None:
+                    raise
+                on_absent(error)
+                continue
+            records.append(record)
     return records
 
 
@@ -190,53 +247,78 @@ def _records_from_openai(
     spec: ModelSpec,
     request: Mapping[str, Any],
     sample_ids: Sequence[str] | None,
-    common: dict[str, Any],
+    options: IngestOptions,
+    on_absent: Callable[[RoutingAbsentError], None] | None,
 ) -> list[Record]:
     response_id = str(response.get("id") or "unknown")
-    choices = list_field(response["choices"], f"request {response_id}", "choices")
-    raw_prompt = response.get("prompt_token_ids") or request.get("prompt") or request.get("input_ids")
-    if not isinstance(raw_prompt, list):
-        raise IngestError(f"request {response_id}: no prompt token ids in the response or the request")
-    prompt = token_ids_field(raw_prompt, f"request {response_id}", "prompt token ids")
-    extra_body = mapping_field(request.get("extra_body"), f"request {response_id}", "extra_body", optional=True)
-    start = int_field(
-        request.get("routed_experts_start_len") or extra_body.get("routed_experts_start_len"),
-        f"request {response_id}",
+    where = f"request {response_id}"
+    choices = [
+        mapping_field(c, where, f"choices[{i}]")
+        for i, c in enumerate(list_field(response["choices"], where, "choices"))
+    ]
+    extra_body = mapping_field(request.get("extra_body"), where, "extra_body", optional=True)
+    requested = int_field(
+        request.get("routed_experts_start_len", extra_body.get("routed_experts_start_len")),
+        where,
         "routed_experts_start_len",
         default=0,
     )
+    shared = mapping_field(response.get("sglext"), where, "sglext", optional=True).get("routed_experts")
+    raw_request_prompt = request.get("prompt", request.get("input_ids"))
     records = []
-    for position, raw_choice in enumerate(choices):
-        choice = mapping_field(raw_choice, f"request {response_id}", f"choices[{position}]")
-        index = int_field(choice.get("index"), f"request {response_id}", f"choices[{position}].index", default=position)
-        where = f"request {response_id} choice {index}"
-        routed = mapping_field(choice.get("sgl_ext"), where, "sgl_ext", optional=True).get("routed_experts")
-        raw_output = choice.get("token_ids") or choice.get("output_ids")
-        if not isinstance(routed, str) or raw_output is None:
-            raise IngestError(f"{where}: needs sgl_ext.routed_experts and the choice's token ids")
-        output = token_ids_field(raw_output, where, "token_ids")
-        n_tokens = len(prompt) + len(output)
-        rows = _rows_for(routed, n_tokens, start, spec, where)
+    for position, choice in enumerate(choices):
+        index = int_field(choice.get("index"), where, f"choices[{position}].index", default=position)
+        here = f"{where} choice {index}"
+        meta = mapping_field(choice.get("meta_info"), here, "meta_info", optional=True)
+        routed = meta.get("routed_experts", shared if position == 0 else None)
+        if not isinstance(routed, str):
+            error = _absent(meta.get("finish_reason"), here, first_choice_only=shared is not None and not meta)
+            if on_absent is None:
+                raise error
+            on_absent(error)
+            continue
+        raw_prompt = choice.get("prompt_token_ids", response.get("prompt_token_ids"))
+        if raw_prompt is None and isinstance(raw_request_prompt, list):
+            raw_prompt = raw_request_prompt
+        if raw_prompt is None:
+            raise IngestError(f"{here}: no prompt token ids in the response or the request (send return_token_ids)")
+        prompt = token_ids_field(raw_prompt, here, "prompt_token_ids")
+        raw_output = choice.get("response_token_ids", choice.get("token_ids", choice.get("output_ids")))
+        output = None if raw_output is None else token_ids_field(raw_output, here, "response_token_ids")
+        if output is None:  # 0.5.9-0.5.17: no output ids; the row count gives the length (rows [start, n - 1))
+            width = spec.num_layers * spec.topk
+            n_rows = len(decode_int32_base64(routed, here)) // width
+            first = requested if sglang_honours_start_len(options.engine_version) else 0
+            n_tokens = n_rows + 1 + first
+        else:
+            n_tokens = prompt.shape[0] + output.shape[0]
+        rows, start = _rows_for(routed, n_tokens, requested, spec, options.engine_version, here)
         sid = sample_ids[position] if sample_ids else (f"{response_id}/{index}" if len(choices) > 1 else response_id)
         records.append(
             payload_to_record(
-                Payload(where.removeprefix("request "), rows, start),
+                Payload(here.removeprefix("request "), rows, start),
                 spec,
                 sample_id=sid,
-                prompt_len=len(prompt),
-                response_len=len(output),
-                token_ids=np.concatenate([prompt, output]),
+                prompt_len=prompt.shape[0],
+                response_len=n_tokens - prompt.shape[0],
+                token_ids=None if output is None else np.concatenate([prompt, output]),
+                group_id=options.group_id or response_id,
+                policy_version=options.policy_version,
                 engine=ENGINE,
-                **{**common, "group_id": common["group_id"] or response_id},
+                engine_version=options.engine_version,
+                physical_to_logical=eplb_table(ENGINE, options, False, here),
+                weight_versions=_weight_versions(meta, n_tokens - prompt.shape[0], here),
             )
         )
     return records
 
 
-def to_meta_info(record: Record, spec: ModelSpec, *, start_len: int = 0) -> str:
+def to_meta_info(record: Record, spec: ModelSpec, *, start_len: int | None = None) -> str:
     """``meta_info["routed_experts"]`` as SGLang sends it: flat base64 int32 on the full axis, rows
-    ``[start_len, n_tokens - 1)``, zeros in dense layers and never-computed rows."""
+    ``[start_len, n_tokens - 1)`` (default: the record's ``payload_start``), zeros in dense layers and
+    never-computed rows."""
+    start = (record.payload_start or 0) if start_len is None else start_len
     ids = np.asarray(record.expert_ids).astype(np.int32)
     if record.valid is not None:
         ids[~np.asarray(record.valid)] = 0
-    return encode_int32_base64(to_full_axis(ids[start_len : record.n_tokens - 1], spec, fill=0))
+    return encode_int32_base64(to_full_axis(ids[start : record.n_tokens - 1], spec, fill=0))
