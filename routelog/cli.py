@@ -319,9 +319,11 @@ def spec(
 def ingest(
     inputs: Annotated[
         list[Path],
-        typer.Argument(help="JSONL of HTTP responses (vllm, sglang); .npz/.safetensors tensors (verl, slime)."),
+        typer.Argument(
+            help="JSONL of HTTP responses (vllm, sglang, nemo-rl, ms-swift); .npz/.safetensors (verl, slime)."
+        ),
     ],
-    engine: Annotated[str, typer.Option(help="vllm | sglang | verl | slime")],
+    engine: Annotated[str, typer.Option(help="vllm | sglang | nemo-rl | ms-swift | verl | slime")],
     to: Annotated[str, typer.Option("--to", help="Store URL.")],
     step: Annotated[int, typer.Option(help="RL step the records belong to.")],
     model_spec: Annotated[
@@ -335,24 +337,50 @@ def ingest(
         ),
     ] = None,
     policy_version: Annotated[int | None, typer.Option(help="Policy (weights) version that generated them.")] = None,
-    engine_version: Annotated[str | None, typer.Option(help="Engine version, recorded with each record.")] = None,
+    engine_version: Annotated[
+        str | None,
+        typer.Option(help="Engine version, e.g. 0.21.0: decides version-dependent layouts (see the README's table)."),
+    ] = None,
+    eplb: Annotated[
+        bool,
+        typer.Option("--eplb", help="The engine ran with EPLB (vLLM 0.14-0.15 and 0.21 then report physical IDs)."),
+    ] = False,
     eplb_map: Annotated[
         Path | None,
         typer.Option(
-            help="Physical-to-logical expert table (.npy or JSON list) when the engine reported physical IDs."
+            help="Physical-to-logical expert table (.npy or JSON): [num_physical], or vLLM's per-layer "
+            "[num_moe_layers, num_physical]."
+        ),
+    ] = None,
+    skip_absent: Annotated[
+        bool,
+        typer.Option(help="Skip samples the engine returned no routing for (aborted, ...) and count them."),
+    ] = False,
+    stream_request: Annotated[
+        Path | None,
+        typer.Option(
+            "--stream-request",
+            help="Each input is one streamed vLLM generate response (its chunks, one per line) for this request JSON.",
         ),
     ] = None,
     writer_id: Annotated[str | None, typer.Option(help="Writer id (default: random).")] = None,
-    topk_order: Annotated[str, typer.Option(help="'sorted' (canonical) or 'score' (keep engine order).")] = "sorted",
+    topk_order: Annotated[
+        str,
+        typer.Option(
+            help="'sorted' (canonical sets: the smallest) or 'score' (keep the engine's order: needed to export the "
+            "payload back byte for byte; about 1.3x the bytes)."
+        ),
+    ] = "sorted",
     storage_options: StorageOptions = None,
 ) -> None:
     """Ingest routing as an engine or trainer logged it into a store."""
+    from routelog.errors import RoutingAbsentError
     from routelog.ingest import read_records
     from routelog.part import PartOptions
     from routelog.store import create_store
 
-    if engine not in ("vllm", "sglang", "verl", "slime"):
-        raise typer.BadParameter("--engine must be vllm, sglang, verl or slime")
+    if engine not in ("vllm", "sglang", "nemo-rl", "ms-swift", "verl", "slime"):
+        raise typer.BadParameter("--engine must be vllm, sglang, nemo-rl, ms-swift, verl or slime")
     options_ = _options(storage_options)
     if model_spec is not None:
         spec_ = _load_spec(model_spec)
@@ -363,6 +391,12 @@ def ingest(
     table = None
     if eplb_map is not None:
         table = np.load(eplb_map, allow_pickle=False) if eplb_map.suffix == ".npy" else json.loads(eplb_map.read_text())
+    request = json.loads(stream_request.read_text()) if stream_request is not None else None
+    absent: dict[str, int] = {}
+
+    def count_absent(error: RoutingAbsentError) -> None:
+        absent[error.reason] = absent.get(error.reason, 0) + 1
+
     store = create_store(to, spec_, storage_options=options_)
     count = 0
     options = PartOptions(topk_order="score" if topk_order == "score" else "sorted")
@@ -376,36 +410,53 @@ def ingest(
             policy_version=policy_version,
             physical_to_logical=table,
             engine_version=engine_version,
+            eplb=eplb,
+            stream_request=request,
+            on_absent=count_absent if skip_absent else None,
         ):
             writer.append(record)
             count += 1
             progress.advance(task)
-    err_console.print(f"ingested {count} records into step {step} of {store.url}")
+    skipped = f"; skipped {sum(absent.values())} without routing ({absent})" if absent else ""
+    err_console.print(f"ingested {count} records into step {step} of {store.url}{skipped}")
 
 
 @app.command()
 def convert(
     url: Annotated[str, typer.Argument(help="Store URL.")],
-    to: Annotated[str, typer.Option("--to", help="verl | slime | full | moe | vllm")],
+    to: Annotated[
+        str, typer.Option("--to", help="vllm | vllm-0.21 | sglang | nemo-rl | ms-swift | verl | slime | full | moe")
+    ],
     step: Annotated[int, typer.Option(help="Step to export.")],
-    out: Annotated[Path, typer.Argument(help="Output .npz file.")],
+    out: Annotated[
+        Path,
+        typer.Argument(
+            help="Output: .jsonl for an engine's HTTP form (vllm, vllm-0.21, sglang, nemo-rl, ms-swift), else .npz."
+        ),
+    ],
     prompt_length: Annotated[int | None, typer.Option(help="verl: padded prompt width (max_prompt_length).")] = None,
     response_length: Annotated[
         int | None, typer.Option(help="verl: padded response width (max_response_length).")
     ] = None,
     storage_options: StorageOptions = None,
 ) -> None:
-    """Export a step in an engine or trainer layout as .npz (see routelog.ingest.export_step for the keys)."""
-    from routelog.ingest import export_step
+    """Export a step in an engine or trainer layout. Byte for byte what the engine sent only for records ingested
+    with --topk-order score (stored sets keep the experts, not their order)."""
+    from routelog.ingest import ARRAY_LAYOUTS, WIRE_LAYOUTS, export_step
     from routelog.store import open_store
 
-    if to not in ("verl", "slime", "full", "moe", "vllm"):
-        raise typer.BadParameter("--to must be verl, slime, full, moe or vllm")
+    if to not in set(WIRE_LAYOUTS) | set(ARRAY_LAYOUTS):
+        raise typer.BadParameter(f"--to must be one of {sorted(set(WIRE_LAYOUTS) | set(ARRAY_LAYOUTS))}")
     snapshot = open_store(url, storage_options=_options(storage_options)).step(step)
     count = export_step(
         snapshot, cast("ExportLayout", to), out, prompt_length=prompt_length, response_length=response_length
     )
     err_console.print(f"wrote {count} records of step {step} as {to} to {out}")
+    if to not in ("full", "moe") and any(c.routing.topk_order == "sorted" for c in snapshot.commits):
+        err_console.print(
+            "note: these records are stored as sorted top-k sets (the default): the experts are the engine's, their "
+            "order is not; ingest with --topk-order score to reproduce the payload byte for byte"
+        )
 
 
 # -- alignment ---------------------------------------------------------------------------------------------------

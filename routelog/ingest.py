@@ -7,26 +7,29 @@ layouts (veRL, slime). Nothing is ever unpickled.
 
 from __future__ import annotations
 
+import json
 import zipfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from routelog.engines import sglang, slime, verl, vllm
-from routelog.engines.common import load_npy, malformed, npy_header_nbytes, to_full_axis
-from routelog.errors import IngestError
+from routelog.engines import ms_swift, nemo_rl, sglang, slime, verl, vllm
+from routelog.engines.common import list_field, load_npy, malformed, npy_header_nbytes, to_full_axis
+from routelog.errors import IngestError, RoutingAbsentError
 from routelog.format import load_json
 from routelog.reader import StepSnapshot
 from routelog.record import Record
 from routelog.spec import ModelSpec
 
-Engine = Literal["vllm", "sglang", "verl", "slime"]
+Engine = Literal["vllm", "sglang", "verl", "slime", "nemo-rl", "ms-swift"]
+HTTP_ENGINES = ("vllm", "sglang", "nemo-rl", "ms-swift")
+"""Engines whose routing arrives in HTTP responses (NeMo-RL's and ms-swift's envelopes wrap vLLM responses)."""
 MAX_LINE_BYTES = 1 << 30
 """One JSONL line (a response with base64 routing of a long sequence is tens of MB)."""
-ExportLayout = Literal["verl", "slime", "full", "moe", "vllm"]
+ExportLayout = Literal["verl", "slime", "full", "moe", "vllm", "vllm-0.21", "sglang", "nemo-rl", "ms-swift"]
 
 
 def _field(obj: Any, path: str) -> Any:
@@ -42,9 +45,20 @@ def _field(obj: Any, path: str) -> Any:
 
 
 def _http_records(
-    engine: Engine, line: Any, spec: ModelSpec, where: str, sample_id_field: str | None, common: dict[str, Any]
+    engine: Engine,
+    line: Any,
+    spec: ModelSpec,
+    where: str,
+    sample_id_field: str | None,
+    common: dict[str, Any],
+    on_absent: Callable[[RoutingAbsentError], None] | None,
 ) -> list[Record]:
-    if isinstance(line, Mapping) and "response" in line and ("request" in line or len(line) <= 2):
+    """One JSONL line: a response, ``{"request": ..., "response": ...}``, or a logged stream
+    ``{"request": ..., "chunks": [...]}`` (vLLM's streamed generate)."""
+    chunks = None
+    if isinstance(line, Mapping) and "chunks" in line:
+        request, response, chunks = line.get("request") or {}, None, line["chunks"]
+    elif isinstance(line, Mapping) and "response" in line and ("request" in line or len(line) <= 2):
         request, response = line.get("request") or {}, line["response"]
     else:
         request, response = {}, line
@@ -55,17 +69,30 @@ def _http_records(
             raise IngestError(f"{where}: no field {sample_id_field!r} for the sample id")
         n = (
             len(response["choices"])
-            if isinstance(response, Mapping) and "choices" in response
+            if isinstance(response, Mapping) and isinstance(response.get("choices"), list)
             else (len(response) if isinstance(response, list) else 1)
         )
         sample_ids = [str(value)] if n == 1 else [f"{value}/{i}" for i in range(n)]
-    module = vllm if engine == "vllm" else sglang
     try:
         with malformed(where):
+            if chunks is not None:
+                if engine == "sglang":
+                    raise IngestError("streamed chunks are read for vLLM's generate endpoint only")
+                return vllm.records_from_stream(
+                    list_field(chunks, where, "chunks"),
+                    spec,
+                    request=request,
+                    sample_ids=sample_ids,
+                    on_absent=on_absent,
+                    **common,
+                )
+            module = sglang if engine == "sglang" else vllm
             records: list[Record] = module.records_from_http(
-                response, spec, request=request, sample_ids=sample_ids, **common
+                response, spec, request=request, sample_ids=sample_ids, on_absent=on_absent, **common
             )
         return records
+    except RoutingAbsentError as exc:
+        raise RoutingAbsentError(f"{where}: {exc}", exc.reason) from exc
     except IngestError as exc:
         raise IngestError(f"{where}: {exc}") from exc
 
@@ -125,31 +152,57 @@ def read_records(
     policy_version: int | None = None,
     physical_to_logical: npt.ArrayLike | None = None,
     engine_version: str | None = None,
+    eplb: bool = False,
+    stream_request: Mapping[str, Any] | None = None,
+    on_absent: Callable[[RoutingAbsentError], None] | None = None,
 ) -> Iterator[Record]:
-    """Records from the engine's logged files, one file after another."""
+    """Records from the engine's logged files, one file after another.
+
+    JSONL files hold one response per line (or ``{"request": ..., "response": ...}``, or a logged stream
+    ``{"request": ..., "chunks": [...]}``). With ``stream_request`` each file is instead the chunks of one streamed
+    vLLM generate response, one per line, for that request. Samples the engine returned no routing for raise
+    :class:`~routelog.errors.RoutingAbsentError`, or go to ``on_absent`` and are skipped.
+    """
+    common: dict[str, Any] = {
+        "policy_version": policy_version,
+        "engine_version": engine_version,
+        "physical_to_logical": physical_to_logical,
+        "eplb": eplb,
+    }
     for path in paths:
-        if engine in ("vllm", "sglang"):
-            common: dict[str, Any] = {
-                "policy_version": policy_version,
-                "engine_version": engine_version,
-                "physical_to_logical": physical_to_logical,
-            }
-            with path.open() as lines:
-                for number, text in enumerate(lines, start=1):
-                    if not text.strip():
-                        continue
-                    where = f"{path}:{number}"
-                    try:
-                        line = load_json(text, where, max_bytes=MAX_LINE_BYTES)
-                    except ValueError as exc:
-                        raise IngestError(f"not a JSON line: {exc}") from None
-                    yield from _http_records(engine, line, spec, where, sample_id_field, common)
+        if engine in HTTP_ENGINES:
+            lines = list(_json_lines(path))
+            if stream_request is not None:
+                yield from _http_records(
+                    engine,
+                    {"request": stream_request, "chunks": [line for _, line in lines]},
+                    spec,
+                    str(path),
+                    sample_id_field,
+                    common,
+                    on_absent,
+                )
+                continue
+            for where, line in lines:
+                yield from _http_records(engine, line, spec, where, sample_id_field, common, on_absent)
         else:
             arrays = load_arrays(path)
             module = verl if engine == "verl" else slime
             with malformed(str(path)):
                 records = module.records_from_arrays(arrays, spec, path.stem, policy_version=policy_version)
             yield from records
+
+
+def _json_lines(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open() as lines:
+        for number, text in enumerate(lines, start=1):
+            if not text.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                yield where, load_json(text, where, max_bytes=MAX_LINE_BYTES)
+            except ValueError as exc:
+                raise IngestError(f"not a JSON line: {exc}") from None
 
 
 class NpzWriter:
@@ -166,6 +219,12 @@ class NpzWriter:
         self._zip.close()
 
 
+WIRE_LAYOUTS = ("vllm", "vllm-0.21", "sglang", "nemo-rl", "ms-swift")
+"""Layouts with an HTTP wire form, written as JSONL (one ``{"sample_id", "routed_experts", ...}`` line a record)."""
+ARRAY_LAYOUTS = ("verl", "slime", "full", "moe", "vllm", "sglang")
+"""Layouts written as ``.npz`` arrays."""
+
+
 def export_step(
     snapshot: StepSnapshot,
     layout: ExportLayout,
@@ -178,12 +237,27 @@ def export_step(
 ) -> int:
     """Write a step's records (or ``sample_ids``) in an engine layout; returns the number of records.
 
-    ``full`` / ``moe``: ``<sample_id>`` int16 ``[n_tokens, layers, K]``, -1 for missing rows and dense layers.
-    ``vllm``: ``<sample_id>`` as vLLM 0.22+ returns it. ``slime``: ``<sample_id>/<field>``. ``verl``: one batch
-    padded to ``prompt_length`` + ``response_length`` (default: the longest prompt and response).
+    ``.jsonl`` output holds each record's routing as the engine sends it over HTTP: ``vllm`` (0.22+ base64
+    ``.npy``), ``vllm-0.21`` (nested lists, with ``prompt_routed_experts``), ``sglang`` (base64 int32),
+    ``nemo-rl`` (``nrlre1:`` envelope) or ``ms-swift`` (``__ndarray__`` object), rows from the record's payload
+    start. ``.npz`` output holds arrays: ``full`` / ``moe``: ``<sample_id>`` int16 ``[n_tokens, layers, K]``, -1 for
+    missing rows and dense layers; ``vllm`` / ``sglang``: ``<sample_id>`` the engine's array; ``slime``:
+    ``<sample_id>/<field>``; ``verl``: one batch padded to ``prompt_length`` + ``response_length`` (default: the
+    longest prompt and response). Records stored as sorted sets (the default) keep their experts but not the
+    engine's top-k order: ingest with ``topk_order="score"`` for a byte-identical export.
     """
     spec = snapshot.store.model_spec
     ids = list(sample_ids) if sample_ids is not None else snapshot.sample_ids
+    if out.suffix == ".jsonl":
+        if layout not in WIRE_LAYOUTS:
+            raise IngestError(f"layout {layout!r} has no wire form; write it as .npz (one of {WIRE_LAYOUTS} as .jsonl)")
+        with out.open("w") as lines:
+            for start in range(0, len(ids), batch_size):
+                for routing in snapshot.read_many(ids[start : start + batch_size]):
+                    lines.write(json.dumps(_wire(routing.to_record(), spec, layout)) + "\n")
+        return len(ids)
+    if layout not in ARRAY_LAYOUTS:
+        raise IngestError(f"layout {layout!r} is a wire form: write it as .jsonl")
     writer = NpzWriter(out)
     try:
         if layout == "verl":
@@ -202,9 +276,26 @@ def export_step(
                     writer.add(sid, to_full_axis(routing.expert_ids, spec, fill=-1))
                 elif layout == "vllm":
                     writer.add(sid, vllm.to_array(routing.to_record(), spec))
+                elif layout == "sglang":
+                    writer.add(sid, sglang.to_array(routing.to_record(), spec))
                 else:
                     for field, value in slime.to_sample(routing.to_record(), spec).items():
                         writer.add(f"{sid}/{field}", value)
     finally:
         writer.close()
     return len(ids)
+
+
+def _wire(record: Record, spec: ModelSpec, layout: str) -> dict[str, Any]:
+    line: dict[str, Any] = {"sample_id": record.sample_id}
+    if layout == "vllm":
+        line["routed_experts"] = vllm.to_http_choice(record, spec)
+    elif layout == "vllm-0.21":
+        line["prompt_routed_experts"], line["routed_experts"] = vllm.to_v021(record, spec)
+    elif layout == "sglang":
+        line["routed_experts"] = sglang.to_meta_info(record, spec)
+    elif layout == "nemo-rl":
+        line["routed_experts"] = nemo_rl.encode(record, spec)
+    else:
+        line["routed_experts"] = ms_swift.encode(record, spec)
+    return line

@@ -328,3 +328,77 @@ def test_trainer_exports_reproduce_their_tensors() -> None:
         )
         np.testing.assert_array_equal(exported["routed_experts"], batch["routed_experts"])
         np.testing.assert_array_equal(exported["attention_mask"], batch["attention_mask"])
+
+
+# -- the same through the command line ------------------------------------------------------------------------------
+def _cli(*args: str) -> str:
+    from typer.testing import CliRunner
+
+    from routelog.cli import app
+
+    result = CliRunner().invoke(app, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_cli_round_trip_is_byte_identical_in_score_order(tmp_path: Path) -> None:
+    fixture = "vllm-0.28.0-completions-promptstart"
+    lines = tmp_path / "responses.jsonl"
+    request, response = _json(fixture, "request.json"), _json(fixture, "response.json")
+    lines.write_text(json.dumps({"request": request, "response": response}) + "\n")
+    spec_path = FIXTURES / fixture / "model_spec.json"
+    url = f"file://{tmp_path}/store"
+    _cli(
+        "ingest",
+        str(lines),
+        "--engine",
+        "vllm",
+        "--engine-version",
+        "0.28.0",
+        "--to",
+        url,
+        "--step",
+        "0",
+        "--model-spec",
+        str(spec_path),
+        "--topk-order",
+        "score",
+    )
+    out = tmp_path / "back.jsonl"
+    _cli("convert", url, "--to", "vllm", "--step", "0", str(out))
+    exported = {line["sample_id"]: line["routed_experts"] for line in map(json.loads, out.read_text().splitlines())}
+    assert [exported[f"{response['id']}/{c['index']}"] for c in response["choices"]] == [
+        c["routed_experts"] for c in response["choices"]
+    ]
+
+
+def test_cli_streams_absent_samples_and_eplb(tmp_path: Path) -> None:
+    stream = "vllm-0.33.0-generate-stream"
+    url = f"file://{tmp_path}/store"
+    spec_path = str(FIXTURES / stream / "model_spec.json")
+    (tmp_path / "request.json").write_text((FIXTURES / stream / "request.json").read_text())
+    _cli(
+        "ingest",
+        str(FIXTURES / stream / "stream.jsonl"),
+        "--engine",
+        "vllm",
+        "--to",
+        url,
+        "--step",
+        "0",
+        "--model-spec",
+        spec_path,
+        "--stream-request",
+        str(tmp_path / "request.json"),
+    )
+    (sid,) = routelog.open_store(url).step(0).sample_ids
+    _check(routelog.open_store(url).step(0).read(sid).to_record(), next(iter(_expected(stream).values())), stream)
+
+    aborts = "vllm-0.21.0-completions-abort"
+    lines = tmp_path / "aborts.jsonl"
+    lines.write_text("".join(json.dumps(r) + "\n" for r in _json(aborts, "responses.json")))
+    args = ["ingest", str(lines), "--engine", "vllm", "--engine-version", "0.21.0", "--to", url, "--step", "1"]
+    with pytest.raises(RoutingAbsentError, match="aborted"):
+        _cli(*args)
+    output = _cli(*args, "--skip-absent")
+    assert "skipped 2 without routing" in output and "aborted" in output and "preempted_or_disabled" in output

@@ -290,7 +290,10 @@ def test_bad_sglang_payloads_name_the_request() -> None:
     ids = truth(DSV3, 6, seed=12)
     good = sglang_meta(DSV3, ids)
     request = {"input_ids": [1, 2, 3]}
-    for text, words in [(good[:-6], "base64|whole number"), (sglang_meta(DSV3, ids[:-1]), "4 routing rows, expected 5")]:
+    for text, words in [
+        (good[:-6], "base64|whole number"),
+        (sglang_meta(DSV3, ids[:-1]), "4 routing rows, expected 5"),
+    ]:
         response = {"output_ids": [4, 5, 6], "meta_info": {"id": "rid-bad", "routed_experts": text}}
         with pytest.raises(IngestError, match=words) as info:
             sglang.records_from_http(response, DSV3, request=request)

@@ -313,12 +313,17 @@ def _records_from_openai(
     return records
 
 
-def to_meta_info(record: Record, spec: ModelSpec, *, start_len: int | None = None) -> str:
-    """``meta_info["routed_experts"]`` as SGLang sends it: flat base64 int32 on the full axis, rows
-    ``[start_len, n_tokens - 1)`` (default: the record's ``payload_start``), zeros in dense layers and
-    never-computed rows."""
+def to_array(record: Record, spec: ModelSpec, *, start_len: int | None = None) -> npt.NDArray[np.int32]:
+    """SGLang's rows for ``record``: int32 ``[n_tokens - 1 - start_len, num_hidden_layers, K]`` on the full axis
+    (``start_len`` defaults to the record's ``payload_start``), zeros in dense layers and never-computed rows."""
     start = (record.payload_start or 0) if start_len is None else start_len
     ids = np.asarray(record.expert_ids).astype(np.int32)
     if record.valid is not None:
         ids[~np.asarray(record.valid)] = 0
-    return encode_int32_base64(to_full_axis(ids[start : record.n_tokens - 1], spec, fill=0))
+    rows: npt.NDArray[np.int32] = to_full_axis(ids[start : record.n_tokens - 1], spec, fill=0)
+    return rows
+
+
+def to_meta_info(record: Record, spec: ModelSpec, *, start_len: int | None = None) -> str:
+    """``meta_info["routed_experts"]`` as SGLang sends it: :func:`to_array` as flat base64 int32, no header."""
+    return encode_int32_base64(to_array(record, spec, start_len=start_len))
