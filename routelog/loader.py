@@ -65,6 +65,11 @@ class ReplayLoader:
                     f"E={stored.num_experts}, K={stored.topk})"
                 )
             self._snapshot = store.step(self.step)
+            self.plan = self.plan.with_lengths(
+                {sid: self._snapshot.info(sid).n_tokens for sid in self.plan.sample_ids}
+                if self.plan.packing.kind == "nemo" and self.plan.layout.pp > 1
+                else {}
+            )
         return self._snapshot
 
     def __len__(self) -> int:

@@ -4,6 +4,7 @@ routing is replayed exactly once, with the stored experts; everything else is a 
 from __future__ import annotations
 
 import itertools
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import routelog
-from routelog import AlignmentError, ModelSpec, Record
+from routelog import AlignmentError, ModelSpec, Record, Segment
 from routelog.align import (
     AlignmentPlan,
     MicroBatch,
@@ -133,9 +134,15 @@ def check_union(
 SWEEP = [
     (pp, vpp, cp, tp, kind, dense, fp8)
     for pp, vpp, cp, tp, kind, dense, fp8 in itertools.product(
-        (1, 2, 4), (1, 2), (1, 2), (1, 2), ("verl", "slime", "nemo", "bshd", "thd"), (0, 1, 3), (False, True)
+        (1, 2, 4),
+        (1, 2),
+        (1, 2),
+        (1, 2),
+        ("verl", "slime", "slime-allgather", "nemo", "bshd", "thd"),
+        (0, 1, 3),
+        (False, True),
     )
-    if not (vpp > 1 and pp == 1) and not (fp8 and kind in ("slime", "bshd", "thd"))
+    if not (vpp > 1 and pp == 1) and not (fp8 and kind in ("slime", "slime-allgather", "bshd", "thd"))
 ]
 
 
@@ -199,18 +206,87 @@ def test_micro_batch_order_is_the_trainers(make_routing: Callable[..., np.ndarra
     assert replay.positions[:7, 1].tolist() == list(range(7))
 
 
-def test_verl_packing_rules() -> None:
+def test_trainer_packing_rules() -> None:
+    """The formulas of each trainer's packer (README, "Replay in the trainer"), on one micro-batch."""
     layout = ParallelLayout(tp=2, cp=2)
     packed = pack([5, 13], Packing("verl"), layout)
     assert packed.padded == (8, 16)  # multiples of TP*CP*2 = 8
     fp8 = pack([5, 13], Packing("verl", fp8=True), layout)
     assert fp8.padded[0] == 16 and sum(fp8.padded) % (8 * 128) == 0  # lcm(16, 8) per sequence, total to 8*128
+    contiguous = pack([5, 13], Packing("verl"), ParallelLayout(tp=2, cp=2, cp_layout="contiguous"))
+    assert contiguous.padded == (8, 16)  # TP*CP = 4 per sequence with contiguous CP
+    assert pack([5, 14], Packing("verl"), ParallelLayout(tp=2, cp=2, cp_layout="contiguous")).padded == (8, 16)
+    assert pack([5, 9], Packing("verl"), ParallelLayout(tp=1, cp=2, cp_layout="contiguous")).padded == (6, 10)
     slime = pack([5, 13], Packing("slime"), layout)
     assert slime.padded == (8, 16) and (sum(slime.padded) // 2 + slime.local_tail) % 256 == 0
+    allgather = pack([5, 13], Packing("slime-allgather"), layout)
+    assert allgather.padded[0] == 5 and sum(allgather.padded) == 2 * 2 * 128 and allgather.cp_layout == "contiguous"
     nemo = pack([5, 13], Packing("nemo", fp8=True, fp8_block=128), layout)
     assert nemo.padded[0] == 8 and sum(nemo.padded) % (128 * 8) == 0
+    for block in (16, 32):
+        assert sum(pack([5, 13], Packing("nemo", fp8=True, fp8_block=block), layout).padded) % (block * 8) == 0
+    hybrid = pack([5, 13], Packing("nemo", hybrid_ep=True), layout)  # HybridEP pads without FP8 too
+    assert sum(hybrid.padded) == 128 * 8
+    divisible = pack([5, 13], Packing("nemo", divisible_by=24), layout)
+    assert divisible.padded == (24, 24)
+    with pytest.raises(AlignmentError, match="multiple of 8"):
+        pack([5, 13], Packing("nemo", divisible_by=12), layout)
     nemo_pp = pack([5, 13], Packing("nemo"), layout, pad_to=40)
     assert sum(nemo_pp.padded) == 40
+    with pytest.raises(AlignmentError, match="fp8_block"):
+        Packing("nemo", fp8=True, fp8_block=64)
+
+
+def test_nemo_pads_every_micro_batch_to_one_total_under_pp(make_routing: Callable[..., np.ndarray]) -> None:
+    """NeMo-RL with PP pads every micro-batch of the step to the largest, rounded to the total multiple."""
+    spec = spec_with_dense_prefix(1)
+    lengths = [7, 19, 4, 33, 12]
+    routings = routings_for(spec, lengths, make_routing, seed=21)
+    layout = ParallelLayout(tp=2, pp=2)
+    batches = (MicroBatch(("s0", "s1")), MicroBatch(("s2", "s3", "s4")))
+    plan = AlignmentPlan(spec, layout, Packing("nemo", fp8=True, fp8_block=32), RankCoords(), batches)
+    resolved = plan.with_lengths({sid: r.info.n_tokens for sid, r in routings.items()})
+    totals = {b.pad_to for b in resolved.micro_batches}
+    assert totals == {-(-(8 + 34 + 12 + 4) // 64) * 64}  # the largest packed micro-batch (58) to 32*TP = 64
+    assert check_union(spec, layout, resolved.packing, list(resolved.micro_batches), routings) > 0
+    for m in range(2):
+        assert (
+            resolved.positions(m, [lengths[int(s[1:])] for s in resolved.micro_batches[m].sample_ids]).shape[0]
+            == 64 // 2
+        )
+
+
+def test_policy_version_filter_replays_only_the_chosen_weights(make_routing: Callable[..., np.ndarray]) -> None:
+    """A partial rollout resumed after a weight update: the tokens of the old weights are not replayed."""
+    spec = spec_with_dense_prefix(0)
+    rng = np.random.default_rng(4)
+    url = f"memory://align/{uuid.uuid4().hex}"
+    with routelog.open_writer(url, 0, model_spec=spec) as writer:
+        writer.append(
+            Record(
+                sample_id="resumed",
+                expert_ids=make_routing(rng, 20, spec.num_moe_layers, spec.num_experts, spec.topk),
+                prompt_len=4,
+                response_len=16,
+                policy_version=8,
+                segments=[
+                    Segment(start=0, end=4, source="prompt", policy_version=7),
+                    Segment(start=4, end=12, source="response", policy_version=7),
+                    Segment(start=12, end=20, source="resumed", policy_version=8),
+                ],
+            )
+        )
+    routing = routelog.open_store(url).step(0).read("resumed")
+    plan = AlignmentPlan(
+        spec,
+        ParallelLayout(),
+        Packing("verl"),
+        RankCoords(),
+        (MicroBatch(("resumed",)),),
+        policy_versions=frozenset({8}),
+    )
+    replay = gather(plan, 0, {"resumed": routing})
+    assert replay.mask[:12].sum() == 0 and replay.mask[12:20].all()
 
 
 def test_bad_layouts_are_typed_errors() -> None:

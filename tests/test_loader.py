@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -190,3 +191,107 @@ def test_plan_spec_must_describe_the_stored_axis(memory_url: str, make_routing: 
     with pytest.raises(routelog.ModelSpecError, match="does not describe"):
         ReplayLoader(memory_url, 0, plan).load(0)
     assert uuid
+
+
+ALIGN_CASES: list[tuple[list[str], dict[str, Any], dict[str, Any], dict[str, Any]]] = [
+    # (CLI options, ParallelLayout, Packing, AlignmentPlan extras (micro-batch fields per batch under "batches"))
+    (["--packing", "verl", "--fp8", "--tp", "2", "--cp", "2"], {"tp": 2, "cp": 2}, {"kind": "verl", "fp8": True}, {}),
+    (
+        ["--packing", "slime-allgather", "--cp", "2", "--tp", "2", "--slime-pad-multiplier", "4"],
+        {"cp": 2, "tp": 2},
+        {"kind": "slime-allgather", "slime_pad_multiplier": 4},
+        {},
+    ),
+    (
+        ["--packing", "nemo", "--tp", "2", "--pp", "2", "--divisible-by", "4", "--fp8", "--fp8-block", "32"],
+        {"tp": 2, "pp": 2},
+        {"kind": "nemo", "divisible_by": 4, "fp8": True, "fp8_block": 32},
+        {},
+    ),
+    (["--packing", "nemo", "--hybrid-ep", "--cp", "2"], {"cp": 2}, {"kind": "nemo", "hybrid_ep": True}, {}),
+    (
+        ["--packing", "thd", "--cu-seqlens", "0,96,192|0,96,192,296|0,96", "--tp", "2"],
+        {"tp": 2},
+        {"kind": "thd"},
+        {
+            "batches": [
+                {"cu_seqlens_padded": (0, 96, 192)},
+                {"cu_seqlens_padded": (0, 96, 192, 296)},
+                {"cu_seqlens_padded": (0, 96)},
+            ]
+        },
+    ),
+    (
+        ["--packing", "bshd", "--seq-len", "96", "--cp", "2"],
+        {"cp": 2},
+        {"kind": "bshd"},
+        {"batches": [{"seq_len": 96}] * 3},
+    ),
+    (
+        ["--pp", "2", "--vpp", "2", "--stage-layers", "0;2,3|1;4,5", "--rank", "pp=1"],
+        {"pp": 2, "vpp": 2, "stage_layers": (((0,), (2, 3)), ((1,), (4, 5)))},
+        {"kind": "verl"},
+        {"rank": RankCoords(pp=1)},
+    ),
+    (
+        ["--cp", "4", "--micro-batch-cp", "2,4,2", "--rank", "cp=1", "--policy-version", "1", "--missing", "router"],
+        {"cp": 4},
+        {"kind": "verl"},
+        {
+            "batches": [{"cp": 2}, {"cp": 4}, {"cp": 2}],
+            "rank": RankCoords(cp=1),
+            "policy_versions": frozenset({1}),
+            "missing": "router",
+        },
+    ),
+    (
+        ["--pp", "2", "--account-for-embedding", "--account-for-loss", "--rank", "pp=1"],
+        {"pp": 2, "account_for_embedding": True, "account_for_loss": True},
+        {"kind": "verl"},
+        {"rank": RankCoords(pp=1)},
+    ),
+]
+
+
+@pytest.mark.parametrize(("options", "layout", "packing", "extras"), ALIGN_CASES, ids=lambda v: str(v)[:40])
+def test_align_cli_and_api_give_identical_arrays(
+    tmp_path: Path,
+    make_routing: Callable[..., np.ndarray],
+    options: list[str],
+    layout: dict[str, Any],
+    packing: dict[str, Any],
+    extras: dict[str, Any],
+) -> None:
+    """Everything the Python plan can say, the align command can say, with the same arrays as the result."""
+    url = str(tmp_path / "store")
+    write_step(url, make_routing)
+    groups = "r0,r3|r1,r2,r7|r5"
+    out = tmp_path / "rank.npz"
+    result = CliRunner().invoke(
+        app,
+        ["align", url, "--step", "0", "--micro-batches", groups, "--out", str(out), *options],
+        catch_exceptions=False,
+    )
+    assert result.exit_code == 0, result.output
+    batch_fields = extras.get("batches", [{}] * 3)
+    batches = tuple(
+        MicroBatch(b.sample_ids, **fields) for b, fields in zip(parse_micro_batches(groups), batch_fields, strict=True)
+    )
+    plan = AlignmentPlan(
+        SPEC,
+        ParallelLayout(**layout),
+        Packing(**packing),
+        extras.get("rank", RankCoords()),
+        batches,
+        missing=extras.get("missing", "dummy"),
+        policy_versions=extras.get("policy_versions"),
+    )
+    direct = list(ReplayLoader(url, 0, plan, prefetch=0))
+    with np.load(out, allow_pickle=False) as written:
+        assert len(written.files) == sum(1 + 2 * len(r.routers) for r in direct)
+        for replay in direct:
+            m = replay.index
+            np.testing.assert_array_equal(written[f"mb{m}_positions"], replay.positions)
+            for j, router in enumerate(replay.routers):
+                np.testing.assert_array_equal(written[f"mb{m}_layer{router.layer_number}_ids"], replay.ids[j])
+                np.testing.assert_array_equal(written[f"mb{m}_layer{router.layer_number}_mask"], replay.mask)

@@ -1,16 +1,21 @@
 """How trainers pack a micro-batch: padded length per sequence (THD) or the padded width (BSHD).
 
-Each rule reproduces its framework's packer exactly, because the routing rows must land where the trainer puts
-the tokens. When the trainer can say where it put them, pass its ``cu_seqlens_padded`` instead: never re-derive
-what the trainer can tell you.
+Each rule reproduces its framework's packer exactly (read from their sources; see the README), because the routing
+rows must land where the trainer puts the tokens. When the trainer can say where it put them, pass its
+``cu_seqlens_padded`` instead: never re-derive what the trainer can tell you.
 
-* ``verl`` (``preprocess_packed_seqs``): align ``A = TP*CP*2`` if CP > 1 else ``TP``; with FP8 each sequence to
-  ``lcm(16, A)`` and the total, by growing the last sequence, to a multiple of ``A*128``.
-* ``slime`` (``get_batch``): with CP > 1 each sequence to ``2*CP*ceil(L/2CP)``; after the CP split the local stream
-  is padded at its end to a multiple of ``TP*128``.
-* ``nemo`` (NeMo-RL ``_pack_sequences_for_megatron``): each sequence to a multiple of ``(2CP if CP>1)*(TP if SP)``;
-  with FP8 the total, by growing the last sequence, to a multiple of that times the FP8 block (128 blockwise,
-  16 otherwise); with PP the total to the trainer's ``pad_to``.
+* ``verl`` (``preprocess_packed_seqs`` / ``preprocess_thd_engine``): align ``A = TP*2CP`` with zigzag CP > 1,
+  ``TP*CP`` with contiguous CP, else ``TP``; each sequence to a multiple of ``A``. With FP8 (e4m3/hybrid) each
+  sequence to ``lcm(16, A)`` and the total, by growing the last sequence, to a multiple of ``A*128``.
+* ``slime`` (``get_batch``, zigzag): with CP > 1 each sequence to ``2*CP*ceil(L/2CP)``; after the CP split each
+  rank's local stream gets a pad tail up to a multiple of ``TP * data_pad_size_multiplier`` (128).
+* ``slime-allgather`` (slime/miles ``--allgather-cp``, DSA models): sequences unpadded, the whole stream padded at
+  its end to a multiple of ``CP * TP * data_pad_size_multiplier``, then split contiguously over CP.
+* ``nemo`` (NeMo-RL ``_pack_sequences_for_megatron``): each sequence to a multiple of
+  ``make_sequence_length_divisible_by`` (which must be a multiple of ``(2CP if CP>1)*(TP if SP)``, the default);
+  the total, by growing the last sequence, to a multiple of ``divisor*(2CP if CP>1)*(TP if SP)`` where the divisor
+  is the FP8 block (16 tensorwise/delayed, 32 MXFP8, 128 blockwise) or 128 for HybridEP's flex dispatcher (the
+  larger); with PP every micro-batch of the step to the same ``pad_to``.
 * ``bshd``: a padded ``[B, S]`` batch, ``S`` the longest sequence rounded up to ``(2CP if CP>1)*(TP if SP)``
   unless given; rows are sequence-major (``s*B + b``).
 * ``thd``: the trainer's own ``cu_seqlens_padded`` per micro-batch.
@@ -24,10 +29,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from routelog.align.layout import ParallelLayout
+from routelog.align.layout import CpLayout, ParallelLayout
 from routelog.errors import AlignmentError
 
-PackingKind = Literal["verl", "slime", "nemo", "bshd", "thd"]
+PackingKind = Literal["verl", "slime", "slime-allgather", "nemo", "bshd", "thd"]
+PACKING_KINDS: tuple[PackingKind, ...] = ("verl", "slime", "slime-allgather", "nemo", "bshd", "thd")
+FP8_BLOCKS = (16, 32, 128)
+"""FP8 recipes' block sizes: 16 tensorwise/delayed, 32 MXFP8, 128 blockwise."""
+HYBRID_EP_DIVISOR = 128
 
 
 @dataclass(frozen=True)
@@ -38,13 +47,38 @@ class Packing:
     fp8: bool = False
     """FP8 training (verl and NeMo-RL pad further)."""
     fp8_block: int = 128
-    """NeMo-RL: 128 for blockwise FP8 recipes, 16 for the others."""
+    """NeMo-RL: the FP8 recipe's block, 16 (tensorwise/delayed), 32 (MXFP8) or 128 (blockwise)."""
+    hybrid_ep: bool = False
+    """NeMo-RL with the flex dispatcher's HybridEP backend: the total to a multiple of 128 times the CP/SP factor."""
+    divisible_by: int | None = None
+    """NeMo-RL ``make_sequence_length_divisible_by``: each sequence's multiple (default: the minimum factor)."""
     slime_pad_multiplier: int = 128
-    """slime: the local stream is padded to ``TP * slime_pad_multiplier``."""
+    """slime ``--data-pad-size-multiplier``: the local (zigzag) or global (all-gather CP) stream is padded to
+    ``TP * slime_pad_multiplier`` (times CP for all-gather CP)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("verl", "slime", "nemo", "bshd", "thd"):
-            raise AlignmentError(f"packing must be verl, slime, nemo, bshd or thd, got {self.kind!r}")
+        if self.kind not in PACKING_KINDS:
+            raise AlignmentError(f"packing must be one of {', '.join(PACKING_KINDS)}, got {self.kind!r}")
+        if self.fp8_block not in FP8_BLOCKS:
+            raise AlignmentError(
+                f"fp8_block must be one of {FP8_BLOCKS} (the FP8 recipe's block), got {self.fp8_block}"
+            )
+        if self.divisible_by is not None and self.divisible_by < 1:
+            raise AlignmentError(f"divisible_by must be >= 1, got {self.divisible_by}")
+        if self.slime_pad_multiplier < 1:
+            raise AlignmentError(f"slime_pad_multiplier must be >= 1, got {self.slime_pad_multiplier}")
+
+    def nemo_multiples(self, layout: ParallelLayout, cp: int) -> tuple[int, int]:
+        """NeMo-RL's (per-sequence multiple, total multiple) for a CP size."""
+        factor = (2 * cp if cp > 1 else 1) * (layout.tp if layout.tp > 1 and layout.sp else 1)
+        per_seq = self.divisible_by or factor
+        if per_seq % factor:
+            raise AlignmentError(
+                f"make_sequence_length_divisible_by={per_seq} must be a multiple of {factor} = (2*CP if CP>1) * "
+                "(TP if sequence parallel), as NeMo-RL asserts"
+            )
+        divisor = max(self.fp8_block if self.fp8 else 1, HYBRID_EP_DIVISOR if self.hybrid_ep else 1)
+        return per_seq, divisor * factor if divisor > 1 else 1
 
 
 @dataclass(frozen=True)
@@ -58,6 +92,8 @@ class PackedLengths:
     bshd: bool = False
     local_tail: int = 0
     """Padding rows appended to each CP rank's local stream after the split (slime)."""
+    cp_layout: CpLayout | None = None
+    """A CP split the packing itself implies (slime's all-gather CP is contiguous), overriding the layout's."""
 
     @property
     def cu_seqlens_padded(self) -> tuple[int, ...]:
@@ -104,7 +140,8 @@ def pack(
             raise AlignmentError(f"BSHD width {width} must hold {max(lengths)} tokens and divide by {multiple}")
         return PackedLengths(lengths, (width,) * len(lengths), bshd=True)
     if packing.kind == "verl":
-        align = tp * cp * 2 if cp > 1 else tp
+        contiguous = layout.cp_layout == "contiguous"
+        align = tp * cp * (1 if contiguous else 2) if cp > 1 else tp
         per_seq = math.lcm(16, align) if packing.fp8 else align
         padded = [_round_up(n, per_seq) for n in lengths]
         if packing.fp8:
@@ -116,10 +153,13 @@ def pack(
         return PackedLengths(
             lengths, tuple(padded), local_tail=_round_up(local, tp * packing.slime_pad_multiplier) - local
         )
+    if packing.kind == "slime-allgather":
+        total = _round_up(sum(lengths), cp * tp * packing.slime_pad_multiplier)
+        padded = [*lengths[:-1], lengths[-1] + total - sum(lengths)]  # the stream's pad tail, after the last one
+        return PackedLengths(lengths, tuple(padded), cp_layout="contiguous")
     # nemo
-    factor = (2 * cp if cp > 1 else 1) * (tp if tp > 1 and sp else 1)
-    padded_nemo = [_round_up(n, factor) for n in lengths]
-    multiple = packing.fp8_block * factor if packing.fp8 else 1
+    per_seq, multiple = packing.nemo_multiples(layout, cp)
+    padded_nemo = [_round_up(n, per_seq) for n in lengths]
     if pad_to is not None:
         total = _round_up(pad_to, multiple)
         if total < sum(padded_nemo):
@@ -128,3 +168,11 @@ def pack(
     elif multiple > 1:
         padded_nemo[-1] += _round_up(sum(padded_nemo), multiple) - sum(padded_nemo)
     return PackedLengths(lengths, tuple(padded_nemo))
+
+
+def nemo_pad_to(lengths_per_micro_batch: Sequence[Sequence[int]], packing: Packing, layout: ParallelLayout) -> int:
+    """NeMo-RL with PP: every micro-batch of the step (on this DP rank) is padded to the same total, the largest
+    packed micro-batch rounded up to the total multiple."""
+    per_seq, multiple = packing.nemo_multiples(layout, layout.cp)
+    largest = max(sum(_round_up(n, per_seq) for n in lengths) for lengths in lengths_per_micro_batch)
+    return _round_up(largest, multiple)

@@ -10,14 +10,14 @@ dispatcher; never all zeros; spread over the experts) and ``mask = False``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from routelog.align.layout import LocalRouter, ParallelLayout, RankCoords, local_routers
-from routelog.align.packing import Packing, pack
+from routelog.align.packing import Packing, nemo_pad_to, pack
 from routelog.align.positions import PAD, rank_positions
 from routelog.errors import AlignmentError
 from routelog.reader import RecordRouting
@@ -94,6 +94,20 @@ class AlignmentPlan:
     def moe_layers(self) -> list[int]:
         """MoE-axis positions this rank needs, ascending: the only layers the loader reads."""
         return sorted({r.moe_index for r in self.routers})
+
+    def with_lengths(self, n_tokens: Mapping[str, int]) -> AlignmentPlan:
+        """The plan with what depends on the whole step's lengths filled in: NeMo-RL with PP pads every
+        micro-batch to one total (``MicroBatch.pad_to``), computed here unless given."""
+        if self.packing.kind != "nemo" or self.layout.pp == 1 or all(b.pad_to is not None for b in self.micro_batches):
+            return self
+        missing = [sid for sid in self.sample_ids if sid not in n_tokens]
+        if missing:
+            raise AlignmentError(f"no lengths for samples {missing[:5]}")
+        total = nemo_pad_to(
+            [[n_tokens[sid] for sid in b.sample_ids] for b in self.micro_batches], self.packing, self.layout
+        )
+        batches = tuple(b if b.pad_to is not None else replace(b, pad_to=total) for b in self.micro_batches)
+        return replace(self, micro_batches=batches)
 
     def first_index(self, m: int) -> int:
         """Flat index of micro-batch ``m``'s first sample."""

@@ -64,7 +64,7 @@ def _mark(seq: int, positions: npt.NDArray[np.int64], length: int) -> npt.NDArra
 
 
 def _thd(packed: PackedLengths, layout: ParallelLayout, cp: int, cp_rank: int) -> npt.NDArray[np.int64]:
-    if cp == 1 or layout.cp_layout == "zigzag":
+    if cp == 1 or (packed.cp_layout or layout.cp_layout) == "zigzag":
         parts = [
             _mark(s, zigzag_chunks(p, cp, cp_rank) if cp > 1 else np.arange(p), n)
             for s, (n, p) in enumerate(zip(packed.lengths, packed.padded, strict=True))
