@@ -25,9 +25,16 @@ def test_bench_codec_reports_every_layout() -> None:
         "vLLM base64 .npy",
         "SGLang base64 int32",
         "Parquet FSB zstd-3",
+        "routelog --topk-order score",
     }
     assert report["entropy_bound_bytes_per_token_layer"] > 0
-    assert set(report["ratios"]) == {"routelog_size_vs_bound", "routelog_encode_vs_zstd3", "routelog_decode_vs_zstd3"}
+    assert set(report["ratios"]) == {
+        "routelog_size_vs_bound",
+        "routelog_encode_vs_zstd3",
+        "routelog_decode_vs_zstd3",
+        "score_order_size_vs_sorted",
+    }
+    assert report["ratios"]["score_order_size_vs_sorted"] > 1, "keeping the engine's order costs bytes"
 
 
 def test_schemas_are_current() -> None:

@@ -1,9 +1,12 @@
 """Engine adapters: ingest every engine's routing layout into records, and export records back.
 
 One module per engine family: :mod:`~routelog.engines.vllm`, :mod:`~routelog.engines.sglang`,
-:mod:`~routelog.engines.hf` (record and replay in HF transformers), and the trainer-side layouts
-:mod:`~routelog.engines.verl` and :mod:`~routelog.engines.slime`. :mod:`~routelog.engines.common` holds the shared
-rules (layer axes, EPLB tables, missing rows, multi-turn stitching).
+:mod:`~routelog.engines.hf` (record and replay in HF transformers), the envelopes of frameworks built on vLLM
+(:mod:`~routelog.engines.nemo_rl`, :mod:`~routelog.engines.ms_swift`), the trainer-side layouts
+:mod:`~routelog.engines.verl` and :mod:`~routelog.engines.slime`, and megatron-core's R2 recordings
+(:mod:`~routelog.engines.megatron_r2`). :mod:`~routelog.engines.common` holds the shared rules (layer axes, EPLB
+tables, missing rows, provenance, multi-turn stitching) and :mod:`~routelog.engines.versions` what each engine
+version emits.
 """
 
 from routelog.engines.common import (
