@@ -14,7 +14,16 @@ from typer.testing import CliRunner
 
 import routelog
 from routelog import ModelSpec, PartOptions, Record
-from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords, gather, parse_micro_batches
+from routelog.align import (
+    AlignmentPlan,
+    MicroBatch,
+    MicroBatchReplay,
+    Packing,
+    ParallelLayout,
+    RankCoords,
+    gather,
+    parse_micro_batches,
+)
 from routelog.cli import app
 from routelog.engines.megatron_r2 import RecordedShard, records_from_recordings
 from routelog.loader import ReplayDataset, ReplayLoader
@@ -135,6 +144,16 @@ def test_recordings_of_every_rank_rebuild_the_records(memory_url: str, make_rout
         records_from_recordings([s for s in shards if s.plan.rank.pp == 0], lengths)
 
 
+def assert_written(written: Any, direct: list[MicroBatchReplay]) -> None:
+    """The align command's arrays are the loader's."""
+    for replay in direct:
+        m = replay.index
+        np.testing.assert_array_equal(written[f"mb{m}_positions"], replay.positions)
+        for j, router in enumerate(replay.routers):
+            np.testing.assert_array_equal(written[f"mb{m}_layer{router.layer_number}_ids"], replay.ids[j])
+            np.testing.assert_array_equal(written[f"mb{m}_layer{router.layer_number}_mask"], replay.mask)
+
+
 def test_align_cli_writes_what_a_rank_receives(tmp_path: Path, make_routing: Callable[..., np.ndarray]) -> None:
     url = str(tmp_path / "store")
     write_step(url, make_routing)
@@ -170,12 +189,7 @@ def test_align_cli_writes_what_a_rank_receives(tmp_path: Path, make_routing: Cal
     assert result.exit_code == 0, result.output
     direct = list(ReplayLoader(url, 0, plan_for(RankCoords(tp=1, cp=0, pp=1)), prefetch=0))
     with np.load(out, allow_pickle=False) as written:
-        for replay in direct:
-            m = replay.index
-            np.testing.assert_array_equal(written[f"mb{m}_positions"], replay.positions)
-            for j, router in enumerate(replay.routers):
-                np.testing.assert_array_equal(written[f"mb{m}_layer{router.layer_number}_ids"], replay.ids[j])
-                np.testing.assert_array_equal(written[f"mb{m}_layer{router.layer_number}_mask"], replay.mask)
+        assert_written(written, direct)
         assert sorted(k for k in written.files if k.startswith("mb0_layer") and k.endswith("_ids")) == [
             "mb0_layer3_ids",
             "mb0_layer4_ids",
@@ -289,9 +303,4 @@ def test_align_cli_and_api_give_identical_arrays(
     direct = list(ReplayLoader(url, 0, plan, prefetch=0))
     with np.load(out, allow_pickle=False) as written:
         assert len(written.files) == sum(1 + 2 * len(r.routers) for r in direct)
-        for replay in direct:
-            m = replay.index
-            np.testing.assert_array_equal(written[f"mb{m}_positions"], replay.positions)
-            for j, router in enumerate(replay.routers):
-                np.testing.assert_array_equal(written[f"mb{m}_layer{router.layer_number}_ids"], replay.ids[j])
-                np.testing.assert_array_equal(written[f"mb{m}_layer{router.layer_number}_mask"], replay.mask)
+        assert_written(written, direct)
