@@ -17,9 +17,9 @@ import transformers
 
 import routelog
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
+from routelog.audit.r3 import compare_routings, k3_kl
 from routelog.engines.hf import RoutingRecorder, replay
 from routelog.loader import ReplayLoader
-from routelog.metrics import compare_routings, k3_kl
 
 url = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="routelog-r3-")
 torch.manual_seed(0)

@@ -33,8 +33,9 @@ from routelog.errors import (
 )
 from routelog.format import FORMAT_VERSION, IndexRow, Segment
 from routelog.part import PartOptions
-from routelog.reader import RecordRouting, StepSnapshot
+from routelog.reader import StepSnapshot
 from routelog.record import Record, StreamRows, token_hash
+from routelog.routing import RecordRouting
 from routelog.spec import ModelSpec, RouterSpec, StreamSpec
 from routelog.store import Store, create_store, open_store
 from routelog.writer import StepWriter

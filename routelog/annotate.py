@@ -13,28 +13,27 @@ import hashlib
 import time
 from collections.abc import Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy.typing as npt
 
-from routelog import layout
+from routelog import keys
 from routelog.errors import CommitConflictError, InvalidRecordError, StoreError
 from routelog.format import AnnotationCommit, ObjectInfo, ValueColumn, ValuesInfo, dump_document, utc_now
+from routelog.reader import StepSnapshot
+from routelog.root import StoreRoot
 from routelog.values import VALUES_OBJECT, FloatArray, check_token_values, values_to_parquet
 from routelog.writer import MAX_COMMIT_DELAY
-
-if TYPE_CHECKING:
-    from routelog.store import Store
 
 
 class Annotator:
     """Collects per-token columns for committed records of one step; :meth:`commit` publishes them at once."""
 
-    def __init__(self, store: Store, step: int, writer_id: str) -> None:
+    def __init__(self, store: StoreRoot, step: int, writer_id: str) -> None:
         self.store = store
-        self.step = layout.check_step(step)
-        self.writer_id = layout.check_writer_id(writer_id)
-        self._snapshot = store.step(step)
+        self.step = keys.check_step(step)
+        self.writer_id = keys.check_writer_id(writer_id)
+        self._snapshot = StepSnapshot.load(store, step)
         self._rows: dict[str, tuple[str | None, dict[str, FloatArray]]] = {}
 
     def add(self, sample_id: str, values: Mapping[str, npt.ArrayLike], *, token_hash: str | None = None) -> None:
@@ -59,11 +58,11 @@ class Annotator:
         storage = self.store.storage
         names = sorted({name for _, values in self._rows.values() for name in values})
         data = values_to_parquet([(sid, digest, values) for sid, (digest, values) in self._rows.items()], names)
-        existing = [layout.parse_commit_name(n) for n in storage.list(layout.annotations_dir(self.step))]
+        existing = [keys.parse_commit_name(n) for n in storage.list(keys.annotations_dir(self.step))]
         seq = 1 + max((p[1] for p in existing if p is not None and p[0] == self.writer_id), default=-1)
-        part = layout.new_part_name(self.writer_id, seq)
+        part = keys.new_part_name(self.writer_id, seq)
         started = time.monotonic()
-        storage.write(f"{layout.annotation_key(self.step, part)}/{VALUES_OBJECT}", data)
+        storage.write(f"{keys.annotation_key(self.step, part)}/{VALUES_OBJECT}", data)
         if time.monotonic() - started > MAX_COMMIT_DELAY:  # gc may already consider the data an orphan
             raise StoreError(
                 f"annotation {self.writer_id}.{seq:08d} of step {self.step}: the upload took longer than "
@@ -79,7 +78,7 @@ class Annotator:
             values=ValuesInfo(columns=[ValueColumn(name=n) for n in names]),
             objects=[ObjectInfo(key=VALUES_OBJECT, size=len(data), sha256=hashlib.sha256(data).hexdigest())],
         )
-        key = layout.annotation_key(self.step, layout.commit_name(self.writer_id, seq))
+        key = keys.annotation_key(self.step, keys.commit_name(self.writer_id, seq))
         if not storage.create(key, dump_document(commit)):
             raise CommitConflictError(
                 f"{storage.url_of(key)} already exists: another process annotates step {self.step} under writer id "
@@ -99,7 +98,7 @@ class Annotator:
 
 
 def annotate(
-    store: Store, step: int, writer_id: str, values: Mapping[str, Mapping[str, Any]]
+    store: StoreRoot, step: int, writer_id: str, values: Mapping[str, Mapping[str, Any]]
 ) -> AnnotationCommit | None:
     """One-shot form: ``values`` maps sample id -> columns."""
     annotator = Annotator(store, step, writer_id)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +23,10 @@ import numpy as np
 import numpy.typing as npt
 
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
+from routelog.audit.r3 import compare_routings, extreme_fraction, k3_kl
+from routelog.demo_report import ModelResult
 from routelog.engines.hf import RoutingRecorder, replay
 from routelog.loader import ReplayLoader
-from routelog.metrics import RoutingComparison, compare_routings, extreme_fraction, k3_kl
 from routelog.spec import ModelSpec
 from routelog.store import create_store
 
@@ -171,17 +172,6 @@ def _routing(recorder: RoutingRecorder, spec: ModelSpec, batch: int, length: int
     return [stacked[b] for b in range(batch)]
 
 
-@dataclass
-class ModelResult:
-    """Everything measured for one MoE model."""
-
-    name: str
-    spec: ModelSpec
-    comparisons: dict[str, RoutingComparison] = field(default_factory=dict)
-    logp: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)
-    metrics: dict[str, Any] = field(default_factory=dict)
-
-
 def run_moe_model(
     name: str, model: Any, prompts: Any, config: DemoConfig, store_url: str, progress: Progress
 ) -> ModelResult:
@@ -288,7 +278,7 @@ def run_demo(
     metrics["seconds"] = time.perf_counter() - start
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     say("drawing report.png")
-    from routelog.plots import demo_report
+    from routelog.demo_report import demo_report
 
     demo_report(results, dense, out_dir / "report.png")
     return metrics

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, model_validator
 
-from routelog import layout
+from routelog import keys
 from routelog.codec import TopkOrder, Transform
 from routelog.errors import CorruptDataError, FormatVersionError
 from routelog.spec import MAX_EXPERTS, ModelSpec
@@ -61,14 +61,14 @@ class ArrowType:
 
 Int32 = Annotated[int, ArrowType(pa.int32())]
 
-PartName = Annotated[str, StringConstraints(pattern=f"^{layout.PART_NAME_PATTERN}$")]
+PartName = Annotated[str, StringConstraints(pattern=f"^{keys.PART_NAME_PATTERN}$")]
 """``<writer>.<seq:08d>.<hex>``: a part or annotation directory, one path segment."""
-CommitName = Annotated[str, StringConstraints(pattern=f"^{layout.COMMIT_NAME_PATTERN}$")]
-WriterId = Annotated[str, StringConstraints(pattern=f"^{layout.WRITER_ID_PATTERN}$")]
-Segment_ = Annotated[str, StringConstraints(pattern=f"^{layout.SEGMENT_PATTERN}$")]
-RelativeKey = Annotated[str, StringConstraints(pattern=f"^{layout.RELATIVE_KEY_PATTERN}$")]
-SpanPart = Annotated[str, StringConstraints(pattern=f"^{layout.SPAN_PART_PATTERN}$")]
-SealedObject = Annotated[str, StringConstraints(pattern=f"^{layout.SEALED_OBJECT_PATTERN}$")]
+CommitName = Annotated[str, StringConstraints(pattern=f"^{keys.COMMIT_NAME_PATTERN}$")]
+WriterId = Annotated[str, StringConstraints(pattern=f"^{keys.WRITER_ID_PATTERN}$")]
+Segment_ = Annotated[str, StringConstraints(pattern=f"^{keys.SEGMENT_PATTERN}$")]
+RelativeKey = Annotated[str, StringConstraints(pattern=f"^{keys.RELATIVE_KEY_PATTERN}$")]
+SpanPart = Annotated[str, StringConstraints(pattern=f"^{keys.SPAN_PART_PATTERN}$")]
+SealedObject = Annotated[str, StringConstraints(pattern=f"^{keys.SEALED_OBJECT_PATTERN}$")]
 Sha256 = Annotated[str, StringConstraints(pattern="^[0-9a-f]{64}$")]
 TokenHash = Annotated[str, StringConstraints(pattern="^blake2b-128:[0-9a-f]{32}$")]
 Name = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
@@ -269,21 +269,21 @@ class _CommitBase(_Document):
     @model_validator(mode="after")
     def _consistent(self) -> _CommitBase:
         # A damaged or forged ``part`` cannot point at another writer's data.
-        if not self.part.startswith(layout.part_prefix(self.writer_id, self.seq)):
+        if not self.part.startswith(keys.part_prefix(self.writer_id, self.seq)):
             raise ValueError(f"part {self.part!r} does not belong to commit {self.writer_id}.{self.seq:08d}")
-        keys = [o.key for o in self.objects]
-        if len(keys) != len(set(keys)):
+        names = [o.key for o in self.objects]
+        if len(names) != len(set(names)):
             raise ValueError("objects lists a key twice")
-        if self.values is not None and self.values.key not in keys:
+        if self.values is not None and self.values.key not in names:
             raise ValueError(f"values object {self.values.key!r} is not listed in objects")
-        if self.values is None and VALUES_OBJECT in keys:
+        if self.values is None and VALUES_OBJECT in names:
             raise ValueError(f"objects lists {VALUES_OBJECT}, but no values columns are declared")
         return self
 
     @property
     def name(self) -> str:
         """The commit's file name, ``<writer_id>.<seq:08d>.json``."""
-        return layout.commit_name(self.writer_id, self.seq)
+        return keys.commit_name(self.writer_id, self.seq)
 
 
 class CommitRecord(_CommitBase):

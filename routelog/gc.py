@@ -17,12 +17,12 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from routelog import layout
+from routelog import keys
 from routelog.errors import GcRefusedError, RoutelogError
 from routelog.format import AnnotationCommit, CommitRecord, load_json, validate_document
 from routelog.reader import check_commit, read_seal
+from routelog.root import StoreRoot
 from routelog.storage import ObjectStat
-from routelog.store import Store
 from routelog.writer import MAX_COMMIT_DELAY
 
 MIN_GRACE = 3600.0
@@ -75,7 +75,7 @@ class _StepSurvey:
 
 
 def collect_garbage(
-    store: Store, older_than: float, *, delete: bool = False, now: float | None = None, force: bool = False
+    store: StoreRoot, older_than: float, *, delete: bool = False, now: float | None = None, force: bool = False
 ) -> GcReport:
     """Find (and with ``delete``, remove) unreferenced part and seal objects older than ``older_than`` seconds.
 
@@ -92,12 +92,10 @@ def collect_garbage(
     now = time.time() if now is None else now
     report = GcReport()
     for step in store.steps():
-        base = layout.step_dir(step)
+        base = keys.step_dir(step)
         survey = _survey(store, step, report.damaged)
-        found = {
-            directory: storage.find(directory) for directory in (layout.parts_dir(step), layout.annotations_dir(step))
-        }
-        _check_claims(store, survey, found[layout.parts_dir(step)], report.damaged)
+        found = {directory: storage.find(directory) for directory in (keys.parts_dir(step), keys.annotations_dir(step))}
+        _check_claims(store, survey, found[keys.parts_dir(step)], report.damaged)
         # Candidates by unit of deletion: a whole part directory, or one consolidated seal object.
         candidates: dict[str, list[tuple[str, int, float]]] = {}
         for directory, listing in found.items():
@@ -109,7 +107,7 @@ def collect_garbage(
                 if part in survey.claimed or any(part.startswith(prefix) for prefix in survey.protected):
                     continue
                 candidates.setdefault(f"{directory}/{part}", []).append((key, stat.size, stat.modified))
-        for key, stat in storage.find(f"{base}/{layout.SEALED_DIR}").items():
+        for key, stat in storage.find(f"{base}/{keys.SEALED_DIR}").items():
             if key[len(base) + 1 :] not in survey.consolidated:
                 candidates.setdefault(key, []).append((key, stat.size, stat.modified))
         for unit, objects in candidates.items():
@@ -118,7 +116,7 @@ def collect_garbage(
                 report.kept_young += len(objects)
                 continue
             report.orphans.update({key: size for key, size, _ in objects})
-            if not unit.startswith(f"{base}/{layout.SEALED_DIR}"):
+            if not unit.startswith(f"{base}/{keys.SEALED_DIR}"):
                 report.trees.append(unit)
     if delete and report.damaged:
         raise GcRefusedError(
@@ -133,22 +131,22 @@ def collect_garbage(
     return report
 
 
-def _survey(store: Store, step: int, damaged: list[str]) -> _StepSurvey:
+def _survey(store: StoreRoot, step: int, damaged: list[str]) -> _StepSurvey:
     """Parse every commit, annotation and seal document of ``step``; unreadable ones go to ``damaged``."""
     storage = store.storage
     survey = _StepSurvey()
-    for directory in (layout.commits_dir(step), layout.annotations_dir(step)):
+    for directory in (keys.commits_dir(step), keys.annotations_dir(step)):
         for name in storage.list(directory):
             if not name.endswith(".json"):
                 continue
             key = f"{directory}/{name}"
             try:
-                if layout.parse_commit_name(name) is None:
+                if keys.parse_commit_name(name) is None:
                     raise GcRefusedError(f"{storage.url_of(key)}: not a commit name")
                 raw = load_json(storage.read(key), storage.url_of(key))
                 doc: CommitRecord | AnnotationCommit = (
                     validate_document(raw, CommitRecord, storage.url_of(key))
-                    if directory == layout.commits_dir(step)
+                    if directory == keys.commits_dir(step)
                     else validate_document(raw, AnnotationCommit, storage.url_of(key))
                 )
                 check_commit(doc, name, step, store.model_spec, storage.url_of(key))
@@ -165,12 +163,12 @@ def _survey(store: Store, step: int, damaged: list[str]) -> _StepSurvey:
         return survey
     if seal is None:
         return survey
-    existing = set(storage.list(layout.commits_dir(step)))
+    existing = set(storage.list(keys.commits_dir(step)))
     survey.protected.update(name.removesuffix("json") for name in seal.commits if name not in existing)
     if seal.consolidated is not None:
         info = seal.consolidated.commits
         survey.consolidated = {info.key, seal.consolidated.index.key}
-        key = f"{layout.step_dir(step)}/{info.key}"
+        key = f"{keys.step_dir(step)}/{info.key}"
         try:
             docs = load_json(storage.read_verified(key, info.size, info.sha256, "the seal"), storage.url_of(key))
             if not isinstance(docs, list):
@@ -181,11 +179,11 @@ def _survey(store: Store, step: int, damaged: list[str]) -> _StepSurvey:
     return survey
 
 
-def _check_claims(store: Store, survey: _StepSurvey, parts: dict[str, ObjectStat], damaged: list[str]) -> None:
+def _check_claims(store: StoreRoot, survey: _StepSurvey, parts: dict[str, ObjectStat], damaged: list[str]) -> None:
     """Every commit's part holds the objects it lists, at their sizes: a commit whose ``part`` was damaged names a
     directory that is not there, and the real part must not then look unreferenced."""
     for key, commit in survey.commits.items():
-        base = layout.part_dir(commit.step, commit.part)
+        base = keys.part_dir(commit.step, commit.part)
         wrong = [o.key for o in commit.objects if (stat := parts.get(f"{base}/{o.key}")) is None or stat.size != o.size]
         if wrong:
             url = store.storage.url_of(key)

@@ -20,7 +20,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from routelog import layout
+from routelog import keys
 from routelog.codec import IdArray, TopkOrder, decode_rows, storage_dtype
 from routelog.errors import CorruptDataError
 from routelog.format import (
@@ -111,7 +111,7 @@ def build_part(records: Sequence[PreparedRecord], spec: ModelSpec, options: Part
     attributes = {"num_experts": spec.num_experts, "moe_layers": list(spec.moe_layers)}
     info = _encode_array(
         [r.rows for r in records],
-        layout.ROUTING,
+        keys.ROUTING,
         spec.num_moe_layers,
         spec.num_experts,
         spec.topk,
@@ -134,7 +134,7 @@ def build_part(records: Sequence[PreparedRecord], spec: ModelSpec, options: Part
             {"stream": name, "num_experts": declared.universe},
             objects,
         )
-    objects[layout.INDEX] = index_to_parquet(rows)
+    objects[keys.INDEX] = index_to_parquet(rows)
     names = sorted({name for r in records for name in r.values})
     values = None
     if names:  # only parts with per-token columns carry the values object

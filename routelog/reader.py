@@ -7,12 +7,10 @@ of the sharded array; the array metadata comes embedded in the commit), concurre
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import zarr
 
-from routelog import layout
+from routelog import keys
 from routelog.codec import storage_dtype
 from routelog.errors import CorruptDataError, DuplicateSampleError, RecordNotFoundError
 from routelog.format import (
@@ -40,89 +38,18 @@ from routelog.format import (
     validate_document,
 )
 from routelog.part import BlockRequest, ShardIndexCache, fetch_blocks, index_from_parquet, shard_layout
-from routelog.record import Record
+from routelog.root import StoreRoot
+from routelog.routing import RecordRouting
 from routelog.spec import ModelSpec
 from routelog.storage import check_digest
 from routelog.values import FloatArray, values_from_parquet
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
-    from routelog.store import Store
 
 _VALUES_CACHE = 4
 """Values objects kept decoded per snapshot (streaming reads visit parts one after another)."""
-
-MISSING = -1
-"""Value of rows the engine never computed in :attr:`RecordRouting.expert_ids`."""
-
-
-@dataclass(frozen=True)
-class RecordRouting:
-    """The routing of one record for the layers asked for."""
-
-    info: IndexRow
-    by_layer: npt.NDArray[np.unsignedinteger[Any]]
-    """``[n_layers, n_tokens, topk]`` (C-contiguous, one ``[T, K]`` block per router) in the storage dtype
-    (uint8/uint16); rows not in ``valid`` hold 0."""
-    valid: npt.NDArray[np.bool_]
-    """``[n_tokens]``: rows the engine computed."""
-    moe_layers: tuple[int, ...]
-    """Positions of axis 1 on the MoE-only axis."""
-    layers: tuple[int, ...]
-    """Global layer indices of axis 1."""
-    topk_order: str
-    num_moe_layers: int
-    """Length of the model's MoE axis (``moe_layers`` may be a subset); of the stream's axis for a stream."""
-    stream: str | None = None
-    """The extra stream these rows are of (e.g. ``mtp``); None for the decoder routing."""
-
-    @property
-    def sample_id(self) -> str:
-        return self.info.sample_id
-
-    @property
-    def ids(self) -> npt.NDArray[np.unsignedinteger[Any]]:
-        """``[n_tokens, n_layers, topk]`` view of :attr:`by_layer` (not C-contiguous); invalid rows hold 0."""
-        return self.by_layer.transpose(1, 0, 2)
-
-    @cached_property
-    def expert_ids(self) -> npt.NDArray[np.signedinteger[Any]]:
-        """``[n_tokens, n_layers, topk]`` int16 (int32 above 32767 experts), C-contiguous; missing rows are -1."""
-        dtype = np.int16 if self.by_layer.dtype == np.uint8 or int(self.by_layer.max(initial=0)) < 32767 else np.int32
-        out: npt.NDArray[np.signedinteger[Any]] = np.ascontiguousarray(self.ids, dtype=dtype)
-        out[~self.valid] = MISSING
-        return out
-
-    def to_record(self) -> Record:
-        """The record as written (all of its layers must have been read), e.g. to export it to an engine layout."""
-        if self.stream is not None:
-            raise ValueError("to_record needs the decoder routing; this is the stream " + repr(self.stream))
-        if self.moe_layers != tuple(range(self.num_moe_layers)):
-            raise ValueError("to_record needs every MoE layer; read the record without moe_layers")
-        info = self.info
-        return Record(
-            sample_id=info.sample_id,
-            expert_ids=np.ascontiguousarray(self.ids),
-            prompt_len=info.prompt_len,
-            response_len=info.response_len,
-            valid=self.valid,
-            token_ids=None if info.token_ids is None else np.asarray(info.token_ids, dtype=np.int64),
-            token_hash=info.token_hash,
-            group_id=info.group_id,
-            policy_version=info.policy_version,
-            engine=info.engine,
-            engine_version=info.engine_version,
-            segments=info.segments,
-            extra=None if info.extra is None else json.loads(info.extra),
-            payload_start=info.payload_start,
-        )
-
-    def to_torch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(expert_ids, valid)`` as torch tensors (int16/int32 and bool)."""
-        import torch
-
-        return torch.from_numpy(self.expert_ids), torch.from_numpy(self.valid)
 
 
 @dataclass(frozen=True)
@@ -156,7 +83,7 @@ class _PartRead:
 class StepSnapshot:
     """The committed records of one step at the time it was loaded."""
 
-    store: Store
+    store: StoreRoot
     step: int
     commits: list[CommitRecord]
     index: pa.Table
@@ -177,7 +104,7 @@ class StepSnapshot:
     def __post_init__(self) -> None:
         self._commit_column = self.index.column("_commit").to_numpy()
         self._n_tokens = self.index.column("n_tokens").to_numpy()
-        self._own = {layout.part_dir(self.step, c.part): c for c in self.commits}
+        self._own = {keys.part_dir(self.step, c.part): c for c in self.commits}
         ids = self.index.column("sample_id").to_pylist()
         positions: dict[str, int] = {}
         for i, sid in enumerate(ids):
@@ -195,7 +122,7 @@ class StepSnapshot:
 
     # -- loading -------------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, store: Store, step: int, *, as_of: datetime | None = None) -> StepSnapshot:
+    def load(cls, store: StoreRoot, step: int, *, as_of: datetime | None = None) -> StepSnapshot:
         """The step's committed records; with ``as_of``, only commits created by then (and the seal only if it
         was sealed by then), i.e. the step as a reader saw it at that time.
 
@@ -209,20 +136,20 @@ class StepSnapshot:
         if seal is not None and seal.consolidated is not None:
             return cls._load_consolidated(store, step, seal, seal.consolidated, as_of)
         names = seal.commits if seal is not None else list_commit_names(store, step)
-        keys = [layout.commit_key(step, n) for n in names]
+        commit_keys = [keys.commit_key(step, n) for n in names]
         try:
-            raw = storage.read_many(keys)
+            raw = storage.read_many(commit_keys)
         except FileNotFoundError as exc:
             raise CorruptDataError(f"step {step} of {store.url}: a commit the seal lists is missing ({exc})") from None
-        commits = [parse_document(raw[k], CommitRecord, storage.url_of(k)) for k in keys]
+        commits = [parse_document(raw[k], CommitRecord, storage.url_of(k)) for k in commit_keys]
         for name, commit in zip(names, commits, strict=True):
-            check_commit(commit, name, step, store.model_spec, storage.url_of(layout.commit_key(step, name)))
+            check_commit(commit, name, step, store.model_spec, storage.url_of(keys.commit_key(step, name)))
         if as_of is not None:
             commits = [c for c in commits if c.created_at <= as_of]
         tables = []
         for i, commit in enumerate(commits):
-            key = f"{layout.part_dir(step, commit.part)}/{layout.INDEX}"
-            info = object_info(commit, layout.INDEX, storage.url_of(layout.commit_key(step, commit.name)))
+            key = f"{keys.part_dir(step, commit.part)}/{keys.INDEX}"
+            info = object_info(commit, keys.INDEX, storage.url_of(keys.commit_key(step, commit.name)))
             data = storage.read_verified(key, info.size, info.sha256, f"commit {commit.name}")
             table = _parquet(data, storage.url_of(key))
             tables.append(table.append_column("_commit", pa.array([i] * table.num_rows, pa.int32())))
@@ -235,11 +162,11 @@ class StepSnapshot:
 
     @classmethod
     def _load_consolidated(
-        cls, store: Store, step: int, seal: SealRecord, consolidated: Consolidated, as_of: datetime | None
+        cls, store: StoreRoot, step: int, seal: SealRecord, consolidated: Consolidated, as_of: datetime | None
     ) -> StepSnapshot:
         """A sealed step from its two consolidated objects (checked against the seal's SHA-256s)."""
         storage = store.storage
-        base = layout.step_dir(step)
+        base = keys.step_dir(step)
         owner = f"the seal of step {step}"
         commits_key, index_key = (f"{base}/{consolidated.commits.key}", f"{base}/{consolidated.index.key}")
         try:
@@ -389,11 +316,11 @@ class StepSnapshot:
         """The step's annotation commits (per-token columns added after the records; as of :attr:`as_of`)."""
         if self._annotations is None:
             storage = self.store.storage
-            names = [n for n in storage.list(layout.annotations_dir(self.step)) if layout.parse_commit_name(n)]
-            keys = [layout.annotation_key(self.step, n) for n in names]
-            raw = storage.read_many(keys)
+            names = [n for n in storage.list(keys.annotations_dir(self.step)) if keys.parse_commit_name(n)]
+            annotation_keys = [keys.annotation_key(self.step, n) for n in names]
+            raw = storage.read_many(annotation_keys)
             docs = []
-            for name, key in zip(names, keys, strict=True):
+            for name, key in zip(names, annotation_keys, strict=True):
                 doc = parse_document(raw[key], AnnotationCommit, storage.url_of(key))
                 check_commit(doc, name, self.step, self.store.model_spec, storage.url_of(key))
                 docs.append(doc)
@@ -421,9 +348,9 @@ class StepSnapshot:
         for sid in lengths:
             commit = self.commits[self._commit_of(self._position(sid))]
             if commit.values is not None:
-                holders[layout.part_dir(self.step, commit.part)] = (commit, commit.values)
+                holders[keys.part_dir(self.step, commit.part)] = (commit, commit.values)
         for annotation in self.annotations:
-            holders[f"{layout.annotations_dir(self.step)}/{annotation.part}"] = (annotation, annotation.values)
+            holders[f"{keys.annotations_dir(self.step)}/{annotation.part}"] = (annotation, annotation.values)
         for base, (holder, declared) in holders.items():
             columns = sorted(wanted & {c.name for c in declared.columns})
             if not columns:
@@ -480,12 +407,12 @@ class StepSnapshot:
     def open_zarr(self, part: str) -> zarr.Array[Any]:
         """A part's routing array opened with zarr-python (stored form: gaps when sorted, uint16 as byte planes;
         see ``schemas/FORMAT.md``). For interoperability; :meth:`read_many` is the fast path."""
-        commit = self._own[layout.part_dir(self.step, part)]
-        store = self.store.storage.zarr_store(f"{layout.part_dir(self.step, part)}/{commit.routing.path}")
+        commit = self._own[keys.part_dir(self.step, part)]
+        store = self.store.storage.zarr_store(f"{keys.part_dir(self.step, part)}/{commit.routing.path}")
         return zarr.open_array(store, mode="r")
 
     def _part_key(self, sample_id: str) -> str:
-        return layout.part_dir(self.step, self.commits[self._commit_of(self._position(sample_id))].part)
+        return keys.part_dir(self.step, self.commits[self._commit_of(self._position(sample_id))].part)
 
     def _commit_for(self, part_key: str) -> CommitRecord:
         return self._own.get(part_key) or self._foreign_commit(part_key)
@@ -495,14 +422,14 @@ class StepSnapshot:
         there (and listed by that step's seal, if sealed), and name exactly that part."""
         if part_key in self._foreign:
             return self._foreign[part_key]
-        parsed = layout.parse_span_part(part_key)
+        parsed = keys.parse_span_part(part_key)
         if parsed is None:
             raise CorruptDataError(f"span reference {part_key!r} is not a part path of this store")
         step, part = parsed
         if step == self.step:
             raise CorruptDataError(f"span reference {part_key!r} names a part this step does not commit")
         name = part.rsplit(".", 1)[0] + ".json"
-        key = layout.commit_key(step, name)
+        key = keys.commit_key(step, name)
         storage = self.store.storage
         try:
             commit = parse_document(storage.read(key), CommitRecord, storage.url_of(key))
@@ -550,10 +477,10 @@ def _concat(tables: list[pa.Table], where: str) -> pa.Table:
 
 
 # -- checks shared by readers and verify ----------------------------------------------------------------------------
-def read_seal(store: Store, step: int) -> SealRecord | None:
+def read_seal(store: StoreRoot, step: int) -> SealRecord | None:
     """The step's seal document, or None when the step is not sealed."""
     storage = store.storage
-    key = layout.seal_key(step)
+    key = keys.seal_key(step)
     try:
         data = storage.read(key)
     except FileNotFoundError:
@@ -564,9 +491,9 @@ def read_seal(store: Store, step: int) -> SealRecord | None:
     return seal
 
 
-def list_commit_names(store: Store, step: int) -> list[str]:
+def list_commit_names(store: StoreRoot, step: int) -> list[str]:
     """File names of the step's commit documents (other names in the directory are ignored)."""
-    return [n for n in store.storage.list(layout.commits_dir(step)) if layout.parse_commit_name(n)]
+    return [n for n in store.storage.list(keys.commits_dir(step)) if keys.parse_commit_name(n)]
 
 
 def check_commit(commit: CommitRecord | AnnotationCommit, name: str, step: int, spec: ModelSpec, where: str) -> None:

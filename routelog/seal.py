@@ -20,11 +20,10 @@ import io
 import json
 import secrets
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 
-from routelog import layout
+from routelog import keys
 from routelog.errors import StepSealedError
 from routelog.format import (
     Consolidated,
@@ -35,24 +34,24 @@ from routelog.format import (
     utc_now,
 )
 from routelog.reader import StepSnapshot, read_seal
-
-if TYPE_CHECKING:
-    from routelog.store import Store
+from routelog.root import StoreRoot
 
 
-def seal_step(store: Store, step: int, *, after_listing: Callable[[Sequence[str]], None] | None = None) -> SealRecord:
+def seal_step(
+    store: StoreRoot, step: int, *, after_listing: Callable[[Sequence[str]], None] | None = None
+) -> SealRecord:
     """Seal ``step`` exactly once; :class:`StepSealedError` if it already is (by this or another process).
 
     ``after_listing`` is called with the commit names the seal will hold, between the listing and the seal's
     create: tests use it to make the commit/seal race deterministic.
     """
     storage = store.storage
-    key = layout.seal_key(step)
+    key = keys.seal_key(step)
     existing = read_seal(store, step)
     if existing is not None:
         raise StepSealedError(f"step {step} of {store.url} was already sealed at {existing.sealed_at.isoformat()}")
     intent = SealIntent(step=step, started_at=utc_now())
-    storage.create(layout.sealing_key(step), dump_document(intent))  # an earlier sealer's intent serves as well
+    storage.create(keys.sealing_key(step), dump_document(intent))  # an earlier sealer's intent serves as well
     snapshot = StepSnapshot.load(store, step)  # lists the commits after the intent exists (in name order)
     names = [c.name for c in snapshot.commits]
     if after_listing is not None:
@@ -62,10 +61,10 @@ def seal_step(store: Store, step: int, *, after_listing: Callable[[Sequence[str]
     pq.write_table(snapshot.index, sink, compression="zstd")
     nonce = secrets.token_hex(6)
     objects = {
-        f"{layout.SEALED_DIR}/{nonce}.commits.json": commits_json,
-        f"{layout.SEALED_DIR}/{nonce}.index.parquet": sink.getvalue(),
+        f"{keys.SEALED_DIR}/{nonce}.commits.json": commits_json,
+        f"{keys.SEALED_DIR}/{nonce}.index.parquet": sink.getvalue(),
     }
-    base = layout.step_dir(step)
+    base = keys.step_dir(step)
     storage.write_many({f"{base}/{k}": v for k, v in objects.items()})
     infos = [SealedObjectInfo(key=k, size=len(v), sha256=hashlib.sha256(v).hexdigest()) for k, v in objects.items()]
     seal = SealRecord(

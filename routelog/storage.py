@@ -25,7 +25,7 @@ from fsspec.spec import AbstractFileSystem
 from zarr.storage import FsspecStore
 
 from routelog.errors import CorruptDataError, StoreError
-from routelog.layout import check_key
+from routelog.keys import check_key
 
 T = TypeVar("T")
 

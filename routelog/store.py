@@ -5,70 +5,42 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import JsonValue
 
-from routelog import layout
-from routelog.errors import ModelSpecError, StoreError, StoreNotFoundError
-from routelog.format import RunDocument, dump_document, parse_document, utc_now
+from routelog import keys
+from routelog.annotate import Annotator
+from routelog.errors import ModelSpecError, StoreError
+from routelog.format import RunDocument, SealRecord, dump_document, utc_now
+from routelog.part import PartOptions
+from routelog.reader import StepSnapshot
+from routelog.root import StoreRoot, read_run_document
+from routelog.seal import seal_step
 from routelog.spec import ModelSpec
 from routelog.storage import Storage
-
-if TYPE_CHECKING:
-    from routelog.annotate import Annotator
-    from routelog.format import SealRecord
-    from routelog.part import PartOptions
-    from routelog.reader import StepSnapshot
-    from routelog.writer import StepWriter
+from routelog.writer import StepWriter
 
 
-class Store:
-    """A routelog store: the run document plus steps of committed records."""
-
-    def __init__(self, storage: Storage, run: RunDocument) -> None:
-        self.storage = storage
-        self.run = run
+class Store(StoreRoot):
+    """A routelog store: the run document plus steps of committed records. The one entry point: read a step,
+    write, annotate, seal, verify, collect garbage, drop records."""
 
     @classmethod
     def on(cls, storage: Storage) -> Store:
         """The store rooted at an already configured :class:`~routelog.storage.Storage`."""
-        try:
-            data = storage.read(layout.RUN_DOCUMENT)
-        except FileNotFoundError:
-            raise StoreNotFoundError(
-                f"no routelog store at {storage.url!r} (no {layout.RUN_DOCUMENT}); create one with "
-                "routelog.create_store or by writing records (routelog synth, routelog ingest)"
-            ) from None
-        return cls(storage, parse_document(data, RunDocument, storage.url_of(layout.RUN_DOCUMENT)))
+        return cls(storage, read_run_document(storage))
 
     def __repr__(self) -> str:
         return f"Store({self.url!r}, run_id={self.run.run_id!r})"
 
-    @property
-    def url(self) -> str:
-        return self.storage.url
-
-    @property
-    def model_spec(self) -> ModelSpec:
-        return self.run.model_spec
-
-    def steps(self) -> list[int]:
-        """Steps that have a directory in the store, ascending (a step whose writers all crashed has no records)."""
-        names = self.storage.list(layout.STEPS)
-        return sorted(s for s in (layout.parse_step_name(n) for n in names) if s is not None)
-
     def step(self, step: int, *, as_of: datetime | None = None) -> StepSnapshot:
         """The committed records of ``step`` now (exactly the sealed set, once sealed), or as they were at
         ``as_of`` (commits created by then, by the writers' clocks)."""
-        from routelog.reader import StepSnapshot
-
         return StepSnapshot.load(self, step, as_of=as_of)
 
     def annotate(self, step: int, writer_id: str) -> Annotator:
         """Attach per-token columns (e.g. the trainer's ``logprob_train``) to records committed in ``step``."""
-        from routelog.annotate import Annotator
-
         return Annotator(self, step, writer_id)
 
     def writer(
@@ -83,16 +55,12 @@ class Store:
         """A writer appending records to ``step``; use it as a context manager.
 
         ``streaming`` takes :class:`~routelog.writer.StepWriter`'s ``flush_seconds``, ``max_pending``,
-        ``background`` and ``on_commit``.
+        ``background``, ``on_commit``, ``seal_wait`` and ``max_commit_delay``.
         """
-        from routelog.writer import StepWriter
-
         return StepWriter(self, step, writer_id=writer_id, options=options, flush_bytes=flush_bytes, **streaming)
 
     def seal(self, step: int) -> SealRecord:
         """Close ``step``: its content becomes exactly the commits made so far; see :func:`routelog.seal.seal_step`."""
-        from routelog.seal import seal_step
-
         return seal_step(self, step)
 
 
@@ -121,7 +89,7 @@ def create_store(
         model_spec=model_spec,
         config=dict(config or {}),
     )
-    if storage.create(layout.RUN_DOCUMENT, dump_document(doc)):
+    if storage.create(keys.RUN_DOCUMENT, dump_document(doc)):
         return Store(storage, doc)
     store = open_store(url, storage_options=storage_options)
     if not store.model_spec.compatible_with(model_spec):

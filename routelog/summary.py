@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from routelog import layout
+from routelog import keys
 from routelog.format import FORMAT_VERSION
 from routelog.reader import StepSnapshot
-from routelog.store import Store
+from routelog.root import StoreRoot
 
 
 def step_summary(snapshot: StepSnapshot) -> dict[str, Any]:
@@ -26,14 +26,14 @@ def step_summary(snapshot: StepSnapshot) -> dict[str, Any]:
     }
 
 
-def store_summary(store: Store) -> dict[str, Any]:
+def store_summary(store: StoreRoot) -> dict[str, Any]:
     """The whole store: run, model spec, per-step counts and totals.
 
     ``bytes_per_token_layer`` divides the routing arrays' stored bytes by the stored token rows times the MoE
     layers: the figure the codec's entropy-bound goal is stated in.
     """
     spec = store.model_spec
-    steps = [step_summary(store.step(s)) for s in store.steps()]
+    steps = [step_summary(StepSnapshot.load(store, s)) for s in store.steps()]
     rows = sum(s["stored_rows"] for s in steps)
     routing_bytes = sum(s["routing_bytes"] for s in steps)
     return {
@@ -54,8 +54,8 @@ def store_summary(store: Store) -> dict[str, Any]:
     }
 
 
-def _run_document_size(store: Store) -> int:
-    return store.storage.size(layout.RUN_DOCUMENT)
+def _run_document_size(store: StoreRoot) -> int:
+    return store.storage.size(keys.RUN_DOCUMENT)
 
 
 def record_listing(snapshot: StepSnapshot) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from routelog import layout
+from routelog import keys
 from routelog.errors import CorruptDataError, RoutelogError
 from routelog.format import (
     AnnotationCommit,
@@ -25,9 +25,10 @@ from routelog.format import (
     parse_document,
 )
 from routelog.part import index_from_parquet, shard_layout
-from routelog.reader import RecordRouting, StepSnapshot, check_commit, list_commit_names, read_seal
+from routelog.reader import StepSnapshot, check_commit, list_commit_names, read_seal
+from routelog.root import StoreRoot
+from routelog.routing import RecordRouting
 from routelog.storage import Storage
-from routelog.store import Store
 
 _BATCH = 64
 """Records read (and decoded) at a time."""
@@ -49,7 +50,7 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_store(store: Store, *, progress: Callable[[str], None] | None = None) -> VerifyReport:
+def verify_store(store: StoreRoot, *, progress: Callable[[str], None] | None = None) -> VerifyReport:
     """Check every step: documents, objects (sizes, SHA-256s, nothing unlisted), indexes, spans, and every row."""
     report = VerifyReport()
     for step in store.steps():
@@ -63,12 +64,12 @@ def verify_store(store: Store, *, progress: Callable[[str], None] | None = None)
     return report
 
 
-def _verify_step(store: Store, step: int, report: VerifyReport) -> None:
+def _verify_step(store: StoreRoot, step: int, report: VerifyReport) -> None:
     storage = store.storage
     names = list_commit_names(store, step)
     commits: list[CommitRecord] = []
     for name in names:
-        key = layout.commit_key(step, name)
+        key = keys.commit_key(step, name)
         try:
             commit = parse_document(storage.read(key), CommitRecord, storage.url_of(key))
             check_commit(commit, name, step, store.model_spec, storage.url_of(key))
@@ -81,7 +82,7 @@ def _verify_step(store: Store, step: int, report: VerifyReport) -> None:
         _verify_part(store, step, commit, report)
     _verify_seal(store, step, names, commits, report)
     committed = {c.part for c in commits}
-    for part in storage.list(layout.parts_dir(step)):
+    for part in storage.list(keys.parts_dir(step)):
         if part not in committed:
             report.notes.append(
                 f"step {step}: part {part!r} has no commit (a writer died before committing); "
@@ -96,10 +97,10 @@ def _verify_step(store: Store, step: int, report: VerifyReport) -> None:
     _verify_values(snapshot, report)
 
 
-def _verify_part(store: Store, step: int, commit: CommitRecord, report: VerifyReport) -> None:
+def _verify_part(store: StoreRoot, step: int, commit: CommitRecord, report: VerifyReport) -> None:
     """The part's directory holds exactly the listed objects, intact, and its index agrees with the commit."""
     storage = store.storage
-    base = layout.part_dir(step, commit.part)
+    base = keys.part_dir(step, commit.part)
     where = storage.url_of(base)
     present = {key[len(base) + 1 :] for key in storage.find(base)}
     listed = {o.key for o in commit.objects}
@@ -113,10 +114,10 @@ def _verify_part(store: Store, step: int, commit: CommitRecord, report: VerifyRe
             blobs[obj.key] = data
     for array in (commit.routing, *commit.streams.values()):
         _verify_zarr_json(where, array, blobs.get(f"{array.path}/zarr.json"), report)
-    if layout.INDEX not in blobs:
+    if keys.INDEX not in blobs:
         return
     try:
-        rows = [IndexRow.model_validate(r) for r in index_from_parquet(blobs[layout.INDEX]).to_pylist()]
+        rows = [IndexRow.model_validate(r) for r in index_from_parquet(blobs[keys.INDEX]).to_pylist()]
     except (ValueError, OSError) as exc:
         report.problems.append(f"{where}: the index does not parse ({str(exc).splitlines()[0]})")
         return
@@ -157,7 +158,9 @@ def _verify_coverage(where: str, what: str, n_rows: int, spans: list[Span], repo
         )
 
 
-def _verify_seal(store: Store, step: int, names: list[str], commits: list[CommitRecord], report: VerifyReport) -> None:
+def _verify_seal(
+    store: StoreRoot, step: int, names: list[str], commits: list[CommitRecord], report: VerifyReport
+) -> None:
     storage = store.storage
     seal = read_seal(store, step)
     if seal is None:
@@ -171,11 +174,11 @@ def _verify_seal(store: Store, step: int, names: list[str], commits: list[Commit
     if seal.consolidated is None:
         return
     info = seal.consolidated.commits
-    key = f"{layout.step_dir(step)}/{info.key}"
+    key = f"{keys.step_dir(step)}/{info.key}"
     report.objects += 2
     data = _read_checked(storage, key, info.size, info.sha256, "the seal", report)
     index = seal.consolidated.index
-    _read_checked(storage, f"{layout.step_dir(step)}/{index.key}", index.size, index.sha256, "the seal", report)
+    _read_checked(storage, f"{keys.step_dir(step)}/{index.key}", index.size, index.sha256, "the seal", report)
     if data is None:
         return
     by_name = {c.name: c.model_dump(mode="json") for c in commits}
@@ -250,7 +253,7 @@ def _verify_values(snapshot: StepSnapshot, report: VerifyReport) -> None:
 
 
 def _verify_annotation_objects(storage: Storage, step: int, annotation: AnnotationCommit, report: VerifyReport) -> None:
-    base = f"{layout.annotations_dir(step)}/{annotation.part}"
+    base = f"{keys.annotations_dir(step)}/{annotation.part}"
     present = {key[len(base) + 1 :] for key in storage.find(base)}
     extra = present - {o.key for o in annotation.objects}
     if extra:

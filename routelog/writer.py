@@ -30,9 +30,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING
 
-from routelog import layout
+from routelog import keys
 from routelog.errors import (
     CommitConflictError,
     CommitUndecidedError,
@@ -45,9 +44,7 @@ from routelog.format import CommitRecord, dump_document, parse_document, utc_now
 from routelog.part import BuiltPart, PartOptions, build_part, index_from_parquet
 from routelog.reader import read_seal
 from routelog.record import PreparedRecord, Record, prepare_record
-
-if TYPE_CHECKING:
-    from routelog.store import Store
+from routelog.root import StoreRoot
 
 DEFAULT_FLUSH_BYTES = 64 << 20
 """Raw-equivalent bytes of routing buffered before a part is written (zarr's >= 1 MB advice, S3's 8-16 MB GETs)."""
@@ -91,7 +88,7 @@ class StepWriter:
 
     def __init__(
         self,
-        store: Store,
+        store: StoreRoot,
         step: int,
         *,
         writer_id: str | None = None,
@@ -105,8 +102,8 @@ class StepWriter:
         max_commit_delay: float = MAX_COMMIT_DELAY,
     ) -> None:
         self.store = store
-        self.step = layout.check_step(step)
-        self.writer_id = layout.check_writer_id(writer_id or default_writer_id())
+        self.step = keys.check_step(step)
+        self.writer_id = keys.check_writer_id(writer_id or default_writer_id())
         self.options = options or PartOptions()
         self.flush_bytes = flush_bytes or DEFAULT_FLUSH_BYTES
         self.flush_seconds = flush_seconds
@@ -139,9 +136,9 @@ class StepWriter:
     def _check_not_sealed(self) -> None:
         """Refuse to upload into a step that is sealed or being sealed (its commits would be refused)."""
         storage = self.store.storage
-        if storage.exists(layout.seal_key(self.step)):
+        if storage.exists(keys.seal_key(self.step)):
             raise StepSealedError(f"step {self.step} of {self.store.url} is sealed and accepts no more records")
-        if storage.exists(layout.sealing_key(self.step)):
+        if storage.exists(keys.sealing_key(self.step)):
             raise StepSealedError(
                 f"step {self.step} of {self.store.url} is being sealed and accepts no more records (if the sealer "
                 f"died, finish it: routelog seal {self.store.url} --step {self.step})"
@@ -152,14 +149,14 @@ class StepWriter:
         storage = self.store.storage
         names = [
             n
-            for n in storage.list(layout.commits_dir(self.step))
-            if (parsed := layout.parse_commit_name(n)) is not None and parsed[0] == self.writer_id
+            for n in storage.list(keys.commits_dir(self.step))
+            if (parsed := keys.parse_commit_name(n)) is not None and parsed[0] == self.writer_id
         ]
         if not names:
             return 0, {}
-        keys = [layout.commit_key(self.step, n) for n in names]
-        commits = [parse_document(data, CommitRecord, key) for key, data in storage.read_many(keys).items()]
-        indexes = storage.read_many(f"{layout.part_dir(self.step, c.part)}/{layout.INDEX}" for c in commits)
+        commit_keys = [keys.commit_key(self.step, n) for n in names]
+        commits = [parse_document(data, CommitRecord, key) for key, data in storage.read_many(commit_keys).items()]
+        indexes = storage.read_many(f"{keys.part_dir(self.step, c.part)}/{keys.INDEX}" for c in commits)
         committed: dict[str, tuple[str | None, int]] = {}
         for data in indexes.values():
             table = index_from_parquet(data)
@@ -321,7 +318,7 @@ class StepWriter:
     def _confirm_commit(self, commit: CommitRecord, sample_ids: list[str]) -> None:
         """The seal fence: a commit is done unless a seal in progress may have listed the step before it."""
         storage = self.store.storage
-        if not storage.exists(layout.sealing_key(self.step)):
+        if not storage.exists(keys.sealing_key(self.step)):
             return  # any seal starts after this moment, so it lists this commit
         deadline = time.monotonic() + self.seal_wait
         delay = 0.05
@@ -415,7 +412,7 @@ class StepWriter:
 
 
 def _isolate_failures(
-    records: list[PreparedRecord], store: Store, options: PartOptions
+    records: list[PreparedRecord], store: StoreRoot, options: PartOptions
 ) -> tuple[list[PreparedRecord], dict[str, str]]:
     """When a part fails to build, the records that build on their own, and why each of the others fails: one bad
     record costs only itself, never the good records it shares a part with."""
@@ -432,7 +429,7 @@ def _isolate_failures(
 
 
 def publish_part(
-    store: Store,
+    store: StoreRoot,
     step: int,
     writer_id: str,
     seq: int,
@@ -447,11 +444,11 @@ def publish_part(
     that is about to be committed.
     """
     storage = store.storage
-    key = layout.commit_key(step, layout.commit_name(writer_id, seq))
+    key = keys.commit_key(step, keys.commit_name(writer_id, seq))
     for _ in range(_UPLOAD_ATTEMPTS):
         started = time.monotonic()
-        part = layout.new_part_name(writer_id, seq)
-        base = layout.part_dir(step, part)
+        part = keys.new_part_name(writer_id, seq)
+        base = keys.part_dir(step, part)
         storage.write_many({f"{base}/{name}": data for name, data in built.objects.items()})
         if time.monotonic() - started <= max_commit_delay:
             break

@@ -25,7 +25,7 @@ from routelog.align import (
     parse_micro_batches,
     zigzag_chunks,
 )
-from routelog.reader import RecordRouting
+from routelog.routing import RecordRouting
 
 N_LAYERS = 8
 

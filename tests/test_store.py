@@ -20,8 +20,8 @@ from routelog import (
     Record,
     RecordNotFoundError,
     StoreNotFoundError,
+    keys,
 )
-from routelog import layout as keys
 from routelog.format import CommitRecord, IndexRow, ObjectInfo, Span, dump_document
 from routelog.part import index_to_parquet
 from routelog.storage import Storage

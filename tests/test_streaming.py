@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import routelog
-from routelog import ModelSpec, Record, StepSealedError
-from routelog import layout as keys
+from routelog import ModelSpec, Record, StepSealedError, keys
 from routelog.gc import collect_garbage, parse_duration
 from routelog.part import PartOptions, build_part
 from routelog.record import prepare_record

@@ -26,7 +26,7 @@ from benchlib import peak_rss_mb
 import routelog
 from routelog import PartOptions, Record
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords, gather
-from routelog.reader import RecordRouting
+from routelog.routing import RecordRouting
 from routelog.synth import synth_routing, synthetic_spec
 
 RANK = RankCoords(tp=1, cp=1, pp=2)

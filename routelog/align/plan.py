@@ -20,7 +20,7 @@ from routelog.align.layout import LocalRouter, ParallelLayout, RankCoords, local
 from routelog.align.packing import Packing, nemo_pad_to, pack
 from routelog.align.positions import PAD, rank_positions
 from routelog.errors import AlignmentError
-from routelog.reader import RecordRouting
+from routelog.routing import RecordRouting
 from routelog.spec import ModelSpec
 
 

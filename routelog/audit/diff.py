@@ -14,10 +14,10 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel
 
+from routelog.audit.r3 import routing_differences
 from routelog.audit.units import WorkUnit, batches, pack, unpack
 from routelog.errors import InvalidRecordError
 from routelog.format import IndexRow
-from routelog.metrics import routing_differences
 
 
 class TokenMismatchError(InvalidRecordError):

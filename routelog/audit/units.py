@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from routelog.reader import RecordRouting, StepSnapshot
+from routelog.reader import StepSnapshot
+from routelog.routing import RecordRouting
 from routelog.store import Store, open_store
 
 DEFAULT_UNIT_RECORDS = 256

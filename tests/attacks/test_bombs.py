@@ -25,7 +25,7 @@ import pytest
 from numcodecs import Zstd
 
 import routelog
-from routelog import layout
+from routelog import keys
 from routelog.engines import sglang, vllm
 from routelog.errors import (
     CorruptDataError,
@@ -60,13 +60,13 @@ def bounded_allocation() -> Iterator[None]:
 
 
 def _first_commit(storage: Storage) -> tuple[str, dict[str, Any]]:
-    key = layout.commit_key(0, storage.list(layout.commits_dir(0))[0])
+    key = keys.commit_key(0, storage.list(keys.commits_dir(0))[0])
     return key, json.loads(storage.read(key))
 
 
 def _replace_object(storage: Storage, commit_key: str, commit: dict[str, Any], name: str, data: bytes) -> None:
     """Overwrite one object of a part and re-list it in the commit, so only the bomb itself is wrong."""
-    storage.write(f"{layout.part_dir(0, commit['part'])}/{name}", data)
+    storage.write(f"{keys.part_dir(0, commit['part'])}/{name}", data)
     for obj in commit["objects"]:
         if obj["key"] == name:
             obj.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
@@ -97,7 +97,7 @@ def test_an_index_row_claiming_two_billion_tokens_is_refused(memory_url: str) ->
     build_store(memory_url, sealed=False)
     storage = routelog.open_store(memory_url).storage
     key, commit = _first_commit(storage)
-    index_key = f"{layout.part_dir(0, commit['part'])}/{layout.INDEX}"
+    index_key = f"{keys.part_dir(0, commit['part'])}/{keys.INDEX}"
     table = pq.read_table(io.BytesIO(storage.read(index_key)))
     rows = table.to_pylist()
     rows[0]["n_tokens"] = rows[0]["prompt_len"] = 2**31 - 1 - rows[0]["response_len"]
@@ -105,7 +105,7 @@ def test_an_index_row_claiming_two_billion_tokens_is_refused(memory_url: str) ->
     sink = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), sink)
     commit["n_tokens"] = sum(r["n_tokens"] for r in rows)
-    _replace_object(storage, key, commit, layout.INDEX, sink.getvalue())
+    _replace_object(storage, key, commit, keys.INDEX, sink.getvalue())
     with bounded_allocation(), pytest.raises(CorruptDataError, match=r"n_tokens|less than or equal"):
         read_everything(memory_url)
 
@@ -117,7 +117,7 @@ def test_a_zstd_frame_expanding_to_a_gibibyte_is_refused(memory_url: str) -> Non
     info = RoutingArrayInfo.model_validate(commit["routing"])
     layout_ = shard_layout(info)
     name = f"{info.path}/{layout_.shard_key}"
-    shard = storage.read(f"{layout.part_dir(0, commit['part'])}/{name}")
+    shard = storage.read(f"{keys.part_dir(0, commit['part'])}/{name}")
     bomb = bytes(Zstd(level=1).encode(np.zeros(1 << 30, dtype=np.uint8)))
     piece = bomb + _crc(bomb)
     n = layout_.index_nbytes
@@ -139,13 +139,13 @@ def test_a_zstd_frame_expanding_to_a_gibibyte_is_refused(memory_url: str) -> Non
 def test_json_nested_a_hundred_thousand_deep_is_refused(memory_url: str, document: str) -> None:
     build_store(memory_url, sealed=document == "seal")
     storage = routelog.open_store(memory_url).storage
-    keys = {
-        "seal": layout.seal_key(0),
+    documents = {
+        "seal": keys.seal_key(0),
         "commit": _first_commit(storage)[0],
-        "annotation": layout.annotation_key(0, "trainer.00000000.json"),
-        "run": layout.RUN_DOCUMENT,
+        "annotation": keys.annotation_key(0, "trainer.00000000.json"),
+        "run": keys.RUN_DOCUMENT,
     }
-    storage.write(keys[document], b'{"format_version": 1, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    storage.write(documents[document], b'{"format_version": 1, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
     with bounded_allocation(), pytest.raises(CorruptDataError, match="nested"):
         read_everything(memory_url)
 
@@ -163,16 +163,16 @@ def test_features_of_the_wrong_type_are_corruption_everywhere(memory_url: str) -
 def test_a_newer_commit_inside_a_v1_seal_is_refused(memory_url: str) -> None:
     build_store(memory_url)
     storage = routelog.open_store(memory_url).storage
-    seal = json.loads(storage.read(layout.seal_key(0)))
+    seal = json.loads(storage.read(keys.seal_key(0)))
     info = seal["consolidated"]["commits"]
-    commits_key = f"{layout.step_dir(0)}/{info['key']}"
+    commits_key = f"{keys.step_dir(0)}/{info['key']}"
     docs = json.loads(storage.read(commits_key))
     docs[0]["format_version"] = 2
     docs[0]["features"] = ["dedup-spans-v9"]
     data = json.dumps(docs).encode()
     storage.write(commits_key, data)
     info.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
-    storage.write(layout.seal_key(0), json.dumps(seal).encode())
+    storage.write(keys.seal_key(0), json.dumps(seal).encode())
     with pytest.raises(FormatVersionError):
         read_everything(memory_url)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import routelog
-from routelog import layout
+from routelog import keys
 from routelog.errors import GcRefusedError, StoreError
 from routelog.gc import MIN_GRACE, collect_garbage
 from routelog.writer import MAX_COMMIT_DELAY
@@ -18,7 +18,7 @@ from tests.attacks.kit import SPEC, assert_same, build_store, make_records, read
 
 
 def _orphan(store: routelog.Store) -> str:
-    key = f"{layout.part_dir(0, 'dead.00000009.0123456789ab')}/index.parquet"
+    key = f"{keys.part_dir(0, 'dead.00000009.0123456789ab')}/index.parquet"
     store.storage.write(key, b"a dead writer's upload")
     return key
 
@@ -29,11 +29,11 @@ def test_a_flipped_byte_in_the_seal_never_makes_gc_delete_committed_data(tmp_pat
     expected = build_store(url)
     store = routelog.open_store(url)
     orphan = _orphan(store)
-    original = store.storage.read(layout.seal_key(0))
+    original = store.storage.read(keys.seal_key(0))
     damaged = bytearray(original)
     position = random.Random(seed).randrange(len(damaged))
     damaged[position] ^= 1 << random.Random(seed + 100).randrange(8)
-    store.storage.write(layout.seal_key(0), bytes(damaged))
+    store.storage.write(keys.seal_key(0), bytes(damaged))
     try:
         report = collect_garbage(routelog.open_store(url), 0, delete=True, force=True)
     except GcRefusedError as exc:
@@ -42,7 +42,7 @@ def test_a_flipped_byte_in_the_seal_never_makes_gc_delete_committed_data(tmp_pat
         assert store.storage.read(orphan)  # refused: nothing at all was deleted
     else:
         assert set(report.orphans) == {orphan}, "only the dead writer's upload was garbage"
-    store.storage.write(layout.seal_key(0), original)
+    store.storage.write(keys.seal_key(0), original)
     assert_same(read_everything(url), expected)
 
 
@@ -50,7 +50,7 @@ def test_a_sealed_step_keeps_the_part_of_a_lost_commit_file(tmp_path: Path) -> N
     url = f"file://{tmp_path}/store"
     expected = build_store(url)
     store = routelog.open_store(url)
-    lost = layout.commit_key(0, store.storage.list(layout.commits_dir(0))[0])
+    lost = keys.commit_key(0, store.storage.list(keys.commits_dir(0))[0])
     store.storage.delete([lost])
     report = collect_garbage(store, 0, delete=True, force=True)
     assert report.orphans == {}
@@ -61,7 +61,7 @@ def test_a_damaged_part_name_in_a_commit_makes_gc_refuse(tmp_path: Path) -> None
     url = f"file://{tmp_path}/store"
     expected = build_store(url, sealed=False)
     store = routelog.open_store(url)
-    key = layout.commit_key(0, store.storage.list(layout.commits_dir(0))[0])
+    key = keys.commit_key(0, store.storage.list(keys.commits_dir(0))[0])
     original = store.storage.read(key)
     doc = json.loads(original)
     doc["part"] = doc["part"][:-1] + ("0" if doc["part"][-1] != "0" else "1")  # still a valid name: another dir

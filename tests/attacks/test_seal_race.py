@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import routelog
-from routelog import layout
+from routelog import keys
 from routelog.errors import CommitUndecidedError, StepSealedError
 from routelog.seal import seal_step
 from routelog.writer import WriterError
@@ -122,7 +122,7 @@ def test_a_seal_that_never_finishes_leaves_the_commit_undecided(memory_url: str)
     def create(key: str, data: bytes) -> bool:
         result = original(key, data)
         if "/commits/" in key:  # the sealer starts right after the create, then dies
-            store.storage.create(layout.sealing_key(0), b"{}")
+            store.storage.create(keys.sealing_key(0), b"{}")
         return result
 
     store.storage.create = create  # type: ignore[method-assign]

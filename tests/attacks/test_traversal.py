@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import routelog
-from routelog import layout
+from routelog import keys
 from routelog.errors import CorruptDataError, GcRefusedError, RoutelogError, UnsafeKeyError
 from routelog.gc import collect_garbage
 from routelog.storage import Storage
@@ -42,14 +42,14 @@ def _edit_json(storage: Storage, key: str, edit: Callable[[Any], None]) -> None:
 
 
 def _first_commit(storage: Storage) -> str:
-    return layout.commit_key(0, storage.list(layout.commits_dir(0))[0])
+    return keys.commit_key(0, storage.list(keys.commits_dir(0))[0])
 
 
 def _forge_span_part(storage: Storage) -> None:
     """Rewrite a part's index so a span points outside the store, and its commit's SHA-256 to match."""
     key = _first_commit(storage)
     commit = json.loads(storage.read(key))
-    index_key = f"{layout.part_dir(0, commit['part'])}/{layout.INDEX}"
+    index_key = f"{keys.part_dir(0, commit['part'])}/{keys.INDEX}"
     table = pq.read_table(io.BytesIO(storage.read(index_key)))
     rows = table.to_pylist()
     rows[0]["spans"][0]["part"] = ESCAPE
@@ -58,7 +58,7 @@ def _forge_span_part(storage: Storage) -> None:
     data = sink.getvalue()
     storage.write(index_key, data)
     for obj in commit["objects"]:
-        if obj["key"] == layout.INDEX:
+        if obj["key"] == keys.INDEX:
             obj.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
     storage.write(key, json.dumps(commit).encode())
 
@@ -83,18 +83,18 @@ def _forge_commit(field: str) -> Callable[[Storage], None]:
 def _forge_seal_key(storage: Storage) -> None:
     _edit_json(
         storage,
-        layout.seal_key(0),
+        keys.seal_key(0),
         lambda doc: doc["consolidated"]["commits"].update(key="../../../outside-secret.json"),
     )
 
 
 def _forge_seal_commit_name(storage: Storage) -> None:
-    _edit_json(storage, layout.seal_key(0), lambda doc: doc["commits"].__setitem__(0, "../../../x.00000000.json"))
+    _edit_json(storage, keys.seal_key(0), lambda doc: doc["commits"].__setitem__(0, "../../../x.00000000.json"))
 
 
 def _forge_annotation_part(storage: Storage) -> None:
-    name = next(n for n in storage.list(layout.annotations_dir(0)) if n.endswith(".json"))
-    _edit_json(storage, layout.annotation_key(0, name), lambda doc: doc.update(part=ESCAPE))
+    name = next(n for n in storage.list(keys.annotations_dir(0)) if n.endswith(".json"))
+    _edit_json(storage, keys.annotation_key(0, name), lambda doc: doc.update(part=ESCAPE))
 
 
 FORGERIES: dict[str, Callable[[Storage], None]] = {
@@ -153,7 +153,7 @@ def test_gc_with_an_unreadable_document_deletes_no_orphan(tmp_path: Path) -> Non
     url = f"file://{tmp_path}/store"
     build_store(url, sealed=False)
     store = routelog.open_store(url)
-    orphan = f"{layout.part_dir(0, 'dead.00000000.0123456789ab')}/index.parquet"
+    orphan = f"{keys.part_dir(0, 'dead.00000000.0123456789ab')}/index.parquet"
     store.storage.write(orphan, b"orphaned bytes")
     store.storage.write(_first_commit(store.storage), b"{not json")
     dry = collect_garbage(store, 0, force=True)

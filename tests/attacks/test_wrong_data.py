@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import routelog
-from routelog import layout
+from routelog import keys
 from routelog.errors import CorruptDataError, RoutelogError
 from routelog.part import shard_layout
 from routelog.shard import EMPTY, _crc
@@ -29,8 +29,8 @@ from tests.attacks.kit import Expected, assert_same, build_store, read_everythin
 
 def _commits(storage: Storage) -> list[tuple[str, dict]]:  # type: ignore[type-arg]
     return [
-        (layout.commit_key(0, n), json.loads(storage.read(layout.commit_key(0, n))))
-        for n in storage.list(layout.commits_dir(0))
+        (keys.commit_key(0, n), json.loads(storage.read(keys.commit_key(0, n))))
+        for n in storage.list(keys.commits_dir(0))
     ]
 
 
@@ -41,7 +41,7 @@ def test_a_chunk_marked_never_written_is_corruption_not_expert_zero(memory_url: 
     store = routelog.open_store(memory_url)
     key, commit = _commits(store.storage)[0]
     info = routelog.format.RoutingArrayInfo.model_validate(commit["routing"])
-    shard_key = f"{layout.part_dir(0, commit['part'])}/{info.path}/{shard_layout(info).shard_key}"
+    shard_key = f"{keys.part_dir(0, commit['part'])}/{info.path}/{shard_layout(info).shard_key}"
     shard = bytearray(store.storage.read(shard_key))
     n = shard_layout(info).index_nbytes
     index = np.frombuffer(bytes(shard[: n - 4]), dtype="<u8").copy()
@@ -63,9 +63,9 @@ def test_flipped_bytes_in_values_never_return_wrong_logprobs(memory_url: str, wh
     expected = build_store(memory_url, sealed=False)
     storage = routelog.open_store(memory_url).storage
     if which == "part values":
-        key = f"{layout.part_dir(0, _commits(storage)[0][1]['part'])}/values.parquet"
+        key = f"{keys.part_dir(0, _commits(storage)[0][1]['part'])}/values.parquet"
     else:
-        directory = layout.annotations_dir(0)
+        directory = keys.annotations_dir(0)
         part = next(n for n in storage.list(directory) if not n.endswith(".json"))
         key = f"{directory}/{part}/values.parquet"
     original = storage.read(key)

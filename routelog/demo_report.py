@@ -1,14 +1,27 @@
-"""Figures in the style of the R3 paper (matplotlib, drawn off-screen)."""
+"""The demo's results and its report figure in the style of the R3 paper (matplotlib, drawn off-screen)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from routelog.demo import ModelResult
+from routelog.audit.r3 import RoutingComparison
+from routelog.spec import ModelSpec
+
+
+@dataclass
+class ModelResult:
+    """Everything measured for one MoE model."""
+
+    name: str
+    spec: ModelSpec
+    comparisons: dict[str, RoutingComparison] = field(default_factory=dict)
+    logp: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 def _pyplot() -> Any:
