@@ -17,6 +17,12 @@ occurs in that version's file and records its line number. Each fixture director
 
 ``FACTS.md`` (all verified facts with file and line) is rewritten when every fixture is built.
 
+Layout: each fixture is one ``fill(ctx, fx, **options)`` function registered with :func:`builder` (its docstring is
+the fixture description) or, where fixtures differ only in constants, one shared function registered per row of a
+:func:`variants` table. Per-version source objects (``_V021``, ``_V022Plus``, ``_SGLang``) read a wheel's files once,
+record them with :meth:`Fixture.cite` and build the engine's response objects from its declared fields. Every run
+draws the same data (seeded by the fixture name), so rerunning rewrites byte-identical files.
+
 It needs network access to PyPI (wheels of several hundred MB each, downloaded once into the cache), so it is a
 maintenance tool, not part of the test suite::
 
@@ -45,7 +51,7 @@ import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -283,6 +289,10 @@ class Wheel:
             self._path = wheels[0]
         return self._path
 
+    def has(self, member: str) -> bool:
+        with zipfile.ZipFile(self.path) as archive:
+            return member in archive.namelist()
+
     def read(self, member: str) -> SourceFile:
         with zipfile.ZipFile(self.path) as archive:
             try:
@@ -393,6 +403,28 @@ class Fixture:
         where = src if isinstance(src, str) else f"{src.wheel.label} `{src.path}`" + (f":{line}" if line else "")
         self.facts.append((where, text))
 
+    def cite(
+        self,
+        src: SourceFile,
+        names: Sequence[str] | None,
+        description: str,
+        lines: dict[str, int],
+        fact: str,
+        *,
+        on: str | None = None,
+    ) -> int:
+        """``use`` and one ``fact`` about ``lines[on]`` (default: the first line); ``names`` default to the definition
+        enclosing that line. Sources and facts are kept in two separate lists, so citing one source after another
+        records both in the same order as separate ``use``/``fact`` calls would."""
+        line = lines[on or next(iter(lines))]
+        self.use(src, [src.enclosing(line)] if names is None else names, description, lines)
+        self.fact(src, line, fact)
+        return line
+
+    def rng(self) -> np.random.Generator:
+        """Random source seeded by the fixture name: every run draws the same tokens and routes."""
+        return np.random.default_rng(zlib.crc32(self.name.encode()))
+
     def add(self, sample_id: str, ids_moe: IntArray, valid: npt.NDArray[np.bool_], tokens: IntArray) -> None:
         ids = np.where(valid[:, None, None], ids_moe, 0).astype(np.int64)
         self.samples.append(Sample(sample_id, ids, valid.astype(bool), np.asarray(tokens, dtype=np.int64)))
@@ -439,10 +471,6 @@ class Fixture:
 
 
 # -- routing ground truth -----------------------------------------------------------------------------------------
-def rng_for(name: str) -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32(name.encode()))
-
-
 def routes(rng: np.random.Generator, n: int, spec: Spec) -> IntArray:
     """``[n, n_moe, K]`` distinct logical expert IDs per row in score order (not sorted)."""
     scores = rng.random((n, spec.n_moe, spec.num_experts))
@@ -453,11 +481,26 @@ def tokens(rng: np.random.Generator, n: int) -> IntArray:
     return rng.integers(1000, 50000, n).astype(np.int64)
 
 
+def draw(
+    rng: np.random.Generator, spec: Spec, n: int, after: tuple[IntArray, IntArray] | None = None
+) -> tuple[IntArray, IntArray]:
+    """``n`` token IDs and their routes (tokens drawn first), appended to ``after`` (a shared prompt or prefix)."""
+    toks, ids = tokens(rng, n), routes(rng, n, spec)
+    if after is None:
+        return toks, ids
+    return np.concatenate([after[0], toks]), np.concatenate([after[1], ids])
+
+
 def full_axis(ids_moe: IntArray, spec: Spec) -> IntArray:
     """The engine's capture on the full decoder axis: MoE layer ``moe_layers[j]`` holds column j, dense layers 0."""
     out = np.zeros((ids_moe.shape[0], spec.num_layers, spec.topk), dtype=np.int64)
     out[:, list(spec.moe_layers)] = ids_moe
     return out
+
+
+def captured_rows(ids_moe: IntArray, spec: Spec, dtype: npt.DTypeLike, start: int = 0) -> npt.NDArray[Any]:
+    """Full-axis rows ``[start, n - 1)`` in ``dtype``, as vLLM 0.22+ / SGLang / slime return them (no final row)."""
+    return full_axis(ids_moe, spec)[start : ids_moe.shape[0] - 1].astype(dtype)
 
 
 def span(n: int, start: int, stop: int) -> npt.NDArray[np.bool_]:
@@ -466,8 +509,70 @@ def span(n: int, start: int, stop: int) -> npt.NDArray[np.bool_]:
     return valid
 
 
+def returned(n: int, start: int = 0) -> npt.NDArray[np.bool_]:
+    """Valid mask of the rows an engine returns for ``n`` tokens: ``[start, n - 1)`` (the final token has none)."""
+    return span(n, start, n - 1)
+
+
 def b64_npy_load(text: str) -> npt.NDArray[Any]:
     return np.asarray(np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False))
+
+
+# -- OpenAI-style envelopes shared by the engines -----------------------------------------------------------------
+CREATED = 1767225600  # fixed `created` timestamp (2026-01-01): reruns write identical bytes
+
+
+def openai_envelope(
+    chat: bool, rid: str, spec: Spec, choices: list[dict[str, Any]], usage: dict[str, Any]
+) -> dict[str, Any]:
+    """The fields every (chat) completion response has, in OpenAI's order."""
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": CREATED,
+        "model": spec.name,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+Dump = Callable[[SourceFile, str, dict[str, Any]], dict[str, Any]]
+
+
+def openai_response(
+    proto: SourceFile,
+    chat: bool,
+    rid: str,
+    spec: Spec,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any],
+    *,
+    dump: Dump = dump_model,
+    **fields: Any,
+) -> dict[str, Any]:
+    """``(Chat)CompletionResponse`` as ``proto`` declares it: the envelope plus the engine's extra ``fields``."""
+    cls = "ChatCompletionResponse" if chat else "CompletionResponse"
+    return dump(proto, cls, {**openai_envelope(chat, rid, spec, choices, usage), **fields})
+
+
+def vllm_usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    """vLLM's ``UsageInfo`` as serialized (declared field order; details only after a prefix-cache hit)."""
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": cached} if cached else None,
+    }
+
+
+def plain_usage(prompt: int, completion: int) -> dict[str, int]:
+    """Usage as ms-swift and NeMo-RL write it (OpenAI's order, no details)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def chat_request(spec: Spec, **fields: Any) -> dict[str, Any]:
+    """A one-message chat request body; ``fields`` follow in the order given."""
+    return {"model": spec.name, "messages": [{"role": "user", "content": "hi"}], **fields}
 
 
 # -- builders -----------------------------------------------------------------------------------------------------
@@ -480,15 +585,69 @@ class Ctx:
 
 
 Builder = Callable[[Ctx], Fixture]
-BUILDERS: dict[str, Builder] = {}
+Fill = Callable[..., None]  # fill(ctx, fx, **options): adds payload, samples and provenance to a fresh fixture
+BUILDERS: dict[str, Builder] = {}  # registration order = build order = order in FACTS.md
 
 
-def builder(name: str) -> Callable[[Builder], Builder]:
-    def register(fn: Builder) -> Builder:
-        BUILDERS[name] = fn
-        return fn
+def builder(
+    name: str, engine: str, version: str, spec: Spec, description: str | None = None, **options: Any
+) -> Callable[[Fill], Fill]:
+    """Register ``fill`` as the builder of fixture ``name``; ``options`` are passed on to it. The fixture's
+    description (SOURCE.json, FACTS.md) is ``description``, by default ``fill``'s docstring as one line."""
+
+    def register(fill: Fill) -> Fill:
+        text = " ".join((fill.__doc__ or "").split()) if description is None else description
+
+        def build(ctx: Ctx) -> Fixture:
+            fx = Fixture(name, engine, version, spec, text)
+            fill(ctx, fx, **options)
+            return fx
+
+        BUILDERS[name] = build
+        return fill
 
     return register
+
+
+Variant = tuple[str, str, Spec, str, dict[str, Any]]  # name, version, spec, description, options
+
+
+def variants(fill: Fill, engine: str, *table: Variant) -> None:
+    """Register one ``fill`` for several fixtures that differ only in constants."""
+    for name, version, spec, description, options in table:
+        builder(name, engine, version, spec, description, **options)(fill)
+
+
+class _Sources:
+    """The wheel of a fixture's engine version; subclasses read the files they need and record them on ``fx``."""
+
+    def __init__(self, ctx: Ctx, fx: Fixture) -> None:
+        self.fx = fx
+        self.version = fx.version
+        self.wheel = ctx.wheel(fx.engine, fx.version)
+
+
+VLLM_CAPTURER = "vllm/model_executor/layers/fused_moe/routed_experts_capturer.py"
+VLLM_ROUTER = "vllm/model_executor/layers/fused_moe/router/base_router.py"
+
+
+class DtypeRule(NamedTuple):
+    """vLLM's expert-ID dtype rule as written in one version's capturer."""
+
+    expr: str
+    line: int
+    owner: str
+    dtype_of: Callable[[int], np.dtype[Any]]
+
+
+def vllm_dtype_rule(capturer: SourceFile) -> DtypeRule:
+    """``uint8 if E <= 256 else uint16``, read from the capturer (0.33 names it ``output_dtype_name``)."""
+    if "self.output_dtype_name =" in capturer.text:
+        owner, target = "RoutedExpertsCapturer.__init__", "self.output_dtype_name"
+    else:
+        owner, target = "RoutedExpertsManager.__init__", "expert_id_dtype"
+    expr, line = capturer.expression(owner, target)
+    return DtypeRule(expr, line, owner, lambda e: np.dtype(eval(expr, {"num_experts": e, "np": np})))
 
 
 # ---- vLLM: in-process (0.14.x / 0.16), KV-slot host buffer read back by the scheduler ----
@@ -532,41 +691,35 @@ def _vllm_slot_readback(
     return np.asarray(method(fake_self, request)), scheduler.line("def _get_routed_experts")
 
 
-def _vllm_inprocess(ctx: Ctx, version: str, name: str, *, eplb: bool) -> Fixture:
-    spec = DEEPSEEK
+def _vllm_inprocess(ctx: Ctx, fx: Fixture, *, eplb: bool) -> None:
+    """Two in-process requests, the second hitting the first's prefix blocks; with ``eplb``, physical IDs."""
+    spec, version = fx.spec, fx.version
     wheel = ctx.wheel("vllm", version)
-    fx = Fixture(name, "vllm", version, spec, "")
     outputs = wheel.read("vllm/outputs.py")
     scheduler = wheel.read("vllm/v1/core/sched/scheduler.py")
-    capturer = wheel.read("vllm/model_executor/layers/fused_moe/routed_experts_capturer.py")
+    capturer = wheel.read(VLLM_CAPTURER)
     layer = wheel.read("vllm/model_executor/layers/fused_moe/layer.py")
-    fx.use(
+    fx.cite(
         outputs,
         ["CompletionOutput", "RequestOutput"],
         "Field names of the in-process output objects.",
         {"CompletionOutput.routed_experts": outputs.line("routed_experts: np.ndarray | None = None")},
-    )
-    fx.fact(
-        outputs,
-        outputs.line("routed_experts: np.ndarray | None = None"),
         "`CompletionOutput.routed_experts: np.ndarray | None` (in-process only; no HTTP field in this version)",
     )
-    init_line = capturer.line("num_layers = hf_config.num_hidden_layers")
-    fx.use(
+    fx.cite(
         capturer,
         ["RoutedExpertsCapturer.init_buffer"],
         "Host buffer (max_num_kv_tokens, num_hidden_layers, K) int32 indexed by KV slot.",
-        {"num_layers": init_line, "int32": capturer.line("dtype=np.int32, buffer=self._shm.buf")},
-    )
-    fx.fact(
-        capturer,
-        init_line,
+        {
+            "num_layers": capturer.line("num_layers = hf_config.num_hidden_layers"),
+            "int32": capturer.line("dtype=np.int32, buffer=self._shm.buf"),
+        },
         "layer axis = `hf_config.num_hidden_layers` (full axis, dense layers stay 0); "
         "host buffer int32 in POSIX shared memory indexed by KV slot",
     )
 
     block_size = 4
-    rng = rng_for(name)
+    rng = fx.rng()
     # request A (cold) and request B whose first 8 tokens (2 blocks) hit A's prefix-cache blocks
     p_a, r_a, p_b, r_b, shared = 10, 5, 11, 4, 8
     tok_a = tokens(rng, p_a + r_a)
@@ -605,18 +758,15 @@ def _vllm_inprocess(ctx: Ctx, version: str, name: str, *, eplb: bool) -> Fixture
         )
         capture_line = layer.line("capturer.capture(  # noqa")
         eplb_line = layer.line("topk_ids = eplb_map_to_physical_and_record(")
-        fx.use(
+        fx.cite(
             layer,
             [layer.enclosing(capture_line), "FusedMoE.layer_id"],
             "Capture runs after the EPLB mapping: "
             "physical IDs; layer_id = extract_layer_index(layer_name) (global index).",
             {"eplb_map": eplb_line, "capture": capture_line},
-        )
-        fx.fact(
-            layer,
-            capture_line,
             f"capture after `eplb_map_to_physical_and_record` (line {eplb_line}): "
             "**physical** expert IDs under EPLB; layer id = `extract_layer_index(self.layer_name)`",
+            on="capture",
         )
         fx.fact(fused, sel, "replica = (flat index in the forward batch's topk_ids) % replica_count")
 
@@ -632,24 +782,22 @@ def _vllm_inprocess(ctx: Ctx, version: str, name: str, *, eplb: bool) -> Fixture
                         out[t, layer_idx, k] = replicas[int(flat_offset0[t] + k) % len(replicas)]
             return out
     else:
-        router = wheel.read("vllm/model_executor/layers/fused_moe/router/base_router.py")
+        router = wheel.read(VLLM_ROUTER)
         runner = wheel.read("vllm/v1/worker/gpu_model_runner.py")
-        cap = router.line("# Capture logical ids before EPLB mapping.")
-        fx.use(
+        fx.cite(
             router,
             ["BaseRouter.select_experts"],
             "capture_fn runs before _apply_eplb_mapping: logical IDs.",
-            {"capture_logical": cap},
+            {"capture_logical": router.line("# Capture logical ids before EPLB mapping.")},
+            "capture before EPLB mapping: **logical** IDs",
         )
-        bind = runner.line("layer_id = module.layer_id", after="def _bind_routed_experts_capturer")
-        fx.use(
+        fx.cite(
             runner,
             ["GPUModelRunner._bind_routed_experts_capturer"],
             "Binds capture_fn with FusedMoE.layer_id (global decoder index).",
-            {"bind": bind},
+            {"bind": runner.line("layer_id = module.layer_id", after="def _bind_routed_experts_capturer")},
+            "capturer bound per FusedMoE with `module.layer_id` (global layer index)",
         )
-        fx.fact(router, cap, "capture before EPLB mapping: **logical** IDs")
-        fx.fact(runner, bind, "capturer bound per FusedMoE with `module.layer_id` (global layer index)")
 
     request_outputs = []
     arrays: dict[str, Any] = {}
@@ -669,35 +817,30 @@ def _vllm_inprocess(ctx: Ctx, version: str, name: str, *, eplb: bool) -> Fixture
         rows, line = _vllm_slot_readback(scheduler, version, host, blocks, n, block_size)
         key = f"{rid}.outputs.0.routed_experts"
         arrays[key] = rows
+        output = {
+            "index": 0,
+            "text": "",
+            "token_ids": toks[p:].tolist(),
+            "finish_reason": "length",
+            "stop_reason": None,
+            "routed_experts": {"npz": "routed_experts.npz", "key": key},
+        }
         request_outputs.append(
             {
                 "request_id": rid,
                 "prompt_token_ids": toks[:p].tolist(),
                 "num_cached_tokens": computed_from,
                 "finished": True,
-                "outputs": [
-                    {
-                        "index": 0,
-                        "text": "",
-                        "token_ids": toks[p:].tolist(),
-                        "finish_reason": "length",
-                        "stop_reason": None,
-                        "routed_experts": {"npz": "routed_experts.npz", "key": key},
-                    }
-                ],
+                "outputs": [output],
             }
         )
-        fx.add(f"{rid}/0", ids, span(n, 0, n - 1), toks)
-    fx.use(
+        fx.add(f"{rid}/0", ids, returned(n), toks)
+    fx.cite(
         scheduler,
         ["Scheduler._get_routed_experts" if version != "0.14.1" else "Scheduler.update_from_output"],
         "Executed: slot mapping from the request's KV blocks, `num_tokens - 1` rows read from the host buffer "
         "(prefix-cache hits read the shared blocks' slots, so they come back filled).",
         {"readback": line},
-    )
-    fx.fact(
-        scheduler,
-        line,
         "on stop: rows = host_buffer[slot_mapping[: request.num_tokens - 1]] -> "
         "[num_tokens - 1, num_hidden_layers, K] int32; prefix-cache hits filled (KV slot read-back)",
     )
@@ -722,71 +865,136 @@ def _vllm_inprocess(ctx: Ctx, version: str, name: str, *, eplb: bool) -> Fixture
             "versions_capturing_physical": ["0.14.x", "0.15.x (all zeros anyway)", "0.21.0"],
             "versions_capturing_logical": ["0.16.0-0.20.x", "0.22.0+"],
         }
-        fx.description = (
-            "vLLM 0.14.1 in-process CompletionOutput.routed_experts under EPLB: PHYSICAL expert IDs "
-            "(captured after the logical->physical mapping), full decoder axis int32, with the EPLB "
-            "physical->logical table. req-B hits req-A's prefix blocks (rows filled)."
-        )
-    else:
-        fx.description = (
-            "vLLM 0.16.0 in-process CompletionOutput.routed_experts: int32, full decoder axis (dense "
-            "layers 0), n_tokens - 1 rows; req-B hits req-A's 2 prefix blocks and gets them filled."
-        )
-    return fx
 
 
-@builder("vllm-0.16.0-inprocess")
-def vllm_016_inprocess(ctx: Ctx) -> Fixture:
-    return _vllm_inprocess(ctx, "0.16.0", "vllm-0.16.0-inprocess", eplb=False)
+variants(
+    _vllm_inprocess,
+    "vllm",
+    (
+        "vllm-0.16.0-inprocess",
+        "0.16.0",
+        DEEPSEEK,
+        "vLLM 0.16.0 in-process CompletionOutput.routed_experts: int32, full decoder axis (dense "
+        "layers 0), n_tokens - 1 rows; req-B hits req-A's 2 prefix blocks and gets them filled.",
+        {"eplb": False},
+    ),
+    (
+        "vllm-0.14.1-inprocess-eplb",
+        "0.14.1",
+        DEEPSEEK,
+        "vLLM 0.14.1 in-process CompletionOutput.routed_experts under EPLB: PHYSICAL expert IDs "
+        "(captured after the logical->physical mapping), full decoder axis int32, with the EPLB "
+        "physical->logical table. req-B hits req-A's prefix blocks (rows filled).",
+        {"eplb": True},
+    ),
+)
 
 
-@builder("vllm-0.14.1-inprocess-eplb")
-def vllm_0141_eplb(ctx: Ctx) -> Fixture:
-    return _vllm_inprocess(ctx, "0.14.1", "vllm-0.14.1-inprocess-eplb", eplb=True)
+# ---- vLLM OpenAI server (0.21+) ----
+class _VllmServer(_Sources):
+    """vLLM's OpenAI server files, and response objects built from the declared fields of their classes."""
+
+    def __init__(self, ctx: Ctx, fx: Fixture) -> None:
+        super().__init__(ctx, fx)
+        read = self.wheel.read
+        self.cmpl_proto = read("vllm/entrypoints/openai/completion/protocol.py")
+        self.cmpl_serving = read("vllm/entrypoints/openai/completion/serving.py")
+        self.chat_proto = read("vllm/entrypoints/openai/chat_completion/protocol.py")
+        self.chat_serving = read("vllm/entrypoints/openai/chat_completion/serving.py")
+
+    def cmpl_choice(
+        self, index: int, toks: IntArray, p: int, routed: Any, *, text: str, finish: str = "length", **fields: Any
+    ) -> dict[str, Any]:
+        """``CompletionResponseChoice`` for prompt ``toks[:p]`` and output ``toks[p:]`` (``return_token_ids``)."""
+        values = {
+            "index": index,
+            "text": text,
+            "finish_reason": finish,
+            "prompt_token_ids": toks[:p].tolist(),
+            "token_ids": toks[p:].tolist(),
+            "routed_experts": routed,
+        }
+        return dump_model(self.cmpl_proto, "CompletionResponseChoice", values | fields)
+
+    def chat_choice(self, toks: IntArray, p: int, routed: Any) -> dict[str, Any]:
+        """The single ``ChatCompletionResponseChoice`` for output ``toks[p:]``."""
+        message = {"role": "assistant", "content": "<detokenized>", "tool_calls": []}
+        values = {
+            "index": 0,
+            "message": dump_model(self.chat_proto, "ChatMessage", message),
+            "finish_reason": "length",
+            "token_ids": toks[p:].tolist(),
+            "routed_experts": routed,
+        }
+        return dump_model(self.chat_proto, "ChatCompletionResponseChoice", values)
+
+    def response(
+        self, chat: bool, rid: str, choices: list[dict[str, Any]], usage: dict[str, Any], **fields: Any
+    ) -> dict[str, Any]:
+        proto = self.chat_proto if chat else self.cmpl_proto
+        return openai_response(proto, chat, rid, self.fx.spec, choices, usage, **fields)
 
 
 # ---- vLLM 0.21: MoE-only int16 axis, prompt rows once per response ----
-class _V021:
+class _V021(_VllmServer):
+    """vLLM 0.21.0: capture sizing, prompt/generation split and finish paths, executed from its own files."""
+
     def __init__(self, ctx: Ctx, fx: Fixture) -> None:
-        wheel = ctx.wheel("vllm", "0.21.0")
-        self.fx = fx
-        self.capturer = wheel.read("vllm/model_executor/layers/fused_moe/routed_experts_capturer.py")
-        self.count = load_def(self.capturer, "_count_moe_layers")
-        self.split = load_def(self.capturer, "split_routed_experts")
-        self.cmpl_proto = wheel.read("vllm/entrypoints/openai/completion/protocol.py")
-        self.cmpl_serving = wheel.read("vllm/entrypoints/openai/completion/serving.py")
-        self.chat_proto = wheel.read("vllm/entrypoints/openai/chat_completion/protocol.py")
-        self.chat_serving = wheel.read("vllm/entrypoints/openai/chat_completion/serving.py")
+        super().__init__(ctx, fx)
+        wheel = self.wheel
+        self.capturer = c = wheel.read(VLLM_CAPTURER)
+        self.count = load_def(c, "_count_moe_layers")
+        self.split = load_def(c, "split_routed_experts")
         self.engine = wheel.read("vllm/v1/engine/__init__.py")
         self.outproc = wheel.read("vllm/v1/engine/output_processor.py")
-        c = self.capturer
+        layer = wheel.read("vllm/model_executor/layers/fused_moe/layer.py")
+        runner = wheel.read("vllm/model_executor/layers/fused_moe/runner/moe_runner.py")
+        lines = {
+            "DTYPE": c.line("DTYPE = np.int16"),
+            "count": c.line("def _count_moe_layers"),
+            "num_hidden_layers": c.line("self.num_hidden_layers = _count_moe_layers(model_config.hf_text_config)"),
+            "extract_on_predicted_finish": c.line("def extract_routed_experts_for_current_batch"),
+            "preempted_dropped": c.line("dropped without being emitted on a ``ModelRunnerOutput``"),
+        }
         fx.use(
             c,
             ["_count_moe_layers", "split_routed_experts"],
             "Executed: the MoE-layer count that sizes the "
             "int16 buffers (ignores first_k_dense_replace) and the prompt/generation split.",
-            {
-                "DTYPE": c.line("DTYPE = np.int16"),
-                "count": c.line("def _count_moe_layers"),
-                "num_hidden_layers": c.line("self.num_hidden_layers = _count_moe_layers(model_config.hf_text_config)"),
-                "extract_on_predicted_finish": c.line("def extract_routed_experts_for_current_batch"),
-                "preempted_dropped": c.line("dropped without being emitted on a ``ModelRunnerOutput``"),
-            },
+            lines,
         )
-        layer = wheel.read("vllm/model_executor/layers/fused_moe/layer.py")
-        runner = wheel.read("vllm/model_executor/layers/fused_moe/runner/moe_runner.py")
-        replay = runner.line("routing_replay_out[: topk_ids.shape[0]].copy_(topk_ids.to(torch.int16))")
-        fx.use(
+        fx.fact(
+            c,
+            lines["DTYPE"],
+            "device/host buffers int16; host buffer per request indexed by token "
+            "position (prefix-cache hits are never scattered: zero rows)",
+        )
+        fx.fact(
+            c,
+            lines["count"],
+            "layer axis length = `_count_moe_layers(hf_text_config)`: "
+            "handles layers_block_type / decoder_sparse_step / mlp_only_layers, NOT first_k_dense_replace "
+            f"(tiny DeepSeek spec: {self.axis(DEEPSEEK)} layers for "
+            f"{DEEPSEEK.n_moe} MoE layers -> trailing all-zero layers)",
+        )
+        fx.cite(
             layer,
             ["FusedMoE.__init__"],
             "moe_layer_id is a sequential counter over FusedMoE modules.",
             {"moe_layer_id": layer.line("self.moe_layer_id = FusedMoE._next_moe_layer_id")},
+            "MoE layer index = sequential counter (j-th FusedMoE built -> column j): MoE-only axis",
         )
-        fx.use(
+        fx.cite(
             runner,
             ["MoERunner._apply_quant_method"],
             "routing written after router.select_experts (which applies the EPLB mapping): physical IDs under EPLB.",
-            {"routing_replay_out": replay},
+            {
+                "routing_replay_out": runner.line(
+                    "routing_replay_out[: topk_ids.shape[0]].copy_(topk_ids.to(torch.int16))"
+                )
+            },
+            "routing copied after `router.select_experts()` (post-EPLB): **physical** IDs; "
+            "`BaseRouter.capture_fn` exists but nothing calls `set_capture_fn`",
         )
         fx.use(
             self.engine,
@@ -796,40 +1004,13 @@ class _V021:
         )
         fx.fact(
             c,
-            c.line("DTYPE = np.int16"),
-            "device/host buffers int16; host buffer per request indexed by token "
-            "position (prefix-cache hits are never scattered: zero rows)",
-        )
-        fx.fact(
-            c,
-            c.line("def _count_moe_layers"),
-            "layer axis length = `_count_moe_layers(hf_text_config)`: "
-            "handles layers_block_type / decoder_sparse_step / mlp_only_layers, NOT first_k_dense_replace "
-            f"(tiny DeepSeek spec: {self.count(types.SimpleNamespace(**DEEPSEEK.hf_config))} layers for "
-            f"{DEEPSEEK.n_moe} MoE layers -> trailing all-zero layers)",
-        )
-        fx.fact(
-            layer,
-            layer.line("self.moe_layer_id = FusedMoE._next_moe_layer_id"),
-            "MoE layer index = sequential counter (j-th FusedMoE built -> column j): MoE-only axis",
-        )
-        fx.fact(
-            runner,
-            replay,
-            "routing copied after `router.select_experts()` (post-EPLB): **physical** IDs; "
-            "`BaseRouter.capture_fn` exists but nothing calls `set_capture_fn`",
-        )
-        fx.fact(
-            c,
-            c.line("def extract_routed_experts_for_current_batch"),
+            lines["extract_on_predicted_finish"],
             "rows extracted only for requests "
             "predicted to finish in the runner (EOS, stop_token_ids, max_tokens, max_model_len): stop STRINGS "
             "are not predicted -> routed_experts None",
         )
         fx.fact(
-            c,
-            c.line("dropped without being emitted on a ``ModelRunnerOutput``"),
-            "preempted requests: host buffer freed, routed_experts None, no other signal",
+            c, lines["preempted_dropped"], "preempted requests: host buffer freed, routed_experts None, no other signal"
         )
 
     def axis(self, spec: Spec) -> int:
@@ -847,124 +1028,101 @@ class _V021:
         pair: tuple[Any, Any] = self.split(rows, prompt_len, n_out)
         return pair
 
+    def response_fields(self, chat: bool, lines: dict[str, int] | None = None) -> None:
+        names = (
+            ["ChatCompletionResponse", "ChatCompletionResponseChoice"]
+            if chat
+            else ["CompletionResponse", "CompletionResponseChoice"]
+        )
+        self.fx.use(self.chat_proto if chat else self.cmpl_proto, names, "Response field names.", lines)
 
-@builder("vllm-0.21.0-completions-multiprompt")
-def vllm_021_completions(ctx: Ctx) -> Fixture:
-    name = "vllm-0.21.0-completions-multiprompt"
-    spec = DEEPSEEK
-    fx = Fixture(
-        name,
-        "vllm",
-        "0.21.0",
-        spec,
-        "vLLM 0.21.0 /v1/completions with three token prompts in one request: "
-        "response-level prompt_routed_experts (int16 nested lists, MoE-only axis counted without "
-        "first_k_dense_replace -> 2 trailing zero layers) is taken from the FIRST result only, so prompts "
-        "1 and 2 get prompt 0's prompt rows (silent misread); choices[i].routed_experts = generation rows.",
-    )
+    def finish_path(self, needle: str, key: str, description: str, fact: str) -> None:
+        """Cite the output processor's line that ends a request without routing."""
+        self.fx.cite(self.outproc, None, description, {key: self.outproc.line(needle)}, fact)
+        self.response_fields(chat=False)
+
+    def unrouted(self, rid: str, toks: IntArray, ids: IntArray, p: int, **choice: Any) -> dict[str, Any]:
+        """A one-choice CompletionResponse with null routing; the sample is recorded with no valid row."""
+        self.fx.add(rid, ids, np.zeros(toks.shape[0], dtype=bool), toks)
+        return self.response(
+            False, rid, [self.cmpl_choice(0, toks, p, None, **choice)], vllm_usage(p, toks.shape[0] - p)
+        )
+
+
+@builder("vllm-0.21.0-completions-multiprompt", "vllm", "0.21.0", DEEPSEEK)
+def vllm_021_completions(ctx: Ctx, fx: Fixture) -> None:
+    """vLLM 0.21.0 /v1/completions with three token prompts in one request: response-level prompt_routed_experts (int16
+    nested lists, MoE-only axis counted without first_k_dense_replace -> 2 trailing zero layers) is taken from the
+    FIRST result only, so prompts 1 and 2 get prompt 0's prompt rows (silent misread); choices[i].routed_experts =
+    generation rows.
+    """
+    spec = fx.spec
     v = _V021(ctx, fx)
-    s = v.cmpl_serving
-    where, pre = s.named("pre = final_res_batch[0].prompt_routed_experts")
-    tolist = s.line("output.routed_experts.tolist()")
-    fx.use(
+    s, proto = v.cmpl_serving, v.cmpl_proto
+    fx.cite(
         s,
-        [where],
+        None,
         "prompt_routed_experts from "
         "final_res_batch[0] only; choices' routed_experts = CompletionOutput.routed_experts.tolist().",
-        {"prompt_routed_experts_first_result": pre, "choice_tolist": tolist},
-    )
-    fx.use(
-        v.cmpl_proto,
-        ["CompletionResponse", "CompletionResponseChoice"],
-        "Response field names.",
         {
-            "choice.routed_experts": v.cmpl_proto.line("routed_experts: list[list[list[int]]] | None = None"),
-            "prompt_routed_experts": v.cmpl_proto.line("prompt_routed_experts: list[list[list[int]]] | None"),
+            "prompt_routed_experts_first_result": s.line("pre = final_res_batch[0].prompt_routed_experts"),
+            "choice_tolist": s.line("output.routed_experts.tolist()"),
         },
-    )
-    fx.fact(
-        s,
-        pre,
         "/v1/completions: `prompt_routed_experts = final_res_batch[0].prompt_routed_experts.tolist()` "
         "-> with several prompts only prompt 0's prompt rows are returned",
     )
+    prompt_line = proto.line("prompt_routed_experts: list[list[list[int]]] | None")
+    v.response_fields(
+        chat=False,
+        lines={
+            "choice.routed_experts": proto.line("routed_experts: list[list[list[int]]] | None = None"),
+            "prompt_routed_experts": prompt_line,
+        },
+    )
     fx.fact(
-        v.cmpl_proto,
-        v.cmpl_proto.line("prompt_routed_experts: list[list[list[int]]] | None"),
+        proto,
+        prompt_line,
         "response-level `prompt_routed_experts` [prompt_len, L', K] + `choices[i].routed_experts` "
         "[gen_len - 1, L', K], nested JSON int lists",
     )
-    where, split_line = v.outproc.named("prompt_routed_experts, gen_routed_experts = split_routed_experts(")
-    fx.use(
+    fx.cite(
         v.outproc,
-        [where],
+        None,
         "split into prompt rows [:prompt_len] (RequestOutput) "
         "and generation rows (CompletionOutput), either None when empty.",
-        {"split": split_line},
-    )
-    fx.fact(
-        v.outproc,
-        split_line,
+        {"split": v.outproc.line("prompt_routed_experts, gen_routed_experts = split_routed_experts(")},
         "prompt rows [:prompt_len] -> RequestOutput.prompt_routed_experts; rows "
         "[prompt_len:] -> CompletionOutput.routed_experts (None when 0 rows, e.g. a 1-token output)",
     )
 
-    rng = rng_for(name)
+    rng = fx.rng()
     lens = [(7, 4), (7, 5), (6, 3)]  # prompt 1 has prompt 0's length: its misread passes every shape check
     prompts: list[list[int]] = []
     request = {"model": spec.name, "prompt": prompts, "max_tokens": 5, "return_token_ids": True}
     choices = []
     first_prompt_rows = None
     for i, (p, r) in enumerate(lens):
-        toks = tokens(rng, p + r)
-        ids = routes(rng, p + r, spec)
+        toks, ids = draw(rng, spec, p + r)
         prompts.append(toks[:p].tolist())
-        rows = v.engine_rows(ids, spec, 0)
-        prompt_rows, gen_rows = v.choice_rows(rows, p, r)
+        prompt_rows, gen_rows = v.choice_rows(v.engine_rows(ids, spec, 0), p, r)
         if i == 0:
             first_prompt_rows = prompt_rows
-        choices.append(
-            dump_model(
-                v.cmpl_proto,
-                "CompletionResponseChoice",
-                {
-                    "index": i,
-                    "text": f"<detokenized {r} tokens>",
-                    "finish_reason": "length",
-                    "prompt_token_ids": toks[:p].tolist(),
-                    "token_ids": toks[p:].tolist(),
-                    "routed_experts": None if gen_rows is None else gen_rows.tolist(),
-                },
-            )
-        )
-        valid = span(p + r, 0, p + r - 1)
+        routed = None if gen_rows is None else gen_rows.tolist()
+        choices.append(v.cmpl_choice(i, toks, p, routed, text=f"<detokenized {r} tokens>"))
+        valid = returned(p + r)
         if i > 0:
             valid[:p] = False  # the response carries prompt 0's rows, not this prompt's
         fx.add(f"cmpl-021multi/{i}", ids, valid, toks)
     assert first_prompt_rows is not None
-    usage = {
-        "prompt_tokens": sum(p for p, _ in lens),
-        "total_tokens": sum(p + r for p, r in lens),
-        "completion_tokens": sum(r for _, r in lens),
-        "prompt_tokens_details": None,
-    }
+    usage = vllm_usage(sum(p for p, _ in lens), sum(r for _, r in lens))
     fx.payload["request.json"] = request
-    fx.payload["response.json"] = dump_model(
-        v.cmpl_proto,
-        "CompletionResponse",
-        {
-            "id": "cmpl-021multi",
-            "object": "text_completion",
-            "created": 1767225600,
-            "model": spec.name,
-            "prompt_routed_experts": first_prompt_rows.tolist(),
-            "choices": choices,
-            "usage": usage,
-        },
+    fx.payload["response.json"] = v.response(
+        False, "cmpl-021multi", choices, usage, prompt_routed_experts=first_prompt_rows.tolist()
     )
+    why = {"prompt_rows_unknown": True, "why": "prompt_routed_experts holds prompt 0's rows (final_res_batch[0])"}
     fx.notes = {
-        "1": {"prompt_rows_unknown": True, "why": "prompt_routed_experts holds prompt 0's rows (final_res_batch[0])"},
-        "2": {"prompt_rows_unknown": True, "why": "prompt_routed_experts holds prompt 0's rows (final_res_batch[0])"},
+        "1": why,
+        "2": why,
         "layer_axis": f"{v.axis(spec)} layers: MoE layers 0..{spec.n_moe - 1} in columns 0..{spec.n_moe - 1}, "
         "then zeros (first_k_dense_replace not subtracted)",
     }
@@ -977,117 +1135,62 @@ def vllm_021_completions(ctx: Ctx) -> Fixture:
         "prompt_routed_experts (completion/serving.py); for prompt i > 0 the prompt rows "
         "are NOT in the response (they are prompt 0's). expected.npz marks them invalid."
     )
-    return fx
 
 
-@builder("vllm-0.21.0-chat-prefixcache")
-def vllm_021_chat(ctx: Ctx) -> Fixture:
-    name = "vllm-0.21.0-chat-prefixcache"
-    spec = DEEPSEEK
-    fx = Fixture(
-        name,
-        "vllm",
-        "0.21.0",
-        spec,
-        "vLLM 0.21.0 /v1/chat/completions whose first 8 prompt tokens hit the "
-        "prefix cache: those prompt rows are zeros (never scattered into the per-request host buffer); "
-        "MoE-only int16 axis with 2 trailing zero layers for the DeepSeek-style spec.",
-    )
+@builder("vllm-0.21.0-chat-prefixcache", "vllm", "0.21.0", DEEPSEEK)
+def vllm_021_chat(ctx: Ctx, fx: Fixture) -> None:
+    """vLLM 0.21.0 /v1/chat/completions whose first 8 prompt tokens hit the prefix cache: those prompt rows are zeros
+    (never scattered into the per-request host buffer); MoE-only int16 axis with 2 trailing zero layers for the
+    DeepSeek-style spec.
+    """
+    spec = fx.spec
     v = _V021(ctx, fx)
     s = v.chat_serving
-    where, line = s.named("prompt_routed_experts = final_res.prompt_routed_experts.tolist()")
-    fx.use(
+    fx.cite(
         s,
-        [where],
+        None,
         "prompt_routed_experts from the request's RequestOutput; choices' routed_experts = .tolist().",
-        {"prompt_routed_experts": line},
+        {"prompt_routed_experts": s.line("prompt_routed_experts = final_res.prompt_routed_experts.tolist()")},
+        "/v1/chat/completions: response-level `prompt_routed_experts` from its single RequestOutput",
     )
-    fx.use(v.chat_proto, ["ChatCompletionResponse", "ChatCompletionResponseChoice"], "Response field names.")
-    fx.fact(s, line, "/v1/chat/completions: response-level `prompt_routed_experts` from its single RequestOutput")
-    rng = rng_for(name)
+    v.response_fields(chat=True)
     p, r, cached = 12, 5, 8
-    toks = tokens(rng, p + r)
-    ids = routes(rng, p + r, spec)
+    toks, ids = draw(fx.rng(), spec, p + r)
     prompt_rows, gen_rows = v.choice_rows(v.engine_rows(ids, spec, cached), p, r)
-    choice = dump_model(
-        v.chat_proto,
-        "ChatCompletionResponseChoice",
-        {
-            "index": 0,
-            "message": dump_model(
-                v.chat_proto, "ChatMessage", {"role": "assistant", "content": "<detokenized>", "tool_calls": []}
-            ),
-            "finish_reason": "length",
-            "token_ids": toks[p:].tolist(),
-            "routed_experts": gen_rows.tolist(),
-        },
+    fx.payload["request.json"] = chat_request(spec, max_tokens=r, return_token_ids=True)
+    fx.payload["response.json"] = v.response(
+        True,
+        "chatcmpl-021prefix",
+        [v.chat_choice(toks, p, gen_rows.tolist())],
+        vllm_usage(p, r, cached),
+        prompt_routed_experts=prompt_rows.tolist(),
+        prompt_token_ids=toks[:p].tolist(),
     )
-    fx.payload["request.json"] = {
-        "model": spec.name,
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": r,
-        "return_token_ids": True,
-    }
-    fx.payload["response.json"] = dump_model(
-        v.chat_proto,
-        "ChatCompletionResponse",
-        {
-            "id": "chatcmpl-021prefix",
-            "object": "chat.completion",
-            "created": 1767225600,
-            "model": spec.name,
-            "prompt_routed_experts": prompt_rows.tolist(),
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": p,
-                "total_tokens": p + r,
-                "completion_tokens": r,
-                "prompt_tokens_details": {"cached_tokens": cached},
-            },
-            "prompt_token_ids": toks[:p].tolist(),
-        },
-    )
-    fx.add("chatcmpl-021prefix", ids, span(p + r, cached, p + r - 1), toks)
+    fx.add("chatcmpl-021prefix", ids, returned(p + r, cached), toks)
     fx.notes = {
         "0": {"prefix_cached_rows": [0, cached], "why": "prefix-cache hit: 0.21 has no restore path, rows are zeros"}
     }
     fx.files = {"request.json": "chat request", "response.json": "ChatCompletionResponse (vLLM 0.21.0)"}
-    return fx
 
 
-@builder("vllm-0.21.0-completions-stopstring")
-def vllm_021_stop(ctx: Ctx) -> Fixture:
-    name = "vllm-0.21.0-completions-stopstring"
-    spec = QWEN
-    fx = Fixture(
-        name,
-        "vllm",
-        "0.21.0",
-        spec,
-        "vLLM 0.21.0 /v1/completions that ended on a stop STRING: the "
-        "frontend detokenizer finishes the request, the runner never predicted the finish, so "
-        "routed_experts and prompt_routed_experts are null; finish_reason 'stop', stop_reason = the string.",
-    )
+@builder("vllm-0.21.0-completions-stopstring", "vllm", "0.21.0", QWEN)
+def vllm_021_stop(ctx: Ctx, fx: Fixture) -> None:
+    """vLLM 0.21.0 /v1/completions that ended on a stop STRING: the frontend detokenizer finishes the request, the
+    runner never predicted the finish, so routed_experts and prompt_routed_experts are null; finish_reason 'stop',
+    stop_reason = the string.
+    """
+    spec = fx.spec
     v = _V021(ctx, fx)
-    where, stop_line = v.outproc.named("finish_reason = FinishReason.STOP")
-    fx.use(
-        v.outproc,
-        [where],
+    v.finish_path(
+        "finish_reason = FinishReason.STOP",
+        "stop_string",
         "stop string detected in the frontend: finish_reason "
         "STOP, stop_reason = the string, routed_experts only from EngineCoreOutput (None here).",
-        {"stop_string": stop_line},
-    )
-    fx.use(v.cmpl_proto, ["CompletionResponse", "CompletionResponseChoice"], "Response field names.")
-    fx.fact(
-        v.outproc,
-        stop_line,
         "stop string -> finish_reason 'stop', stop_reason '<string>'; "
         "routed_experts/prompt_routed_experts null (0.21.0)",
     )
-    rng = rng_for(name)
     p, r = 6, 4
-    toks = tokens(rng, p + r)
-    ids = routes(rng, p + r, spec)
+    toks, ids = draw(fx.rng(), spec, p + r)
     fx.payload["request.json"] = {
         "model": spec.name,
         "prompt": toks[:p].tolist(),
@@ -1095,105 +1198,30 @@ def vllm_021_stop(ctx: Ctx) -> Fixture:
         "stop": ["</answer>"],
         "return_token_ids": True,
     }
-    fx.payload["response.json"] = dump_model(
-        v.cmpl_proto,
-        "CompletionResponse",
-        {
-            "id": "cmpl-021stop",
-            "object": "text_completion",
-            "created": 1767225600,
-            "model": spec.name,
-            "prompt_routed_experts": None,
-            "choices": [
-                dump_model(
-                    v.cmpl_proto,
-                    "CompletionResponseChoice",
-                    {
-                        "index": 0,
-                        "text": "<answer>42",
-                        "finish_reason": "stop",
-                        "stop_reason": "</answer>",
-                        "prompt_token_ids": toks[:p].tolist(),
-                        "token_ids": toks[p:].tolist(),
-                        "routed_experts": None,
-                    },
-                )
-            ],
-            "usage": {"prompt_tokens": p, "total_tokens": p + r, "completion_tokens": r, "prompt_tokens_details": None},
-        },
+    fx.payload["response.json"] = v.unrouted(
+        "cmpl-021stop", toks, ids, p, text="<answer>42", finish="stop", stop_reason="</answer>"
     )
-    fx.add("cmpl-021stop", ids, np.zeros(p + r, dtype=bool), toks)
     fx.notes = {"0": {"routing_absent": True, "why": "stop-string finish: vLLM 0.21.0 returns null routing"}}
     fx.files = {"request.json": "request with a stop string", "response.json": "CompletionResponse (null routing)"}
-    return fx
 
 
-@builder("vllm-0.21.0-completions-abort")
-def vllm_021_abort(ctx: Ctx) -> Fixture:
-    name = "vllm-0.21.0-completions-abort"
-    spec = QWEN
-    fx = Fixture(
-        name,
-        "vllm",
-        "0.21.0",
-        spec,
-        "vLLM 0.21.0: an aborted request (finish_reason 'abort', null "
-        "routing) and a request that was preempted and finished normally (finish_reason 'length', null "
-        "routing, no marker at all).",
-    )
+@builder("vllm-0.21.0-completions-abort", "vllm", "0.21.0", QWEN)
+def vllm_021_abort(ctx: Ctx, fx: Fixture) -> None:
+    """vLLM 0.21.0: an aborted request (finish_reason 'abort', null routing) and a request that was preempted and
+    finished normally (finish_reason 'length', null routing, no marker at all).
+    """
     v = _V021(ctx, fx)
-    where, abort_line = v.outproc.named("finish_reason=FinishReason.ABORT")
-    fx.use(
-        v.outproc,
-        [where],
+    v.finish_path(
+        "finish_reason=FinishReason.ABORT",
+        "abort",
         "abort produces a final output with FinishReason.ABORT and no routed_experts.",
-        {"abort": abort_line},
-    )
-    fx.use(v.cmpl_proto, ["CompletionResponse", "CompletionResponseChoice"], "Response field names.")
-    fx.fact(
-        v.outproc,
-        abort_line,
         "abort: final output finish_reason 'abort', routed_experts None (0.21 passes no routing on the abort path)",
     )
-    rng = rng_for(name)
+    rng = fx.rng()
     responses = []
     for i, (finish, p, r) in enumerate((("abort", 6, 3), ("length", 7, 4))):
-        toks = tokens(rng, p + r)
-        ids = routes(rng, p + r, spec)
-        responses.append(
-            dump_model(
-                v.cmpl_proto,
-                "CompletionResponse",
-                {
-                    "id": f"cmpl-021abort{i}",
-                    "object": "text_completion",
-                    "created": 1767225600,
-                    "model": spec.name,
-                    "prompt_routed_experts": None,
-                    "choices": [
-                        dump_model(
-                            v.cmpl_proto,
-                            "CompletionResponseChoice",
-                            {
-                                "index": 0,
-                                "text": "<partial>",
-                                "finish_reason": finish,
-                                "prompt_token_ids": toks[:p].tolist(),
-                                "token_ids": toks[p:].tolist(),
-                                "routed_experts": None,
-                            },
-                        )
-                    ],
-                    "usage": {
-                        "prompt_tokens": p,
-                        "total_tokens": p + r,
-                        "completion_tokens": r,
-                        "prompt_tokens_details": None,
-                    },
-                },
-            )
-        )
-        fx.add(f"cmpl-021abort{i}", ids, np.zeros(p + r, dtype=bool), toks)
+        toks, ids = draw(rng, fx.spec, p + r)
+        responses.append(v.unrouted(f"cmpl-021abort{i}", toks, ids, p, text="<partial>", finish=finish))
     fx.payload["responses.json"] = responses
     fx.notes = {
         "0": {"routing_absent": True, "why": "aborted"},
@@ -1204,51 +1232,39 @@ def vllm_021_abort(ctx: Ctx) -> Fixture:
         },
     }
     fx.files = {"responses.json": "two CompletionResponses: [0] aborted, [1] preempted (finished by length)"}
-    return fx
 
 
 # ---- vLLM 0.22+: base64 .npy per choice, full axis uint8/uint16 ----
-class _V022Plus:
+class _V022Plus(_VllmServer):
     """Encoding and dtype rules of one vLLM version >= 0.22, executed from its own files."""
 
-    def __init__(self, ctx: Ctx, fx: Fixture, version: str) -> None:
-        self.version = version
-        wheel = ctx.wheel("vllm", version)
-        self.fx = fx
-        self.wheel = wheel
-        self.cmpl_proto = wheel.read("vllm/entrypoints/openai/completion/protocol.py")
-        self.cmpl_serving = wheel.read("vllm/entrypoints/openai/completion/serving.py")
-        self.chat_proto = wheel.read("vllm/entrypoints/openai/chat_completion/protocol.py")
-        self.chat_serving = wheel.read("vllm/entrypoints/openai/chat_completion/serving.py")
+    def __init__(self, ctx: Ctx, fx: Fixture) -> None:
+        super().__init__(ctx, fx)
+        wheel, version = self.wheel, self.version
         self.sampling = wheel.read("vllm/sampling_params.py")
-        capturer = wheel.read("vllm/model_executor/layers/fused_moe/routed_experts_capturer.py")
-        sp_line = self.sampling.line("routed_experts_prompt_start: int = 0")
-        fx.use(
+        capturer = wheel.read(VLLM_CAPTURER)
+        fx.cite(
             self.sampling,
             ["SamplingParams.routed_experts_prompt_start"],
             "per-request start offset field.",
-            {"routed_experts_prompt_start": sp_line},
+            {"routed_experts_prompt_start": self.sampling.line("routed_experts_prompt_start: int = 0")},
+            "`SamplingParams.routed_experts_prompt_start: int = 0` (rows start there)",
         )
-        fx.fact(self.sampling, sp_line, "`SamplingParams.routed_experts_prompt_start: int = 0` (rows start there)")
         if "numpy2base64" in self.cmpl_serving.text:
             serial = wheel.read("vllm/utils/serial_utils.py")
-            fn = load_def(serial, "numpy2base64")
-            self.encode: Callable[[npt.NDArray[Any]], str] = fn
-            fx.use(
+            self.encode: Callable[[npt.NDArray[Any]], str] = load_def(serial, "numpy2base64")
+            fx.cite(
                 serial,
                 ["numpy2base64"],
                 "Executed: np.save(allow_pickle=False) + pybase64.b64encode (stdlib base64 gives identical bytes).",
                 {"numpy2base64": serial.line("def numpy2base64")},
-            )
-            fx.fact(
-                serial,
-                serial.line("def numpy2base64"),
                 "encoding: `numpy2base64` = base64(np.save(array, "
                 "allow_pickle=False)); serving calls it for choices[i].routed_experts",
             )
         else:
-            where = self.cmpl_serving.enclosing(self.cmpl_serving.line("np.save(buf, output.routed_experts)"))
-            block, line = self.cmpl_serving.if_block(
+            serving = self.cmpl_serving
+            where = serving.enclosing(serving.line("np.save(buf, output.routed_experts)"))
+            block, line = serving.if_block(
                 where, "output.routed_experts is not None", "np.save(buf, output.routed_experts)"
             )
 
@@ -1261,46 +1277,48 @@ class _V022Plus:
                 return str(ns["routed_experts_b64"])
 
             self.encode = inline
-            fx.use(
-                self.cmpl_serving,
+            fx.cite(
+                serving,
                 [where],
                 "Executed: the inline `if output.routed_experts is not None:` block (np.save + pybase64 b64encode).",
                 {"inline_np_save": line},
-            )
-            fx.fact(
-                self.cmpl_serving,
-                line,
                 "encoding inline in serving.py: base64(np.save(array)) (pybase64 imported as base64)",
             )
-        if version == "0.33.0":
-            expr, line = capturer.expression("RoutedExpertsCapturer.__init__", "self.output_dtype_name")
-            self.dtype_of: Callable[[int], np.dtype[Any]] = lambda e: np.dtype(eval(expr, {"num_experts": e}))
-            axis_line = capturer.line("num_layers = model_config.get_total_num_hidden_layers()")
-        else:
-            expr, line = capturer.expression("RoutedExpertsManager.__init__", "expert_id_dtype")
-            self.dtype_of = lambda e: np.dtype(eval(expr, {"num_experts": e, "np": np}))
-            axis_line = (
-                capturer.line("num_layers = model_config.get_total_num_hidden_layers()")
-                if "get_total_num_hidden_layers()" in capturer.text
-                else capturer.line("hf_config.num_hidden_layers,", after="self.routed_experts_by_slot = np.zeros")
-            )
-        fx.use(
+        rule = vllm_dtype_rule(capturer)
+        self.dtype_of = rule.dtype_of
+        axis_line = (
+            capturer.line("num_layers = model_config.get_total_num_hidden_layers()")
+            if "get_total_num_hidden_layers()" in capturer.text
+            else capturer.line("hf_config.num_hidden_layers,", after="self.routed_experts_by_slot = np.zeros")
+        )
+        fx.cite(
             capturer,
             ["dtype rule", "layer axis"],
-            f"Executed: `{expr}`; buffers sized by the total hidden layer count (full axis).",
-            {"dtype": line, "axis": axis_line},
+            f"Executed: `{rule.expr}`; buffers sized by the total hidden layer count (full axis).",
+            {"dtype": rule.line, "axis": axis_line},
+            f"dtype: `{rule.expr}` (uint8 if E <= 256 else uint16)",
         )
-        fx.fact(capturer, line, f"dtype: `{expr}` (uint8 if E <= 256 else uint16)")
         fx.fact(capturer, axis_line, "layer axis: total num_hidden_layers (full axis, dense layers 0)")
-        router = wheel.read("vllm/model_executor/layers/fused_moe/router/base_router.py")
-        cap = router.line("# Capture logical ids before EPLB mapping.")
-        fx.use(router, ["BaseRouter.select_experts"], "capture before EPLB mapping: logical IDs.", {"capture": cap})
-        fx.fact(router, cap, "capture_fn before `_apply_eplb_mapping`: **logical** IDs")
+        router = wheel.read(VLLM_ROUTER)
+        fx.cite(
+            router,
+            ["BaseRouter.select_experts"],
+            "capture before EPLB mapping: logical IDs.",
+            {"capture": router.line("# Capture logical ids before EPLB mapping.")},
+            "capture_fn before `_apply_eplb_mapping`: **logical** IDs",
+        )
+
+    def cite_choice_field(self, chat: bool, description: str, fact: str) -> None:
+        """Cite the choice field ``routed_experts: str | None`` and the classes of the (chat) completions API."""
+        proto = self.chat_proto if chat else self.cmpl_proto
+        prefix = "Chat" if chat else ""
+        names = [f"{prefix}CompletionResponse", f"{prefix}CompletionResponseChoice", f"{prefix}CompletionRequest"]
+        line = proto.line("routed_experts: str | None = None")
+        self.fx.cite(proto, names, description, {"choice.routed_experts": line}, fact)
 
     def rows(self, ids_moe: IntArray, spec: Spec, start: int) -> npt.NDArray[Any]:
         """Rows [start, n - 1) on the full axis in the version's dtype (prefix hits filled: KV-slot / block store)."""
-        n = ids_moe.shape[0]
-        return full_axis(ids_moe, spec)[start : n - 1].astype(self.dtype_of(spec.num_experts))
+        return captured_rows(ids_moe, spec, self.dtype_of(spec.num_experts), start)
 
     def b64(self, ids_moe: IntArray, spec: Spec, start: int) -> str:
         text = self.encode(self.rows(ids_moe, spec, start))
@@ -1309,29 +1327,21 @@ class _V022Plus:
         return text
 
 
-def _completions_022plus(
-    ctx: Ctx, version: str, name: str, spec: Spec, *, start: int | None, n_choices: int, description: str
-) -> Fixture:
-    fx = Fixture(name, "vllm", version, spec, description)
-    v = _V022Plus(ctx, fx, version)
+def _completions_022plus(ctx: Ctx, fx: Fixture, *, start: int | None, n_choices: int) -> None:
+    """/v1/completions with ``n_choices`` choices of one prompt and an optional request-level start."""
+    spec, version = fx.spec, fx.version
+    v = _V022Plus(ctx, fx)
     proto = v.cmpl_proto
-    fx.use(
-        proto,
-        ["CompletionResponse", "CompletionResponseChoice", "CompletionRequest"],
-        "Field names.",
-        {"choice.routed_experts": proto.line("routed_experts: str | None = None")},
-    )
-    fx.fact(
-        proto,
-        proto.line("routed_experts: str | None = None"),
-        "`CompletionResponseChoice.routed_experts: "
+    v.cite_choice_field(
+        chat=False,
+        description="Field names.",
+        fact="`CompletionResponseChoice.routed_experts: "
         "str | None` (base64 .npy); `prompt_token_ids`/`token_ids` per choice with `return_token_ids`",
     )
     if "routed_experts_prompt_start" in proto.text:
-        req_line = proto.line("routed_experts_prompt_start: int = Field(")
         fx.fact(
             proto,
-            req_line,
+            proto.line("routed_experts_prompt_start: int = Field("),
             "request field `routed_experts_prompt_start` (top level of the /v1/completions "
             "body, ge=0), passed to SamplingParams",
         )
@@ -1342,12 +1352,13 @@ def _completions_022plus(
             "no `routed_experts_prompt_start` request field in this version (SamplingParams only:"
             " reachable in-process or via /inference/v1/generate `sampling_params`)",
         )
-    rng = rng_for(name)
+    rng = fx.rng()
     p = 9
-    prompt = tokens(rng, p)
+    # n > 1: each child request recomputes / prefix-hits the same prompt rows
+    prompt = draw(rng, spec, p)
     request: dict[str, Any] = {
         "model": spec.name,
-        "prompt": prompt.tolist(),
+        "prompt": prompt[0].tolist(),
         "max_tokens": 6,
         "n": n_choices,
         "return_token_ids": True,
@@ -1356,129 +1367,72 @@ def _completions_022plus(
         assert "routed_experts_prompt_start" in proto.text
         request["routed_experts_prompt_start"] = start
     s = start or 0
-    ids_prompt = routes(rng, p, spec)  # n > 1: each child request recomputes / prefix-hits the same prompt rows
     choices = []
     total = 0
     for i in range(n_choices):
         r = 4 + 2 * i
-        out = tokens(rng, r)
-        toks = np.concatenate([prompt, out])
-        ids = np.concatenate([ids_prompt, routes(rng, r, spec)])
-        choices.append(
-            dump_model(
-                proto,
-                "CompletionResponseChoice",
-                {
-                    "index": i,
-                    "text": f"<detokenized {r} tokens>",
-                    "finish_reason": "length" if i == 0 else "stop",
-                    "prompt_token_ids": prompt.tolist(),
-                    "token_ids": out.tolist(),
-                    "routed_experts": v.b64(ids, spec, s),
-                },
-            )
-        )
-        fx.add(f"cmpl-{version}/{i}", ids, span(p + r, s, p + r - 1), toks)
+        toks, ids = draw(rng, spec, r, after=prompt)
+        finish = "length" if i == 0 else "stop"
+        text = f"<detokenized {r} tokens>"
+        choices.append(v.cmpl_choice(i, toks, p, v.b64(ids, spec, s), text=text, finish=finish))
+        fx.add(f"cmpl-{version}/{i}", ids, returned(p + r, s), toks)
         total += r
     fx.payload["request.json"] = request
-    fx.payload["response.json"] = dump_model(
-        proto,
-        "CompletionResponse",
-        {
-            "id": f"cmpl-{version}",
-            "object": "text_completion",
-            "created": 1767225600,
-            "model": spec.name,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": p,
-                "total_tokens": p + total,
-                "completion_tokens": total,
-                "prompt_tokens_details": None,
-            },
-        },
-    )
+    fx.payload["response.json"] = v.response(False, f"cmpl-{version}", choices, vllm_usage(p, total))
     fx.files = {"request.json": "/v1/completions request", "response.json": f"CompletionResponse (vLLM {version})"}
     if start:
         fx.notes = {str(i): {"start": s} for i in range(n_choices)}
-    return fx
 
 
-@builder("vllm-0.22.0-completions")
-def vllm_022_completions(ctx: Ctx) -> Fixture:
-    return _completions_022plus(
-        ctx,
-        "0.22.0",
+variants(
+    _completions_022plus,
+    "vllm",
+    (
         "vllm-0.22.0-completions",
+        "0.22.0",
         DEEPSEEK,
-        start=None,
-        n_choices=2,
-        description="vLLM 0.22.0 /v1/completions, n=2: each choice carries its own rows [0, n_tokens - 1) as base64 "
+        "vLLM 0.22.0 /v1/completions, n=2: each choice carries its own rows [0, n_tokens - 1) as base64 "
         ".npy (inline np.save in serving.py), uint8, full decoder axis (dense layers 0); no request-level "
         "routed_experts_prompt_start yet.",
-    )
-
-
-@builder("vllm-0.28.0-completions-promptstart")
-def vllm_028_completions(ctx: Ctx) -> Fixture:
-    return _completions_022plus(
-        ctx,
-        "0.28.0",
+        {"start": None, "n_choices": 2},
+    ),
+    (
         "vllm-0.28.0-completions-promptstart",
+        "0.28.0",
         DEEPSEEK,
-        start=5,
-        n_choices=2,
-        description="vLLM 0.28.0 /v1/completions, n=2, request field routed_experts_prompt_start=5 (first version "
+        "vLLM 0.28.0 /v1/completions, n=2, request field routed_experts_prompt_start=5 (first version "
         "with the request field and numpy2base64): rows [5, n_tokens - 1) per choice, uint8, full axis.",
-    )
-
-
-@builder("vllm-0.33.0-completions-e300")
-def vllm_033_completions(ctx: Ctx) -> Fixture:
-    return _completions_022plus(
-        ctx,
-        "0.33.0",
+        {"start": 5, "n_choices": 2},
+    ),
+    (
         "vllm-0.33.0-completions-e300",
+        "0.33.0",
         WIDE,
-        start=None,
-        n_choices=1,
-        description="vLLM 0.33.0 /v1/completions for a 300-expert model: uint16 .npy (numpy2base64), full axis.",
-    )
+        "vLLM 0.33.0 /v1/completions for a 300-expert model: uint16 .npy (numpy2base64), full axis.",
+        {"start": None, "n_choices": 1},
+    ),
+)
 
 
-def _chat_022plus(
-    ctx: Ctx, version: str, name: str, spec: Spec, *, start: int | None, cached: int, description: str
-) -> Fixture:
-    fx = Fixture(name, "vllm", version, spec, description)
-    v = _V022Plus(ctx, fx, version)
+def _chat_022plus(ctx: Ctx, fx: Fixture, *, start: int | None, cached: int) -> None:
+    """/v1/chat/completions, optionally with ``routed_experts_prompt_start`` and a ``cached``-token prefix hit."""
+    spec, version = fx.spec, fx.version
+    v = _V022Plus(ctx, fx)
     proto, serving = v.chat_proto, v.chat_serving
-    fx.use(
-        proto,
-        ["ChatCompletionResponse", "ChatCompletionResponseChoice", "ChatCompletionRequest"],
-        "Field names (prompt_token_ids is response-level in chat, token_ids per choice).",
-        {"choice.routed_experts": proto.line("routed_experts: str | None = None")},
+    v.cite_choice_field(
+        chat=True,
+        description="Field names (prompt_token_ids is response-level in chat, token_ids per choice).",
+        fact="`ChatCompletionResponseChoice.routed_experts:"
+        " str | None`; chat has response-level `prompt_token_ids` and per-choice `token_ids`",
     )
     where, pt_line = serving.named("prompt_token_ids=", after="routed_experts")
     fx.use(
         serving, [where], "sets response prompt_token_ids and choices' routed_experts.", {"prompt_token_ids": pt_line}
     )
-    fx.fact(
-        proto,
-        proto.line("routed_experts: str | None = None"),
-        "`ChatCompletionResponseChoice.routed_experts:"
-        " str | None`; chat has response-level `prompt_token_ids` and per-choice `token_ids`",
-    )
-    rng = rng_for(name)
     p, r = 14, 5
-    toks = tokens(rng, p + r)
-    ids = routes(rng, p + r, spec)
+    toks, ids = draw(fx.rng(), spec, p + r)
     s = start or 0
-    request: dict[str, Any] = {
-        "model": spec.name,
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": r,
-        "return_token_ids": True,
-    }
+    request = chat_request(spec, max_tokens=r, return_token_ids=True)
     if start is not None:
         request["routed_experts_prompt_start"] = start
         fx.fact(
@@ -1486,92 +1440,61 @@ def _chat_022plus(
             proto.line("routed_experts_prompt_start: int = Field("),
             "chat request field `routed_experts_prompt_start` (top level)",
         )
-    choice = dump_model(
-        proto,
-        "ChatCompletionResponseChoice",
-        {
-            "index": 0,
-            "message": dump_model(
-                proto, "ChatMessage", {"role": "assistant", "content": "<detokenized>", "tool_calls": []}
-            ),
-            "finish_reason": "length",
-            "token_ids": toks[p:].tolist(),
-            "routed_experts": v.b64(ids, spec, s),
-        },
-    )
     fx.payload["request.json"] = request
-    fx.payload["response.json"] = dump_model(
-        proto,
-        "ChatCompletionResponse",
-        {
-            "id": f"chatcmpl-{version}",
-            "object": "chat.completion",
-            "created": 1767225600,
-            "model": spec.name,
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": p,
-                "total_tokens": p + r,
-                "completion_tokens": r,
-                "prompt_tokens_details": {"cached_tokens": cached} if cached else None,
-            },
-            "prompt_token_ids": toks[:p].tolist(),
-        },
+    fx.payload["response.json"] = v.response(
+        True,
+        f"chatcmpl-{version}",
+        [v.chat_choice(toks, p, v.b64(ids, spec, s))],
+        vllm_usage(p, r, cached),
+        prompt_token_ids=toks[:p].tolist(),
     )
-    fx.add(f"chatcmpl-{version}", ids, span(p + r, s, p + r - 1), toks)
+    fx.add(f"chatcmpl-{version}", ids, returned(p + r, s), toks)
     fx.notes = {"0": {"start": s, "prefix_cached_tokens": cached, "prefix_rows": "filled"}} if (s or cached) else {}
     fx.files = {"request.json": "chat request", "response.json": f"ChatCompletionResponse (vLLM {version})"}
-    return fx
 
 
-@builder("vllm-0.28.0-chat")
-def vllm_028_chat(ctx: Ctx) -> Fixture:
-    return _chat_022plus(
-        ctx,
-        "0.28.0",
+variants(
+    _chat_022plus,
+    "vllm",
+    (
         "vllm-0.28.0-chat",
+        "0.28.0",
         QWEN,
-        start=None,
-        cached=0,
-        description="vLLM 0.28.0 /v1/chat/completions: base64 .npy uint8 (numpy2base64), full axis "
+        "vLLM 0.28.0 /v1/chat/completions: base64 .npy uint8 (numpy2base64), full axis "
         "(all-MoE model: full = MoE-only), rows [0, n_tokens - 1).",
-    )
-
-
-@builder("vllm-0.33.0-chat-promptstart")
-def vllm_033_chat(ctx: Ctx) -> Fixture:
-    return _chat_022plus(
-        ctx,
-        "0.33.0",
+        {"start": None, "cached": 0},
+    ),
+    (
         "vllm-0.33.0-chat-promptstart",
+        "0.33.0",
         DEEPSEEK,
-        start=6,
-        cached=8,
-        description="vLLM 0.33.0 /v1/chat/completions with routed_experts_prompt_start=6 and an "
+        "vLLM 0.33.0 /v1/chat/completions with routed_experts_prompt_start=6 and an "
         "8-token prefix-cache hit (rows restored from the block store: filled): rows [6, n - 1).",
-    )
+        {"start": 6, "cached": 8},
+    ),
+)
 
 
 # ---- vLLM /inference/v1/generate ----
 def _generate_files(wheel: Wheel) -> tuple[SourceFile, SourceFile]:
     for base in ("vllm/entrypoints/scale_out/token_in_token_out", "vllm/entrypoints/serve/disagg"):
-        with zipfile.ZipFile(wheel.path) as archive:
-            if f"{base}/protocol.py" in archive.namelist():
-                return wheel.read(f"{base}/protocol.py"), wheel.read(f"{base}/serving.py")
+        if wheel.has(f"{base}/protocol.py"):
+            return wheel.read(f"{base}/protocol.py"), wheel.read(f"{base}/serving.py")
     raise SystemExit(f"{wheel.label}: no generate protocol")
 
 
-def _generate(ctx: Ctx, version: str, name: str, *, stream: bool, abort: bool, start: int) -> Fixture:
-    spec = DEEPSEEK
-    fx = Fixture(name, "vllm", version, spec, "")
-    v = _V022Plus(ctx, fx, version)
+def _generate(ctx: Ctx, fx: Fixture, *, stream: bool, abort: bool, start: int) -> None:
+    """/inference/v1/generate, streamed or not, optionally aborted; the description is derived from the options."""
+    spec, version = fx.spec, fx.version
+    v = _V022Plus(ctx, fx)
     proto, serving = _generate_files(v.wheel)
-    new = version == "0.33.0"
-    resp_cls = "GenerateTokensResponse" if new else "GenerateResponse"
-    choice_cls = "GenerateTokensChoice" if new else "GenerateResponseChoice"
-    stream_cls = "GenerateTokensStreamResponse" if new else "GenerateStreamResponse"
-    stream_choice_cls = "GenerateTokensStreamChoice" if new else "GenerateResponseStreamChoice"
-    fx.use(
+    new = version == "0.33.0"  # 0.33 renamed the classes and added output_mode / prompt_token_ids / usage
+    resp_cls, choice_cls, stream_cls, stream_choice_cls = (
+        ("GenerateTokensResponse", "GenerateTokensChoice", "GenerateTokensStreamResponse", "GenerateTokensStreamChoice")
+        if new
+        else ("GenerateResponse", "GenerateResponseChoice", "GenerateStreamResponse", "GenerateResponseStreamChoice")
+    )
+    fx.cite(
         proto,
         ["GenerateRequest", resp_cls, choice_cls, stream_cls, stream_choice_cls],
         "Field names.",
@@ -1579,16 +1502,12 @@ def _generate(ctx: Ctx, version: str, name: str, *, stream: bool, abort: bool, s
             "request.sampling_params": proto.line("sampling_params: SamplingParams"),
             "choice.routed_experts": proto.line("routed_experts: str | None = None"),
         },
-    )
-    fx.fact(
-        proto,
-        proto.line("sampling_params: SamplingParams"),
         "request `{token_ids, sampling_params: "
         "SamplingParams}`: `routed_experts_prompt_start` is nested under `sampling_params`",
     )
     stream_fields = proto.fields(stream_choice_cls)
     fx.fact(proto, proto.line(f"class {stream_choice_cls}"), f"stream choice fields {stream_fields}")
-    rng = rng_for(name)
+    rng = fx.rng()
     p, r = 8, 5
     k = 3 if abort else r  # tokens produced before the abort
     toks = tokens(rng, p + r)[: p + k]
@@ -1605,39 +1524,32 @@ def _generate(ctx: Ctx, version: str, name: str, *, stream: bool, abort: bool, s
     fx.payload["request.json"] = request
     b64 = v.encode(v.rows(ids, spec, start))
     finish = "abort" if abort else "length"
+
+    def choice(cls: str, last: bool, token_ids: list[int]) -> dict[str, Any]:
+        """Choice objects (``stop_reason``, 0.33 only, is always None here, as undeclared fields are)."""
+        values = {
+            "index": 0,
+            "finish_reason": finish if last else None,
+            "token_ids": token_ids,
+            "routed_experts": b64 if last else None,
+        }
+        return dump_model(proto, cls, values)
+
     if not stream:
-        choice = {"index": 0, "finish_reason": finish, "token_ids": toks[p:].tolist(), "routed_experts": b64}
+        resp: dict[str, Any] = {
+            "request_id": f"gen-{version}",
+            "choices": [choice(choice_cls, True, toks[p:].tolist())],
+        }
         if new:
-            choice["stop_reason"] = None
-        resp: dict[str, Any] = {"request_id": f"gen-{version}", "choices": [dump_model(proto, choice_cls, choice)]}
-        if new:
-            resp |= {
-                "prompt_token_ids": toks[:p].tolist(),
-                "output_mode": "tokens",
-                "usage": {
-                    "prompt_tokens": p,
-                    "total_tokens": p + k,
-                    "completion_tokens": k,
-                    "prompt_tokens_details": None,
-                },
-            }
+            resp |= {"prompt_token_ids": toks[:p].tolist(), "output_mode": "tokens", "usage": vllm_usage(p, k)}
         fx.payload["response.json"] = dump_model(proto, resp_cls, resp)
         fx.files = {"request.json": "/inference/v1/generate request", "response.json": f"{resp_cls} (non-streamed)"}
     else:
         chunks = []
         for j in range(k):
-            last = j == k - 1
-            choice = {
-                "index": 0,
-                "finish_reason": finish if last else None,
-                "token_ids": [int(toks[p + j])],
-                "routed_experts": b64 if last else None,
-            }
-            if new:
-                choice["stop_reason"] = None
             chunk: dict[str, Any] = {
                 "request_id": f"gen-{version}",
-                "choices": [dump_model(proto, stream_choice_cls, choice)],
+                "choices": [choice(stream_choice_cls, j == k - 1, [int(toks[p + j])])],
             }
             if new:
                 chunk["output_mode"] = "tokens"
@@ -1666,20 +1578,15 @@ def _generate(ctx: Ctx, version: str, name: str, *, stream: bool, abort: bool, s
         {"full_routed_experts": gen_line},
     )
     outproc = v.wheel.read("vllm/v1/engine/output_processor.py")
-    where, fin = outproc.named("if finished and self.routed_experts_chunks:")
-    fx.use(
+    fx.cite(
         outproc,
-        [where],
+        None,
         "routed_experts = concat of per-step chunks, only on the finished output (also for aborts).",
-        {"concat_on_finish": fin},
-    )
-    fx.fact(
-        outproc,
-        fin,
+        {"concat_on_finish": outproc.line("if finished and self.routed_experts_chunks:")},
         "`routed_experts = np.concatenate(routed_experts_chunks)` only when finished; an abort "
         "after some steps is a finished output too -> partial rows [start, prompt + k - 1), finish_reason 'abort'",
     )
-    fx.add(f"gen-{version}", ids, span(p + k, start, p + k - 1), toks)
+    fx.add(f"gen-{version}", ids, returned(p + k, start), toks)
     fx.notes = {"0": {"start": start}} if start else {}
     if abort:
         fx.notes["0"] = {
@@ -1693,87 +1600,79 @@ def _generate(ctx: Ctx, version: str, name: str, *, stream: bool, abort: bool, s
         f"request with sampling_params.routed_experts_prompt_start={start}; choices[0].routed_experts "
         "base64 .npy uint8 full axis, rows [start, n_tokens - 1)."
     )
-    return fx
 
 
-@builder("vllm-0.22.0-generate")
-def vllm_022_generate(ctx: Ctx) -> Fixture:
-    return _generate(ctx, "0.22.0", "vllm-0.22.0-generate", stream=False, abort=False, start=3)
-
-
-@builder("vllm-0.24.0-generate-stream")
-def vllm_024_stream(ctx: Ctx) -> Fixture:
-    return _generate(ctx, "0.24.0", "vllm-0.24.0-generate-stream", stream=True, abort=False, start=0)
-
-
-@builder("vllm-0.33.0-generate")
-def vllm_033_generate(ctx: Ctx) -> Fixture:
-    return _generate(ctx, "0.33.0", "vllm-0.33.0-generate", stream=False, abort=False, start=3)
-
-
-@builder("vllm-0.33.0-generate-stream")
-def vllm_033_stream(ctx: Ctx) -> Fixture:
-    return _generate(ctx, "0.33.0", "vllm-0.33.0-generate-stream", stream=True, abort=False, start=0)
-
-
-@builder("vllm-0.33.0-generate-abort")
-def vllm_033_abort(ctx: Ctx) -> Fixture:
-    return _generate(ctx, "0.33.0", "vllm-0.33.0-generate-abort", stream=False, abort=True, start=0)
+for _name, _version, _stream, _abort, _start in (
+    ("vllm-0.22.0-generate", "0.22.0", False, False, 3),
+    ("vllm-0.24.0-generate-stream", "0.24.0", True, False, 0),
+    ("vllm-0.33.0-generate", "0.33.0", False, False, 3),
+    ("vllm-0.33.0-generate-stream", "0.33.0", True, False, 0),
+    ("vllm-0.33.0-generate-abort", "0.33.0", False, True, 0),
+):
+    builder(_name, "vllm", _version, DEEPSEEK, "", stream=_stream, abort=_abort, start=_start)(_generate)
 
 
 # ---- SGLang ----
-class _SGLang:
-    def __init__(self, ctx: Ctx, fx: Fixture, version: str) -> None:
-        wheel = ctx.wheel("sglang", version)
-        self.version = version
-        self.wheel = wheel
-        self.fx = fx
+def dump_sgl(src: SourceFile, cls: str, values: dict[str, Any]) -> dict[str, Any]:
+    """``dump_model`` with the None-dropping of SGLang's own serializer for ``cls``."""
+    return dump_model(src, cls, values, drop_none=src.popped_when_none(cls))
+
+
+def sgl_usage(proto: SourceFile, prompt: int, completion: int) -> dict[str, Any]:
+    values = {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "reasoning_tokens": 0,
+    }
+    return dump_model(proto, "UsageInfo", values)
+
+
+class _SGLang(_Sources):
+    """One SGLang version: finish reasons and routing encoding executed from its files, meta_info as it builds it."""
+
+    def __init__(self, ctx: Ctx, fx: Fixture) -> None:
+        super().__init__(ctx, fx)
+        wheel, version = self.wheel, self.version
         self.detok = wheel.read("sglang/srt/managers/detokenizer_manager.py")
         self.tm = wheel.read("sglang/srt/managers/tokenizer_manager.py")
         self.batch = wheel.read("sglang/srt/managers/schedule_batch.py")
         self.io = wheel.read("sglang/srt/managers/io_struct.py")
         ns: dict[str, Any] = namespace(Union=Any, List=list, Optional=Any)
-        for cls in ("BaseFinishReason", "FINISH_MATCHED_TOKEN", "FINISH_LENGTH", "FINISH_ABORT"):
+        finish_classes = ["BaseFinishReason", "FINISH_MATCHED_TOKEN", "FINISH_LENGTH", "FINISH_ABORT"]
+        for cls in finish_classes:
             run_source(self.batch.definition(cls), ns, f"<sglang {version} {cls}>")
         self.finish = ns
         fx.use(
             self.batch,
-            ["BaseFinishReason", "FINISH_MATCHED_TOKEN", "FINISH_LENGTH", "FINISH_ABORT"],
+            finish_classes,
             "Executed: finish_reason.to_json() dicts.",
             {"FINISH_ABORT": self.batch.line("class FINISH_ABORT")},
         )
+        # 0.5.11+ encodes per request (None without routing); 0.5.7-0.5.10 encode a missing one as []
         if "_b64_encode_per_request" in self.detok.text:
-            fn = load_def(self.detok, "DetokenizerManager._b64_encode_per_request")
-            self._encode: Callable[[list[Any]], list[Any]] = fn
-            line = self.detok.line("def _b64_encode_per_request")
-            names = ["DetokenizerManager._b64_encode_per_request"]
+            encoder, empty = "_b64_encode_per_request", "None"
+            self._encode: Callable[[list[Any]], list[Any]] = load_def(self.detok, f"DetokenizerManager.{encoder}")
         else:
-            method = load_def(self.detok, "DetokenizerManager._extract_routed_experts")
+            encoder, empty = "_extract_routed_experts", "`[]` (empty list)"
+            method = load_def(self.detok, f"DetokenizerManager.{encoder}")
             self._encode = lambda items: method(None, types.SimpleNamespace(routed_experts=items))
-            line = self.detok.line("def _extract_routed_experts")
-            names = ["DetokenizerManager._extract_routed_experts"]
-        fx.use(
+        fx.cite(
             self.detok,
-            names,
+            [f"DetokenizerManager.{encoder}"],
             "Executed: base64 of the raw int32 tensor bytes (pybase64 -> base64, same bytes), "
             "per request in the batch.",
-            {"encode": line},
+            {"encode": self.detok.line(f"def {encoder}")},
+            f"`{encoder}`: base64(tensor.numpy().tobytes()) -> flat raw "
+            f"little-endian int32, no shape header; a request without routing becomes {empty}",
         )
-        fx.fact(
-            self.detok,
-            line,
-            f"`{names[0].split('.')[-1]}`: base64(tensor.numpy().tobytes()) -> flat raw "
-            "little-endian int32, no shape header; a request without routing becomes "
-            + ("None" if "_b64_encode_per_request" in names[0] else "`[]` (empty list)"),
-        )
-        meta_line = self.tm.line('meta_info["routed_experts"] = ')
-        fx.use(
+        fx.cite(
             self.tm,
             ["TokenizerManager._handle_batch_output"],
             "meta_info keys and where routed_experts goes.",
-            {"meta_info.routed_experts": meta_line},
+            {"meta_info.routed_experts": self.tm.line('meta_info["routed_experts"] = ')},
+            '`meta_info["routed_experts"]` set when the batch output has routing',
         )
-        fx.fact(self.tm, meta_line, '`meta_info["routed_experts"]` set when the batch output has routing')
         self.retractions = "num_retractions" if '"num_retractions"' in self.tm.text else "total_retractions"
         self.tm.line(f'"{self.retractions}"')
         req_line = self.io.line("return_routed_experts: bool = False")
@@ -1784,42 +1683,40 @@ class _SGLang:
             "sglang/srt/managers/scheduler_output_processor_mixin.py",
             "sglang/srt/managers/scheduler_components/batch_result_processor.py",
         ):
-            with zipfile.ZipFile(wheel.path) as archive:
-                if path in archive.namelist():
-                    src = wheel.read(path)
-                    if "start_len=start_len" in src.text:
-                        start_used = True
-                        ln = src.line("start_len=start_len")
-                        fx.use(
-                            src,
-                            ["_maybe_collect_routed_experts / maybe_collect_routed_experts"],
-                            "get_topk(..., start_len) -> rows [start_len, seqlen - 1).",
-                            {"get_topk": ln},
-                        )
-                        fx.fact(src, ln, "rows [routed_experts_start_len, seqlen - 1) (start_len honoured)")
-                    elif "def maybe_collect_routed_experts" in src.text:
-                        ln = src.line("seqlen=req.seqlen,", after="def maybe_collect_routed_experts")
-                        fx.use(
-                            src,
-                            ["SchedulerOutputProcessorMixin.maybe_collect_routed_experts"],
-                            "get_routed_experts(req_pool_idx, seqlen) with no start: rows [0, seqlen - 1).",
-                            {"get_routed_experts": ln},
-                        )
-                        fx.fact(
-                            src,
-                            ln,
-                            "rows [0, seqlen - 1): the capturer reads req_to_token[:seqlen - 1] "
-                            "(KV slots: radix-cache hits filled); no start offset",
-                        )
+            if not wheel.has(path):
+                continue
+            src = wheel.read(path)
+            if "start_len=start_len" in src.text:
+                start_used = True
+                fx.cite(
+                    src,
+                    ["_maybe_collect_routed_experts / maybe_collect_routed_experts"],
+                    "get_topk(..., start_len) -> rows [start_len, seqlen - 1).",
+                    {"get_topk": src.line("start_len=start_len")},
+                    "rows [routed_experts_start_len, seqlen - 1) (start_len honoured)",
+                )
+            elif "def maybe_collect_routed_experts" in src.text:
+                fx.cite(
+                    src,
+                    ["SchedulerOutputProcessorMixin.maybe_collect_routed_experts"],
+                    "get_routed_experts(req_pool_idx, seqlen) with no start: rows [0, seqlen - 1).",
+                    {"get_routed_experts": src.line("seqlen=req.seqlen,", after="def maybe_collect_routed_experts")},
+                    "rows [0, seqlen - 1): the capturer reads req_to_token[:seqlen - 1] "
+                    "(KV slots: radix-cache hits filled); no start offset",
+                )
         self.start_len_honoured = start_used
         if self.has_start_len:
-            ln = self.io.line("routed_experts_start_len: int = 0")
             fx.fact(
                 self.io,
-                ln,
+                self.io.line("routed_experts_start_len: int = 0"),
                 "`GenerateReqInput.routed_experts_start_len` declared"
                 + ("" if start_used else " but NEVER read by the scheduler in this version (silently ignored)"),
             )
+
+    def openai(self, serving: str) -> tuple[SourceFile, SourceFile]:
+        """The OpenAI protocol and ``serving_<serving>.py``."""
+        base = "sglang/srt/entrypoints/openai"
+        return self.wheel.read(f"{base}/protocol.py"), self.wheel.read(f"{base}/serving_{serving}.py")
 
     def encode(self, rows: npt.NDArray[np.int32] | None) -> Any:
         return self._encode([None if rows is None else TensorLike(rows)])[0]
@@ -1847,39 +1744,39 @@ class _SGLang:
         meta["e2e_latency"] = 0.5
         return meta
 
+    def routed_meta(
+        self, rid: str, finish: dict[str, Any], ids: IntArray, p: int, cached: int, start: int = 0
+    ) -> dict[str, Any]:
+        """meta_info of a finished request of ``len(ids)`` tokens (prompt ``p``) with rows [start, n - 1)."""
+        rows = captured_rows(ids, self.fx.spec, np.int32, start)
+        return self.meta(rid, finish, p, ids.shape[0] - p, cached, self.encode(rows))
 
-def _sgl_rows(ids: IntArray, spec: Spec, start: int) -> npt.NDArray[np.int32]:
-    n = ids.shape[0]
-    return full_axis(ids, spec)[start : n - 1].astype(np.int32)
+    def generated(self, text: str, toks: IntArray, p: int, meta: dict[str, Any]) -> dict[str, Any]:
+        """One /generate response object."""
+        return {"text": text, "output_ids": toks[p:].tolist(), "meta_info": meta}
 
 
-@builder("sglang-0.5.8-generate")
-def sglang_058_generate(ctx: Ctx) -> Fixture:
-    name = "sglang-0.5.8-generate"
-    spec = DEEPSEEK
-    fx = Fixture(
-        name,
-        "sglang",
-        "0.5.8",
-        spec,
-        "SGLang 0.5.8 batched /generate (two input_ids lists): a list of "
-        "two responses, meta_info.routed_experts = base64 of raw int32, full decoder axis, rows [0, n - 1); "
-        "the second prompt shares a 6-token radix-cache prefix (rows filled).",
-    )
-    sg = _SGLang(ctx, fx, "0.5.8")
-    rng = rng_for(name)
+@builder("sglang-0.5.8-generate", "sglang", "0.5.8", DEEPSEEK)
+def sglang_058_generate(ctx: Ctx, fx: Fixture) -> None:
+    """SGLang 0.5.8 batched /generate (two input_ids lists): a list of two responses, meta_info.routed_experts = base64
+    of raw int32, full decoder axis, rows [0, n - 1); the second prompt shares a 6-token radix-cache prefix (rows
+    filled).
+    """
+    sg = _SGLang(ctx, fx)
+    rng = fx.rng()
     shared = 6
-    base = tokens(rng, 20)
-    base_ids = routes(rng, 20, spec)
+    base_toks, base_ids = draw(rng, fx.spec, 20)
     responses, inputs = [], []
     for i, (p, r, finish) in enumerate(((9, 5, "length"), (10, 4, "token"))):
-        toks = np.concatenate([base[:shared], tokens(rng, p + r - shared)]) if i else base[: p + r]
-        ids = np.concatenate([base_ids[:shared], routes(rng, p + r - shared, spec)]) if i else base_ids[: p + r]
+        if i:  # same first `shared` tokens as request 0: a radix-cache hit
+            toks, ids = draw(rng, fx.spec, p + r - shared, after=(base_toks[:shared], base_ids[:shared]))
+        else:
+            toks, ids = base_toks[: p + r], base_ids[: p + r]
         inputs.append(toks[:p].tolist())
         fin = sg.finish_json(finish, r if finish == "length" else int(toks[-1]))
-        meta = sg.meta(f"sgl-058-{i}", fin, p, r, shared if i else 0, sg.encode(_sgl_rows(ids, spec, 0)))
-        responses.append({"text": "<detokenized>", "output_ids": toks[p:].tolist(), "meta_info": meta})
-        fx.add(f"sgl-058-{i}", ids, span(p + r, 0, p + r - 1), toks)
+        meta = sg.routed_meta(f"sgl-058-{i}", fin, ids, p, shared if i else 0)
+        responses.append(sg.generated("<detokenized>", toks, p, meta))
+        fx.add(f"sgl-058-{i}", ids, returned(p + r), toks)
     fx.payload["request.json"] = {
         "input_ids": inputs,
         "sampling_params": {"max_new_tokens": 5, "temperature": 1.0},
@@ -1887,19 +1784,16 @@ def sglang_058_generate(ctx: Ctx) -> Fixture:
     }
     fx.payload["responses.json"] = responses
     fx.files = {"request.json": "batched /generate request", "responses.json": "the list /generate returns"}
-    return fx
 
 
-def _sglang_turns(ctx: Ctx, version: str, name: str) -> Fixture:
-    spec = DEEPSEEK
-    fx = Fixture(name, "sglang", version, spec, "")
-    sg = _SGLang(ctx, fx, version)
-    rng = rng_for(name)
+def _sglang_turns(ctx: Ctx, fx: Fixture) -> None:
+    """Two turns of one session; the description depends on whether the version honours the start length."""
+    version = fx.version
+    sg = _SGLang(ctx, fx)
     p1, r1, u, r2 = 8, 4, 5, 4
     t1 = p1 + r1
     p2 = t1 + u
-    toks = tokens(rng, p2 + r2)
-    ids = routes(rng, p2 + r2, spec)
+    toks, ids = draw(fx.rng(), fx.spec, p2 + r2)
     start = t1 - 1  # miles: routed_experts_start_len = len(checkpoint_tokens) - 1 (the row turn 1 never returned)
     requests, responses = [], []
     for turn, (p, r, s_req) in enumerate(((p1, r1, 0), (p2, r2, start))):
@@ -1913,10 +1807,9 @@ def _sglang_turns(ctx: Ctx, version: str, name: str) -> Fixture:
         if s_req:
             req["routed_experts_start_len"] = s_req
         requests.append(req)
-        fin = sg.finish_json("length", r)
-        meta = sg.meta(f"sgl-turn{turn}", fin, p, r, t1 if turn else 0, sg.encode(_sgl_rows(ids[:n], spec, s_eff)))
-        responses.append({"text": "<detokenized>", "output_ids": toks[p:n].tolist(), "meta_info": meta})
-        fx.add(f"session/turn{turn}", ids[:n], span(n, s_eff, n - 1), toks[:n])
+        meta = sg.routed_meta(f"sgl-turn{turn}", sg.finish_json("length", r), ids[:n], p, t1 if turn else 0, s_eff)
+        responses.append(sg.generated("<detokenized>", toks[:n], p, meta))
+        fx.add(f"session/turn{turn}", ids[:n], returned(n, s_eff), toks[:n])
     fx.payload["requests.json"] = requests
     fx.payload["responses.json"] = responses
     fx.files = {
@@ -1925,7 +1818,7 @@ def _sglang_turns(ctx: Ctx, version: str, name: str) -> Fixture:
         "responses.json": "the two /generate responses",
     }
     if sg.start_len_honoured:
-        fx.add("session/stitched", ids, span(p2 + r2, 0, p2 + r2 - 1), toks)
+        fx.add("session/stitched", ids, returned(p2 + r2), toks)
         fx.notes = {"1": {"start": start}, "2": {"stitched": "turn 0 rows [0, start) + turn 1 rows [start, n - 1)"}}
         fx.description = (
             f"SGLang {version} multi-turn /generate: turn 1 sends routed_experts_start_len={start} and "
@@ -1943,114 +1836,68 @@ def _sglang_turns(ctx: Ctx, version: str, name: str) -> Fixture:
             f"SGLang {version} multi-turn /generate: turn 1 sends routed_experts_start_len={start}, but "
             "this version ignores the field and returns ALL rows [0, n - 1) (radix hits filled)."
         )
-    return fx
 
 
-@builder("sglang-0.5.8-generate-startlen-ignored")
-def sglang_058_turns(ctx: Ctx) -> Fixture:
-    return _sglang_turns(ctx, "0.5.8", "sglang-0.5.8-generate-startlen-ignored")
+for _name, _version in (
+    ("sglang-0.5.8-generate-startlen-ignored", "0.5.8"),
+    ("sglang-0.5.12-generate-multiturn", "0.5.12"),
+):
+    builder(_name, "sglang", _version, DEEPSEEK, "")(_sglang_turns)
 
 
-@builder("sglang-0.5.12-generate-multiturn")
-def sglang_0512_turns(ctx: Ctx) -> Fixture:
-    return _sglang_turns(ctx, "0.5.12", "sglang-0.5.12-generate-multiturn")
-
-
-@builder("sglang-0.5.9-completions")
-def sglang_059_completions(ctx: Ctx) -> Fixture:
-    name = "sglang-0.5.9-completions"
-    spec = QWEN
-    fx = Fixture(
-        name,
-        "sglang",
-        "0.5.9",
-        spec,
-        "SGLang 0.5.9 OpenAI /v1/completions with n=2: response-level "
-        "sglext.routed_experts (base64 raw int32) built from the FIRST result only; choice 1's routing is "
-        "absent; choices carry no token ids.",
-    )
-    sg = _SGLang(ctx, fx, "0.5.9")
-    wheel = sg.wheel
-    proto = wheel.read("sglang/srt/entrypoints/openai/protocol.py")
-    serving = wheel.read("sglang/srt/entrypoints/openai/serving_completions.py")
-    utils = wheel.read("sglang/srt/entrypoints/openai/utils.py")
+@builder("sglang-0.5.9-completions", "sglang", "0.5.9", QWEN)
+def sglang_059_completions(ctx: Ctx, fx: Fixture) -> None:
+    """SGLang 0.5.9 OpenAI /v1/completions with n=2: response-level sglext.routed_experts (base64 raw int32) built from
+    the FIRST result only; choice 1's routing is absent; choices carry no token ids.
+    """
+    spec = fx.spec
+    sg = _SGLang(ctx, fx)
+    proto, serving = sg.openai("completions")
+    utils = sg.wheel.read("sglang/srt/entrypoints/openai/utils.py")
     pick = load_def(utils, "process_routed_experts_from_ret")
-    where, first = serving.named("routed_experts = process_routed_experts_from_ret(first_ret, request)")
     fx.use(
         utils,
         ["process_routed_experts_from_ret"],
         "Executed: meta_info['routed_experts'] of one ret item.",
         {"def": utils.line("def process_routed_experts_from_ret")},
     )
-    fx.use(serving, [where], "sglext from ret[0] only.", {"first_ret": first})
-    fx.use(
+    fx.cite(
+        serving,
+        None,
+        "sglext from ret[0] only.",
+        {"first_ret": serving.line("routed_experts = process_routed_experts_from_ret(first_ret, request)")},
+        "OpenAI completions/chat: `sglext.routed_experts` (response level, key `sglext`) from "
+        "the FIRST ret item only; other choices/prompts get no routing",
+    )
+    fx.cite(
         proto,
         ["SglExt", "CompletionResponse", "CompletionResponseChoice", "CompletionRequest"],
         "Field names and None-dropping serializers.",
         {"SglExt": proto.line("class SglExt")},
+        "`SglExt` serializer drops None fields; responses drop `sglext` when None",
     )
-    fx.fact(
-        serving,
-        first,
-        "OpenAI completions/chat: `sglext.routed_experts` (response level, key `sglext`) from "
-        "the FIRST ret item only; other choices/prompts get no routing",
-    )
-    fx.fact(
-        proto, proto.line("class SglExt"), "`SglExt` serializer drops None fields; responses drop `sglext` when None"
-    )
-    rng = rng_for(name)
+    rng = fx.rng()
     p = 7
-    prompt = tokens(rng, p)
-    ids_prompt = routes(rng, p, spec)
+    prompt = draw(rng, spec, p)
     rets, choices = [], []
     for i, r in enumerate((4, 6)):
-        out = tokens(rng, r)
-        toks = np.concatenate([prompt, out])
-        ids = np.concatenate([ids_prompt, routes(rng, r, spec)])
-        fin = sg.finish_json("length", r)
-        rets.append(
-            {"meta_info": sg.meta(f"sgl-cmpl-{i}", fin, p, r, p if i else 0, sg.encode(_sgl_rows(ids, spec, 0)))}
-        )
-        choices.append(
-            dump_model(
-                proto,
-                "CompletionResponseChoice",
-                {"index": i, "text": "<detokenized>", "finish_reason": "length", "matched_stop": None},
-                drop_none=proto.popped_when_none("CompletionResponseChoice"),
-            )
-        )
-        fx.add(f"sgl-cmpl/{i}", ids, span(p + r, 0, p + r - 1) if i == 0 else np.zeros(p + r, bool), toks)
-    request = types.SimpleNamespace(return_routed_experts=True)
-    sglext = {
-        k: v
-        for k, v in {"routed_experts": pick(rets[0], request), "cached_tokens_details": None}.items()
-        if v is not None
-    }
+        toks, ids = draw(rng, spec, r, after=prompt)
+        meta = sg.routed_meta(f"sgl-cmpl-{i}", sg.finish_json("length", r), ids, p, p if i else 0)
+        rets.append({"meta_info": meta})
+        choice = {"index": i, "text": "<detokenized>", "finish_reason": "length", "matched_stop": None}
+        choices.append(dump_sgl(proto, "CompletionResponseChoice", choice))
+        fx.add(f"sgl-cmpl/{i}", ids, returned(p + r) if i == 0 else np.zeros(p + r, bool), toks)
+    routed = pick(rets[0], types.SimpleNamespace(return_routed_experts=True))
+    sglext = {} if routed is None else {"routed_experts": routed}  # SglExt drops None fields
     fx.payload["request.json"] = {
         "model": spec.name,
-        "prompt": prompt.tolist(),
+        "prompt": prompt[0].tolist(),
         "max_tokens": 6,
         "n": 2,
         "return_routed_experts": True,
     }
-    fx.payload["response.json"] = dump_model(
-        proto,
-        "CompletionResponse",
-        {
-            "id": "sgl-cmpl",
-            "object": "text_completion",
-            "created": 1767225600,
-            "model": spec.name,
-            "choices": choices,
-            "usage": dump_model(
-                proto,
-                "UsageInfo",
-                {"prompt_tokens": p, "total_tokens": p + 10, "completion_tokens": 10, "reasoning_tokens": 0},
-            ),
-            "metadata": None,
-            "sglext": sglext,
-        },
-        drop_none=proto.popped_when_none("CompletionResponse"),
+    fx.payload["response.json"] = openai_response(
+        proto, False, "sgl-cmpl", spec, choices, sgl_usage(proto, p, 10), dump=dump_sgl, sglext=sglext
     )
     fx.notes = {
         "1": {"routing_absent": True, "why": "sglext.routed_experts comes from ret[0] only"},
@@ -2058,38 +1905,31 @@ def sglang_059_completions(ctx: Ctx) -> Fixture:
         "the routing row count (choice 0) / usage",
     }
     fx.files = {"request.json": "/v1/completions request (n=2)", "response.json": "CompletionResponse (SGLang 0.5.9)"}
-    return fx
 
 
-@builder("sglang-0.5.23-chat-metainfo")
-def sglang_0523_chat(ctx: Ctx) -> Fixture:
-    name = "sglang-0.5.23-chat-metainfo"
-    spec = DEEPSEEK
-    fx = Fixture(
-        name,
-        "sglang",
-        "0.5.23",
-        spec,
-        "SGLang 0.5.23 /v1/chat/completions with return_meta_info and "
-        "return_token_ids: routing in choices[i].meta_info.routed_experts (per choice, base64 int32), "
-        "sglext.routed_experts suppressed; choices carry prompt_token_ids and response_token_ids.",
-    )
-    sg = _SGLang(ctx, fx, "0.5.23")
-    wheel = sg.wheel
-    proto = wheel.read("sglang/srt/entrypoints/openai/protocol.py")
-    serving = wheel.read("sglang/srt/entrypoints/openai/serving_chat.py")
-    where, meta_line = serving.named('ret_item["meta_info"] if request.return_meta_info else None')
+@builder("sglang-0.5.23-chat-metainfo", "sglang", "0.5.23", DEEPSEEK)
+def sglang_0523_chat(ctx: Ctx, fx: Fixture) -> None:
+    """SGLang 0.5.23 /v1/chat/completions with return_meta_info and return_token_ids: routing in
+    choices[i].meta_info.routed_experts (per choice, base64 int32), sglext.routed_experts suppressed; choices carry
+    prompt_token_ids and response_token_ids.
+    """
+    spec = fx.spec
+    sg = _SGLang(ctx, fx)
+    proto, serving = sg.openai("chat")
     none_line = serving.line("if request.return_meta_info", after="first_ret = ret[0]")
-    fx.use(
+    fx.cite(
         serving,
-        [where],
+        None,
         "meta_info per choice when return_meta_info; "
         "sglext.routed_experts None then; prompt_token_ids / response_token_ids with return_token_ids.",
         {
-            "choice.meta_info": meta_line,
+            "choice.meta_info": serving.line('ret_item["meta_info"] if request.return_meta_info else None'),
             "sglext_suppressed": none_line,
             "response_token_ids": serving.line('ret_item["output_ids"] if request.return_token_ids else None'),
         },
+        "chat with `return_meta_info`: `choices[i].meta_info` = the /generate meta_info "
+        "(routed_experts inside, per choice); `sglext.routed_experts` is None (line "
+        f"{none_line}); `choices[i].prompt_token_ids`, `choices[i].response_token_ids` need return_token_ids",
     )
     fx.use(
         proto,
@@ -2100,99 +1940,45 @@ def sglang_0523_chat(ctx: Ctx) -> Fixture:
             "return_meta_info": proto.line("return_meta_info: bool = False"),
         },
     )
-    fx.fact(
-        serving,
-        meta_line,
-        "chat with `return_meta_info`: `choices[i].meta_info` = the /generate meta_info "
-        "(routed_experts inside, per choice); `sglext.routed_experts` is None (line "
-        f"{none_line}); `choices[i].prompt_token_ids`, `choices[i].response_token_ids` need return_token_ids",
-    )
-    rng = rng_for(name)
+    rng = fx.rng()
     p = 10
-    prompt = tokens(rng, p)
-    ids_prompt = routes(rng, p, spec)
+    prompt = draw(rng, spec, p)
     choices = []
     for i, r in enumerate((5, 3)):
-        out = tokens(rng, r)
-        toks = np.concatenate([prompt, out])
-        ids = np.concatenate([ids_prompt, routes(rng, r, spec)])
-        fin = sg.finish_json("length", r)
-        meta = sg.meta(f"sgl-chat-{i}", fin, p, r, p if i else 0, sg.encode(_sgl_rows(ids, spec, 0)))
-        choices.append(
-            dump_model(
-                proto,
-                "ChatCompletionResponseChoice",
-                {
-                    "index": i,
-                    "message": dump_model(
-                        proto,
-                        "ChatMessage",
-                        {"role": "assistant", "content": "<detokenized>"},
-                        drop_none=proto.popped_when_none("ChatMessage"),
-                    ),
-                    "finish_reason": "length",
-                    "matched_stop": None,
-                    "prompt_token_ids": prompt.tolist(),
-                    "response_token_ids": out.tolist(),
-                    "meta_info": meta,
-                },
-                drop_none=proto.popped_when_none("ChatCompletionResponseChoice"),
-            )
-        )
-        fx.add(f"sgl-chat/{i}", ids, span(p + r, 0, p + r - 1), toks)
-    fx.payload["request.json"] = {
-        "model": spec.name,
-        "messages": [{"role": "user", "content": "hi"}],
-        "n": 2,
-        "max_tokens": 5,
-        "return_routed_experts": True,
-        "return_meta_info": True,
-        "return_token_ids": True,
-    }
-    fx.payload["response.json"] = dump_model(
-        proto,
-        "ChatCompletionResponse",
-        {
-            "id": "sgl-chat",
-            "object": "chat.completion",
-            "created": 1767225600,
-            "model": spec.name,
-            "choices": choices,
-            "usage": dump_model(
-                proto,
-                "UsageInfo",
-                {"prompt_tokens": p, "total_tokens": p + 8, "completion_tokens": 8, "reasoning_tokens": 0},
-            ),
-            "metadata": None,
-            "sglext": None,
-        },
-        drop_none=proto.popped_when_none("ChatCompletionResponse"),
+        toks, ids = draw(rng, spec, r, after=prompt)
+        choice = {
+            "index": i,
+            "message": dump_sgl(proto, "ChatMessage", {"role": "assistant", "content": "<detokenized>"}),
+            "finish_reason": "length",
+            "matched_stop": None,
+            "prompt_token_ids": toks[:p].tolist(),
+            "response_token_ids": toks[p:].tolist(),
+            "meta_info": sg.routed_meta(f"sgl-chat-{i}", sg.finish_json("length", r), ids, p, p if i else 0),
+        }
+        choices.append(dump_sgl(proto, "ChatCompletionResponseChoice", choice))
+        fx.add(f"sgl-chat/{i}", ids, returned(p + r), toks)
+    fx.payload["request.json"] = chat_request(
+        spec, n=2, max_tokens=5, return_routed_experts=True, return_meta_info=True, return_token_ids=True
+    )
+    fx.payload["response.json"] = openai_response(
+        proto, True, "sgl-chat", spec, choices, sgl_usage(proto, p, 8), dump=dump_sgl
     )
     fx.files = {"request.json": "chat request", "response.json": "ChatCompletionResponse (SGLang 0.5.23)"}
-    return fx
 
 
-@builder("sglang-0.5.23-generate-abort")
-def sglang_0523_abort(ctx: Ctx) -> Fixture:
-    name = "sglang-0.5.23-generate-abort"
-    spec = DEEPSEEK
-    fx = Fixture(
-        name,
-        "sglang",
-        "0.5.23",
-        spec,
-        "SGLang 0.5.23 /generate aborts: [0] aborted while running "
-        "(FINISH_ABORT -> finish_reason {type: abort, message: Aborted, ...}; routing collected like any "
-        "finish, rows [0, n - 1)); [1] aborted in the waiting queue (no routed_experts key, no output).",
-    )
-    sg = _SGLang(ctx, fx, "0.5.23")
-    where, q_line = sg.tm.named('abort_message = recv_obj.abort_message or "Abort in waiting queue"')
-    fx.use(
-        sg.tm, [where], "queued abort: meta_info {id, finish_reason, completion_tokens} only.", {"queued_abort": q_line}
-    )
-    fx.fact(
+@builder("sglang-0.5.23-generate-abort", "sglang", "0.5.23", DEEPSEEK)
+def sglang_0523_abort(ctx: Ctx, fx: Fixture) -> None:
+    """SGLang 0.5.23 /generate aborts: [0] aborted while running (FINISH_ABORT -> finish_reason {type: abort, message:
+    Aborted, ...}; routing collected like any finish, rows [0, n - 1)); [1] aborted in the waiting queue (no
+    routed_experts key, no output).
+    """
+    spec = fx.spec
+    sg = _SGLang(ctx, fx)
+    fx.cite(
         sg.tm,
-        q_line,
+        None,
+        "queued abort: meta_info {id, finish_reason, completion_tokens} only.",
+        {"queued_abort": sg.tm.line('abort_message = recv_obj.abort_message or "Abort in waiting queue"')},
         "abort in the waiting queue: meta_info has id, finish_reason {type: abort, message: "
         "'Abort in waiting queue'}, completion_tokens; no routed_experts",
     )
@@ -2203,16 +1989,11 @@ def sglang_0523_abort(ctx: Ctx) -> Fixture:
         "finish_reason {type: abort, message: Aborted, status_code: None, err_type: None}; finishes through "
         "the normal path, so routing is collected",
     )
-    rng = rng_for(name)
+    rng = fx.rng()
     p, r = 8, 3
-    toks = tokens(rng, p + r)
-    ids = routes(rng, p + r, spec)
-    running = {
-        "text": "<partial>",
-        "output_ids": toks[p:].tolist(),
-        "meta_info": sg.meta("sgl-abort-0", sg.finish_json("abort"), p, r, 0, sg.encode(_sgl_rows(ids, spec, 0))),
-    }
-    fx.add("sgl-abort-0", ids, span(p + r, 0, p + r - 1), toks)
+    toks, ids = draw(rng, spec, p + r)
+    running = sg.generated("<partial>", toks, p, sg.routed_meta("sgl-abort-0", sg.finish_json("abort"), ids, p, 0))
+    fx.add("sgl-abort-0", ids, returned(p + r), toks)
     q_toks = tokens(rng, 6)
     queued = {
         "text": "",
@@ -2227,33 +2008,37 @@ def sglang_0523_abort(ctx: Ctx) -> Fixture:
     fx.payload["responses.json"] = [running, queued]
     fx.notes = {"1": {"routing_absent": True, "why": "aborted before scheduling"}}
     fx.files = {"responses.json": "[0] running abort, [1] queued abort (/generate response objects)"}
-    return fx
 
 
 # ---- trainer-side layouts and forks ----
-@builder("verl-0.9.1-batch")
-def verl_batch(ctx: Ctx) -> Fixture:
-    name = "verl-0.9.1-batch"
-    spec = DEEPSEEK
-    fx = Fixture(
-        name,
-        "verl",
-        "0.9.1",
-        spec,
-        "veRL 0.9.1 agent-loop batch: routed_experts [B, prompt_length + "
-        "response_length, L, K] int16, engine rows (vLLM 0.24 in-process: full axis, n - 1 rows) written "
-        "from the left-padding offset; padding and the final token are zeros.",
-    )
+@builder("verl-0.9.1-batch", "verl", "0.9.1", DEEPSEEK)
+def verl_batch(ctx: Ctx, fx: Fixture) -> None:
+    """veRL 0.9.1 agent-loop batch: routed_experts [B, prompt_length + response_length, L, K] int16, engine rows (vLLM
+    0.24 in-process: full axis, n - 1 rows) written from the left-padding offset; padding and the final token are
+    zeros.
+    """
+    spec = fx.spec
     wheel = ctx.wheel("verl", "0.9.1")
     loop = wheel.read("verl/experimental/agent_loop/agent_loop.py")
-    lines = {
-        "int16": loop.line("experts_tensor = experts_tensor.to(torch.int16)"),
-        "zeros": loop.line("routed_experts = torch.zeros(1, total_length, layer_num, topk_num"),
-        "start_pos": loop.line('start_pos = prompt_output["input_ids"].shape[1] - len(output.prompt_ids)'),
-        "write": loop.line("routed_experts[:, start_pos:end_pos] = experts_tensor.unsqueeze(0)"),
-        "left_pad": loop.line('padding_side="left"'),
-        "concat": loop.line('optional_outputs["routed_experts"] = torch.cat('),
-    }
+    # (key, asserted source text, fact stated about that line or None)
+    asserted: tuple[tuple[str, str, str | None], ...] = (
+        ("int16", "experts_tensor = experts_tensor.to(torch.int16)", "cast to int16"),
+        ("zeros", "routed_experts = torch.zeros(1, total_length, layer_num, topk_num", None),
+        (
+            "start_pos",
+            'start_pos = prompt_output["input_ids"].shape[1] - len(output.prompt_ids)',
+            "start_pos = padded prompt length - prompt length "
+            "(left padding); rows = engine rows (n - 1), so the last response token's row stays 0",
+        ),
+        ("write", "routed_experts[:, start_pos:end_pos] = experts_tensor.unsqueeze(0)", None),
+        ("left_pad", 'padding_side="left"', None),
+        (
+            "concat",
+            'optional_outputs["routed_experts"] = torch.cat(',
+            "batch tensor = cat over samples: [B, prompt_length + response_length, L, K]",
+        ),
+    )
+    lines = {key: loop.line(needle) for key, needle, _ in asserted}
     vsrv = wheel.read("verl/workers/rollout/vllm_rollout/vllm_async_server.py")
     vwhere, src_line = vsrv.named("routed_experts = final_res.outputs[0].routed_experts")
     fx.use(
@@ -2264,23 +2049,15 @@ def verl_batch(ctx: Ctx) -> Fixture:
         lines,
     )
     fx.use(vsrv, [vwhere], "routing = final_res.outputs[0].routed_experts (in-process).", {"outputs0": src_line})
-    for key, text in (
-        ("int16", "cast to int16"),
-        (
-            "start_pos",
-            "start_pos = padded prompt length - prompt length "
-            "(left padding); rows = engine rows (n - 1), so the last response token's row stays 0",
-        ),
-        ("concat", "batch tensor = cat over samples: [B, prompt_length + response_length, L, K]"),
-    ):
-        fx.fact(loop, lines[key], text)
-    rng = rng_for(name)
+    for key, _, fact in asserted:
+        if fact is not None:
+            fx.fact(loop, lines[key], fact)
+    rng = fx.rng()
     p_max, r_max = 12, 6
     batch_routes, mask, input_ids, response_mask = [], [], [], []
     for i, (p, r) in enumerate(((9, 6), (12, 3), (5, 5))):
-        toks = tokens(rng, p + r)
-        ids = routes(rng, p + r, spec)
-        engine = full_axis(ids, spec)[: p + r - 1].astype(np.uint8)
+        toks, ids = draw(rng, spec, p + r)
+        engine = captured_rows(ids, spec, np.uint8)
         row = np.zeros((p_max + r_max, spec.num_layers, spec.topk), dtype=np.int16)
         start_pos = p_max - p
         row[start_pos : start_pos + engine.shape[0]] = engine.astype(np.int16)
@@ -2294,7 +2071,7 @@ def verl_batch(ctx: Ctx) -> Fixture:
         rm = np.zeros(r_max, dtype=np.int64)
         rm[:r] = 1
         response_mask.append(rm)
-        fx.add(f"verl/{i}", ids, span(p + r, 0, p + r - 1), toks)
+        fx.add(f"verl/{i}", ids, returned(p + r), toks)
     ids_arr = np.stack(input_ids)
     fx.payload["batch.npz"] = {
         "routed_experts": np.stack(batch_routes),
@@ -2309,22 +2086,13 @@ def verl_batch(ctx: Ctx) -> Fixture:
         "batch.npz": "routed_experts int16 [3, 18, 6, 4], attention_mask, input_ids, prompts, responses, "
         "response_mask, prompt_length (= rollout.prompt_length)"
     }
-    return fx
 
 
-@builder("slime-sample")
-def slime_sample(ctx: Ctx) -> Fixture:
-    name = "slime-sample"
-    spec = DEEPSEEK
-    fx = Fixture(
-        name,
-        "slime",
-        "THUDM/slime main",
-        spec,
-        "slime Sample.rollout_routed_experts: int32 [len(tokens) - "
-        "1, num_layers, moe_router_topk] (SGLang's full axis); sample 1 is multi-turn: the first "
-        "start_len rows kept, the turn's new rows appended.",
-    )
+@builder("slime-sample", "slime", "THUDM/slime main", DEEPSEEK)
+def slime_sample(ctx: Ctx, fx: Fixture) -> None:
+    """slime Sample.rollout_routed_experts: int32 [len(tokens) - 1, num_layers, moe_router_topk] (SGLang's full axis);
+    sample 1 is multi-turn: the first start_len rows kept, the turn's new rows appended.
+    """
     fx.extra["reproduced_from"] = (
         "slime is not installable from PyPI (the name `slime` there is an unrelated 0.0.0 placeholder); reproduced "
         "from the public THUDM/slime source: slime/utils/types.py (Sample: `rollout_routed_experts`, "
@@ -2338,12 +2106,11 @@ def slime_sample(ctx: Ctx) -> Fixture:
         "rows = len(tokens) - 1 (final token has none), int32, "
         "full axis (num_layers incl. dense); element count checked; multi-turn: existing[:start_len] ++ new",
     )
-    rng = rng_for(name)
+    rng = fx.rng()
     arrays: dict[str, Any] = {}
     for sid, p, r in (("slime/0", 9, 5), ("slime/1", 14, 4)):
-        toks = tokens(rng, p + r)
-        ids = routes(rng, p + r, spec)
-        rows = full_axis(ids, spec)[: p + r - 1].astype(np.int32)
+        toks, ids = draw(rng, fx.spec, p + r)
+        rows = captured_rows(ids, fx.spec, np.int32)
         if sid == "slime/1":
             start = 10
             first_turn = rows[:start]  # from turn 1 (tokens[:11])
@@ -2352,33 +2119,25 @@ def slime_sample(ctx: Ctx) -> Fixture:
         arrays[f"{sid}/rollout_routed_experts"] = rows
         arrays[f"{sid}/tokens"] = toks
         arrays[f"{sid}/response_length"] = np.asarray(r)
-        fx.add(sid, ids, span(p + r, 0, p + r - 1), toks)
+        fx.add(sid, ids, returned(p + r), toks)
     fx.payload["samples.npz"] = arrays
     fx.files = {
         "samples.npz": "<sample_id>/rollout_routed_experts (int32), <sample_id>/tokens, <sample_id>/response_length"
     }
-    return fx
 
 
-@builder("ms-swift-4.6.0-chat")
-def ms_swift_chat(ctx: Ctx) -> Fixture:
-    name = "ms-swift-4.6.0-chat"
-    spec = DEEPSEEK
-    fx = Fixture(
-        name,
-        "ms-swift",
-        "4.6.0",
-        spec,
-        "ms-swift 4.6.0 rollout server chat response: choices[i]."
-        "routed_experts = serialize_ndarray(vLLM CompletionOutput.routed_experts) = {data: base64 raw "
-        "bytes, shape, dtype, __ndarray__: true}; with vLLM 0.23 (ms-swift's recommended version) that is "
-        "uint8, full axis, rows [0, n - 1) INCLUDING the prompt rows.",
-    )
+@builder("ms-swift-4.6.0-chat", "ms-swift", "4.6.0", DEEPSEEK)
+def ms_swift_chat(ctx: Ctx, fx: Fixture) -> None:
+    """ms-swift 4.6.0 rollout server chat response: choices[i].routed_experts = serialize_ndarray(vLLM
+    CompletionOutput.routed_experts) = {data: base64 raw bytes, shape, dtype, __ndarray__: true}; with vLLM 0.23
+    (ms-swift's recommended version) that is uint8, full axis, rows [0, n - 1) INCLUDING the prompt rows.
+    """
+    spec = fx.spec
     wheel = ctx.wheel("ms-swift", "4.6.0")
     proto = wheel.read("swift/infer_engine/protocol.py")
     engine = wheel.read("swift/infer_engine/grpo_vllm_engine.py")
     serialize = load_def(proto, "serialize_ndarray")
-    fx.use(
+    fx.cite(
         proto,
         ["serialize_ndarray", "ChatCompletionResponseChoice", "ChatCompletionResponse"],
         "Executed: serialize_ndarray; field names.",
@@ -2386,83 +2145,52 @@ def ms_swift_chat(ctx: Ctx) -> Fixture:
             "serialize_ndarray": proto.line("def serialize_ndarray"),
             "routed_experts": proto.line("routed_experts: Optional[NumpyArray]"),
         },
-    )
-    fx.use(
-        engine,
-        [engine.enclosing(engine.line("routed_experts=getattr(output, 'routed_experts', None))"))],
-        "routed_experts = getattr(output, 'routed_experts', None) from vLLM.",
-        {"getattr": engine.line("routed_experts=getattr(output, 'routed_experts', None))")},
-    )
-    fx.fact(
-        proto,
-        proto.line("def serialize_ndarray"),
         "`{'data': b64(arr.tobytes()), 'shape', 'dtype': "
         "str(dtype), '__ndarray__': True}` in `choices[i].routed_experts`",
     )
-    fx.fact(
+    fx.cite(
         engine,
-        engine.line("routed_experts=getattr(output, 'routed_experts', None))"),
+        None,
+        "routed_experts = getattr(output, 'routed_experts', None) from vLLM.",
+        {"getattr": engine.line("routed_experts=getattr(output, 'routed_experts', None))")},
         "the array is vLLM's "
         "CompletionOutput.routed_experts as is: prompt rows included for vLLM >= 0.22 (generation rows only "
         "with 0.21, whose prompt rows live on RequestOutput and are dropped)",
     )
-    v23 = ctx.wheel("vllm", "0.23.0").read("vllm/model_executor/layers/fused_moe/routed_experts_capturer.py")
-    expr, line = v23.expression("RoutedExpertsManager.__init__", "expert_id_dtype")
-    dtype = np.dtype(eval(expr, {"num_experts": spec.num_experts, "np": np}))
-    fx.use(v23, ["RoutedExpertsManager.__init__"], f"vLLM 0.23.0 dtype rule `{expr}`.", {"dtype": line})
-    rng = rng_for(name)
+    v23 = ctx.wheel("vllm", "0.23.0").read(VLLM_CAPTURER)
+    rule = vllm_dtype_rule(v23)
+    fx.use(v23, [rule.owner], f"vLLM 0.23.0 dtype rule `{rule.expr}`.", {"dtype": rule.line})
     p, r = 8, 5
-    toks = tokens(rng, p + r)
-    ids = routes(rng, p + r, spec)
-    arr = full_axis(ids, spec)[: p + r - 1].astype(dtype)
-    payload = serialize(arr)
+    toks, ids = draw(fx.rng(), spec, p + r)
+    payload = serialize(captured_rows(ids, spec, rule.dtype_of(spec.num_experts)))
     payload["shape"] = list(payload["shape"])
-    choice = dump_model(
-        proto,
-        "ChatCompletionResponseChoice",
-        {
-            "index": 0,
-            "message": {"role": "assistant", "content": "<detokenized>", "tool_calls": None, "reasoning_content": None},
-            "finish_reason": "length",
-            "logprobs": None,
-            "token_ids": toks[p:].tolist(),
-            "routed_experts": payload,
-        },
-    )
-    resp_fields = proto.fields("ChatCompletionResponse")
-    resp: dict[str, Any] = {
-        "model": spec.name,
-        "choices": [choice],
-        "usage": {"prompt_tokens": p, "completion_tokens": r, "total_tokens": p + r},
+    message = {"role": "assistant", "content": "<detokenized>", "tool_calls": None, "reasoning_content": None}
+    choice = {
+        "index": 0,
+        "message": message,
+        "finish_reason": "length",
+        "logprobs": None,
+        "token_ids": toks[p:].tolist(),
+        "routed_experts": payload,
     }
-    for key, value in (
-        ("id", "chatcmpl-swift"),
-        ("object", "chat.completion"),
-        ("created", 1767225600),
-        ("prompt_token_ids", toks[:p].tolist()),
-    ):
-        if key in resp_fields:
-            resp[key] = value
-    fx.payload["response.json"] = dump_model(proto, "ChatCompletionResponse", resp)
-    fx.add("chatcmpl-swift", ids, span(p + r, 0, p + r - 1), toks)
-    fx.files = {"response.json": "ChatCompletionResponse dataclass as JSON (ms-swift 4.6.0)"}
-    return fx
-
-
-@builder("nemo-rl-chat")
-def nemo_rl_chat(ctx: Ctx) -> Fixture:
-    name = "nemo-rl-chat"
-    spec = DEEPSEEK
-    fx = Fixture(
-        name,
-        "nemo-rl",
-        "NVIDIA-NeMo/RL main (vLLM 0.25.1)",
-        spec,
-        "NeMo-RL OpenAI chat server: "
-        "choices[i].message.routed_experts = 'nrlre1:<dtype>:<S>x<L>x<K>:<base64>' over all S = n tokens "
-        "(vLLM's axis); rows vLLM did not return are -1; the final row is the dummy arange(K). Response "
-        "[1] had 3 rows missing (incomplete vLLM output).",
+    envelope = openai_envelope(
+        True, "chatcmpl-swift", spec, [dump_model(proto, "ChatCompletionResponseChoice", choice)], plain_usage(p, r)
     )
+    # the dataclass declares only some of the OpenAI fields (which ones depends on the ms-swift version)
+    resp_fields = proto.fields("ChatCompletionResponse")
+    values = {k: v for k, v in (envelope | {"prompt_token_ids": toks[:p].tolist()}).items() if k in resp_fields}
+    fx.payload["response.json"] = dump_model(proto, "ChatCompletionResponse", values)
+    fx.add("chatcmpl-swift", ids, returned(p + r), toks)
+    fx.files = {"response.json": "ChatCompletionResponse dataclass as JSON (ms-swift 4.6.0)"}
+
+
+@builder("nemo-rl-chat", "nemo-rl", "NVIDIA-NeMo/RL main (vLLM 0.25.1)", DEEPSEEK)
+def nemo_rl_chat(ctx: Ctx, fx: Fixture) -> None:
+    """NeMo-RL OpenAI chat server: choices[i].message.routed_experts = 'nrlre1:<dtype>:<S>x<L>x<K>:<base64>' over all S
+    = n tokens (vLLM's axis); rows vLLM did not return are -1; the final row is the dummy arange(K). Response [1]
+    had 3 rows missing (incomplete vLLM output).
+    """
+    spec = fx.spec
     fx.extra["reproduced_from"] = (
         "nemo-rl on PyPI is a 0.0.0 placeholder without code; reproduced from the public NVIDIA-NeMo/RL source: "
         "nemo_rl/utils/routed_experts_codec.py encode_routed_experts (f'nrlre1:{dtype}:{S}x{L}x{K}:' + "
@@ -2480,18 +2208,18 @@ def nemo_rl_chat(ctx: Ctx) -> Fixture:
         "(T rows, not T - 1): final row dummy arange(K), missing rows -1; layer axis = vLLM's (full axis on "
         "0.22+, despite the docstring's num_moe_layers)",
     )
-    vllm = _V022Plus(ctx, Fixture("scratch", "vllm", "0.25.1", spec, ""), "0.25.1")
-    rng = rng_for(name)
+    # vLLM's own rows; the scratch fixture only absorbs _V022Plus's provenance records
+    vllm = _V022Plus(ctx, Fixture("scratch", "vllm", "0.25.1", spec, ""))
+    rng = fx.rng()
     dtype = np.int8 if spec.num_experts <= 128 else np.int16
     responses = []
     for i, (p, r, missing) in enumerate(((7, 4, 0), (8, 5, 3))):
-        toks = tokens(rng, p + r)
-        ids = routes(rng, p + r, spec)
+        toks, ids = draw(rng, spec, p + r)
         n = p + r
-        returned = vllm.rows(ids, spec, 0)[: n - 1 - missing]
+        returned_rows = vllm.rows(ids, spec, 0)[: n - 1 - missing]
         full = np.broadcast_to(np.arange(spec.topk), (n, spec.num_layers, spec.topk)).astype(dtype).copy()
-        full[: returned.shape[0]] = returned.astype(dtype)
-        full[returned.shape[0] : n - 1] = -1
+        full[: returned_rows.shape[0]] = returned_rows.astype(dtype)
+        full[returned_rows.shape[0] : n - 1] = -1
         data = base64.b64encode(np.ascontiguousarray(full).tobytes()).decode("ascii")
         envelope = f"nrlre1:{np.dtype(dtype).name}:{n}x{spec.num_layers}x{spec.topk}:{data}"
         message = {
@@ -2504,23 +2232,12 @@ def nemo_rl_chat(ctx: Ctx) -> Fixture:
             "generation_token_ids": toks[p:].tolist(),
             "generation_log_probs": [-0.5] * r,
         }
-        responses.append(
-            {
-                "id": f"chatcmpl-nrl{i}",
-                "object": "chat.completion",
-                "created": 1767225600,
-                "model": spec.name,
-                "choices": [
-                    {"index": 0, "message": message, "logprobs": None, "finish_reason": "length", "stop_reason": None}
-                ],
-                "usage": {"prompt_tokens": p, "completion_tokens": r, "total_tokens": n},
-            }
-        )
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        responses.append(openai_envelope(True, f"chatcmpl-nrl{i}", spec, [choice], plain_usage(p, r)))
         fx.add(f"chatcmpl-nrl{i}", ids, span(n, 0, n - 1 - missing), toks)
     fx.payload["responses.json"] = responses
     fx.notes = {"1": {"missing_rows": [12 - 3, 12], "sentinel": -1}, "final_row": "dummy arange(K), never valid"}
     fx.files = {"responses.json": "two chat responses (vLLM ChatCompletionResponse + NeMo-RL message fields)"}
-    return fx
 
 
 # -- FACTS.md -----------------------------------------------------------------------------------------------------
