@@ -609,7 +609,7 @@ def seal(
     step: Annotated[int, typer.Option(help="Step to seal.")],
     storage_options: StorageOptions = None,
 ) -> None:
-    """Seal a step: no more commits are accepted; readers then need three GETs whatever the number of parts."""
+    """Seal a step: no more commits are accepted; readers then open it in a few requests whatever its parts."""
     from routelog.store import open_store
 
     record = open_store(url, storage_options=_options(storage_options)).seal(step)

@@ -50,6 +50,7 @@ RUN_KIND: Final = "routelog.run"
 COMMIT_KIND: Final = "routelog.commit"
 SEAL_KIND: Final = "routelog.seal"
 ANNOTATION_KIND: Final = "routelog.annotation"
+DROP_KIND: Final = "routelog.drop"
 
 
 class ArrowType:
@@ -320,6 +321,37 @@ class AnnotationCommit(_CommitBase):
     values: ValuesInfo
 
 
+class DropRecord(_Document):
+    """Created exclusively under ``steps/<step>/drops/<writer>.<seq>.json`` (format 1.3): records removed from the
+    step without rewriting any data object. A reader leaves out every record it names (by sample id, by part or by
+    writer); ``routelog gc`` reclaims the bytes of parts whose every record is dropped. Readers as of an earlier
+    time do not apply it."""
+
+    format_version: int = FORMAT_VERSION
+    kind: Literal["routelog.drop"] = DROP_KIND
+    features: list[str] = []
+    step: int = Field(ge=0)
+    writer_id: WriterId
+    seq: int = Field(ge=0, lt=10**8)
+    created_at: datetime
+    sample_ids: list[Name] = []
+    parts: list[PartName] = []
+    """Whole parts dropped (gc writes these for parts whose every record was dropped or shadowed)."""
+    writers: list[WriterId] = []
+    """Every part committed by these writers in this step."""
+    reason: Name | None = None
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> DropRecord:
+        if not (self.sample_ids or self.parts or self.writers):
+            raise ValueError("a drop names at least one sample id, part or writer")
+        return self
+
+    @property
+    def name(self) -> str:
+        return keys.commit_name(self.writer_id, self.seq)
+
+
 class RunDocument(_Document):
     """``routelog.json`` at the store root, created exclusively once: the run this store belongs to."""
 
@@ -341,7 +373,7 @@ class SealedObjectInfo(ObjectInfo):
 
 class Consolidated(_Document):
     """The step's commits and index gathered in two objects at seal time, so readers of a sealed step need
-    three GETs whatever the number of parts (keys relative to the step directory)."""
+    three GETs (and the listing of drops) whatever the number of parts (keys relative to the step directory)."""
 
     commits: SealedObjectInfo
     """JSON list of the commit records, in the order of :attr:`SealRecord.commits`."""
@@ -389,6 +421,7 @@ DOCUMENT_MODELS: dict[str, type[BaseModel]] = {
     "seal": SealRecord,
     "seal_intent": SealIntent,
     "annotation": AnnotationCommit,
+    "drop": DropRecord,
     "index_row": IndexRow,
     "model_spec": ModelSpec,
 }

@@ -16,11 +16,13 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from routelog import keys
+from routelog.drop import write_drop
 from routelog.errors import GcRefusedError, RoutelogError
 from routelog.format import AnnotationCommit, CommitRecord, load_json, validate_document
-from routelog.reader import check_commit, read_seal
+from routelog.reader import StepSnapshot, check_commit, dropped_part, read_drops, read_seal
 from routelog.root import StoreRoot
 from routelog.storage import ObjectStat
 from routelog.writer import MAX_COMMIT_DELAY
@@ -53,6 +55,10 @@ class GcReport:
     """Unreferenced objects younger than the grace period (possibly a live writer's), left alone."""
     damaged: list[str] = field(default_factory=list)
     """Documents that could not be read or name missing data: while any exists, gc deletes nothing."""
+    dead_parts: list[str] = field(default_factory=list)
+    """Parts none of whose records is live any more (all dropped, or shadowed by an earlier commit of the same
+    sample id). With ``delete`` gc drops them whole (a drop by writer ``gc``); a later gc, once that drop is older
+    than the grace period, reclaims their bytes."""
     deleted: bool = False
 
     @property
@@ -91,11 +97,18 @@ def collect_garbage(
     storage = store.storage
     now = time.time() if now is None else now
     report = GcReport()
+    dead: dict[int, list[str]] = {}
     for step in store.steps():
         base = keys.step_dir(step)
         survey = _survey(store, step, report.damaged)
+        dropped = _dropped_parts(store, step, survey, report.damaged)
+        for part, when in dropped.items():  # reclaimable once no reader can still be reading them
+            if now - when.timestamp() >= older_than:
+                survey.claimed.discard(part)
+        dead[step] = _dead_parts(store, step, survey, dropped, report.damaged)
+        report.dead_parts += [keys.part_dir(step, p) for p in dead[step]]
         found = {directory: storage.find(directory) for directory in (keys.parts_dir(step), keys.annotations_dir(step))}
-        _check_claims(store, survey, found[keys.parts_dir(step)], report.damaged)
+        _check_claims(store, survey, found[keys.parts_dir(step)], set(dropped), report.damaged)
         # Candidates by unit of deletion: a whole part directory, or one consolidated seal object.
         candidates: dict[str, list[tuple[str, int, float]]] = {}
         for directory, listing in found.items():
@@ -128,7 +141,43 @@ def collect_garbage(
         for tree in report.trees:
             storage.delete_tree(tree)
         report.deleted = True
+    if delete:
+        for step, parts in dead.items():
+            if parts:
+                write_drop(store, step, sample_ids=[], parts=parts, writers=[], reason=DEAD_REASON, writer_id=GC_WRITER)
     return report
+
+
+GC_WRITER = "gc"
+DEAD_REASON = "every record dropped or shadowed: reclaimed by gc"
+
+
+def _dropped_parts(store: StoreRoot, step: int, survey: _StepSurvey, damaged: list[str]) -> dict[str, datetime]:
+    """Parts dropped whole, with the time of the earliest drop naming them (by part or by writer)."""
+    try:
+        drops = read_drops(store, step)
+    except RoutelogError as exc:
+        damaged.append(str(exc))
+        return {}
+    when: dict[str, datetime] = {}
+    for commit in survey.commits.values():
+        for drop in drops:
+            if dropped_part(commit, [drop]) and (commit.part not in when or drop.created_at < when[commit.part]):
+                when[commit.part] = drop.created_at
+    return when
+
+
+def _dead_parts(
+    store: StoreRoot, step: int, survey: _StepSurvey, dropped: dict[str, datetime], damaged: list[str]
+) -> list[str]:
+    """Committed parts not yet dropped whole of which no record is live (dropped by sample id, or shadowed)."""
+    try:
+        snapshot = StepSnapshot.load(store, step)
+    except RoutelogError as exc:
+        damaged.append(f"step {step}: {exc}")
+        return []
+    live = {snapshot.commits[int(i)].part for i in set(snapshot.index.column("_commit").to_pylist())}
+    return sorted(c.part for c in survey.commits.values() if c.part not in live and c.part not in dropped)
 
 
 def _survey(store: StoreRoot, step: int, damaged: list[str]) -> _StepSurvey:
@@ -179,10 +228,15 @@ def _survey(store: StoreRoot, step: int, damaged: list[str]) -> _StepSurvey:
     return survey
 
 
-def _check_claims(store: StoreRoot, survey: _StepSurvey, parts: dict[str, ObjectStat], damaged: list[str]) -> None:
+def _check_claims(
+    store: StoreRoot, survey: _StepSurvey, parts: dict[str, ObjectStat], dropped: set[str], damaged: list[str]
+) -> None:
     """Every commit's part holds the objects it lists, at their sizes: a commit whose ``part`` was damaged names a
-    directory that is not there, and the real part must not then look unreferenced."""
+    directory that is not there, and the real part must not then look unreferenced. (A part dropped whole may be
+    gone already.)"""
     for key, commit in survey.commits.items():
+        if commit.part in dropped:
+            continue
         base = keys.part_dir(commit.step, commit.part)
         wrong = [o.key for o in commit.objects if (stat := parts.get(f"{base}/{o.key}")) is None or stat.size != o.size]
         if wrong:

@@ -7,21 +7,25 @@ layouts (veRL, slime). Nothing is ever unpickled.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
+from routelog.codec import TopkOrder
 from routelog.engines import ms_swift, nemo_rl, sglang, slime, verl, vllm
 from routelog.engines.common import list_field, load_npy, malformed, npy_header_nbytes, to_full_axis
-from routelog.errors import IngestError, RoutingAbsentError
+from routelog.errors import IngestError, InvalidRecordError, RoutelogError, RoutingAbsentError
 from routelog.format import load_json
+from routelog.part import PartOptions
 from routelog.reader import StepSnapshot
-from routelog.record import Record
+from routelog.record import Record, prepare_record
 from routelog.spec import ModelSpec
 
 Engine = Literal["vllm", "sglang", "verl", "slime", "nemo-rl", "ms-swift"]
@@ -143,6 +147,89 @@ def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) ->
     return load_npy(raw, where, "the member")
 
 
+@dataclass(frozen=True, eq=False)
+class IngestSource:
+    """Files as an engine or trainer logged them, and how to read them."""
+
+    engine: Engine
+    paths: tuple[Path, ...]
+    sample_id_field: str | None = None
+    policy_version: int | None = None
+    engine_version: str | None = None
+    physical_to_logical: npt.ArrayLike | None = None
+    eplb: bool = False
+    stream_request: Mapping[str, Any] | None = None
+    """Each file is the chunks of one streamed vLLM generate response for this request."""
+
+    def records(
+        self,
+        spec: ModelSpec,
+        *,
+        on_absent: Callable[[RoutingAbsentError], None] | None = None,
+        on_error: Callable[[IngestError], None] | None = None,
+    ) -> Iterator[Record]:
+        """Records from the files, one after another. Samples without routing raise
+        :class:`~routelog.errors.RoutingAbsentError` or go to ``on_absent``; a line (or file) that cannot be read
+        raises, or goes to ``on_error`` and is skipped."""
+        common: dict[str, Any] = {
+            "policy_version": self.policy_version,
+            "engine_version": self.engine_version,
+            "physical_to_logical": self.physical_to_logical,
+            "eplb": self.eplb,
+        }
+        for path in self.paths:
+            if not path.is_file():
+                raise IngestError(f"{path}: no such input file")
+            if self.engine in HTTP_ENGINES:
+                if self.stream_request is not None:
+                    units: list[tuple[str, Any]] = [
+                        (str(path), {"request": self.stream_request, "chunks": [line for _, line in _json_lines(path)]})
+                    ]
+                else:
+                    units = list(_json_lines(path, on_error))
+                for where, line in units:
+                    try:
+                        yield from _http_records(
+                            self.engine, line, spec, where, self.sample_id_field, common, on_absent
+                        )
+                    except RoutingAbsentError:
+                        raise
+                    except IngestError as exc:
+                        if on_error is None:
+                            raise
+                        on_error(exc)
+            else:
+                try:
+                    arrays = load_arrays(path)
+                    module = verl if self.engine == "verl" else slime
+                    with malformed(str(path)):
+                        records = module.records_from_arrays(
+                            arrays, spec, path.stem, policy_version=self.policy_version
+                        )
+                except IngestError as exc:
+                    if on_error is None:
+                        raise
+                    on_error(exc)
+                    continue
+                yield from records
+
+    def fingerprint(self, *options: object) -> str:
+        """A digest of the inputs' contents and of the options: the default writer id of an ingest, so that
+        running the same ingest again resumes its commit sequence."""
+        digest = hashlib.blake2b(digest_size=8)
+        for part in (self.engine, self.sample_id_field, self.policy_version, self.engine_version, self.eplb, *options):
+            digest.update(repr(part).encode())
+        if self.physical_to_logical is not None:
+            digest.update(np.ascontiguousarray(np.asarray(self.physical_to_logical)).tobytes())
+        digest.update(json.dumps(self.stream_request, sort_keys=True).encode())
+        for path in self.paths:
+            digest.update(path.name.encode())
+            with path.open("rb") as data:
+                for block in iter(lambda: data.read(1 << 20), b""):
+                    digest.update(block)
+        return digest.hexdigest()
+
+
 def read_records(
     engine: Engine,
     paths: Sequence[Path],
@@ -156,44 +243,116 @@ def read_records(
     stream_request: Mapping[str, Any] | None = None,
     on_absent: Callable[[RoutingAbsentError], None] | None = None,
 ) -> Iterator[Record]:
-    """Records from the engine's logged files, one file after another.
+    """Records from the engine's logged files (:meth:`IngestSource.records`).
 
     JSONL files hold one response per line (or ``{"request": ..., "response": ...}``, or a logged stream
     ``{"request": ..., "chunks": [...]}``). With ``stream_request`` each file is instead the chunks of one streamed
-    vLLM generate response, one per line, for that request. Samples the engine returned no routing for raise
-    :class:`~routelog.errors.RoutingAbsentError`, or go to ``on_absent`` and are skipped.
+    vLLM generate response, one per line, for that request.
     """
-    common: dict[str, Any] = {
-        "policy_version": policy_version,
-        "engine_version": engine_version,
-        "physical_to_logical": physical_to_logical,
-        "eplb": eplb,
-    }
-    for path in paths:
-        if engine in HTTP_ENGINES:
-            lines = list(_json_lines(path))
-            if stream_request is not None:
-                yield from _http_records(
-                    engine,
-                    {"request": stream_request, "chunks": [line for _, line in lines]},
-                    spec,
-                    str(path),
-                    sample_id_field,
-                    common,
-                    on_absent,
-                )
-                continue
-            for where, line in lines:
-                yield from _http_records(engine, line, spec, where, sample_id_field, common, on_absent)
-        else:
-            arrays = load_arrays(path)
-            module = verl if engine == "verl" else slime
-            with malformed(str(path)):
-                records = module.records_from_arrays(arrays, spec, path.stem, policy_version=policy_version)
-            yield from records
+    source = IngestSource(
+        engine, tuple(paths), sample_id_field, policy_version, engine_version, physical_to_logical, eplb, stream_request
+    )
+    return source.records(spec, on_absent=on_absent)
 
 
-def _json_lines(path: Path) -> Iterator[tuple[str, Any]]:
+@dataclass
+class IngestReport:
+    """What an ingest did (``routelog ingest --json`` prints it)."""
+
+    url: str
+    step: int
+    writer_id: str
+    new: int = 0
+    """Records written."""
+    already_present: int = 0
+    """Records skipped because the step already holds them (a re-run)."""
+    absent: dict[str, int] = field(default_factory=dict)
+    """Samples the engine returned no routing for, by reason (with ``skip_absent``)."""
+    invalid: list[str] = field(default_factory=list)
+    """Records or lines refused, with the reason (written around only with ``partial``)."""
+    parts: int = 0
+
+
+class IngestInterruptedError(RoutelogError):
+    """Ctrl-C during an ingest: what was committed stays; running the same ingest again resumes."""
+
+
+def ingest(
+    source: IngestSource,
+    url: str,
+    step: int,
+    *,
+    spec: ModelSpec | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    topk_order: TopkOrder = "sorted",
+    writer_id: str | None = None,
+    partial: bool = False,
+    skip_absent: bool = False,
+    on_duplicate: Literal["skip", "error"] = "skip",
+    progress: Callable[[int], None] | None = None,
+) -> IngestReport:
+    """Validate every record of ``source``, then write them to ``step`` of the store at ``url``.
+
+    Nothing is written (and no store is created) unless every record is valid, or ``partial`` writes the valid
+    ones and reports the rest. Records the step already holds are skipped, so running the same ingest again (after
+    fixing a bad line, or after Ctrl-C) completes it; the default writer id is derived from the inputs and options,
+    so a re-run also continues its commit sequence.
+    """
+    from routelog.errors import StoreNotFoundError
+    from routelog.store import create_store, open_store
+
+    if spec is None:
+        try:
+            spec = open_store(url, storage_options=storage_options).model_spec
+        except StoreNotFoundError:
+            raise IngestError(f"{url} holds no store yet: pass the model spec (--model-spec) to create it") from None
+    writer_id = writer_id or f"ingest-{source.fingerprint(step, topk_order)[:16]}"
+    report = IngestReport(url=url, step=step, writer_id=writer_id)
+    refused: set[str] = set()
+
+    def count_absent(error: RoutingAbsentError) -> None:
+        report.absent[error.reason] = report.absent.get(error.reason, 0) + 1
+
+    on_absent = count_absent if skip_absent else None
+    seen: set[str] = set()
+    for record in source.records(spec, on_absent=on_absent, on_error=lambda exc: report.invalid.append(str(exc))):
+        try:
+            if record.sample_id in seen:
+                raise IngestError(f"sample {record.sample_id!r} appears twice in the input")
+            seen.add(record.sample_id)
+            prepare_record(record, spec, step, topk_order)
+        except (IngestError, InvalidRecordError) as exc:
+            report.invalid.append(str(exc))
+            refused.add(record.sample_id)
+    if report.invalid and not partial:
+        raise IngestError(
+            f"{len(report.invalid)} record(s) or line(s) of the input are invalid; nothing was written (fix them and "
+            f"run again, or --partial to write the valid ones). First: {report.invalid[0]}"
+        )
+    if not seen - refused:
+        return report
+    store = create_store(url, spec, storage_options=storage_options)
+    report.absent.clear()
+    writer = store.writer(step, writer_id, options=PartOptions(topk_order=topk_order), on_duplicate=on_duplicate)
+    try:
+        with writer:
+            for record in source.records(spec, on_absent=on_absent, on_error=lambda exc: None):
+                if record.sample_id in refused:
+                    continue
+                writer.append(record)
+                if progress is not None:
+                    progress(writer.appended + len(writer.already_present))
+    except KeyboardInterrupt:
+        committed = sum(c.n_records for c in writer.commits)
+        raise IngestInterruptedError(
+            f"interrupted: {committed} records committed to step {step} of {store.url} in {len(writer.commits)} "
+            "part(s); run the same command again to resume (it skips what is committed)"
+        ) from None
+    report.new, report.already_present, report.parts = writer.appended, len(writer.already_present), len(writer.commits)
+    return report
+
+
+def _json_lines(path: Path, on_error: Callable[[IngestError], None] | None = None) -> Iterator[tuple[str, Any]]:
     with path.open() as lines:
         for number, text in enumerate(lines, start=1):
             if not text.strip():
@@ -202,7 +361,10 @@ def _json_lines(path: Path) -> Iterator[tuple[str, Any]]:
             try:
                 yield where, load_json(text, where, max_bytes=MAX_LINE_BYTES)
             except ValueError as exc:
-                raise IngestError(f"not a JSON line: {exc}") from None
+                error = IngestError(f"not a JSON line: {exc}")
+                if on_error is None:
+                    raise error from None
+                on_error(error)
 
 
 class NpzWriter:

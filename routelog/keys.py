@@ -137,3 +137,12 @@ def annotations_dir(step: int) -> str:
 
 def annotation_key(step: int, name: str) -> str:
     return f"{annotations_dir(step)}/{name}"
+
+
+def drops_dir(step: int) -> str:
+    """Drop documents (``<writer>.<seq>.json``): records removed from the step without rewriting data."""
+    return f"{step_dir(step)}/drops"
+
+
+def drop_key(step: int, name: str) -> str:
+    return f"{drops_dir(step)}/{name}"

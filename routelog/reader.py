@@ -27,6 +27,7 @@ from routelog.format import (
     AnnotationCommit,
     CommitRecord,
     Consolidated,
+    DropRecord,
     IndexRow,
     ObjectInfo,
     RoutingArrayInfo,
@@ -81,15 +82,26 @@ class _PartRead:
 
 @dataclass
 class StepSnapshot:
-    """The committed records of one step at the time it was loaded."""
+    """The committed records of one step at the time it was loaded.
+
+    A record is live unless a drop names it (by sample id, part or writer) or it is shadowed: two writers that
+    raced on one sample id both committed it, and readers keep the earliest commit's (by ``created_at``, then
+    commit name), so every reader reads the same record and none fails; ``routelog verify`` reports the shadowed
+    copies and ``routelog gc`` reclaims them.
+    """
 
     store: StoreRoot
     step: int
     commits: list[CommitRecord]
+    """The commits of the step's live parts (wholly dropped parts are left out)."""
     index: pa.Table
-    """All index rows of the step, plus ``_commit``: the position of the row's commit in :attr:`commits`."""
+    """The live records' index rows, plus ``_commit``: the position of the row's commit in :attr:`commits`."""
     sealed: bool
     as_of: datetime | None = None
+    drops: list[DropRecord] = field(default_factory=list)
+    """The drop documents applied (as of :attr:`as_of`)."""
+    shadowed: list[Shadowed] = field(init=False)
+    """Records committed again by another commit and shadowed by the earliest one."""
     _positions: dict[str, int] = field(init=False, repr=False)
     _commit_column: npt.NDArray[np.int32] = field(init=False, repr=False)
     _n_tokens: npt.NDArray[np.int32] = field(init=False, repr=False)
@@ -102,23 +114,31 @@ class StepSnapshot:
     )
 
     def __post_init__(self) -> None:
+        dropped = {sid for drop in self.drops for sid in drop.sample_ids}
+        commit_of = self.index.column("_commit").to_numpy()
+        order = {i: (c.created_at, c.name) for i, c in enumerate(self.commits)}
+        winners: dict[str, int] = {}
+        shadowed: list[Shadowed] = []
+        for i, sid in enumerate(self.index.column("sample_id").to_pylist()):
+            if sid in dropped:
+                continue
+            kept = winners.get(sid)
+            if kept is None:
+                winners[sid] = i
+                continue
+            first, second = sorted((kept, i), key=lambda row: order[int(commit_of[row])])
+            winners[sid] = first
+            names = (self.commits[int(commit_of[first])].name, self.commits[int(commit_of[second])].name)
+            shadowed.append(Shadowed(sid, *names))
+        self.shadowed = shadowed
+        if len(winners) != self.index.num_rows:
+            mask = np.zeros(self.index.num_rows, dtype=bool)
+            mask[list(winners.values())] = True
+            self.index = self.index.filter(pa.array(mask))
         self._commit_column = self.index.column("_commit").to_numpy()
         self._n_tokens = self.index.column("n_tokens").to_numpy()
         self._own = {keys.part_dir(self.step, c.part): c for c in self.commits}
-        ids = self.index.column("sample_id").to_pylist()
-        positions: dict[str, int] = {}
-        for i, sid in enumerate(ids):
-            if sid in positions:
-                first = self.commits[self._commit_of(positions[sid])].part
-                second = self.commits[self._commit_of(i)].part
-                raise DuplicateSampleError(
-                    sid,
-                    "sample_id",
-                    f"is committed twice in step {self.step} (parts {first!r} and {second!r})",
-                    "give concurrent writers disjoint sample ids (e.g. synth --sample-prefix); run routelog verify",
-                )
-            positions[sid] = i
-        self._positions = positions
+        self._positions = {sid: i for i, sid in enumerate(self.index.column("sample_id").to_pylist())}
 
     # -- loading -------------------------------------------------------------------------------------------------
     @classmethod
@@ -146,6 +166,16 @@ class StepSnapshot:
             check_commit(commit, name, step, store.model_spec, storage.url_of(keys.commit_key(step, name)))
         if as_of is not None:
             commits = [c for c in commits if c.created_at <= as_of]
+        drops = read_drops(store, step, as_of)
+        unread = len(commits)
+        commits = [c for c in commits if not dropped_part(c, drops)]
+        if as_of is not None:  # a part dropped after as_of is read as it was, unless gc has reclaimed it since
+            later = read_drops(store, step)
+            commits = [
+                c
+                for c in commits
+                if not dropped_part(c, later) or storage.exists(f"{keys.part_dir(step, c.part)}/{keys.INDEX}")
+            ]
         tables = []
         for i, commit in enumerate(commits):
             key = f"{keys.part_dir(step, commit.part)}/{keys.INDEX}"
@@ -156,9 +186,9 @@ class StepSnapshot:
         empty = INDEX_SCHEMA.empty_table().append_column("_commit", pa.array([], pa.int32()))
         index = _concat([empty, *tables], f"step {step} of {store.url}")
         check_index(index, commits, step, f"step {step} of {store.url}")
-        if seal is not None:
+        if seal is not None and unread == len(commits):
             check_seal_counts(seal, index, commits, f"step {step} of {store.url}")
-        return cls(store=store, step=step, commits=commits, index=index, sealed=seal is not None, as_of=as_of)
+        return cls(store, step, commits, index, seal is not None, as_of, drops)
 
     @classmethod
     def _load_consolidated(
@@ -170,7 +200,9 @@ class StepSnapshot:
         owner = f"the seal of step {step}"
         commits_key, index_key = (f"{base}/{consolidated.commits.key}", f"{base}/{consolidated.index.key}")
         try:
-            data = storage.read_many([commits_key, index_key])  # one batch: three requests open a sealed step
+            data = storage.read_many(
+                [commits_key, index_key]
+            )  # one batch: a sealed step opens in three GETs (+ the drops listing)
         except FileNotFoundError as exc:
             raise CorruptDataError(f"step {step} of {store.url}: a consolidated object of {owner} is missing") from exc
         commits_data, index_data = data[commits_key], data[index_key]
@@ -189,7 +221,9 @@ class StepSnapshot:
         index = _parquet(index_data, storage.url_of(index_key))
         check_index(index, commits, step, storage.url_of(index_key))
         check_seal_counts(seal, index, commits, f"step {step} of {store.url}")
-        return cls(store=store, step=step, commits=commits, index=index, sealed=True, as_of=as_of)
+        drops = read_drops(store, step, as_of)
+        commits, index = _without_dropped_parts(commits, index, drops)
+        return cls(store, step, commits, index, True, as_of, drops)
 
     def _commit_of(self, position: int) -> int:
         return int(self._commit_column[position])
@@ -474,6 +508,55 @@ def _concat(tables: list[pa.Table], where: str) -> pa.Table:
         return pa.concat_tables(tables, promote_options="permissive")
     except pa.ArrowException as exc:
         raise CorruptDataError(f"{where}: a part's index has columns of the wrong type ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class Shadowed:
+    """A sample id committed by two commits: readers read ``kept`` (the earliest); ``shadowed`` is never read."""
+
+    sample_id: str
+    kept: str
+    """Name of the commit whose record is read."""
+    shadowed: str
+
+
+def read_drops(store: StoreRoot, step: int, as_of: datetime | None = None) -> list[DropRecord]:
+    """The step's drop documents (those created by ``as_of``)."""
+    storage = store.storage
+    names = [n for n in storage.list(keys.drops_dir(step)) if keys.parse_commit_name(n)]
+    if not names:
+        return []
+    drop_keys = [keys.drop_key(step, n) for n in names]
+    raw = storage.read_many(drop_keys)
+    drops = []
+    for name, key in zip(names, drop_keys, strict=True):
+        drop = parse_document(raw[key], DropRecord, storage.url_of(key))
+        if drop.name != name or drop.step != step:
+            raise CorruptDataError(f"{storage.url_of(key)}: the document is drop {drop.name} of step {drop.step}")
+        if as_of is None or drop.created_at <= as_of:
+            drops.append(drop)
+    return drops
+
+
+def dropped_part(commit: CommitRecord, drops: Sequence[DropRecord]) -> bool:
+    """Whether a drop removes the whole part (by part name or by its writer)."""
+    return any(commit.part in d.parts or commit.writer_id in d.writers for d in drops)
+
+
+def _without_dropped_parts(
+    commits: list[CommitRecord], index: pa.Table, drops: Sequence[DropRecord]
+) -> tuple[list[CommitRecord], pa.Table]:
+    """Leave out wholly dropped parts: their commits and their rows (``_commit`` renumbered)."""
+    keep = [not dropped_part(c, drops) for c in commits]
+    if all(keep):
+        return commits, index
+    renumber = np.cumsum(keep) - 1
+    commit_of = index.column("_commit").to_numpy()
+    rows = np.asarray(keep, dtype=bool)[commit_of] if len(commits) else np.zeros(0, bool)
+    kept = index.filter(pa.array(rows))
+    new_commit = pa.array(renumber[commit_of[rows]].astype(np.int32), pa.int32())
+    kept = kept.set_column(kept.schema.get_field_index("_commit"), "_commit", new_commit)
+    return [c for c, k in zip(commits, keep, strict=True) if k], kept
 
 
 # -- checks shared by readers and verify ----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Sealing a step: from then on its content is exactly the commits made before, and readers need three GETs.
+"""Sealing a step: from then on its content is exactly the commits made before, and readers open it in a few requests.
 
 The fence between sealing and committing (FORMAT.md section 3, rule 5):
 
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import pyarrow.parquet as pq
 
 from routelog import keys
-from routelog.errors import StepSealedError
+from routelog.errors import RecordNotFoundError, StepSealedError
 from routelog.format import (
     Consolidated,
     SealedObjectInfo,
@@ -38,7 +38,11 @@ from routelog.root import StoreRoot
 
 
 def seal_step(
-    store: StoreRoot, step: int, *, after_listing: Callable[[Sequence[str]], None] | None = None
+    store: StoreRoot,
+    step: int,
+    *,
+    allow_empty: bool = False,
+    after_listing: Callable[[Sequence[str]], None] | None = None,
 ) -> SealRecord:
     """Seal ``step`` exactly once; :class:`StepSealedError` if it already is (by this or another process).
 
@@ -50,6 +54,12 @@ def seal_step(
     existing = read_seal(store, step)
     if existing is not None:
         raise StepSealedError(f"step {step} of {store.url} was already sealed at {existing.sealed_at.isoformat()}")
+    if not allow_empty and not storage.list(keys.commits_dir(step)):
+        steps = store.steps()
+        raise RecordNotFoundError(
+            f"step {step} of {store.url} has no records: sealing it would close it for good (steps with records: "
+            f"{steps[:20]}{'...' if len(steps) > 20 else ''}); pass allow_empty (--allow-empty) to seal it anyway"
+        )
     intent = SealIntent(step=step, started_at=utc_now())
     storage.create(keys.sealing_key(step), dump_document(intent))  # an earlier sealer's intent serves as well
     snapshot = StepSnapshot.load(store, step)  # lists the commits after the intent exists (in name order)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -11,14 +11,18 @@ from pydantic import JsonValue
 
 from routelog import keys
 from routelog.annotate import Annotator
-from routelog.errors import ModelSpecError, StoreError
-from routelog.format import RunDocument, SealRecord, dump_document, utc_now
+from routelog.drop import drop_records
+from routelog.errors import ModelSpecError, RecordNotFoundError, StoreError
+from routelog.format import DropRecord, RunDocument, SealRecord, dump_document, utc_now
+from routelog.gc import GcReport, collect_garbage
 from routelog.part import PartOptions
 from routelog.reader import StepSnapshot
 from routelog.root import StoreRoot, read_run_document
 from routelog.seal import seal_step
 from routelog.spec import ModelSpec
 from routelog.storage import Storage
+from routelog.summary import store_summary
+from routelog.verify import VerifyReport, verify_store
 from routelog.writer import StepWriter
 
 
@@ -36,8 +40,16 @@ class Store(StoreRoot):
 
     def step(self, step: int, *, as_of: datetime | None = None) -> StepSnapshot:
         """The committed records of ``step`` now (exactly the sealed set, once sealed), or as they were at
-        ``as_of`` (commits created by then, by the writers' clocks)."""
-        return StepSnapshot.load(self, step, as_of=as_of)
+        ``as_of`` (commits created by then, by the writers' clocks). A step the store does not have is refused with
+        :class:`~routelog.errors.RecordNotFoundError` listing the steps it has."""
+        snapshot = StepSnapshot.load(self, step, as_of=as_of)
+        if not snapshot.commits and not snapshot.sealed and step not in (steps := self.steps()):
+            raise RecordNotFoundError(
+                f"{self.url} has no step {step}; its steps are {steps[:20]}{'...' if len(steps) > 20 else ''}"
+                if steps
+                else f"{self.url} has no steps yet (nothing was written)"
+            )
+        return snapshot
 
     def annotate(self, step: int, writer_id: str) -> Annotator:
         """Attach per-token columns (e.g. the trainer's ``logprob_train``) to records committed in ``step``."""
@@ -59,9 +71,36 @@ class Store(StoreRoot):
         """
         return StepWriter(self, step, writer_id=writer_id, options=options, flush_bytes=flush_bytes, **streaming)
 
-    def seal(self, step: int) -> SealRecord:
-        """Close ``step``: its content becomes exactly the commits made so far; see :func:`routelog.seal.seal_step`."""
-        return seal_step(self, step)
+    def seal(self, step: int, *, allow_empty: bool = False) -> SealRecord:
+        """Close ``step``: its content becomes exactly the commits made so far; see :func:`routelog.seal.seal_step`.
+        A step with no records is refused unless ``allow_empty``."""
+        return seal_step(self, step, allow_empty=allow_empty)
+
+    def drop(
+        self,
+        step: int,
+        *,
+        sample_ids: Iterable[str] = (),
+        parts: Iterable[str] = (),
+        writers: Iterable[str] = (),
+        reason: str | None = None,
+    ) -> DropRecord:
+        """Remove records from ``step`` (by sample id, part or writer) without rewriting data; see
+        :mod:`routelog.drop`."""
+        return drop_records(self, step, sample_ids=sample_ids, parts=parts, writers=writers, reason=reason)
+
+    def verify(self) -> VerifyReport:
+        """Re-check the whole store; see :func:`routelog.verify.verify_store`."""
+        return verify_store(self)
+
+    def gc(self, older_than: float = 24 * 3600.0, *, delete: bool = False, force: bool = False) -> GcReport:
+        """Find (and with ``delete``, remove) garbage older than ``older_than`` seconds; see
+        :func:`routelog.gc.collect_garbage`."""
+        return collect_garbage(self, older_than, delete=delete, force=force)
+
+    def summary(self) -> dict[str, Any]:
+        """Steps, records, tokens and bytes (what ``routelog inspect --json`` prints)."""
+        return store_summary(self)
 
 
 def open_store(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Store:

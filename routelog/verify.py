@@ -25,7 +25,7 @@ from routelog.format import (
     parse_document,
 )
 from routelog.part import index_from_parquet, shard_layout
-from routelog.reader import StepSnapshot, check_commit, list_commit_names, read_seal
+from routelog.reader import StepSnapshot, check_commit, dropped_part, list_commit_names, read_drops, read_seal
 from routelog.root import StoreRoot
 from routelog.routing import RecordRouting
 from routelog.storage import Storage
@@ -78,7 +78,14 @@ def _verify_step(store: StoreRoot, step: int, report: VerifyReport) -> None:
             continue
         commits.append(commit)
     report.commits += len(commits)
+    try:
+        drops = read_drops(store, step)
+    except RoutelogError as exc:
+        report.problems.append(str(exc))
+        drops = []
     for commit in commits:
+        if dropped_part(commit, drops):
+            continue  # dropped whole: its objects may already be reclaimed
         _verify_part(store, step, commit, report)
     _verify_seal(store, step, names, commits, report)
     committed = {c.part for c in commits}
@@ -93,6 +100,12 @@ def _verify_step(store: StoreRoot, step: int, report: VerifyReport) -> None:
     except RoutelogError as exc:
         report.problems.append(f"step {step}: the step cannot be read: {exc}")
         return
+    for shadow in snapshot.shadowed:
+        report.notes.append(
+            f"step {step}: sample {shadow.sample_id!r} was committed by {shadow.kept} and again by {shadow.shadowed} "
+            f"(two writers raced on it); readers read {shadow.kept}'s, `routelog gc` reclaims the other once its "
+            "part holds nothing else"
+        )
     _verify_records(snapshot, report)
     _verify_values(snapshot, report)
 

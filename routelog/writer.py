@@ -10,8 +10,11 @@ and nothing else is affected, at about 1 GB/s of routing); compression, upload a
 thread. A bounded queue of parts gives backpressure, so memory stays within about ``(max_pending + 2) x
 flush_bytes`` whatever the run length. Parts are flushed by size and by age.
 
-Restart: a writer re-opened with the same id continues its commit sequence and skips records its earlier
-incarnation already committed (same sample id and tokens), so re-sending everything after a crash is safe.
+Idempotence: a writer learns at its start which records the step already holds (from the step's index) and skips
+a record whose sample id is already committed with the same tokens, whichever writer committed it, so re-running
+an ingest or re-sending everything after a crash never commits a record twice (``on_duplicate="error"`` refuses
+instead). A writer re-opened with the same id continues its commit sequence. Two live writers racing on one sample
+id may both commit it: readers then read the earliest commit's record (see :class:`~routelog.reader.StepSnapshot`).
 
 Sealing: after its commit's exclusive create a writer checks the seal fence (see :mod:`routelog.seal`), so it
 reports a commit as done only if every reader of the step, sealed or not, will see it.
@@ -30,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Literal
 
 from routelog import keys
 from routelog.errors import (
@@ -41,8 +45,8 @@ from routelog.errors import (
     StoreError,
 )
 from routelog.format import CommitRecord, dump_document, parse_document, utc_now
-from routelog.part import BuiltPart, PartOptions, build_part, index_from_parquet
-from routelog.reader import read_seal
+from routelog.part import BuiltPart, PartOptions, build_part
+from routelog.reader import StepSnapshot, read_seal
 from routelog.record import PreparedRecord, Record, prepare_record
 from routelog.root import StoreRoot
 
@@ -100,6 +104,7 @@ class StepWriter:
         on_commit: Callable[[CommitRecord, list[str]], None] | None = None,
         seal_wait: float = DEFAULT_SEAL_WAIT,
         max_commit_delay: float = MAX_COMMIT_DELAY,
+        on_duplicate: Literal["skip", "error"] = "skip",
     ) -> None:
         self.store = store
         self.step = keys.check_step(step)
@@ -111,10 +116,16 @@ class StepWriter:
         self.seal_wait = seal_wait
         self.max_commit_delay = max_commit_delay
         self._check_not_sealed()
+        if on_duplicate not in ("skip", "error"):
+            raise ValueError(f"on_duplicate must be 'skip' or 'error', got {on_duplicate!r}")
+        self.on_duplicate = on_duplicate
         self.commits: list[CommitRecord] = []
-        self.skipped: list[str] = []
-        """Sample ids re-sent after a restart and already committed by this writer id (not written again)."""
-        self._next_seq, self._committed = self._own_commits()
+        self.already_present: list[str] = []
+        """Sample ids appended but already committed in the step with the same tokens (not written again)."""
+        self.appended = 0
+        """Records accepted for writing (new records; ``already_present`` ones are not counted)."""
+        self._next_seq = self._next_commit_seq()
+        self._committed = self._step_records()
         self._sample_ids: set[str] = set()
         self._buffer: list[PreparedRecord] = []
         self._buffered_bytes = 0
@@ -144,30 +155,27 @@ class StepWriter:
                 f"died, finish it: routelog seal {self.store.url} --step {self.step})"
             )
 
-    def _own_commits(self) -> tuple[int, dict[str, tuple[str | None, int]]]:
-        """One past this writer id's last commit, and the (token hash, length) of every record it committed."""
-        storage = self.store.storage
-        names = [
-            n
-            for n in storage.list(keys.commits_dir(self.step))
+    def _next_commit_seq(self) -> int:
+        """One past this writer id's last commit in the step (a restarted writer continues its sequence)."""
+        seqs = [
+            parsed[1]
+            for n in self.store.storage.list(keys.commits_dir(self.step))
             if (parsed := keys.parse_commit_name(n)) is not None and parsed[0] == self.writer_id
         ]
-        if not names:
-            return 0, {}
-        commit_keys = [keys.commit_key(self.step, n) for n in names]
-        commits = [parse_document(data, CommitRecord, key) for key, data in storage.read_many(commit_keys).items()]
-        indexes = storage.read_many(f"{keys.part_dir(self.step, c.part)}/{keys.INDEX}" for c in commits)
-        committed: dict[str, tuple[str | None, int]] = {}
-        for data in indexes.values():
-            table = index_from_parquet(data)
+        return max(seqs, default=-1) + 1
+
+    def _step_records(self) -> dict[str, tuple[str | None, int]]:
+        """The (token hash, length) of every live record the step holds now."""
+        snapshot = StepSnapshot.load(self.store, self.step)
+        return {
+            sid: (digest, n)
             for sid, digest, n in zip(
-                table.column("sample_id").to_pylist(),
-                table.column("token_hash").to_pylist(),
-                table.column("n_tokens").to_pylist(),
+                snapshot.index.column("sample_id").to_pylist(),
+                snapshot.index.column("token_hash").to_pylist(),
+                snapshot.index.column("n_tokens").to_pylist(),
                 strict=True,
-            ):
-                committed[sid] = (digest, n)
-        return max(c.seq for c in commits) + 1, committed
+            )
+        }
 
     @property
     def buffered_bytes(self) -> int:
@@ -187,14 +195,15 @@ class StepWriter:
         sid = record.sample_id
         if sid in self._committed:
             prepared = prepare_record(record, self.store.model_spec, self.step, self.options.topk_order)
-            if (prepared.row.token_hash, prepared.row.n_tokens) == self._committed[sid]:
-                self.skipped.append(sid)
+            same = (prepared.row.token_hash, prepared.row.n_tokens) == self._committed[sid]
+            if same and self.on_duplicate == "skip":
+                self.already_present.append(sid)
                 return
             raise DuplicateSampleError(
                 sid,
                 "sample_id",
-                f"was committed to step {self.step} by writer {self.writer_id!r} with other tokens",
-                "give every record a unique id",
+                f"is already committed to step {self.step}" + ("" if same else " with other tokens"),
+                "give every record a unique id" + ("" if same else ", or drop the committed one first (routelog drop)"),
             )
         if sid in self._sample_ids:
             raise DuplicateSampleError(
@@ -205,6 +214,7 @@ class StepWriter:
             )
         prepared = prepare_record(record, self.store.model_spec, self.step, self.options.topk_order)
         with self._lock:
+            self.appended += 1
             self._sample_ids.add(sid)
             self._buffer.append(prepared)
             self._buffered_bytes += prepared.raw_nbytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -23,6 +24,7 @@ from routelog import (
     keys,
 )
 from routelog.format import CommitRecord, IndexRow, ObjectInfo, Span, dump_document
+from routelog.gc import collect_garbage
 from routelog.part import index_to_parquet
 from routelog.storage import Storage
 from routelog.verify import verify_store
@@ -119,8 +121,14 @@ def test_missing_store_and_spec_mismatch(store_url: str, small_spec: ModelSpec) 
     with pytest.raises(ModelSpecError, match="Use a new URL"):
         routelog.create_store(store_url, other)
     assert routelog.open_store(store_url).run.config == {"lr": 1e-6}
+    with pytest.raises(RecordNotFoundError, match="no steps yet"):
+        store.step(0)
+    with store.writer(0, "w") as writer:
+        writer.append(_records(small_spec, 1, seed=2)[0])
     with pytest.raises(RecordNotFoundError, match="not committed"):
         store.step(0).read("nothing")
+    with pytest.raises(RecordNotFoundError, match=r"its steps are \[0\]"):
+        store.step(7)
 
 
 def test_future_format_version_and_unknown_features(
@@ -189,15 +197,51 @@ def test_restarted_writer_continues_its_sequence(
     assert routelog.open_store(store_url).step(2).sample_ids == ["s0", "s1"]
 
 
-def test_a_sample_committed_twice_is_reported(store_url: str, small_spec: ModelSpec, make_routing: MakeRouting) -> None:
+def test_committing_a_sample_again_is_skipped_or_refused(store_url: str, small_spec: ModelSpec) -> None:
+    """A re-run (same record, another writer) is skipped; with on_duplicate="error" it is refused; a record of the
+    same id with other tokens is always refused."""
+    first, other = _records(small_spec, 2, seed=8)
+    store = routelog.create_store(store_url, small_spec)
+    with store.writer(0, "a") as writer:
+        writer.append(first)
+    with store.writer(0, "b") as writer:
+        writer.append(first)
+        assert writer.already_present == [first.sample_id] and writer.appended == 0
+    with store.writer(0, "c", on_duplicate="error") as writer, pytest.raises(DuplicateSampleError, match="already"):
+        writer.append(first)
+    impostor = Record(**{**other.__dict__, "sample_id": first.sample_id})
+    with store.writer(0, "d") as writer, pytest.raises(DuplicateSampleError, match="other tokens"):
+        writer.append(impostor)
+    assert routelog.open_store(store_url).step(0).sample_ids == [first.sample_id]
+
+
+def test_two_writers_racing_on_one_sample_leave_a_readable_store(store_url: str, small_spec: ModelSpec) -> None:
+    """Both writers start before either commits, so neither sees the other: readers read the earliest commit's
+    record, verify warns, gc drops the shadowed part and later reclaims it."""
     record = _records(small_spec, 1, seed=8)[0]
     store = routelog.create_store(store_url, small_spec)
-    for writer_id in ("a", "b"):
-        with store.writer(0, writer_id) as writer:
-            writer.append(record)
-    with pytest.raises(DuplicateSampleError, match="committed twice"):
-        routelog.open_store(store_url).step(0)
-    assert any("committed twice" in p for p in verify_store(routelog.open_store(store_url)).problems)
+    racers = [store.writer(0, writer_id, background=False) for writer_id in ("a", "b")]
+    for writer in racers:
+        writer.append(record)
+    for writer in racers:
+        writer.close()
+    snapshot = routelog.open_store(store_url).step(0)
+    assert snapshot.sample_ids == [record.sample_id]
+    (shadow,) = snapshot.shadowed
+    assert (shadow.kept, shadow.shadowed) == ("a.00000000.json", "b.00000000.json")
+    np.testing.assert_array_equal(snapshot.read(record.sample_id).expert_ids, _expected(record))
+    report = verify_store(routelog.open_store(store_url))
+    assert report.ok and any("raced" in note for note in report.notes)
+    loser = next(c.part for c in snapshot.commits if c.writer_id == "b")
+    dry = collect_garbage(store, 0, force=True)
+    assert dry.dead_parts == [keys.part_dir(0, loser)] and not dry.deleted
+    collect_garbage(store, 0, delete=True, force=True)  # drops the dead part
+    later = time.time() + 3600
+    reclaimed = collect_garbage(store, 60, delete=True, force=True, now=later)
+    assert any(key.startswith(keys.part_dir(0, loser)) for key in reclaimed.orphans)
+    again = routelog.open_store(store_url).step(0)
+    assert again.sample_ids == [record.sample_id] and again.shadowed == []
+    assert verify_store(routelog.open_store(store_url)).ok
 
 
 def test_span_references_into_another_part_are_followed(
