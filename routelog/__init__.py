@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Unpack
 
 from pydantic import JsonValue
 
@@ -28,8 +28,12 @@ from routelog.errors import (
     ReplayConfigError,
     RoutelogError,
     StepSealedError,
+    StoreAccessError,
     StoreError,
     StoreNotFoundError,
+    StoreUnreachableError,
+    ValuesNotFoundError,
+    WriteInterruptedError,
 )
 from routelog.format import FORMAT_VERSION, IndexRow, Segment
 from routelog.part import PartOptions
@@ -38,7 +42,7 @@ from routelog.record import Record, StreamRows, token_hash
 from routelog.routing import RecordRouting
 from routelog.spec import ModelSpec, RouterSpec, StreamSpec
 from routelog.store import Store, create_store, open_store
-from routelog.writer import StepWriter
+from routelog.writer import StepWriter, WriterOptions
 
 __version__ = "0.1.0"
 
@@ -49,21 +53,22 @@ def open_writer(
     *,
     model_spec: ModelSpec | None = None,
     writer_id: str | None = None,
-    options: PartOptions | None = None,
-    flush_bytes: int | None = None,
     run_id: str | None = None,
     config: Mapping[str, JsonValue] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    **options: Unpack[WriterOptions],
 ) -> StepWriter:
     """A writer for ``step`` of the store at ``url``, creating the store when ``model_spec`` is given.
 
-    Without ``model_spec`` the store must exist. With it, an existing store must hold the same model.
+    Without ``model_spec`` the store must exist. With it, an existing store must hold the same model. ``options``
+    are every option of :meth:`Store.writer` (``flush_bytes``, ``flush_seconds``, ``on_commit``, ``on_duplicate``,
+    ...).
     """
     if model_spec is None:
         store = open_store(url, storage_options=storage_options)
     else:
         store = create_store(url, model_spec, run_id=run_id, config=config, storage_options=storage_options)
-    return store.writer(step, writer_id, options=options, flush_bytes=flush_bytes)
+    return store.writer(step, writer_id, **options)
 
 
 __all__ = [
@@ -90,10 +95,15 @@ __all__ = [
     "StepSnapshot",
     "StepWriter",
     "Store",
+    "StoreAccessError",
     "StoreError",
     "StoreNotFoundError",
+    "StoreUnreachableError",
     "StreamRows",
     "StreamSpec",
+    "ValuesNotFoundError",
+    "WriteInterruptedError",
+    "WriterOptions",
     "__version__",
     "create_store",
     "open_store",

@@ -8,10 +8,16 @@
    gets gradients (checked).
 3. Router-, token- and sequence-level routing differences (paper Fig. 3), the k3 KL between inference and training
    token probabilities (eq. 2) and F(t=2) (eq. 3), with and without replay, in ``metrics.json`` and ``report.png``.
+
+Each model's store keeps what the audits need afterwards: step 0 holds the inference routing with the engine's
+log-probs (``logprob_infer``) and the trainer's without replay (``logprob_train``, an annotation); a second store
+``<store>-train`` holds the training forward's own routing (no replay), so ``routelog diff``, ``mismatch`` and
+``drift`` reproduce the "without R3" figures from storage.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -27,10 +33,17 @@ from routelog.audit.r3 import compare_routings, extreme_fraction, k3_kl
 from routelog.demo_report import ModelResult
 from routelog.engines.hf import RoutingRecorder, replay
 from routelog.loader import ReplayLoader
+from routelog.record import Record
 from routelog.spec import ModelSpec
 from routelog.store import create_store
+from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
 
 Progress = Callable[[str], None]
+
+STAGES_PER_MODEL = 4
+MOE_MODELS = ("qwen3_moe", "deepseek_v3")
+STAGES = STAGES_PER_MODEL * len(MOE_MODELS) + 2
+"""Calls of ``progress`` in one run: four per MoE model, the dense baseline, the report."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +199,8 @@ def run_moe_model(
         records = recorder.records(
             prompts, torch.ones_like(prompts), gen.sequences, sample_ids=sample_ids, policy_version=0
         )
+    for record, logp in zip(records, gen.logp_infer, strict=True):
+        record.token_values = {LOGPROB_INFER: _per_token(logp, record.prompt_len)}
     progress(f"{name}: writing {len(records)} records to the store")
     store = create_store(store_url, spec, config={"demo": name, "seed": config.seed})
     with store.writer(0, "demo-inference") as writer:
@@ -201,6 +216,7 @@ def run_moe_model(
     with RoutingRecorder(model, spec) as recorder:
         logp_plain = train_forward(model, gen.sequences, gen.prompt_len)
         plain = _routing(recorder, spec, batch, length)
+    _store_training_side(store, f"{store_url}-train", records, plain, logp_plain)
 
     progress(f"{name}: training forward with R3 (routing from the store, through the loader)")
     plan = AlignmentPlan(spec, ParallelLayout(), Packing("bshd"), RankCoords(), (MicroBatch(tuple(sample_ids)),))
@@ -239,7 +255,27 @@ def run_moe_model(
     result.metrics["tokens"] = int(infer.size)
     result.metrics["moe_layers"] = list(spec.moe_layers)
     result.metrics["store"] = store_url
+    result.metrics["train_store"] = f"{store_url}-train"
     return result
+
+
+def _per_token(logp: npt.NDArray[np.float64], prompt_len: int) -> npt.NDArray[np.float32]:
+    """A response's log-probs on the record's token axis (NaN on the prompt)."""
+    return np.concatenate([np.full(prompt_len, np.nan), logp]).astype(np.float32)
+
+
+def _store_training_side(
+    store: Any, train_url: str, records: list[Record], routing: list[npt.NDArray[np.int64]], logp: list[Any]
+) -> None:
+    """What a trainer without replay would log: its log-probs as an annotation of the inference records, and its
+    own routing of the same tokens in a second store."""
+    with store.annotate(0, "demo-trainer") as annotator:
+        for record, values in zip(records, logp, strict=True):
+            annotator.add(record.sample_id, {LOGPROB_TRAIN: _per_token(values, record.prompt_len)})
+    train = create_store(train_url, store.model_spec, config={"demo": "training forward without replay"})
+    with train.writer(0, "demo-trainer") as writer:
+        for record, ids in zip(records, routing, strict=True):
+            writer.append(dataclasses.replace(record, expert_ids=ids, token_values=None))
 
 
 def run_dense(model: Any, prompts: Any, config: DemoConfig, progress: Progress) -> dict[str, float]:
@@ -266,7 +302,7 @@ def run_demo(
     models = build_models(config)
     prompts = torch.randint(1, 1024, (config.batch, config.prompt_len))
     results = []
-    for name in ("qwen3_moe", "deepseek_v3"):
+    for name in MOE_MODELS:
         url = f"{base}/{name}-{time.strftime('%Y%m%d-%H%M%S')}-{config.seed}"
         torch.manual_seed(config.seed + 1)
         results.append(run_moe_model(name, models[name], prompts, config, url, say))

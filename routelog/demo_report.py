@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from routelog.audit.figures import SERIES_STYLES, count_bars, sequence_panel
 from routelog.audit.r3 import RoutingComparison
 from routelog.spec import ModelSpec
 
@@ -52,27 +53,25 @@ def _scatter(ax: Any, infer: np.ndarray, train: np.ndarray, title: str, kl: floa
     ax.set_aspect("equal")
 
 
-def _histogram(ax: Any, data: dict[str, np.ndarray], title: str, xlabel: str, integer: bool) -> None:
-    top = max((float(v.max()) for v in data.values() if v.size), default=1.0)
-    bins = np.arange(0, int(top) + 2) - 0.5 if integer else np.linspace(0, max(top, 1e-9), 30)
-    for (label, values), color in zip(data.items(), ("tab:red", "tab:green"), strict=False):
-        if values.size:
-            weights = np.full(values.shape, 1.0 / values.size)
-            ax.hist(values, bins=bins, weights=weights, alpha=0.6, color=color, label=label)
-    ax.set_yscale("log")
-    if integer:
-        from matplotlib.ticker import MaxNLocator
-
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set(title=title, xlabel=xlabel, ylabel="frequency")
-    ax.legend(fontsize=8)
+def _kl_panel(ax: Any, metrics: dict[str, Any], dense_kl: float) -> None:
+    """KL (k3) without and with R3 next to the dense model's: the dense model has no router, so its KL is what
+    bf16 inference against fp32 training costs on its own, the floor replay can bring an MoE model towards."""
+    labels = ["without R3", "with R3", "dense\n(precision only)"]
+    values = [metrics["no_replay"]["kl_k3"], metrics["replay"]["kl_k3"], dense_kl]
+    colors = [SERIES_STYLES[0]["color"], SERIES_STYLES[1]["color"], "tab:gray"]
+    hatches = [SERIES_STYLES[0]["hatch"], SERIES_STYLES[1]["hatch"], ""]
+    bars = ax.bar(range(3), values, color=colors, hatch=hatches, edgecolor="white")
+    ax.bar_label(bars, [f"{v:.1e}" for v in values], fontsize=8)
+    ax.set_xticks(range(3), labels)
+    ax.set(yscale="log", title="KL (k3) vs the precision floor", ylabel="KL(pi_infer || pi_train)")
+    ax.set_ylim(top=max(values) * 4)
 
 
 def demo_report(results: list[ModelResult], dense: dict[str, float], path: Path) -> None:
-    """One row per MoE model: inference-vs-training probability without and with R3 (paper Fig. 2) and the
-    router-, token- and sequence-level routing differences (Fig. 3)."""
+    """One row per MoE model: inference-vs-training probability without and with R3 (paper Fig. 2), the
+    router-, token- and sequence-level routing differences (Fig. 3), and the KL against a dense model's."""
     plt = _pyplot()
-    fig, axes = plt.subplots(len(results), 5, figsize=(24, 5 * len(results)), squeeze=False)
+    fig, axes = plt.subplots(len(results), 6, figsize=(29, 5 * len(results)), squeeze=False)
     for row, result in zip(axes, results, strict=True):
         m = result.metrics
         _scatter(
@@ -84,28 +83,28 @@ def demo_report(results: list[ModelResult], dense: dict[str, float], path: Path)
         )
         _scatter(row[1], result.logp["infer"], result.logp["replay"], f"{result.name}: with R3", m["replay"]["kl_k3"])
         levels = result.comparisons
-        _histogram(
+        modes = {"without R3": levels["no_replay"], "with R3": levels["replay"]}
+        count_bars(
             row[2],
-            {"without R3": levels["no_replay"].router_counts, "with R3": levels["replay"].router_counts},
-            f"router level: {m['no_replay']['router_diff_rate']:.1%} -> {m['replay']['router_diff_rate']:.1%}",
-            "experts differing per token per layer",
-            integer=True,
+            {label: np.bincount(c.router_counts) for label, c in modes.items()},
+            title=f"router level: {m['no_replay']['router_diff_rate']:.1%} -> {m['replay']['router_diff_rate']:.1%}",
+            xlabel="experts differing per token per layer",
         )
-        _histogram(
+        count_bars(
             row[3],
-            {"without R3": levels["no_replay"].token_counts, "with R3": levels["replay"].token_counts},
-            f"token level: {m['no_replay']['token_diff_rate']:.1%} -> {m['replay']['token_diff_rate']:.1%}",
-            "experts differing per token (all layers)",
-            integer=True,
+            {label: np.bincount(c.token_counts) for label, c in modes.items()},
+            title=f"token level: {m['no_replay']['token_diff_rate']:.1%} -> {m['replay']['token_diff_rate']:.1%}",
+            xlabel="experts differing per token (all layers)",
         )
-        _histogram(
+        sequence_panel(
             row[4],
-            {"without R3": levels["no_replay"].sequence_means, "with R3": levels["replay"].sequence_means},
-            "sequence level",
-            "mean experts differing per token",
-            integer=False,
+            {label: c.sequence_means for label, c in modes.items()},
+            title=f"sequence level: mean {m['no_replay']['mean_sequence_diff']:.2f} -> "
+            f"{m['replay']['mean_sequence_diff']:.2f}",
+            xlabel="mean experts differing per token",
         )
-    fig.suptitle(f"Rollout Routing Replay on CPU (dense baseline KL k3 = {dense['kl_k3']:.2e})", fontsize=14)
+        _kl_panel(row[5], m, dense["kl_k3"])
+    fig.suptitle("Rollout Routing Replay on CPU: tiny random MoE models, bf16 inference vs fp32 training", fontsize=14)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

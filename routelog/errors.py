@@ -52,6 +52,11 @@ class RoutingAbsentError(IngestError):
         self.reason = reason
 
 
+class ValuesNotFoundError(RoutelogError, LookupError):
+    """The records asked about hold no values of a column an operation needs (e.g. ``mismatch`` without
+    ``logprob_infer`` and ``logprob_train``)."""
+
+
 class AlignmentError(RoutelogError, ValueError):
     """Routing cannot be aligned to the trainer's batch or parallel layout as described."""
 
@@ -66,6 +71,21 @@ class FormatVersionError(RoutelogError):
 
 class StoreError(RoutelogError, OSError):
     """A store cannot be opened, read or written as asked."""
+
+
+class WriteInterruptedError(RoutelogError):
+    """Ctrl-C while writing: what was committed stays, and the message says how many records that is and how to
+    resume (running the same command again skips what is committed)."""
+
+
+class StoreAccessError(StoreError, PermissionError):
+    """The storage refused us: no credentials were found, or they do not grant access. The message says where
+    credentials come from."""
+
+
+class StoreUnreachableError(StoreError, ConnectionError):
+    """The storage endpoint cannot be reached (connection refused, unknown host, timeout); the message names the
+    endpoint in use and how to change it."""
 
 
 class StoreNotFoundError(StoreError, FileNotFoundError):

@@ -18,10 +18,11 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from routelog import keys
 from routelog.codec import TopkOrder
 from routelog.engines import ms_swift, nemo_rl, sglang, slime, verl, vllm
 from routelog.engines.common import list_field, load_npy, malformed, npy_header_nbytes, to_full_axis
-from routelog.errors import IngestError, InvalidRecordError, RoutelogError, RoutingAbsentError
+from routelog.errors import IngestError, InvalidRecordError, RoutingAbsentError, WriteInterruptedError
 from routelog.format import load_json
 from routelog.part import PartOptions
 from routelog.reader import StepSnapshot
@@ -105,6 +106,18 @@ _DEFLATE_MAX_RATIO = 1100
 """Deflate expands at most ~1032:1: a member claiming more than this multiple of its stored bytes is a bomb."""
 
 
+def read_table(path: Path) -> npt.NDArray[Any]:
+    """A physical-to-logical expert table from ``.npy`` or JSON (``[num_physical]`` or ``[layers, num_physical]``)."""
+    try:
+        if path.suffix == ".npy":
+            return load_npy(path.read_bytes(), str(path), "the table")
+        return np.asarray(load_json(path.read_text(), str(path)))
+    except OSError as exc:
+        raise IngestError(f"{path}: cannot read the expert table ({exc})") from exc
+    except ValueError as exc:
+        raise IngestError(f"{path}: not an expert table (.npy, or a JSON list of integers): {exc}") from exc
+
+
 def load_arrays(path: Path) -> dict[str, npt.NDArray[Any]]:
     """Arrays of a ``.npz`` (loaded without pickle) or ``.safetensors`` file.
 
@@ -177,9 +190,8 @@ class IngestSource:
             "physical_to_logical": self.physical_to_logical,
             "eplb": self.eplb,
         }
+        self.check_inputs()
         for path in self.paths:
-            if not path.is_file():
-                raise IngestError(f"{path}: no such input file")
             if self.engine in HTTP_ENGINES:
                 if self.stream_request is not None:
                     units: list[tuple[str, Any]] = [
@@ -212,6 +224,12 @@ class IngestSource:
                     on_error(exc)
                     continue
                 yield from records
+
+    def check_inputs(self) -> None:
+        """Every input file exists (checked before anything else is done)."""
+        for path in self.paths:
+            if not path.is_file():
+                raise IngestError(f"{path}: no such input file")
 
     def fingerprint(self, *options: object) -> str:
         """A digest of the inputs' contents and of the options: the default writer id of an ingest, so that
@@ -273,10 +291,6 @@ class IngestReport:
     parts: int = 0
 
 
-class IngestInterruptedError(RoutelogError):
-    """Ctrl-C during an ingest: what was committed stays; running the same ingest again resumes."""
-
-
 def ingest(
     source: IngestSource,
     url: str,
@@ -289,6 +303,7 @@ def ingest(
     partial: bool = False,
     skip_absent: bool = False,
     on_duplicate: Literal["skip", "error"] = "skip",
+    flush_bytes: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> IngestReport:
     """Validate every record of ``source``, then write them to ``step`` of the store at ``url``.
@@ -301,12 +316,14 @@ def ingest(
     from routelog.errors import StoreNotFoundError
     from routelog.store import create_store, open_store
 
+    source.check_inputs()
     if spec is None:
         try:
             spec = open_store(url, storage_options=storage_options).model_spec
         except StoreNotFoundError:
             raise IngestError(f"{url} holds no store yet: pass the model spec (--model-spec) to create it") from None
-    writer_id = writer_id or f"ingest-{source.fingerprint(step, topk_order)[:16]}"
+    keys.check_step(step)
+    writer_id = keys.check_writer_id(writer_id or f"ingest-{source.fingerprint(step, topk_order)[:16]}")
     report = IngestReport(url=url, step=step, writer_id=writer_id)
     refused: set[str] = set()
 
@@ -318,7 +335,10 @@ def ingest(
     for record in source.records(spec, on_absent=on_absent, on_error=lambda exc: report.invalid.append(str(exc))):
         try:
             if record.sample_id in seen:
-                raise IngestError(f"sample {record.sample_id!r} appears twice in the input")
+                raise IngestError(
+                    f"sample {record.sample_id!r} appears twice in the input: both are refused (give each sample "
+                    "its own id, e.g. with --sample-id-field)"
+                )
             seen.add(record.sample_id)
             prepare_record(record, spec, step, topk_order)
         except (IngestError, InvalidRecordError) as exc:
@@ -333,7 +353,13 @@ def ingest(
         return report
     store = create_store(url, spec, storage_options=storage_options)
     report.absent.clear()
-    writer = store.writer(step, writer_id, options=PartOptions(topk_order=topk_order), on_duplicate=on_duplicate)
+    writer = store.writer(
+        step,
+        writer_id,
+        options=PartOptions(topk_order=topk_order),
+        on_duplicate=on_duplicate,
+        flush_bytes=flush_bytes,
+    )
     try:
         with writer:
             for record in source.records(spec, on_absent=on_absent, on_error=lambda exc: None):
@@ -344,7 +370,7 @@ def ingest(
                     progress(writer.appended + len(writer.already_present))
     except KeyboardInterrupt:
         committed = sum(c.n_records for c in writer.commits)
-        raise IngestInterruptedError(
+        raise WriteInterruptedError(
             f"interrupted: {committed} records committed to step {step} of {store.url} in {len(writer.commits)} "
             "part(s); run the same command again to resume (it skips what is committed)"
         ) from None

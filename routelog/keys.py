@@ -68,7 +68,7 @@ def check_key(key: str) -> str:
 
 def check_step(step: int) -> int:
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**_STEP_DIGITS:
-        raise ValueError(f"step must be an integer in [0, 10^{_STEP_DIGITS}), got {step!r}")
+        raise UnsafeKeyError(f"step must be an integer in [0, 10^{_STEP_DIGITS}), got {step!r}")
     return step
 
 

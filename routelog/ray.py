@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 
-from routelog.format import Segment
+from routelog.format import INDEX_SCHEMA, Segment
 from routelog.part import PartOptions
 from routelog.record import Record
 from routelog.spec import ModelSpec
@@ -131,39 +132,35 @@ def _store(url: str, options_json: str) -> Store:
     return open_store(url, storage_options=json.loads(options_json))
 
 
-def _index_rows(task: dict[str, Any]) -> list[dict[str, Any]]:
-    store = _store(task["url"], task["options"])
-    steps = store.steps() if task["step"] is None else [task["step"]]
-    rows = []
-    for step in steps:
-        snapshot = store.step(step)
-        for info in snapshot.infos():
-            rows.append(
-                {
-                    "url": task["url"],
-                    "options": task["options"],
-                    "step": step,
-                    "sample_id": info.sample_id,
-                    "group_id": info.group_id,
-                    "policy_version": info.policy_version,
-                    "n_tokens": info.n_tokens,
-                    "prompt_len": info.prompt_len,
-                    "response_len": info.response_len,
-                    "n_missing": info.n_missing,
-                }
-            )
-    return rows
+def _index_rows(tasks: pa.Table) -> pa.Table:
+    """The index of each task's store (and step), after ``url``, ``options`` and ``step`` columns: built as Arrow
+    tables so nullable integers stay integers (row dicts would turn a None into NaN)."""
+    tables = []
+    for task in tasks.to_pylist():
+        store = _store(task["url"], task["options"])
+        for step in store.steps() if task["step"] is None else [task["step"]]:
+            index = store.step(step).to_arrow().drop_columns(["step"])
+            n = index.num_rows
+            where = [pa.repeat(pa.scalar(task["url"]), n), pa.repeat(pa.scalar(task["options"]), n)]
+            columns = [*where, pa.repeat(pa.scalar(step, pa.int64()), n), *index.columns]
+            tables.append(pa.Table.from_arrays(columns, names=["url", "options", "step", *index.column_names]))
+    if not tables:  # stores with no steps: an empty block of the same schema
+        index = INDEX_SCHEMA.remove(INDEX_SCHEMA.get_field_index("step")).append(pa.field("part", pa.string()))
+        schema = pa.schema([("url", pa.string()), ("options", pa.string()), ("step", pa.int64()), *index])
+        return schema.empty_table()
+    return pa.concat_tables(tables)
 
 
 def read_index(
     urls: Iterable[str], *, steps: Sequence[int] | None = None, storage_options: Mapping[str, Any] | None = None
 ) -> Any:
-    """A Ray dataset with one row per record of the stores (all steps, or ``steps``): the index, no routing."""
+    """A Ray dataset with one row per record of the stores (all steps, or ``steps``): the url, the step and the
+    index columns (:meth:`routelog.StepSnapshot.to_arrow`), no routing."""
     import ray
 
     options = json.dumps(dict(storage_options or {}))
     tasks = [{"url": u, "step": s, "options": options} for u in urls for s in (steps if steps is not None else [None])]
-    return ray.data.from_items(tasks).flat_map(_index_rows)
+    return ray.data.from_items(tasks).map_batches(_index_rows, batch_size=1, batch_format="pyarrow")
 
 
 def _fetch_routing(batch: dict[str, npt.NDArray[Any]], moe_layers: list[int] | None) -> dict[str, Any]:

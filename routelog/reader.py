@@ -11,7 +11,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +21,7 @@ import zarr
 
 from routelog import keys
 from routelog.codec import storage_dtype
+from routelog.display import html_card
 from routelog.errors import CorruptDataError, DuplicateSampleError, RecordNotFoundError
 from routelog.format import (
     INDEX_SCHEMA,
@@ -40,14 +41,10 @@ from routelog.format import (
 )
 from routelog.part import BlockRequest, ShardIndexCache, fetch_blocks, index_from_parquet, shard_layout
 from routelog.root import StoreRoot
-from routelog.routing import RecordRouting
+from routelog.routing import ROUTING_TABLE_SCHEMA, RecordRouting
 from routelog.spec import ModelSpec
 from routelog.storage import check_digest
 from routelog.values import FloatArray, values_from_parquet
-
-if TYPE_CHECKING:
-    pass
-
 
 _VALUES_CACHE = 4
 """Values objects kept decoded per snapshot (streaming reads visit parts one after another)."""
@@ -245,7 +242,18 @@ class StepSnapshot:
 
     @property
     def stored_bytes(self) -> int:
+        """Every object of the step's parts: routing, values, streams and indexes."""
         return sum(o.size for c in self.commits for o in c.objects)
+
+    @property
+    def routing_bytes(self) -> int:
+        """The routing arrays' chunks only: what the codec is measured by."""
+        return sum(o.size for c in self.commits for o in c.objects if o.key.startswith(c.routing.path + "/c/"))
+
+    @property
+    def stored_rows(self) -> int:
+        """Token rows stored in the routing arrays (a record's missing final rows are not stored)."""
+        return sum(c.routing.n_rows for c in self.commits)
 
     def info(self, sample_id: str) -> IndexRow:
         """The index row of ``sample_id``."""
@@ -338,6 +346,68 @@ class StepSnapshot:
             )
             for r in rows
         ]
+
+    # -- tables for DataFrame tools ----------------------------------------------------------------------------------
+    def to_arrow(
+        self,
+        sample_ids: Iterable[str] | None = None,
+        *,
+        routing: bool = False,
+        moe_layers: Sequence[int] | None = None,
+        batch_records: int = 64,
+    ) -> pa.Table:
+        """The index (one row per record: the columns of :class:`~routelog.format.IndexRow`, plus ``part``), or
+        with ``routing=True`` the decoded routing in long form (:data:`~routelog.routing.ROUTING_TABLE_SCHEMA`:
+        sample_id, token, layer, k, expert; routed rows only) of ``sample_ids`` (default: every record; the long
+        form takes about 12 bytes per token, layer and slot, so choose the records for a large step)."""
+        ids = self.sample_ids if sample_ids is None else list(sample_ids)
+        if not routing:
+            positions = pa.array([self._position(sid) for sid in ids], pa.int64())
+            table = self.index.take(positions)
+            parts = pa.array([self.commits[i].part for i in table.column("_commit").to_pylist()], pa.string())
+            return table.drop_columns(["_commit"]).append_column("part", parts)
+        tables = [
+            routing_.to_arrow()
+            for start in range(0, len(ids), batch_records)
+            for routing_ in self.read_many(ids[start : start + batch_records], moe_layers=moe_layers)
+        ]
+        return pa.concat_tables(tables) if tables else ROUTING_TABLE_SCHEMA.empty_table()
+
+    def to_pandas(
+        self,
+        sample_ids: Iterable[str] | None = None,
+        *,
+        routing: bool = False,
+        moe_layers: Sequence[int] | None = None,
+    ) -> Any:
+        """:meth:`to_arrow` as a ``pandas.DataFrame`` (pandas must be installed)."""
+        return self.to_arrow(sample_ids, routing=routing, moe_layers=moe_layers).to_pandas()
+
+    def __repr__(self) -> str:
+        when = f" as of {self.as_of.isoformat()}" if self.as_of else ""
+        return (
+            f"StepSnapshot(step {self.step} of {self.store.url}{when}: {len(self)} records, {self.n_tokens:,} tokens, "
+            f"{len(self.commits)} part{'s' if len(self.commits) != 1 else ''}{', sealed' if self.sealed else ''})"
+        )
+
+    def _repr_html_(self) -> str:
+        facts: list[tuple[str, object]] = [
+            ("records", len(self)),
+            ("tokens", f"{self.n_tokens:,}"),
+            ("parts", len(self.commits)),
+            ("sealed", self.sealed),
+            ("stored bytes", f"{self.stored_bytes:,}"),
+        ]
+        if self.as_of:
+            facts.append(("as of", self.as_of.isoformat()))
+        if self.drops or self.shadowed:
+            facts.append(("drops / shadowed copies", f"{len(self.drops)} / {len(self.shadowed)}"))
+        rows = [
+            (r.sample_id, r.n_tokens, r.prompt_len, r.response_len, r.n_missing, r.policy_version)
+            for r in (self._row(i) for i in range(min(10, len(self))))
+        ]
+        columns = ("sample id", "tokens", "prompt", "response", "missing rows", "policy")
+        return html_card(f"step {self.step} of {self.store.url} (first records)", facts, rows, columns)
 
     def _topk_order(self, part_key: str, stream: str | None) -> str:
         commit = self._commit_for(part_key)

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 
+from routelog.display import html_card
 from routelog.format import IndexRow
 from routelog.record import Record
 
@@ -22,6 +24,18 @@ if TYPE_CHECKING:
 
 MISSING = -1
 """Value of rows the engine never computed in :attr:`RecordRouting.expert_ids`."""
+
+ROUTING_TABLE_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("token", pa.int32(), nullable=False),
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("k", pa.int8(), nullable=False),
+        pa.field("expert", pa.int32(), nullable=False),
+    ]
+)
+"""Long-form routing: one row per (record, routed token, layer, top-k slot). ``token`` is the input position,
+``layer`` the global layer index (the stream's own layer for a stream), ``k`` the slot in stored order."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +98,46 @@ class RecordRouting:
             extra=None if info.extra is None else json.loads(info.extra),
             payload_start=info.payload_start,
         )
+
+    def to_arrow(self) -> pa.Table:
+        """The routed rows in long form (:data:`ROUTING_TABLE_SCHEMA`): missing rows have no entries."""
+        tokens = np.flatnonzero(self.valid).astype(np.int32)
+        n_layers, topk = self.by_layer.shape[0], self.by_layer.shape[2]
+        per_token = n_layers * topk
+        n = len(tokens) * per_token
+        columns = [
+            pa.repeat(pa.scalar(self.sample_id, pa.string()), n),
+            pa.array(np.repeat(tokens, per_token)),
+            pa.array(np.tile(np.repeat(np.asarray(self.layers, np.int16), topk), len(tokens))),
+            pa.array(np.tile(np.arange(topk, dtype=np.int8), len(tokens) * n_layers)),
+            pa.array(self.ids[tokens].reshape(-1).astype(np.int32)),
+        ]
+        return pa.Table.from_arrays(columns, schema=ROUTING_TABLE_SCHEMA)
+
+    def __repr__(self) -> str:
+        return (
+            f"RecordRouting({self.sample_id!r}: {self.info.n_tokens} tokens ({int(self.valid.sum())} routed), "
+            f"{len(self.layers)} layers, K={self.by_layer.shape[2]}"
+            + (f", stream {self.stream!r}" if self.stream else "")
+            + ")"
+        )
+
+    def _repr_html_(self) -> str:
+        info = self.info
+        facts: list[tuple[str, object]] = [
+            ("tokens", f"{info.n_tokens} (prompt {info.prompt_len}, response {info.response_len})"),
+            ("routed rows", int(self.valid.sum())),
+            ("layers", ", ".join(map(str, self.layers))),
+            ("top-k", f"{self.by_layer.shape[2]} ({self.topk_order})"),
+            ("policy version", info.policy_version),
+            ("engine", " ".join(str(v) for v in (info.engine, info.engine_version) if v) or None),
+        ]
+        if self.stream:
+            facts.append(("stream", self.stream))
+        first = [(t, *self.expert_ids[t, 0].tolist()) for t in range(min(5, info.n_tokens))]
+        columns = ["token", *(f"k{j}" for j in range(self.by_layer.shape[2]))] if first else []
+        title = f"record {self.sample_id} (first tokens, layer {self.layers[0] if self.layers else '-'})"
+        return html_card(title, facts, first, columns)
 
     def to_torch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(expert_ids, valid)`` as torch tensors (int16/int32 and bool)."""

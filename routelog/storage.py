@@ -12,19 +12,22 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 import posixpath
 import random
+import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
 from zarr.storage import FsspecStore
 
-from routelog.errors import CorruptDataError, StoreError
+from routelog.errors import CorruptDataError, StoreAccessError, StoreError, StoreUnreachableError
 from routelog.keys import check_key
 
 T = TypeVar("T")
@@ -66,6 +69,42 @@ class RetryPolicy:
 
     def delay(self, attempt: int) -> float:
         return random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
+
+
+_CREDENTIALS_HINT = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass "
+    '--storage-options \'{"key": "...", "secret": "..."}\' (\'{"anon": true}\' for a public bucket)'
+)
+_ENDPOINT_HINT = 'set AWS_ENDPOINT_URL, or pass --storage-options \'{"endpoint_url": "http://host:port"}\''
+_REACHABLE: set[tuple[str, int]] = set()
+"""Endpoints this process has connected to once: checked again only after a failure."""
+
+
+def s3_endpoint(fs: AbstractFileSystem) -> str:
+    """The endpoint an S3 filesystem talks to: its options, else botocore's environment, else AWS."""
+    client_kwargs = getattr(fs, "client_kwargs", None) or {}
+    return str(
+        getattr(fs, "endpoint_url", None)
+        or client_kwargs.get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+        or "https://s3.amazonaws.com"
+    )
+
+
+def check_reachable(endpoint: str, timeout: float = 5.0) -> None:
+    """Fail fast, naming the endpoint, when nothing listens there: without this check the SDK's and our retries
+    spend most of a minute before reporting a refused connection. Skipped behind an HTTP proxy."""
+    parts = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    if (host, port) in _REACHABLE or any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY")):
+        return
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise StoreUnreachableError(f"cannot reach the S3 endpoint {endpoint} ({reason}): {_ENDPOINT_HINT}") from exc
+    _REACHABLE.add((host, port))
 
 
 def parse_storage_options(text: str | None) -> dict[str, Any]:
@@ -124,10 +163,14 @@ class Storage:
             except Exception as exc:
                 last = attempt == self.retry.attempts - 1 or time.monotonic() - start > self.retry.deadline
                 if not is_transient(exc):
-                    raise
+                    explained = self._explain(exc, operation, key)
+                    if explained is None:
+                        raise
+                    raise explained from exc
                 if last:
+                    hint = f" (endpoint {self.endpoint}: {_ENDPOINT_HINT})" if self.endpoint else ""
                     raise StoreError(
-                        f"{operation} {self.url_of(key)} failed after {attempt + 1} attempts: {exc!r}"
+                        f"{operation} {self.url_of(key)} failed after {attempt + 1} attempts: {exc!r}{hint}"
                     ) from exc
                 self.sleep(self.retry.delay(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
@@ -146,7 +189,36 @@ class Storage:
             ) from exc
         except ValueError as exc:
             raise StoreError(f"cannot open {url!r}: {exc}") from exc
-        return cls(url=url.rstrip("/"), fs=fs, root=str(root).rstrip("/"), storage_options=options)
+        if protocol in ("file", "local") and os.path.isfile(root):
+            raise StoreError(f"{url} is a file: a store is a directory (or an object prefix); pass a directory path")
+        storage = cls(url=url.rstrip("/"), fs=fs, root=str(root).rstrip("/"), storage_options=options)
+        if storage.endpoint:
+            check_reachable(storage.endpoint)
+        return storage
+
+    @property
+    def endpoint(self) -> str | None:
+        """The S3 endpoint in use (``None`` for other filesystems)."""
+        return s3_endpoint(self.fs) if self.protocol in ("s3", "s3a") else None
+
+    def _explain(self, exc: Exception, operation: str, key: str) -> StoreError | None:
+        """A typed error with the fix for failures that mean the store cannot be used as configured (``None``
+        for the rest, such as a missing object, which callers handle)."""
+        where = f"{operation} {self.url_of(key)}"
+        name = type(exc).__name__
+        if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
+            return StoreAccessError(f"{where}: no usable credentials ({exc}); {_CREDENTIALS_HINT}")
+        if isinstance(exc, PermissionError):
+            return StoreAccessError(f"{where}: access denied ({exc}); check the credentials: {_CREDENTIALS_HINT}")
+        if isinstance(exc, FileNotFoundError) and "bucket does not exist" in str(exc).lower():
+            bucket = self.root.split("/", 1)[0]
+            return StoreError(
+                f"{where}: the bucket {bucket!r} does not exist at {self.endpoint}: create it, or fix the URL or "
+                "the endpoint"
+            )
+        if isinstance(exc, NotADirectoryError):
+            return StoreError(f"{where}: a part of the path is a file, not a directory; pass a directory path")
+        return None
 
     @property
     def protocol(self) -> str:

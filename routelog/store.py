@@ -5,17 +5,17 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, Unpack
 
 from pydantic import JsonValue
 
 from routelog import keys
 from routelog.annotate import Annotator
+from routelog.display import html_card
 from routelog.drop import drop_records
 from routelog.errors import ModelSpecError, RecordNotFoundError, StoreError
 from routelog.format import DropRecord, RunDocument, SealRecord, dump_document, utc_now
 from routelog.gc import GcReport, collect_garbage
-from routelog.part import PartOptions
 from routelog.reader import StepSnapshot
 from routelog.root import StoreRoot, read_run_document
 from routelog.seal import seal_step
@@ -23,7 +23,7 @@ from routelog.spec import ModelSpec
 from routelog.storage import Storage
 from routelog.summary import store_summary
 from routelog.verify import VerifyReport, verify_store
-from routelog.writer import StepWriter
+from routelog.writer import StepWriter, WriterOptions
 
 
 class Store(StoreRoot):
@@ -36,7 +36,27 @@ class Store(StoreRoot):
         return cls(storage, read_run_document(storage))
 
     def __repr__(self) -> str:
-        return f"Store({self.url!r}, run_id={self.run.run_id!r})"
+        spec = self.model_spec
+        return (
+            f"Store({self.url!r}, run {self.run.run_id!r}, model {spec.name!r}: {spec.num_moe_layers} MoE layers, "
+            f"E={spec.num_experts}, K={spec.topk})"
+        )
+
+    def _repr_html_(self) -> str:
+        spec = self.model_spec
+        steps = self.steps()
+        facts: list[tuple[str, object]] = [
+            ("run", self.run.run_id),
+            ("created", self.run.created_at.isoformat(timespec="seconds")),
+            ("format", self.run.format_version),
+            (
+                "model",
+                f"{spec.name}: {spec.num_layers} layers, {spec.num_moe_layers} MoE, E={spec.num_experts}, "
+                f"K={spec.topk}",
+            ),
+            ("steps", f"{len(steps)}: {steps[:10]}{' ...' if len(steps) > 10 else ''}"),
+        ]
+        return html_card(f"routelog store {self.url}", facts)
 
     def step(self, step: int, *, as_of: datetime | None = None) -> StepSnapshot:
         """The committed records of ``step`` now (exactly the sealed set, once sealed), or as they were at
@@ -55,21 +75,12 @@ class Store(StoreRoot):
         """Attach per-token columns (e.g. the trainer's ``logprob_train``) to records committed in ``step``."""
         return Annotator(self, step, writer_id)
 
-    def writer(
-        self,
-        step: int,
-        writer_id: str | None = None,
-        *,
-        options: PartOptions | None = None,
-        flush_bytes: int | None = None,
-        **streaming: Any,
-    ) -> StepWriter:
-        """A writer appending records to ``step``; use it as a context manager.
-
-        ``streaming`` takes :class:`~routelog.writer.StepWriter`'s ``flush_seconds``, ``max_pending``,
-        ``background``, ``on_commit``, ``seal_wait`` and ``max_commit_delay``.
-        """
-        return StepWriter(self, step, writer_id=writer_id, options=options, flush_bytes=flush_bytes, **streaming)
+    def writer(self, step: int, writer_id: str | None = None, **options: Unpack[WriterOptions]) -> StepWriter:
+        """A writer appending records to ``step``; use it as a context manager. ``options`` are
+        :class:`~routelog.writer.StepWriter`'s: ``options`` (:class:`~routelog.part.PartOptions`), ``flush_bytes``,
+        ``flush_seconds``, ``max_pending``, ``background``, ``on_commit``, ``seal_wait``, ``max_commit_delay`` and
+        ``on_duplicate``."""
+        return StepWriter(self, step, writer_id=writer_id, **options)
 
     def seal(self, step: int, *, allow_empty: bool = False) -> SealRecord:
         """Close ``step``: its content becomes exactly the commits made so far; see :func:`routelog.seal.seal_step`.

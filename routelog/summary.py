@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from routelog import keys
@@ -10,32 +11,39 @@ from routelog.reader import StepSnapshot
 from routelog.root import StoreRoot
 
 
+def bytes_per_token_layer(snapshots: Iterable[StepSnapshot], num_moe_layers: int) -> float | None:
+    """The one figure of routing density that ``inspect`` and ``stats`` print: the routing arrays' stored bytes
+    over the stored token rows times the MoE layers (indexes, values and documents excluded; ``None`` when
+    nothing is stored)."""
+    routing_bytes = rows = 0
+    for snapshot in snapshots:
+        routing_bytes += snapshot.routing_bytes
+        rows += snapshot.stored_rows
+    return routing_bytes / (rows * num_moe_layers) if rows else None
+
+
 def step_summary(snapshot: StepSnapshot) -> dict[str, Any]:
     """Counts and sizes of one step. ``routing_bytes`` counts only the routing arrays (not indexes, metadata)."""
-    stored_rows = sum(c.routing.n_rows for c in snapshot.commits)
-    routing_bytes = sum(o.size for c in snapshot.commits for o in c.objects if o.key.startswith(c.routing.path + "/c/"))
     return {
         "step": snapshot.step,
         "records": len(snapshot),
         "tokens": snapshot.n_tokens,
-        "stored_rows": stored_rows,
+        "stored_rows": snapshot.stored_rows,
         "parts": len(snapshot.commits),
         "sealed": snapshot.sealed,
         "stored_bytes": snapshot.stored_bytes,
-        "routing_bytes": routing_bytes,
+        "routing_bytes": snapshot.routing_bytes,
     }
 
 
 def store_summary(store: StoreRoot) -> dict[str, Any]:
     """The whole store: run, model spec, per-step counts and totals.
 
-    ``bytes_per_token_layer`` divides the routing arrays' stored bytes by the stored token rows times the MoE
-    layers: the figure the codec's entropy-bound goal is stated in.
+    ``bytes_per_token_layer`` is :func:`bytes_per_token_layer`.
     """
     spec = store.model_spec
-    steps = [step_summary(StepSnapshot.load(store, s)) for s in store.steps()]
-    rows = sum(s["stored_rows"] for s in steps)
-    routing_bytes = sum(s["routing_bytes"] for s in steps)
+    snapshots = [StepSnapshot.load(store, s) for s in store.steps()]
+    steps = [step_summary(snapshot) for snapshot in snapshots]
     return {
         "url": store.url,
         "format_version": store.run.format_version,
@@ -47,10 +55,10 @@ def store_summary(store: StoreRoot) -> dict[str, Any]:
         "per_step": steps,
         "records": sum(s["records"] for s in steps),
         "tokens": sum(s["tokens"] for s in steps),
-        "stored_rows": rows,
+        "stored_rows": sum(s["stored_rows"] for s in steps),
         "stored_bytes": sum(s["stored_bytes"] for s in steps) + _run_document_size(store),
-        "routing_bytes": routing_bytes,
-        "bytes_per_token_layer": routing_bytes / (rows * spec.num_moe_layers) if rows else None,
+        "routing_bytes": sum(s["routing_bytes"] for s in steps),
+        "bytes_per_token_layer": bytes_per_token_layer(snapshots, spec.num_moe_layers),
     }
 
 

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal
+from typing import Literal, TypedDict
 
 from routelog import keys
 from routelog.errors import (
@@ -79,6 +79,21 @@ class WriterError(StoreError):
 class _Batch:
     seq: int
     records: list[PreparedRecord]
+
+
+class WriterOptions(TypedDict, total=False):
+    """The options of a :class:`StepWriter`, as ``Store.writer`` and ``routelog.open_writer`` take them (see the
+    writer's parameters for each)."""
+
+    options: PartOptions | None
+    flush_bytes: int | None
+    flush_seconds: float | None
+    max_pending: int
+    background: bool
+    on_commit: Callable[[CommitRecord, list[str]], None] | None
+    seal_wait: float
+    max_commit_delay: float
+    on_duplicate: Literal["skip", "error"]
 
 
 class StepWriter:

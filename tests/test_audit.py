@@ -176,6 +176,7 @@ def test_diff_refuses_records_with_different_tokens(tmp_path: Path) -> None:
     with pytest.raises(TokenMismatchError) as info:
         audit.diff(str(tmp_path / "a"), str(tmp_path / "b"), 0)
     assert info.value.sample_id == "r002" and info.value.field == "token_hash"
+    assert f"{tmp_path / 'a'} step 0" in str(info.value) and f"{tmp_path / 'b'} step 0" in str(info.value)
 
 
 def test_mismatch_matches_the_metrics_on_the_stored_logprobs(runs: dict[str, object]) -> None:
@@ -238,6 +239,29 @@ def test_every_figure_renders(runs: dict[str, object], tmp_path: Path) -> None:
         draw(path)
         height, width, _ = matplotlib.image.imread(path).shape
         assert width > 800 and height > 300, name
+
+
+def test_figures_handle_zeros_single_steps_and_integer_counts(runs: dict[str, object], tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from routelog.audit.figures import count_bars, zero_safe_log
+
+    fig, axes = plt.subplots(1, 4)
+    for ax, values, scale in zip(
+        axes[:3], ([0.0, 1e-3, 0.2], [1e-3, 0.2], [0.0, 0.0]), ("symlog", "log", "linear"), strict=True
+    ):
+        zero_safe_log(ax, np.asarray(values))
+        assert ax.get_yscale() == scale, values
+    count_bars(axes[3], {"a": np.array([90, 8, 2]), "b": np.array([100])}, title="t", xlabel="x")
+    assert list(axes[3].get_xticks()) == [0, 1, 2], "integer counts get integer ticks"
+    plt.close(fig)
+    a = str(runs["a"])
+    mismatch_figure(audit.mismatch(a, [1]), tmp_path / "one-step-mismatch.png")
+    drift_figure(audit.drift(a, steps=[1]), tmp_path / "one-step-drift.png")
+    assert (tmp_path / "one-step-drift.png").stat().st_size > 5_000
 
 
 def test_cli_audits(runs: dict[str, object], tmp_path: Path) -> None:

@@ -76,6 +76,8 @@ def test_synth_inspect_ls_cat_verify(tmp_path: Path) -> None:
     assert "sound" in _run("verify", url)
     assert "total: 8 records" in _run("inspect", url)
     assert "000003" in _run("ls", url, "--step", "2")
+    stats = json.loads(_run("stats", url, "--json"))
+    assert stats["bytes_per_token_layer"] == pytest.approx(summary["bytes_per_token_layer"]), "one definition"
 
 
 def test_cat_full_layer_axis_marks_dense_layers(tmp_path: Path) -> None:
@@ -184,6 +186,9 @@ def test_seal_gc_and_ls_as_of(tmp_path: Path) -> None:
     earlier = json.loads(_run("ls", url, "--step", "0", "--as-of", cutoff, "--json"))
     assert [r["sample_id"] for r in earlier] == [r["sample_id"] for r in json.loads(between)]
     assert len(json.loads(_run("ls", url, "--step", "0", "--json"))) == 5
+    row = next(line for line in _run("ls", url, "--step", "0").splitlines() if "a-000001" in line)
+    cells = [cell.strip() for cell in row.strip("│ ").split("│")]
+    assert cells[6] == "0", f"policy version 0 (synth's policy is its step) is shown, not blank: {cells}"
 
     # A dead writer's upload (no commit) next to the committed parts:
     orphan = tmp_path / "run" / "steps" / f"{0:010d}" / "parts" / "dead.00000000.0badc0ffee"
@@ -202,4 +207,7 @@ def test_seal_gc_and_ls_as_of(tmp_path: Path) -> None:
     refused = _cli("synth", url, "--step", "0", "--records", "1", "--tokens", "8", "--layers", "2")
     assert refused.returncode == 2 and "sealed" in refused.stderr
     assert len(json.loads(_run("ls", url, "--step", "0", "--json"))) == 5
+    row = next(line for line in _run("ls", url, "--step", "0").splitlines() if "a-000001" in line)
+    cells = [cell.strip() for cell in row.strip("│ ").split("│")]
+    assert cells[6] == "0", f"policy version 0 (synth's policy is its step) is shown, not blank: {cells}"
     assert _cli("verify", url).returncode == 0

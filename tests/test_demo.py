@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 import routelog
+import routelog.audit
+from routelog.demo import STAGES
 from routelog.verify import verify_store
 
 pytest.importorskip("transformers")
@@ -18,6 +20,8 @@ pytest.importorskip("matplotlib")
 
 
 def test_demo_quick_shows_replay_working(tmp_path: Path) -> None:
+    """Also: with output redirected the demo prints a line per stage, then where its stores are and the commands
+    to explore them, and those commands reproduce its "without R3" figures from storage."""
     out = tmp_path / "demo"
     result = subprocess.run(
         [sys.executable, "-m", "routelog", "demo", "--quick", "--out", str(out)],
@@ -43,3 +47,21 @@ def test_demo_quick_shows_replay_working(tmp_path: Path) -> None:
         assert verify_store(store).ok
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "with R3" in result.stdout
+    stages = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in stages] == [f"[{i}/{STAGES}" for i in range(1, STAGES + 1)]
+
+    qwen = metrics["qwen3_moe"]
+    commands = [line.strip() for line in result.stdout.splitlines() if line.strip().startswith("routelog ")]
+    assert f"routelog inspect {qwen['store']}" in commands
+    diff = next(c for c in commands if c.startswith("routelog diff"))
+    args = diff.split("#")[0].split()[1:]
+    args[args.index("--plot") + 1] = str(tmp_path / "diff.png")
+    reproduced = subprocess.run(
+        [sys.executable, "-m", "routelog", *args, "--json"], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert reproduced.returncode == 0, reproduced.stderr
+    stored = json.loads(reproduced.stdout)
+    assert stored["router_diff_rate"] == pytest.approx(qwen["no_replay"]["router_diff_rate"])
+    assert stored["token_diff_rate"] == pytest.approx(qwen["no_replay"]["token_diff_rate"])
+    mismatch = routelog.audit.mismatch(qwen["store"])
+    assert mismatch.steps[0].kl_k3 == pytest.approx(qwen["no_replay"]["kl_k3"], rel=1e-5)

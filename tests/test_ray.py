@@ -66,12 +66,18 @@ def test_ray_data_reads_many_stores(tmp_path: object) -> None:
         url = f"{tmp_path}/run-{s}"
         for step in (0, 1):
             with routelog.open_writer(url, step, model_spec=SPEC, flush_bytes=2000) as writer:
-                for record in make_records(f"s{s}-{step}-", 6, seed=10 * s + step):
+                for i, record in enumerate(make_records(f"s{s}-{step}-", 6, seed=10 * s + step)):
+                    if i % 2:  # absent metadata must stay absent (None), not become NaN
+                        record.policy_version, record.group_id = None, None
                     writer.append(record)
         urls.append(url)
     index = read_index(urls).take_all()
     assert len(index) == 24
     assert {row["step"] for row in index} == {0, 1}
+    for row in index:
+        info = routelog.open_store(row["url"]).step(row["step"]).info(row["sample_id"])
+        assert (row["policy_version"], row["group_id"]) == (info.policy_version, info.group_id)
+        assert row["policy_version"] is None or isinstance(row["policy_version"], int)
     rows = read_routing(urls, steps=[1], moe_layers=[0, 2], batch_size=5).take_all()
     assert len(rows) == 12
     for row in rows:

@@ -19,6 +19,8 @@ from routelog.audit.load import StatsResult, StepLoad, layer_stats, load_unit, m
 from routelog.audit.mismatch import MismatchResult, merge_mismatch, mismatch_unit
 from routelog.audit.runner import Progress, run_units
 from routelog.audit.units import DEFAULT_BATCH_RECORDS, DEFAULT_UNIT_RECORDS, Plan, Source, plan_units
+from routelog.errors import RecordNotFoundError
+from routelog.summary import bytes_per_token_layer
 
 __all__ = [
     "DiffResult",
@@ -36,7 +38,16 @@ __all__ = [
 
 
 def _steps(source: Source, steps: Sequence[int] | None) -> list[int]:
-    return sorted(source.open().steps()) if steps is None else list(steps)
+    """The steps asked for, refusing ones the store does not hold (and a store with none)."""
+    held = sorted(source.open().steps())
+    if not held:
+        raise RecordNotFoundError(f"{source.url} holds no records yet: nothing to audit")
+    if steps is None:
+        return held
+    missing = sorted(set(steps) - set(held))
+    if missing:
+        raise RecordNotFoundError(f"{source.url} has no step {', '.join(map(str, missing))}; its steps are {held}")
+    return list(dict.fromkeys(steps))
 
 
 def _loads(plan: Plan, use_ray: bool, progress: Progress | None, batch_records: int) -> dict[int, StepLoad]:
@@ -64,15 +75,15 @@ def stats(
     for load in loads.values():
         counts += load.array()
     rows = sum(load.rows for load in loads.values())
-    stored = sum(snapshot.stored_bytes for snapshot in plan.snapshots.values())
+    snapshots = list(plan.snapshots.values())
     return StatsResult(
         url=url,
         steps=list(plan.snapshots),
         records=sum(load.records for load in loads.values()),
         tokens=sum(load.tokens for load in loads.values()),
         rows=rows,
-        stored_bytes=stored,
-        bytes_per_token_layer=stored / (rows * spec.num_moe_layers) if rows else float("nan"),
+        stored_bytes=sum(snapshot.stored_bytes for snapshot in snapshots),
+        bytes_per_token_layer=bytes_per_token_layer(snapshots, spec.num_moe_layers) or 0.0,
         num_experts=spec.num_experts,
         topk=spec.topk,
         layers=[layer_stats(layer, counts[j]) for j, layer in enumerate(spec.moe_layers)],
@@ -95,6 +106,7 @@ def diff(
     ``url_b`` (which may be the same store), matched by sample id."""
     a, b = Source.of(url_a, storage_options), Source.of(url_b, storage_options)
     other_step = step if step_b is None else step_b
+    _steps(a, [step]), _steps(b, [other_step])
     plan = plan_units(a, [step], unit_records=unit_records, other=b, other_steps=[other_step])
     partials = run_units(plan.units, diff_unit, use_ray=use_ray, batch_records=batch_records, progress=progress)
     snap_a, snap_b = plan.snapshots[step], plan.other_snapshots[other_step]

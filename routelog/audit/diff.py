@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from routelog.audit.r3 import routing_differences
 from routelog.audit.units import WorkUnit, batches, pack, unpack
-from routelog.errors import InvalidRecordError
+from routelog.errors import InvalidRecordError, ModelSpecError
 from routelog.format import IndexRow
 
 
@@ -28,7 +28,10 @@ def diff_unit(unit: WorkUnit, batch_records: int) -> bytes:
     a, b = unit.snapshot(), unit.other_snapshot()
     spec = a.store.model_spec
     if (spec.num_moe_layers, spec.topk) != (b.store.model_spec.num_moe_layers, b.store.model_spec.topk):
-        raise ValueError(f"{a.store.url} and {b.store.url} have different layer maps or top-k; nothing to compare")
+        raise ModelSpecError(
+            f"{a.store.url} and {b.store.url} have different layer maps or top-k; nothing to compare (diff compares "
+            "recordings of one model)"
+        )
     layers, k = spec.num_moe_layers, spec.topk
     router_hist = np.zeros(k + 1, np.int64)
     token_hist = np.zeros(layers * k + 1, np.int64)
@@ -37,7 +40,9 @@ def diff_unit(unit: WorkUnit, batch_records: int) -> bytes:
     seq_means: list[float] = []
     shared = [sid for sid in unit.sample_ids if sid in b]
     for sid in shared:
-        _check_same_tokens(sid, a.info(sid), b.info(sid), a.store.url, b.store.url)
+        _check_same_tokens(
+            sid, a.info(sid), b.info(sid), f"{a.store.url} step {a.step}", f"{b.store.url} step {b.step}"
+        )
     for batch in batches(a, shared, batch_records=batch_records):
         others = b.read_many([r.sample_id for r in batch])
         for left, right in zip(batch, others, strict=True):
@@ -64,14 +69,15 @@ def diff_unit(unit: WorkUnit, batch_records: int) -> bytes:
     )
 
 
-def _check_same_tokens(sid: str, a: IndexRow, b: IndexRow, url_a: str, url_b: str) -> None:
+def _check_same_tokens(sid: str, a: IndexRow, b: IndexRow, where_a: str, where_b: str) -> None:
     if a.n_tokens != b.n_tokens or (a.token_hash and b.token_hash and a.token_hash != b.token_hash):
         raise TokenMismatchError(
             sid,
             "token_hash",
-            f"the record has different tokens in {url_a} ({a.n_tokens} tokens, {a.token_hash}) and {url_b} "
-            f"({b.n_tokens} tokens, {b.token_hash})",
-            "compare stores recorded on the same rollouts (same sample ids for the same token sequences)",
+            f"the record has different tokens in {where_a} ({a.n_tokens} tokens, hash {a.token_hash}) and {where_b} "
+            f"({b.n_tokens} tokens, hash {b.token_hash})",
+            "compare recordings of the same rollouts (the same sample ids for the same token sequences): check the "
+            "steps (--step, --step-b) and the stores",
         )
 
 

@@ -1,8 +1,15 @@
 """Figures of the audits (matplotlib, off-screen), readable at a glance: titles, axes with units, log scales where
-the R3 paper uses them."""
+the R3 paper uses them.
+
+Conventions shared with the demo's report: series are told apart by colour *and* marker or hatch, side by side
+(never overlaid into a blend the legend lacks); integer quantities get integer ticks; values that may be zero use
+a symmetric-log axis, so a zero is drawn at 0 instead of vanishing from a log axis; a single step is a point with
+its own tick.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +30,95 @@ def _pyplot() -> Any:
     return plt
 
 
+SERIES_STYLES = (
+    {"color": "tab:red", "marker": "o", "hatch": ""},
+    {"color": "tab:blue", "marker": "s", "hatch": "//"},
+    {"color": "tab:green", "marker": "^", "hatch": ".."},
+    {"color": "tab:purple", "marker": "D", "hatch": "xx"},
+)
+FEW_SEQUENCES = 64
+"""Up to this many sequences a panel shows each one as a point; beyond, a histogram."""
+
+
 def _integer_axis(ax: Any) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def step_axis(ax: Any, steps: Sequence[int]) -> None:
+    """Integer ticks at the steps (every step when few), with room around a single one."""
+    if len(steps) <= 12:
+        ax.set_xticks(list(steps))
+    else:
+        _integer_axis(ax)
+    if len(steps) == 1:
+        ax.set_xlim(steps[0] - 1, steps[0] + 1)
+
+
+def zero_safe_log(ax: Any, values: np.ndarray, axis: str = "y") -> None:
+    """A log axis that also shows zeros: symmetric-log (linear below the smallest positive decade) when some
+    values are zero, plain log when none is, linear when all are."""
+    set_scale = ax.set_yscale if axis == "y" else ax.set_xscale
+    finite = np.asarray(values, np.float64)
+    finite = finite[np.isfinite(finite)]
+    positive = finite[finite > 0]
+    if positive.size == 0:
+        return
+    if positive.size == finite.size:
+        set_scale("log")
+    else:
+        set_scale("symlog", linthresh=float(10 ** np.floor(np.log10(positive.min()))))
+
+
+def count_bars(ax: Any, histograms: Mapping[str, np.ndarray], *, title: str, xlabel: str) -> None:
+    """Distributions of an integer count (``histograms[label][c]`` = how often the count was ``c``) as side-by-side
+    bars on a log frequency axis, one colour and hatch per series."""
+    counts = {label: np.asarray(h, np.float64) for label, h in histograms.items()}
+    top = max((int(np.flatnonzero(h)[-1]) for h in counts.values() if h.any()), default=0)
+    width = 0.8 / max(len(counts), 1)
+    for i, (label, hist) in enumerate(counts.items()):
+        style = SERIES_STYLES[i % len(SERIES_STYLES)]
+        freq = np.zeros(top + 1)
+        freq[: min(top + 1, hist.size)] = hist[: top + 1] / max(hist.sum(), 1)
+        x = np.arange(top + 1) + (i - (len(counts) - 1) / 2) * width
+        shown = freq > 0
+        ax.bar(x[shown], freq[shown], width, color=style["color"], hatch=style["hatch"], edgecolor="white", label=label)
+    ax.set(yscale="log", title=title, xlabel=xlabel, ylabel="frequency")
+    if top < 16:
+        ax.set_xticks(range(top + 1))
+    else:
+        _integer_axis(ax)
+    if len(counts) > 1:
+        ax.legend(fontsize=8)
+
+
+def sequence_panel(ax: Any, series: Mapping[str, np.ndarray], *, title: str, xlabel: str) -> None:
+    """Per-sequence values: each sequence as a point on its series' row (with the mean as a bar) when there are few,
+    else outlined histograms on a linear count axis."""
+    values = {label: np.asarray(v, np.float64) for label, v in series.items()}
+    if max((v.size for v in values.values()), default=0) <= FEW_SEQUENCES:
+        rng = np.random.default_rng(0)
+        for i, (label, v) in enumerate(values.items()):
+            style = SERIES_STYLES[i % len(SERIES_STYLES)]
+            jitter = rng.uniform(-0.12, 0.12, v.size)
+            ax.scatter(v, i + jitter, s=28, color=style["color"], marker=style["marker"], alpha=0.8, label=label)
+            if v.size:
+                ax.plot([v.mean()] * 2, [i - 0.3, i + 0.3], color="black", lw=1.5)
+        ax.set_yticks(range(len(values)), list(values))
+        ax.set_ylim(-0.6, len(values) - 0.4)
+        ax.set(title=f"{title}\n(each point a sequence, bar = mean)", xlabel=xlabel)
+        ax.set_xlim(left=min(0.0, ax.get_xlim()[0]))
+        return
+    top = max((float(v.max()) for v in values.values() if v.size), default=1.0)
+    bins = np.linspace(0, max(top, 1e-9), 30)
+    for i, (label, v) in enumerate(values.items()):
+        style = SERIES_STYLES[i % len(SERIES_STYLES)]
+        ax.hist(
+            v, bins=bins, histtype="step", lw=1.8, color=style["color"], ls=("-", "--", ":", "-.")[i % 4], label=label
+        )
+    ax.set(title=title, xlabel=xlabel, ylabel="sequences")
+    ax.legend(fontsize=8)
 
 
 def _save(fig: Any, path: Path) -> None:
@@ -39,7 +131,7 @@ def stats_figure(result: StatsResult, path: Path) -> None:
     """Expert load per layer (share of choices relative to uniform) and per-layer imbalance and entropy."""
     plt = _pyplot()
     fig, (heat, lines) = plt.subplots(
-        1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 2]}, layout="constrained"
+        1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]}, layout="constrained"
     )
     load = np.asarray([layer.load for layer in result.layers], np.float64)
     share = load / np.maximum(load.sum(axis=1, keepdims=True), 1) * result.num_experts
@@ -54,14 +146,23 @@ def stats_figure(result: StatsResult, path: Path) -> None:
     if len(result.layers) > 24:
         heat.yaxis.set_major_locator(plt.MaxNLocator(12, integer=True))
     layers = [layer.layer for layer in result.layers]
-    lines.plot(layers, [layer.imbalance for layer in result.layers], "o-", color="tab:red", label="max / mean load")
-    lines.plot(layers, [1 + layer.cv for layer in result.layers], "s--", color="tab:orange", label="1 + CV of load")
+    drawn = lines.plot(
+        layers, [layer.imbalance for layer in result.layers], "o-", color="tab:red", label="max / mean load"
+    )
+    drawn += lines.plot(
+        layers, [1 + layer.cv for layer in result.layers], "s--", color="tab:orange", label="1 + CV of load"
+    )
     lines.set(xlabel="MoE layer (global index)", ylabel="imbalance (1 = balanced)", title="Load imbalance and entropy")
     twin = lines.twinx()
-    twin.plot(layers, [layer.entropy_normalized for layer in result.layers], "^:", color="tab:blue")
+    drawn += twin.plot(
+        layers, [layer.entropy_normalized for layer in result.layers], "^:", color="tab:blue", label="entropy / log2 E"
+    )
     twin.set_ylabel("routing entropy / log2(E)", color="tab:blue")
     twin.set_ylim(0, 1.05)
-    lines.legend(loc="upper left", fontsize=8)
+    # below the axes: inside, a legend covers a line whatever corner it takes
+    lines.legend(
+        drawn, [d.get_label() for d in drawn], loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=8
+    )
     _integer_axis(lines)
     _save(fig, path)
 
@@ -69,20 +170,25 @@ def stats_figure(result: StatsResult, path: Path) -> None:
 def diff_figure(result: DiffResult, path: Path) -> None:
     """The R3 paper's Fig. 3: router-, token- and sequence-level routing differences, plus per-layer rates."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2), layout="constrained")
-    for ax, hist, title, xlabel in (
-        (axes[0], result.router_hist, "Router level", "experts differing per (token, layer)"),
-        (axes[1], result.token_hist, "Token level", "experts differing per token (all layers)"),
-    ):
-        counts = np.asarray(hist, np.float64)
-        top = int(np.flatnonzero(counts)[-1]) if counts.any() else 0
-        freq = counts[: top + 1] / max(counts.sum(), 1)
-        ax.bar(np.arange(top + 1), freq, color="tab:red", alpha=0.75, width=0.9)
-        ax.set(yscale="log", title=title, xlabel=xlabel, ylabel="frequency")
-    seq = np.asarray(result.sequence_means)
-    if seq.size:
-        axes[2].hist(seq, bins=30, weights=np.full(seq.shape, 1 / seq.size), color="tab:red", alpha=0.75)
-    axes[2].set(yscale="log", title="Sequence level", xlabel="mean experts differing per token", ylabel="frequency")
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.4), layout="constrained")
+    count_bars(
+        axes[0],
+        {"": np.asarray(result.router_hist)},
+        title=f"Router level ({100 * result.router_diff_rate:.2f} % differ)",
+        xlabel="experts differing per (token, layer)",
+    )
+    count_bars(
+        axes[1],
+        {"": np.asarray(result.token_hist)},
+        title=f"Token level ({100 * result.token_diff_rate:.2f} % differ)",
+        xlabel="experts differing per token (all layers)",
+    )
+    sequence_panel(
+        axes[2],
+        {"sequences": np.asarray(result.sequence_means)},
+        title=f"Sequence level (mean {result.mean_sequence_diff:.3f})",
+        xlabel="mean experts differing per token",
+    )
     layers = [layer.layer for layer in result.layers]
     axes[3].bar(range(len(layers)), [100 * layer.diff_rate for layer in result.layers], color="tab:purple")
     axes[3].set_xticks(range(len(layers)), [str(x) for x in layers], fontsize=7 if len(layers) > 16 else 9)
@@ -100,58 +206,72 @@ def mismatch_figure(result: MismatchResult, path: Path) -> None:
     plt = _pyplot()
     fig, (kl_ax, f_ax) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
     steps = [s.step for s in result.steps]
-    kl_ax.plot(steps, [s.kl_k3 for s in result.steps], "o-", color="tab:blue")
-    kl_ax.set(yscale="log", xlabel="training step", ylabel="KL(pi_infer || pi_train), k3 estimate", title="Mismatch KL")
+    kl = np.asarray([s.kl_k3 for s in result.steps])
+    kl_ax.plot(steps, kl, "o-", color="tab:blue")
+    kl_ax.set(xlabel="training step", ylabel="KL(pi_infer || pi_train), k3 estimate", title="Mismatch KL")
+    zero_safe_log(kl_ax, kl)
     thresholds = list(result.steps[0].extreme) if result.steps else []
-    for t in thresholds:
-        # zeros have no place on a log axis: leave a gap rather than draw a fake floor
-        f_ax.plot(steps, [s.extreme[t] or np.nan for s in result.steps], "o-", label=f"t = {t}")
-    f_ax.set(
-        yscale="log", xlabel="training step", ylabel="F(t): tokens with ratio > t either way", title="Extreme tokens"
-    )
+    every = []
+    for i, t in enumerate(thresholds):
+        style = SERIES_STYLES[i % len(SERIES_STYLES)]
+        shares = np.asarray([s.extreme[t] for s in result.steps])
+        every.append(shares)
+        # a small sideways offset per series keeps equal values (often all zero) from hiding each other
+        dodge = (i - (len(thresholds) - 1) / 2) * 0.08 if len(steps) <= 12 else 0.0
+        x = np.asarray(steps, np.float64) + dodge
+        f_ax.plot(x, shares, "-", marker=style["marker"], color=style["color"], label=f"t = {t}")
+    f_ax.set(xlabel="training step", ylabel="F(t): tokens with ratio > t either way", title="Extreme tokens")
+    zero_safe_log(f_ax, np.concatenate(every) if every else np.zeros(0))
     f_ax.legend(fontsize=8)
-    _integer_axis(kl_ax)
-    _integer_axis(f_ax)
+    step_axis(kl_ax, steps)
+    step_axis(f_ax, steps)
     fig.suptitle(f"Training-inference mismatch of {result.url}", fontsize=10)
     _save(fig, path)
 
 
 def drift_figure(result: DriftResult, path: Path) -> None:
-    """Jensen-Shannon divergence of expert load between consecutive steps (per layer), and between runs."""
+    """Jensen-Shannon divergence of expert load between consecutive steps (per layer), and between runs; a
+    single step without another run is said in words."""
     plt = _pyplot()
-    panels = 2 if result.between_runs else 1
-    fig, axes = plt.subplots(1, panels, figsize=(7.5 * panels, 4.5), squeeze=False, layout="constrained")
-    ax = axes[0][0]
-    if result.consecutive:
-        js = np.asarray([pair.js for pair in result.consecutive]).T  # [layers, pairs]
-        image = ax.imshow(
-            np.maximum(js, 1e-12), aspect="auto", cmap="magma", interpolation="nearest", norm=_lognorm(js)
-        )
-        fig.colorbar(image, ax=ax, label="Jensen-Shannon divergence (bits)")
-        ax.set_xticks(
-            range(len(result.consecutive)), [p.b.removeprefix("step ") for p in result.consecutive], fontsize=8
-        )
-        ax.set_yticks(range(len(result.layers)), [str(x) for x in result.layers], fontsize=7)
-    ax.set(
-        xlabel="step (vs the previous one)", ylabel="MoE layer (global index)", title="Expert-load drift between steps"
+    panels = [
+        p for p in ("consecutive", "between") if (result.consecutive if p == "consecutive" else result.between_runs)
+    ]
+    fig, axes = plt.subplots(
+        1, max(len(panels), 1), figsize=(7.5 * max(len(panels), 1), 4.5), squeeze=False, layout="constrained"
     )
-    if result.between_runs:
-        other = axes[0][1]
-        for pair in result.between_runs:
-            other.plot(
-                result.layers,
-                np.maximum(pair.js, 1e-12),
-                "o-",
-                label=pair.a.rsplit(" ", 2)[-2] + " " + pair.a.rsplit(" ", 1)[-1],
+    if not panels:
+        axes[0][0].text(0.5, 0.5, "a single step and no other run:\nnothing to compare", ha="center", va="center")
+        axes[0][0].set_axis_off()
+    for ax, panel in zip(axes[0], panels, strict=False):
+        if panel == "consecutive":
+            js = np.asarray([pair.js for pair in result.consecutive]).T  # [layers, pairs]
+            image = ax.imshow(js, aspect="auto", cmap="magma", interpolation="nearest", norm=_lognorm(js))
+            fig.colorbar(image, ax=ax, label="Jensen-Shannon divergence (bits)")
+            ax.set_xticks(
+                range(len(result.consecutive)), [p.b.removeprefix("step ") for p in result.consecutive], fontsize=8
             )
-        other.set(
-            yscale="log",
+            ax.set_yticks(range(len(result.layers)), [str(x) for x in result.layers], fontsize=7)
+            ax.set(
+                xlabel="step (vs the previous one)",
+                ylabel="MoE layer (global index)",
+                title="Expert-load drift between steps (0 = darkest)",
+            )
+            continue
+        every = []
+        for i, pair in enumerate(result.between_runs):
+            style = SERIES_STYLES[i % len(SERIES_STYLES)]
+            values = np.asarray(pair.js)
+            every.append(values)
+            label = pair.a.rsplit(" ", 2)[-2] + " " + pair.a.rsplit(" ", 1)[-1]
+            ax.plot(result.layers, values, "-", marker=style["marker"], color=style["color"], label=label)
+        zero_safe_log(ax, np.concatenate(every))
+        ax.set(
             xlabel="MoE layer (global index)",
             ylabel="Jensen-Shannon divergence (bits)",
             title=f"Between runs (vs {result.other_url})",
         )
-        other.legend(fontsize=7)
-        _integer_axis(other)
+        ax.legend(fontsize=7)
+        _integer_axis(ax)
     _save(fig, path)
 
 
@@ -160,4 +280,4 @@ def _lognorm(values: np.ndarray) -> Any:
 
     positive = values[values > 0]
     low = float(positive.min()) if positive.size else 1e-6
-    return LogNorm(vmin=low, vmax=max(float(values.max()), low * 10))
+    return LogNorm(vmin=low, vmax=max(float(values.max()), low * 10), clip=True)

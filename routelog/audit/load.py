@@ -88,8 +88,10 @@ class StatsResult(BaseModel):
     tokens: int
     rows: int
     stored_bytes: int
+    """Every object of the steps' parts (routing, values, streams, indexes)."""
     bytes_per_token_layer: float
-    """Stored bytes (routing, index and values) per routed row and MoE layer."""
+    """The routing arrays' bytes per stored token row and MoE layer, as ``routelog inspect`` prints it
+    (:func:`routelog.summary.bytes_per_token_layer`)."""
     num_experts: int
     topk: int
     layers: list[LayerStats]

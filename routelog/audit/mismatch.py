@@ -13,6 +13,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from routelog.audit.units import WorkUnit, pack, unpack
+from routelog.errors import ValuesNotFoundError
 from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
 
 THRESHOLDS = (1.5, 2.0, 5.0)
@@ -68,6 +69,9 @@ class StepMismatch(BaseModel):
 class MismatchResult(BaseModel):
     url: str
     steps: list[StepMismatch]
+    """Steps with tokens that have both log-probs."""
+    steps_without_logprobs: list[int] = []
+    """Steps audited whose records lack one of the two columns: left out of ``steps``."""
 
 
 def merge_mismatch(partials: list[bytes], url: str) -> MismatchResult:
@@ -75,22 +79,28 @@ def merge_mismatch(partials: list[bytes], url: str) -> MismatchResult:
     for data in partials:
         part = unpack(data)
         by_step.setdefault(int(part["step"]), []).append(part)
-    steps = []
+    steps, without = [], []
     for step, parts in sorted(by_step.items()):
         tokens = sum(int(p["tokens"]) for p in parts)
+        if not tokens:
+            without.append(step)
+            continue
         exceed = np.sum([p["exceed"] for p in parts], axis=0)
         # fsum is the correctly rounded exact sum: the same whatever the order partials arrive in.
-        kl = math.fsum(x for p in parts for x in p["k3_partials"].tolist()) / tokens if tokens else float("nan")
+        kl = math.fsum(x for p in parts for x in p["k3_partials"].tolist()) / tokens
         steps.append(
             StepMismatch(
                 step=step,
                 records=sum(int(p["records"]) for p in parts),
                 tokens=tokens,
                 kl_k3=kl,
-                extreme={
-                    f"{t:g}": float(e / tokens) if tokens else float("nan")
-                    for t, e in zip(THRESHOLDS, exceed, strict=True)
-                },
+                extreme={f"{t:g}": float(e / tokens) for t, e in zip(THRESHOLDS, exceed, strict=True)},
             )
         )
-    return MismatchResult(url=url, steps=steps)
+    if not steps:
+        raise ValuesNotFoundError(
+            f"{url}: no record of step(s) {without} has both {LOGPROB_INFER} and {LOGPROB_TRAIN}: record the "
+            f"engine's log-probs as {LOGPROB_INFER} when writing and add the trainer's as {LOGPROB_TRAIN} with "
+            "Store.annotate (see the README's audits section)"
+        )
+    return MismatchResult(url=url, steps=steps, steps_without_logprobs=without)

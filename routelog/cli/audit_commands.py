@@ -1,0 +1,170 @@
+"""The audits on the command line: ``stats``, ``diff``, ``mismatch`` and ``drift`` (each with ``--json`` and
+``--plot``; ``--ray`` spreads the work over a Ray cluster)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import numpy as np
+import typer
+from rich.table import Table
+
+from routelog.cli.app import (
+    JsonFlag,
+    StorageOptions,
+    UrlArgument,
+    app,
+    console,
+    progress_bar,
+    storage_options,
+)
+
+StepsOption = Annotated[list[int] | None, typer.Option("--step", help="Step to include (repeatable; default: all).")]
+PlotOption = Annotated[Path | None, typer.Option("--plot", help="Write a figure (PNG) here.")]
+R = TypeVar("R")
+RayFlag = Annotated[
+    bool, typer.Option("--ray", help="Spread the work over a Ray cluster (RAY_ADDRESS, or a local one).")
+]
+
+
+class _AuditProgress:
+    """A progress bar over records on stderr (only when it is a terminal); an audit calls it with
+    (records done, records planned)."""
+
+    def __init__(self, label: str) -> None:
+        self.bar = progress_bar()
+        self.task = self.bar.add_task(label, total=None)
+
+    def __enter__(self) -> _AuditProgress:
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+    def __call__(self, done: int, total: int) -> None:
+        self.bar.update(self.task, completed=done, total=total)
+
+
+def _run(audit: Callable[..., R], *args: Any, use_ray: bool, storage_options_: str | None, **kwargs: Any) -> R:
+    """Run one audit with the command's storage options, Ray choice and a progress bar."""
+    with _AuditProgress(audit.__name__) as progress:
+        options = storage_options(storage_options_)
+        return audit(*args, storage_options=options, use_ray=use_ray, progress=progress, **kwargs)
+
+
+def _report(result: Any, json_out: bool, plot: Path | None, draw: Any, lines: list[str]) -> None:
+    if plot is not None:
+        draw(result, plot)
+    if json_out:
+        typer.echo(result.model_dump_json(indent=1))
+        return
+    for line in lines:
+        console.print(line, highlight=False, soft_wrap=True)
+    if plot is not None:
+        console.print(f"figure: {plot}", highlight=False)
+
+
+@app.command()
+def stats(
+    url: UrlArgument,
+    step: StepsOption = None,
+    json_out: JsonFlag = False,
+    plot: PlotOption = None,
+    use_ray: RayFlag = False,
+    storage_options_: StorageOptions = None,
+) -> None:
+    """Per MoE layer: expert load, imbalance (max/mean, CV) and routing entropy; totals."""
+    from routelog import audit
+    from routelog.audit.figures import stats_figure
+
+    result = _run(audit.stats, url, step, use_ray=use_ray, storage_options_=storage_options_)
+    table = Table("layer", "imbalance (max/mean)", "CV", "entropy / log2 E", "busiest expert")
+    for layer in result.layers:
+        table.add_row(
+            str(layer.layer),
+            f"{layer.imbalance:.3f}",
+            f"{layer.cv:.3f}",
+            f"{layer.entropy_normalized:.4f}",
+            str(int(np.argmax(layer.load))),
+        )
+    summary = (
+        f"{result.url}: steps {result.steps}, {result.records:,} records, {result.tokens:,} tokens "
+        f"({result.rows:,} routed), {result.stored_bytes:,} bytes stored; routing {result.bytes_per_token_layer:.3f} "
+        "bytes/token-layer (as routelog inspect)"
+    )
+    _report(result, json_out, plot, stats_figure, [summary])
+    if not json_out:
+        console.print(table)
+
+
+@app.command()
+def diff(
+    url_a: Annotated[str, typer.Argument(help="First store URL (e.g. the inference recording).")],
+    url_b: Annotated[str, typer.Argument(help="Second store URL (e.g. a training-side recording); may be the same.")],
+    step: Annotated[int, typer.Option(help="Step of the first store.")],
+    step_b: Annotated[int | None, typer.Option(help="Step of the second store (default: --step).")] = None,
+    json_out: JsonFlag = False,
+    plot: PlotOption = None,
+    use_ray: RayFlag = False,
+    storage_options_: StorageOptions = None,
+) -> None:
+    """Routing differences of the same records (router, token and sequence level; per layer): paper Fig. 3."""
+    from routelog import audit
+    from routelog.audit.figures import diff_figure
+
+    result = _run(audit.diff, url_a, url_b, step, step_b=step_b, use_ray=use_ray, storage_options_=storage_options_)
+    lines = [
+        f"{result.a} vs {result.b}: {result.records_compared} records compared ({result.only_a} only in the first, "
+        f"{result.only_b} only in the second), {result.rows_compared} routed tokens",
+        f"router-level diff {100 * result.router_diff_rate:.2f} %, token-level {100 * result.token_diff_rate:.2f} %, "
+        f"mean sequence-level {result.mean_sequence_diff:.3f} experts/token",
+    ]
+    _report(result, json_out, plot, diff_figure, lines)
+
+
+@app.command()
+def mismatch(
+    url: Annotated[str, typer.Argument(help="Store URL with logprob_infer and logprob_train columns.")],
+    step: StepsOption = None,
+    json_out: JsonFlag = False,
+    plot: PlotOption = None,
+    use_ray: RayFlag = False,
+    storage_options_: StorageOptions = None,
+) -> None:
+    """Per step: training-inference KL (k3) and F(t) for t in 1.5, 2, 5 from stored log-probs: paper Fig. 5."""
+    from routelog import audit
+    from routelog.audit.figures import mismatch_figure
+
+    result = _run(audit.mismatch, url, step, use_ray=use_ray, storage_options_=storage_options_)
+    lines = [
+        f"step {s.step}: {s.tokens} tokens, KL k3 {s.kl_k3:.3e}, "
+        + ", ".join(f"F({t}) {v:.3e}" for t, v in s.extreme.items())
+        for s in result.steps
+    ]
+    if result.steps_without_logprobs:
+        lines.append(f"steps without both log-prob columns (left out): {result.steps_without_logprobs}")
+    _report(result, json_out, plot, mismatch_figure, lines)
+
+
+@app.command()
+def drift(
+    url: UrlArgument,
+    other: Annotated[str | None, typer.Option(help="Another run's store: compare the same steps.")] = None,
+    step: StepsOption = None,
+    json_out: JsonFlag = False,
+    plot: PlotOption = None,
+    use_ray: RayFlag = False,
+    storage_options_: StorageOptions = None,
+) -> None:
+    """Expert-load shift: Jensen-Shannon divergence per layer between consecutive steps and between two runs."""
+    from routelog import audit
+    from routelog.audit.figures import drift_figure
+
+    result = _run(audit.drift, url, other, step, use_ray=use_ray, storage_options_=storage_options_)
+    lines = [f"{p.a} -> {p.b}: mean JS {p.mean_js:.3e}, max {p.max_js:.3e} bits" for p in result.consecutive]
+    lines += [f"{p.a} vs {p.b}: mean JS {p.mean_js:.3e}, max {p.max_js:.3e} bits" for p in result.between_runs]
+    alone = f"{url}: a single step and no --other run: nothing to compare (drift needs two steps or two runs)"
+    _report(result, json_out, plot, drift_figure, lines or [alone])

@@ -1,0 +1,424 @@
+"""Commands that write: ``synth``, ``ingest``, ``drop``, ``seal`` and ``gc``.
+
+Writing is idempotent: records a step already holds are skipped, and the default writer id is derived from the
+input, so running a command again (after fixing a bad line, or after Ctrl-C) completes what the first run began.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Any, cast
+
+import numpy as np
+import typer
+
+from routelog.cli.app import (
+    JsonFlag,
+    StorageOptions,
+    UrlArgument,
+    app,
+    console,
+    err_console,
+    load_spec,
+    open_url,
+    plural,
+    print_json,
+    progress_bar,
+    say,
+    storage_options,
+    try_open,
+)
+
+FlushBytes = Annotated[
+    int | None,
+    typer.Option(help="Raw routing bytes buffered before a part is written (default 64 MiB; smaller: more parts)."),
+]
+OnDuplicate = Annotated[
+    str,
+    typer.Option(
+        "--on-duplicate",
+        help="A sample id the step already holds: 'skip' it (a re-run completes what is missing) or 'error'.",
+    ),
+]
+TopkOrderOption = Annotated[
+    str,
+    typer.Option(
+        help="'sorted' (canonical sets: the smallest) or 'score' (keep the engine's order: needed to export the "
+        "payload back byte for byte; about 1.3x the bytes)."
+    ),
+]
+
+
+def _choice(value: str, option: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise typer.BadParameter(f"{option} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+# -- synth ------------------------------------------------------------------------------------------------------
+@app.command()
+def synth(
+    url: UrlArgument,
+    step: Annotated[int, typer.Option(help="RL step to write.")] = 0,
+    records: Annotated[int, typer.Option(help="Records to write.")] = 16,
+    tokens: Annotated[int, typer.Option(help="Tokens per record (the mean with --ragged).")] = 512,
+    layers: Annotated[
+        int | None, typer.Option(help="MoE layers, all layers MoE (default 8, or the existing store's spec).")
+    ] = None,
+    experts: Annotated[int | None, typer.Option(help="Routed experts per layer (default 64).")] = None,
+    topk: Annotated[int | None, typer.Option(help="Experts per token per layer (default 8).")] = None,
+    model_spec: Annotated[
+        Path | None, typer.Option(help="Model spec JSON (or a HF config.json) instead of --layers/--experts/--topk.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    skew: Annotated[float, typer.Option(help="Expert popularity skew (0 = uniform).")] = 0.0,
+    locality: Annotated[float, typer.Option(help="Probability a token reuses the previous token's experts.")] = 0.0,
+    ragged: Annotated[bool, typer.Option(help="Ragged lengths around --tokens.")] = False,
+    sample_prefix: Annotated[str, typer.Option(help="Prefix of sample ids (lets processes share a step).")] = "",
+    writer_id: Annotated[
+        str | None, typer.Option(help="Writer id (default: derived from the options, so a re-run resumes).")
+    ] = None,
+    with_token_ids: Annotated[bool, typer.Option(help="Store token ids, not only their hash.")] = False,
+    topk_order: TopkOrderOption = "sorted",
+    logprob_noise: Annotated[
+        float | None,
+        typer.Option(help="Attach logprob_infer, then annotate logprob_train with this log-scale noise."),
+    ] = None,
+    on_duplicate: OnDuplicate = "skip",
+    flush_bytes: FlushBytes = None,
+    json_out: JsonFlag = False,
+    storage_options_: StorageOptions = None,
+) -> None:
+    """Write synthetic routing to a store (creating it if needed).
+
+    The records follow from the options and the seed, so running the same command again adds nothing ("0 new, N
+    already present").
+    """
+    from routelog import keys
+    from routelog.part import PartOptions
+    from routelog.store import create_store
+    from routelog.synth import SynthConfig, synth_records, synthetic_spec
+
+    order = _choice(topk_order, "--topk-order", ("sorted", "score"))
+    duplicate = _choice(on_duplicate, "--on-duplicate", ("skip", "error"))
+    options = storage_options(storage_options_)
+    if model_spec is not None:
+        spec = load_spec(model_spec)
+    elif layers is None and experts is None and topk is None and (existing := try_open(url, options)):
+        spec = existing.model_spec
+    else:
+        spec = synthetic_spec(layers or 8, experts or 64, topk or 8)
+    config = SynthConfig(
+        records=records,
+        tokens=tokens,
+        seed=seed,
+        ragged=ragged,
+        skew=skew,
+        locality=locality,
+        sample_prefix=sample_prefix,
+        step=step,
+        with_token_ids=with_token_ids,
+        logprob_noise=logprob_noise,
+    )
+    keys.check_step(step)
+    fingerprint = hashlib.blake2b(
+        json.dumps([spec.model_dump(mode="json"), asdict(config), order], sort_keys=True).encode(), digest_size=8
+    ).hexdigest()
+    writer_id = keys.check_writer_id(writer_id or f"synth-{fingerprint}")
+    store = create_store(url, spec, storage_options=options)
+    writer = store.writer(
+        step,
+        writer_id,
+        options=PartOptions(topk_order=cast(Any, order)),
+        on_duplicate=cast(Any, duplicate),
+        flush_bytes=flush_bytes,
+    )
+    try:
+        with progress_bar() as progress, writer:
+            task = progress.add_task(f"synth step {step}", total=records)
+            for record in synth_records(store.model_spec, config):
+                writer.append(record)
+                progress.advance(task)
+    except KeyboardInterrupt:
+        _interrupted(writer)
+    annotated = _annotate_training_logprobs(store, step, writer_id, config) if logprob_noise is not None else 0
+    report = {
+        "url": store.url,
+        "step": step,
+        "writer_id": writer_id,
+        "new": writer.appended,
+        "already_present": len(writer.already_present),
+        "parts": len(writer.commits),
+        "annotated": annotated,
+    }
+    if json_out:
+        print_json(report)
+    say(
+        f"synth: {writer.appended} new, {len(writer.already_present)} already present in step {step} of "
+        f"{store.url} ({plural(len(writer.commits), 'part')}, writer {writer_id})"
+    )
+
+
+def _annotate_training_logprobs(store: Any, step: int, writer_id: str, config: Any) -> int:
+    """What a trainer would report later: ``logprob_train`` for the synthetic records that lack it."""
+    from routelog.synth import synth_records, synth_training_logprobs
+    from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
+
+    snapshot = store.step(step)
+    wanted = {}
+    for i, record in enumerate(synth_records(store.model_spec, config)):
+        if record.token_values:
+            infer = np.asarray(record.token_values[LOGPROB_INFER], np.float32)
+            wanted[record.sample_id] = synth_training_logprobs(infer, config.logprob_noise, config.seed + i)
+    present = snapshot.token_values(list(wanted), [LOGPROB_TRAIN])
+    missing = [sid for sid in wanted if LOGPROB_TRAIN not in present.get(sid, {})]
+    if missing:
+        with store.annotate(step, f"{writer_id[:58]}-train") as annotator:
+            for sid in missing:
+                annotator.add(sid, {LOGPROB_TRAIN: wanted[sid]})
+    return len(missing)
+
+
+def _interrupted(writer: Any) -> None:
+    from routelog.errors import WriteInterruptedError
+
+    committed = sum(c.n_records for c in writer.commits)
+    raise WriteInterruptedError(
+        f"interrupted: {committed} records committed to step {writer.step} of {writer.store.url} in "
+        f"{plural(len(writer.commits), 'part')}; run the same command again to resume (it skips what is committed)"
+    ) from None
+
+
+# -- ingest -----------------------------------------------------------------------------------------------------
+@app.command()
+def ingest(
+    inputs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="JSONL of HTTP responses (vllm, sglang, nemo-rl, ms-swift); .npz/.safetensors (verl, slime)."
+        ),
+    ],
+    engine: Annotated[str, typer.Option(help="vllm | sglang | nemo-rl | ms-swift | verl | slime")],
+    to: Annotated[str, typer.Option("--to", help="Store URL.")],
+    step: Annotated[int, typer.Option(help="RL step the records belong to.")],
+    model_spec: Annotated[
+        Path | None, typer.Option(help="Model spec JSON or HF config.json (default: the existing store's spec).")
+    ] = None,
+    sample_id_field: Annotated[
+        str | None,
+        typer.Option(
+            help="Dotted path of the sample id in each JSONL line, e.g. request.metadata.uid "
+            "(default: the response id, plus /<choice> with several choices)."
+        ),
+    ] = None,
+    policy_version: Annotated[int | None, typer.Option(help="Policy (weights) version that generated them.")] = None,
+    engine_version: Annotated[
+        str | None,
+        typer.Option(help="Engine version, e.g. 0.21.0: decides version-dependent layouts (see the README's table)."),
+    ] = None,
+    eplb: Annotated[
+        bool,
+        typer.Option("--eplb", help="The engine ran with EPLB (vLLM 0.14-0.15 and 0.21 then report physical IDs)."),
+    ] = False,
+    eplb_map: Annotated[
+        Path | None,
+        typer.Option(
+            help="Physical-to-logical expert table (.npy or JSON): shape (num_physical,), or vLLM's per-layer "
+            "(num_moe_layers, num_physical)."
+        ),
+    ] = None,
+    skip_absent: Annotated[
+        bool,
+        typer.Option(help="Skip samples the engine returned no routing for (aborted, ...) and count them."),
+    ] = False,
+    stream_request: Annotated[
+        Path | None,
+        typer.Option(
+            "--stream-request",
+            help="Each input is one streamed vLLM generate response (its chunks, one per line) for this request JSON.",
+        ),
+    ] = None,
+    partial: Annotated[
+        bool,
+        typer.Option(
+            "--partial", help="Write the valid records and report the invalid ones (default: write nothing if any is)."
+        ),
+    ] = False,
+    writer_id: Annotated[
+        str | None, typer.Option(help="Writer id (default: derived from the inputs, so a re-run resumes).")
+    ] = None,
+    topk_order: TopkOrderOption = "sorted",
+    on_duplicate: OnDuplicate = "skip",
+    flush_bytes: FlushBytes = None,
+    json_out: JsonFlag = False,
+    storage_options_: StorageOptions = None,
+) -> None:
+    """Ingest routing as an engine or trainer logged it into a store.
+
+    The whole input is validated before the first write (nothing is written, and no store is created, if a line is
+    invalid; --partial writes the valid ones). Records the step already holds are skipped, so running the same
+    command again after fixing a line or after Ctrl-C completes the ingest.
+    """
+    from routelog.ingest import IngestSource, read_table
+    from routelog.ingest import ingest as run_ingest
+
+    kind = _choice(engine, "--engine", ("vllm", "sglang", "nemo-rl", "ms-swift", "verl", "slime"))
+    order = _choice(topk_order, "--topk-order", ("sorted", "score"))
+    duplicate = _choice(on_duplicate, "--on-duplicate", ("skip", "error"))
+    source = IngestSource(
+        cast(Any, kind),
+        tuple(inputs),
+        sample_id_field=sample_id_field,
+        policy_version=policy_version,
+        engine_version=engine_version,
+        physical_to_logical=None if eplb_map is None else read_table(eplb_map),
+        eplb=eplb,
+        stream_request=None if stream_request is None else json.loads(stream_request.read_text()),
+    )
+    with progress_bar() as progress:
+        task = progress.add_task(f"ingest {engine}", total=None)
+        report = run_ingest(
+            source,
+            to,
+            step,
+            spec=None if model_spec is None else load_spec(model_spec),
+            storage_options=storage_options(storage_options_),
+            topk_order=cast(Any, order),
+            writer_id=writer_id,
+            partial=partial,
+            skip_absent=skip_absent,
+            on_duplicate=cast(Any, duplicate),
+            flush_bytes=flush_bytes,
+            progress=lambda done: progress.update(task, completed=done),
+        )
+    if json_out:
+        print_json(asdict(report))
+    for problem in report.invalid[:20]:
+        err_console.print(f"[yellow]invalid:[/] {problem}", highlight=False, soft_wrap=True)
+    if len(report.invalid) > 20:
+        say(f"... and {len(report.invalid) - 20} more invalid (all of them in --json)")
+    absent = f"; skipped {sum(report.absent.values())} without routing {report.absent}" if report.absent else ""
+    invalid = f"; {len(report.invalid)} invalid not written" if report.invalid else ""
+    say(
+        f"ingest: {report.new} new, {report.already_present} already present in step {step} of {report.url} "
+        f"({plural(report.parts, 'part')}, writer {report.writer_id}){absent}{invalid}"
+    )
+
+
+# -- drop, seal, gc ---------------------------------------------------------------------------------------------
+@app.command()
+def drop(
+    url: UrlArgument,
+    step: Annotated[int, typer.Option(help="Step to drop records from.")],
+    sample: Annotated[list[str] | None, typer.Option("--sample", help="Sample id to drop (repeatable).")] = None,
+    part: Annotated[list[str] | None, typer.Option("--part", help="Part to drop whole (repeatable).")] = None,
+    writer: Annotated[
+        list[str] | None, typer.Option("--writer", help="Writer whose parts to drop (repeatable).")
+    ] = None,
+    reason: Annotated[str | None, typer.Option(help="Why (kept in the drop document).")] = None,
+    json_out: JsonFlag = False,
+    storage_options_: StorageOptions = None,
+) -> None:
+    """Remove records from a step (by sample, part or writer) without rewriting data.
+
+    A drop document is written: ls --as-of still shows the step before the drop, and gc reclaims the bytes of
+    dropped parts.
+    """
+    if not (sample or part or writer):
+        raise typer.BadParameter("name what to drop: --sample, --part or --writer")
+    store = open_url(url, storage_options_)
+    record = store.drop(step, sample_ids=sample or (), parts=part or (), writers=writer or (), reason=reason)
+    if json_out:
+        print_json(record.model_dump(mode="json"))
+    say(
+        f"dropped from step {step} of {store.url}: {plural(len(record.sample_ids), 'sample')}, "
+        f"{plural(len(record.parts), 'part')}, {plural(len(record.writers), 'writer')} (drop {record.name}); "
+        "`routelog gc` reclaims the bytes of dropped parts"
+    )
+
+
+@app.command()
+def seal(
+    url: UrlArgument,
+    step: Annotated[int, typer.Option(help="Step to seal.")],
+    allow_empty: Annotated[
+        bool, typer.Option("--allow-empty", help="Seal a step that holds no records (it then stays empty).")
+    ] = False,
+    json_out: JsonFlag = False,
+    storage_options_: StorageOptions = None,
+) -> None:
+    """Seal a step: no more commits are accepted; readers then open it in a few requests whatever its parts."""
+    record = open_url(url, storage_options_).seal(step, allow_empty=allow_empty)
+    if json_out:
+        print_json(
+            {
+                "step": step,
+                "commits": len(record.commits),
+                "records": record.n_records,
+                "tokens": record.n_tokens,
+                "sealed_at": record.sealed_at,
+            }
+        )
+        return
+    console.print(
+        f"sealed step {step}: {plural(len(record.commits), 'commit')}, {plural(record.n_records, 'record')}, "
+        f"{plural(record.n_tokens, 'token')}",
+        highlight=False,
+    )
+
+
+@app.command()
+def gc(
+    url: UrlArgument,
+    older_than: Annotated[str, typer.Option(help="Grace period, e.g. 6h, 30m, 2d.")] = "24h",
+    delete: Annotated[bool, typer.Option("--delete", help="Delete (default: dry run, only report).")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Accept a grace period under 1h: only when no writer is running.")
+    ] = False,
+    json_out: JsonFlag = False,
+    storage_options_: StorageOptions = None,
+) -> None:
+    """Find (and with --delete remove) what no reader needs.
+
+    That is objects of dead writers that no commit references, and the parts of dropped or shadowed records once
+    they are older than the grace period.
+    """
+    from routelog.gc import parse_duration
+
+    try:
+        seconds = parse_duration(older_than)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    report = open_url(url, storage_options_).gc(seconds, delete=delete, force=force)
+    if json_out:
+        print_json(
+            {
+                "orphans": report.orphans,
+                "dead_parts": report.dead_parts,
+                "bytes": report.bytes,
+                "deleted": report.deleted,
+                "kept_young": report.kept_young,
+                "damaged": report.damaged,
+            }
+        )
+        if report.damaged:
+            raise typer.Exit(1)
+        return
+    for damage in report.damaged:
+        err_console.print(f"[bold red]damaged:[/] {damage}", highlight=False, soft_wrap=True)
+    for key, size in sorted(report.orphans.items()):
+        console.print(f"{'deleted' if report.deleted else 'orphan'} {key} ({size:,} bytes)", highlight=False)
+    for name in report.dead_parts:
+        console.print(f"{'reclaimed' if report.deleted else 'dead part'} {name}", highlight=False)
+    verb = "deleted" if report.deleted else "would delete (dry run; add --delete)"
+    console.print(
+        f"{verb} {plural(len(report.orphans), 'object')}, {report.bytes:,} bytes; {report.kept_young} younger "
+        "unreferenced objects kept",
+        highlight=False,
+    )
+    if report.damaged:
+        say(f"{len(report.damaged)} damaged document(s): gc will delete nothing until they are repaired")
+        raise typer.Exit(1)

@@ -1,0 +1,143 @@
+"""Every operational error through the real command line: one line on stderr naming the fix, the documented exit
+code, a traceback only with ``--debug``; and what does not exist is refused, never printed as an empty result."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import routelog
+from routelog import __version__
+from routelog.cli.main import EXIT_STORAGE, EXIT_USAGE
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "routelog", *args], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str], code: int, *words: str) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == code, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+SYNTH = ("--records", "2", "--tokens", "8", "--layers", "2", "--experts", "8", "--topk", "2")
+
+
+def test_s3_without_credentials(s3_endpoint: str, s3_bucket: str, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    env |= {
+        "HOME": str(tmp_path),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    result = _cli("inspect", f"s3://{s3_bucket}/run", env=env)
+    _one_line_error(result, EXIT_STORAGE, "no usable credentials", "AWS_ACCESS_KEY_ID", "--storage-options")
+
+
+def test_s3_missing_bucket(s3_endpoint: str) -> None:
+    for command in (("inspect",), ("synth", *SYNTH)):
+        result = _cli(command[0], "s3://no-such-bucket/run", *command[1:])
+        _one_line_error(result, EXIT_USAGE, "bucket 'no-such-bucket' does not exist", s3_endpoint)
+
+
+def test_s3_unreachable_endpoint_fails_fast_naming_it(s3_endpoint: str) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "AWS_ENDPOINT_URL": endpoint}
+    result = _cli("ls", "s3://bucket/run", "--step", "0", env=env)
+    _one_line_error(result, EXIT_STORAGE, f"cannot reach the S3 endpoint {endpoint}", "AWS_ENDPOINT_URL")
+    options = json.dumps({"endpoint_url": endpoint})
+    via_options = _cli("inspect", "s3://bucket/run", "--storage-options", options)
+    _one_line_error(via_options, EXIT_STORAGE, endpoint, "--storage-options")
+
+
+def test_url_that_is_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("not a store")
+    _one_line_error(_cli("inspect", str(path)), EXIT_USAGE, "is a file")
+    _one_line_error(_cli("synth", str(path), *SYNTH), EXIT_USAGE, "is a file")
+    _one_line_error(_cli("synth", str(path / "below"), *SYNTH), EXIT_USAGE, "not a directory")
+    assert path.read_text() == "not a store"
+
+
+def test_missing_input_and_output_paths(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    missing = _cli("ingest", str(tmp_path / "nope.jsonl"), "--engine", "vllm", "--to", url, "--step", "0")
+    _one_line_error(missing, EXIT_USAGE, "nope.jsonl: no such input file")
+    assert _cli("synth", url, *SYNTH).returncode == 0
+    out = tmp_path / "no-dir" / "x.npy"
+    _one_line_error(_cli("cat", url, "--step", "0", "--sample", "000000", "--npy", str(out)), EXIT_USAGE, "no-dir")
+
+
+def test_invalid_writer_id_creates_nothing(tmp_path: Path) -> None:
+    url = tmp_path / "run"
+    result = _cli("synth", str(url), "--writer-id", "a/b c", *SYNTH)
+    _one_line_error(result, EXIT_USAGE, "writer id 'a/b c'", "letters, digits")
+    assert not url.exists()
+
+
+def test_what_does_not_exist_is_refused(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    assert _cli("synth", url, *SYNTH).returncode == 0
+    for args in (
+        ("ls", url, "--step", "99"),
+        ("stats", url, "--step", "99"),
+        ("drift", url, "--step", "0", "--step", "99"),
+        ("diff", url, url, "--step", "99"),
+        ("diff", url, url, "--step", "0", "--step-b", "99"),
+        ("convert", url, "--to", "moe", "--step", "99", str(tmp_path / "x.npz")),
+        ("cat", url, "--step", "99", "--sample", "000000", "--npy", str(tmp_path / "x.npy")),
+    ):
+        _one_line_error(_cli(*args), EXIT_USAGE, "no step 99", "its steps are [0]")
+    _one_line_error(_cli("cat", url, "--step", "0", "--sample", "nope", "--npy", "x.npy"), EXIT_USAGE, "'nope'")
+    _one_line_error(_cli("mismatch", url), EXIT_USAGE, "logprob_infer", "logprob_train", "Store.annotate")
+
+    sealed = _cli("seal", url, "--step", "7")
+    _one_line_error(sealed, EXIT_USAGE, "step 7", "no records", "--allow-empty")
+    assert routelog.open_store(url).steps() == [0], "a refused seal leaves no trace"
+    allowed = _cli("seal", url, "--step", "7", "--allow-empty", "--json")
+    assert allowed.returncode == 0, allowed.stderr
+    assert json.loads(allowed.stdout)["records"] == 0
+
+    empty = str(tmp_path / "empty")
+    routelog.create_store(empty, routelog.open_store(url).model_spec)
+    for args in (("stats", empty), ("mismatch", empty), ("drift", empty), ("ls", empty, "--step", "0")):
+        line = _one_line_error(_cli(*args), EXIT_USAGE)
+        assert "no records yet" in line or "no steps yet" in line, line
+    with pytest.raises(routelog.RecordNotFoundError, match="no step 99"):
+        routelog.open_store(url).step(99)
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nowhere")
+    plain = _cli("inspect", missing)
+    _one_line_error(plain, EXIT_USAGE, "no routelog store")
+    for result in (
+        _cli("--debug", "inspect", missing),
+        _cli("inspect", missing, env={**os.environ, "ROUTELOG_DEBUG": "1"}),
+    ):
+        assert result.returncode != 0
+        assert "Traceback" in result.stderr and "StoreNotFoundError" in result.stderr
+
+
+def test_version_and_usage_errors() -> None:
+    version = _cli("--version")
+    assert version.returncode == 0 and __version__ in version.stdout and "format" in version.stdout
+    usage = _cli("ls")
+    assert usage.returncode == EXIT_USAGE and "Missing argument" in usage.stderr
+    assert _cli("no-such-command").returncode == EXIT_USAGE
