@@ -26,7 +26,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-Transform = Literal["sorted_gaps", "none"]
+Transform = Literal["ranked_gaps", "sorted_gaps", "none"]
 TopkOrder = Literal["sorted", "score"]
 
 IdArray = npt.NDArray[np.unsignedinteger[Any]]
@@ -100,11 +100,28 @@ def sort_and_check(rows: npt.NDArray[Any], num_experts: int) -> tuple[IdArray, R
     problem = _check_before_cast(rows, num_experts, dtype)
     if problem is not None:
         return np.empty((0, k), dtype), problem
-    src = np.ascontiguousarray(rows, dtype=dtype)
     out = np.empty((n, k), dtype)
+    row = _network_sort(np.ascontiguousarray(rows, dtype=dtype), out, dtype.type(num_experts - 1))
+    if row is None:
+        return out, None
+    values = tuple(int(v) for v in rows[row])
+    kind: Literal["out_of_range", "duplicate"] = "out_of_range" if max(values) >= num_experts else "duplicate"
+    return out, RowProblem(row, kind, values)
+
+
+def sort_rows(rows: IdArray, out: IdArray | None = None) -> IdArray:
+    """Each row of ``rows`` ``[N, K]`` sorted ascending, without checks (into ``out``, default a new array)."""
+    target = np.empty_like(rows) if out is None else out
+    _network_sort(np.ascontiguousarray(rows), target, None)
+    return target
+
+
+def _network_sort(src: IdArray, out: IdArray, limit: Any) -> int | None:
+    """Sort the rows of ``src`` into ``out`` with the sorting network, block by block; with ``limit`` (the largest
+    valid ID) stop at the first row holding a larger or a repeated ID and return its index."""
+    n, k = src.shape
     network = sorting_network(k)
-    block = np.empty((k + 1, min(n, _BLOCK_ROWS)), dtype)  # k rows plus one spare
-    limit = dtype.type(num_experts - 1)
+    block = np.empty((k + 1, min(n, _BLOCK_ROWS)), src.dtype)  # k rows plus one spare
     for start in range(0, n, _BLOCK_ROWS):
         stop = min(start + _BLOCK_ROWS, n)
         y = block[:, : stop - start]
@@ -117,18 +134,16 @@ def sort_and_check(rows: npt.NDArray[Any], num_experts: int) -> tuple[IdArray, R
             np.minimum(lanes[a], lanes[b], out=spare)
             np.maximum(lanes[a], lanes[b], out=lanes[b])
             lanes[k], lanes[a] = lanes[a], spare
-        bad = lanes[k - 1] > limit
-        for j in range(1, k):
-            bad |= lanes[j] == lanes[j - 1]
-        if bad.any():
-            row = start + int(np.argmax(bad))
-            values = tuple(int(v) for v in rows[row])
-            kind: Literal["out_of_range", "duplicate"] = "out_of_range" if max(values) >= num_experts else "duplicate"
-            return out, RowProblem(row, kind, values)
+        if limit is not None:
+            bad = lanes[k - 1] > limit
+            for j in range(1, k):
+                bad |= lanes[j] == lanes[j - 1]
+            if bad.any():
+                return start + int(np.argmax(bad))
         dst = out[start:stop]
         for j in range(k):
             dst[:, j] = lanes[j]
-    return out, None
+    return None
 
 
 def _check_before_cast(rows: npt.NDArray[Any], num_experts: int, dtype: np.dtype[Any]) -> RowProblem | None:
@@ -259,7 +274,9 @@ def encode_rows(sorted_rows: IdArray, transform: Transform) -> IdArray:
 
 
 def decode_rows(stored: IdArray, transform: Transform, out: IdArray | None = None) -> IdArray:
-    """IDs from their stored form ``[..., K]``, into ``out`` (default: in place; the last axis contiguous)."""
+    """IDs from their stored form ``[..., K]``, into ``out`` (default: in place; the last axis contiguous).
+
+    ``ranked_gaps`` chunks decode to IDs in the chunk codec already (:mod:`routelog.ranked`)."""
     if transform == "sorted_gaps":
         return sorted_from_gaps(stored, out)
     if out is None:

@@ -23,8 +23,8 @@ from routelog.errors import CorruptDataError, FormatVersionError
 from routelog.spec import MAX_EXPERTS, ModelSpec
 from routelog.values import VALUES_OBJECT
 
-FORMAT_VERSION = 1
-"""The format this routelog writes, and the newest it reads."""
+FORMAT_VERSION = 2
+"""The format this routelog writes, and the newest it reads (it reads every older one too)."""
 
 SUPPORTED_FEATURES: frozenset[str] = frozenset()
 """Optional format features this routelog understands; a document requiring any other is refused."""
@@ -208,7 +208,8 @@ class RoutingArrayInfo(_Document):
     topk: int = Field(ge=1, le=MAX_TOPK)
     num_experts: int = Field(ge=1, le=MAX_EXPERTS)
     transform: Transform
-    """``sorted_gaps``: rows are sorted IDs stored as gaps (see FORMAT.md); ``none``: IDs as given."""
+    """``ranked_gaps`` (format 2): sorted IDs through the learning chunk codec; ``sorted_gaps`` (format 1): sorted
+    IDs stored as gaps; ``none``: IDs as given (see FORMAT.md)."""
     topk_order: TopkOrder
     """``sorted``: rows were canonicalised ascending; ``score``: the engine's order was kept."""
     chunk_rows: int = Field(ge=1, le=MAX_PART_ROWS)

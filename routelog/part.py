@@ -13,7 +13,7 @@ import io
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -21,7 +21,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from routelog import keys
-from routelog.codec import IdArray, TopkOrder, decode_rows, storage_dtype
+from routelog.codec import IdArray, TopkOrder, Transform, decode_rows, gaps_from_sorted, storage_dtype
+from routelog.dedup import PartRows, PrefixIndex
 from routelog.errors import CorruptDataError
 from routelog.format import (
     FORMAT_VERSION,
@@ -63,12 +64,20 @@ class PartOptions:
     zstd_level: int = 3
     topk_order: TopkOrder = "sorted"
     """``sorted`` canonicalises each top-k set (smallest, and what replay needs); ``score`` keeps engine order."""
+    transform: Literal["ranked_gaps", "sorted_gaps"] = "ranked_gaps"
+    """Chunk codec of sorted sets: ``ranked_gaps`` (format 2, learns each chunk's popularity and repeats) or
+    ``sorted_gaps`` (format 1's ID gaps: the fastest to encode, larger on skewed routing)."""
+    dedup: bool = True
+    """Store a prefix a record shares with an earlier record of the part (same tokens, same routing) once
+    (:mod:`routelog.dedup`)."""
 
     def __post_init__(self) -> None:
         if self.chunk_rows < 1 or self.chunk_layers < 1:
             raise ValueError("chunk_rows and chunk_layers must be >= 1")
         if self.topk_order not in ("sorted", "score"):
             raise ValueError(f"topk_order must be 'sorted' or 'score', got {self.topk_order!r}")
+        if self.transform not in ("ranked_gaps", "sorted_gaps"):
+            raise ValueError(f"transform must be 'ranked_gaps' or 'sorted_gaps', got {self.transform!r}")
 
 
 @dataclass(frozen=True)
@@ -94,10 +103,17 @@ def build_part(records: Sequence[PreparedRecord], spec: ModelSpec, options: Part
     """Concatenate the records' stored rows into one sharded zarr array (and one per extra stream the records
     carry) and write their Parquet index."""
     rows: list[IndexRow] = []
-    offset = 0
+    routing = PartRows(spec.num_moe_layers, spec.topk, spec.id_dtype)
+    prefixes = PrefixIndex(routing) if options.dedup else None
     stream_offsets: dict[str, int] = {}
     for rec in records:
-        spans = [_shifted(s, offset) for s in rec.row.spans]
+        if prefixes is None:
+            spans = [_shifted(s, routing.n) for s in rec.row.spans]
+            routing.append(rec.rows)
+        else:
+            placed = prefixes.place(rec.row.token_ids, rec.row.spans, rec.rows)
+            spans = placed.spans
+            routing.append(rec.rows[:, placed.first_own_row :])
         streams = None
         if rec.row.streams:
             streams = []
@@ -106,11 +122,10 @@ def build_part(records: Sequence[PreparedRecord], spec: ModelSpec, options: Part
                 streams.append(entry.model_copy(update={"spans": [_shifted(s, base) for s in entry.spans]}))
                 stream_offsets[entry.name] = base + rec.streams[entry.name].shape[1]
         rows.append(rec.row.model_copy(update={"spans": spans, "streams": streams}))
-        offset += rec.rows.shape[1]
     objects: dict[str, bytes] = {}
     attributes = {"num_experts": spec.num_experts, "moe_layers": list(spec.moe_layers)}
     info = _encode_array(
-        [r.rows for r in records],
+        [routing.data],
         keys.ROUTING,
         spec.num_moe_layers,
         spec.num_experts,
@@ -170,6 +185,9 @@ def _encode_array(
     adding its objects to ``objects``; returns its description (with the ``zarr.json`` copy)."""
     dtype = storage_dtype(universe)
     data = np.concatenate(blocks, axis=1) if blocks else np.zeros((layers, 0, topk), dtype)
+    transform: Transform = options.transform if options.topk_order == "sorted" else "none"
+    if transform == "sorted_gaps":  # format 1's transform: the shard stores the gaps themselves
+        data = gaps_from_sorted(np.array(data, order="C"))
     info = RoutingArrayInfo(
         path=path,
         dtype="uint8" if dtype == np.uint8 else "uint16",
@@ -177,7 +195,7 @@ def _encode_array(
         num_moe_layers=layers,
         topk=topk,
         num_experts=universe,
-        transform="sorted_gaps" if options.topk_order == "sorted" else "none",
+        transform=transform,
         topk_order=options.topk_order,
         chunk_rows=options.chunk_rows,
         chunk_layers=min(options.chunk_layers, layers),
@@ -199,6 +217,8 @@ def shard_layout(info: RoutingArrayInfo) -> ShardLayout:
         chunk_layers=info.chunk_layers,
         chunk_rows=info.chunk_rows,
         dtype=np.dtype(info.dtype),
+        ranked=info.transform == "ranked_gaps",
+        num_experts=info.num_experts,
     )
 
 

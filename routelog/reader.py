@@ -509,8 +509,10 @@ class StepSnapshot:
         return contents.values
 
     def open_zarr(self, part: str) -> zarr.Array[Any]:
-        """A part's routing array opened with zarr-python (stored form: gaps when sorted, uint16 as byte planes;
-        see ``schemas/FORMAT.md``). For interoperability; :meth:`read_many` is the fast path."""
+        """A part's routing array opened with zarr-python: expert IDs ``[num_moe_layers, n_rows, K]`` for format-2
+        parts (through the registered ``routelog.ranked_gaps`` codec); the stored form for format-1 parts (gaps when
+        sorted, uint16 as byte planes; see ``schemas/FORMAT.md``). For interoperability; :meth:`read_many` is the
+        fast path."""
         commit = self._own[keys.part_dir(self.step, part)]
         store = self.store.storage.zarr_store(f"{keys.part_dir(self.step, part)}/{commit.routing.path}")
         return zarr.open_array(store, mode="r")

@@ -17,7 +17,6 @@ from routelog.codec import (
     RowProblem,
     TopkOrder,
     check_before_cast,
-    encode_rows,
     layer_major,
     sort_and_check,
     storage_dtype,
@@ -91,7 +90,7 @@ class PreparedRecord:
 
     row: IndexRow
     rows: IdArray
-    """``[n_moe_layers, n_valid_rows, topk]`` (layer-major) in stored form (gaps when sorted)."""
+    """``[n_moe_layers, n_valid_rows, topk]`` (layer-major) in stored form (ascending sets when sorted)."""
     values: dict[str, FloatArray] = field(default_factory=dict)
     """Validated per-token columns (float32, ``[n_tokens]``)."""
     streams: dict[str, IdArray] = field(default_factory=dict)
@@ -186,7 +185,8 @@ class _Axis:
 def _stored_rows(
     sid: str, given: npt.ArrayLike, valid: npt.NDArray[np.bool_], axis: _Axis, n: int, topk_order: TopkOrder
 ) -> tuple[IdArray, list[Span]]:
-    """Validate one routing array and convert its computed rows to stored (layer-major, transformed) form."""
+    """Validate one routing array and convert its computed rows to stored form (layer-major; sorted sets unless
+    the engine's order is kept)."""
     ids = _check_ids_shape(sid, given, axis, n)
     starts, stops = _runs(valid)
     chosen = ids if valid.all() else ids[valid]
@@ -202,7 +202,8 @@ def _stored_rows(
     if problem is not None:  # rows in layer-major order
         layer_pos, token = divmod(problem.row, n_valid)
         _raise_row_problem(sid, axis, problem, int(flat_valid[token]), axis.layer(layer_pos))
-    stored = encode_rows(sorted_rows, "sorted_gaps") if topk_order == "sorted" else by_layer.reshape(-1, axis.topk)
+    # Sorted sets are stored as IDs: the part's chunk codec (routelog.ranked) transforms them.
+    stored = sorted_rows if topk_order == "sorted" else by_layer.reshape(-1, axis.topk)
     spans = []
     offset = 0
     for start, stop in zip(starts, stops, strict=True):

@@ -11,9 +11,15 @@ bit-exactly and routelog reads zarr-python's): inner chunks of ``[chunk_layers, 
 **start** of the shard, so one ranged read fetches it without knowing the object size. Inner chunks follow the
 grid's C order (layer chunk, then row chunk): one stage's chunks over consecutive rows are adjacent bytes.
 
-uint16 IDs (more than 256 experts) are stored as a uint8 array with a trailing byte axis, transposed by the
-``transpose`` codec so each chunk holds its low-byte plane, then its high-byte plane: zstd then fits one Huffman
-table per plane (interleaved bytes cost ~25 % more).
+Two chunk codecs, named by the array's transform:
+
+* format 1 (``sorted_gaps`` and ``none``): ``bytes -> zstd -> crc32c`` over the stored form. uint16 IDs (more than
+  256 experts) are stored as a uint8 array with a trailing byte axis, transposed by the ``transpose`` codec so each
+  chunk holds its low-byte plane, then its high-byte plane: zstd then fits one Huffman table per plane
+  (interleaved bytes cost ~25 % more).
+* format 2 (``ranked_gaps``): ``routelog.ranked_gaps -> zstd -> crc32c`` over the expert IDs themselves (uint8 or
+  uint16, no byte axis): the array -> bytes codec of :mod:`routelog.ranked`, which zarr-python finds through the
+  ``zarr.codecs`` entry point, so ``zarr.open_array`` on a part returns expert IDs.
 
 routelog encodes and decodes shards itself instead of going through zarr-python's array API, which costs ~0.5 ms
 of asyncio/thread hand-off per inner chunk (measured: 80 MB/s write, 140 MB/s read on one core for chunks where
@@ -30,6 +36,9 @@ import google_crc32c
 import numpy as np
 import numpy.typing as npt
 from numcodecs import Zstd
+
+from routelog import ranked
+from routelog.ranked import RANKED_CODEC
 
 EMPTY = np.uint64(2**64 - 1)
 """Index entry of an inner chunk that was never written (zarr reads it as the fill value 0; routelog refuses it:
@@ -50,6 +59,10 @@ class ShardLayout:
     chunk_layers: int
     chunk_rows: int
     dtype: np.dtype[Any]
+    ranked: bool = False
+    """Chunks use the format-2 codec (:mod:`routelog.ranked`) over expert IDs; else format 1's plain bytes."""
+    num_experts: int = 0
+    """The ID universe (the ranked codec's tables have this many entries)."""
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -66,8 +79,8 @@ class ShardLayout:
 
     @property
     def planes(self) -> int:
-        """Bytes per ID: uint16 IDs are stored as two byte planes."""
-        return self.dtype.itemsize
+        """Byte planes of a format-1 array: its uint16 IDs are stored as two (the ranked codec splits its own)."""
+        return 1 if self.ranked else self.dtype.itemsize
 
     @property
     def shard_key(self) -> str:
@@ -83,7 +96,11 @@ class ShardLayout:
         chunk = list(self.chunk_shape)
         names = ["layer", "row", "slot"]
         inner: list[dict[str, Any]] = [{"name": "bytes"}]
-        if self.planes > 1:
+        data_type = "uint8"
+        if self.ranked:
+            data_type = self.dtype.name
+            inner = [{"name": RANKED_CODEC, "configuration": {"num_experts": self.num_experts}}]
+        elif self.planes > 1:
             shape, shard, chunk = [*shape, self.planes], [*shard, self.planes], [*chunk, self.planes]
             names.append("byte")
             inner = [{"name": "transpose", "configuration": {"order": [3, 0, 1, 2]}}, {"name": "bytes"}]
@@ -91,7 +108,7 @@ class ShardLayout:
             "zarr_format": 3,
             "node_type": "array",
             "shape": shape,
-            "data_type": "uint8",
+            "data_type": data_type,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": shard}},
             "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
             "fill_value": 0,
@@ -134,14 +151,17 @@ def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int)
     for lc in range(grid[0]):
         for rc in range(grid[1]):
             block = stored[lc * cl : (lc + 1) * cl, rc * cr : (rc + 1) * cr]
-            if block.shape != layout.chunk_shape:  # zarr pads edge chunks to the chunk shape with the fill value
-                padded = np.zeros(layout.chunk_shape, dtype=dtype)
-                padded[: block.shape[0], : block.shape[1]] = block
-                block = padded
+            if block.shape != layout.chunk_shape:  # edge chunks are padded to the chunk shape (readers never see it)
+                block = _padded(block, layout)
             block = np.ascontiguousarray(block, dtype=dtype)
-            if layout.planes > 1:
-                block = np.ascontiguousarray(np.moveaxis(block.view(np.uint8).reshape(*layout.chunk_shape, 2), 3, 0))
-            payload = codec.encode(block)
+            if layout.ranked:  # rows were validated on append, and the padding repeats valid rows
+                payload = codec.encode(ranked.encode(block, layout.num_experts, validate=False))
+            else:
+                if layout.planes > 1:
+                    block = np.ascontiguousarray(
+                        np.moveaxis(block.view(np.uint8).reshape(*layout.chunk_shape, 2), 3, 0)
+                    )
+                payload = codec.encode(block)
             piece = bytes(payload) + _crc(payload)
             index[lc, rc] = (offset, len(piece))
             pieces.append(piece)
@@ -150,9 +170,37 @@ def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int)
     return b"".join([index_bytes, _crc(index_bytes), *pieces])
 
 
+def _padded(block: npt.NDArray[Any], layout: ShardLayout) -> npt.NDArray[Any]:
+    """An edge chunk grown to the chunk shape: with the fill value 0 in format 1 (as zarr writes it); with the last
+    row repeated (and rows ``0..K-1`` in padding layers) for the ranked codec, where that costs a repeat bit."""
+    padded = np.zeros(layout.chunk_shape, dtype=block.dtype)
+    layers, rows = block.shape[:2]
+    padded[:layers, :rows] = block
+    if layout.ranked:
+        padded[layers:] = np.arange(layout.topk, dtype=block.dtype)
+        padded[:layers, rows:] = block[:, -1:] if rows else np.arange(layout.topk, dtype=block.dtype)
+    return padded
+
+
+def max_payload_nbytes(layout: ShardLayout) -> int:
+    """The most bytes one inner chunk's codec output can take before zstd."""
+    raw = math.prod(layout.chunk_shape) * layout.planes
+    if not layout.ranked:
+        return raw
+    layers, rows, k = layout.chunk_shape
+    itemsize = layout.dtype.itemsize
+    # header, repeat bitmaps, one table per layer, and every row an exception (index + IDs) besides its gaps
+    return (
+        5
+        + layers * (1 + math.ceil(rows / 8) + layout.num_experts * itemsize)
+        + layers * rows * (4 + k * itemsize)
+        + raw
+    )
+
+
 def max_piece_nbytes(layout: ShardLayout) -> int:
     """The most bytes one stored inner chunk can take: zstd's worst-case bound for the chunk, plus its crc32c."""
-    raw = math.prod(layout.chunk_shape) * layout.planes
+    raw = max_payload_nbytes(layout)
     return raw + (raw >> 8) + 64 + 4
 
 
@@ -197,6 +245,17 @@ def decode_chunk(
     if len(view) < 5 or _crc(view[:-4]) != bytes(view[-4:]):
         raise ShardFormatError("inner chunk checksum mismatch")
     target = np.empty(layout.chunk_shape, dtype=layout.dtype) if out is None else out
+    if layout.ranked:
+        size = _frame_content_size(view[:-4])
+        if size is None or size > max_payload_nbytes(layout):
+            raise ShardFormatError(f"the inner chunk's zstd frame declares {size} bytes, more than the chunk can hold")
+        payload = np.empty(size, dtype=np.uint8)
+        _decompress(view[:-4], payload, size)
+        try:
+            ranked.decode(payload, layout.chunk_shape, layout.dtype, layout.num_experts, out=target)
+        except ranked.RankedFormatError as exc:
+            raise ShardFormatError(str(exc)) from exc
+        return target
     size = math.prod(layout.chunk_shape) * layout.planes
     if layout.planes == 1:
         _decompress(view[:-4], target.reshape(-1), size)
@@ -207,6 +266,20 @@ def decode_chunk(
     np.left_shift(high, 8, out=target, dtype=layout.dtype)
     np.bitwise_or(target, low, out=target)
     return target
+
+
+def _frame_content_size(frame: memoryview) -> int | None:
+    """The decompressed size a zstd frame header declares (RFC 8878 3.1.1.1), or None when it declares none."""
+    if len(frame) < 6 or bytes(frame[:4]) != b"\x28\xb5\x2f\xfd":
+        return None
+    descriptor = frame[4]
+    size_flag, single_segment, dict_flag = descriptor >> 6, (descriptor >> 5) & 1, descriptor & 3
+    at = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[dict_flag]
+    width = (1 if single_segment else 0, 2, 4, 8)[size_flag]
+    if width == 0 or len(frame) < at + width:
+        return None
+    value = int.from_bytes(bytes(frame[at : at + width]), "little")
+    return value + 256 if width == 2 else value
 
 
 def _decompress(payload: memoryview, out: npt.NDArray[np.uint8], size: int) -> None:

@@ -15,26 +15,34 @@ def _tool(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_bench_codec_reports_every_layout() -> None:
-    result = _tool(str(TOOLS / "bench_codec.py"), "--quick", "--json")
+    result = _tool(str(TOOLS / "bench_codec.py"), "--quick", "--json", "--skew", "3", "--locality", "0.3")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert set(report["results"]) >= {
-        "routelog",
-        "zstd-3 raw uint8",
-        "raw int16 .npy (veRL)",
-        "vLLM base64 .npy",
-        "SGLang base64 int32",
-        "Parquet FSB zstd-3",
-        "routelog --topk-order score",
-    }
-    assert report["entropy_bound_bytes_per_token_layer"] > 0
-    assert set(report["ratios"]) == {
-        "routelog_size_vs_bound",
-        "routelog_encode_vs_zstd3",
-        "routelog_decode_vs_zstd3",
-        "score_order_size_vs_sorted",
-    }
-    assert report["ratios"]["score_order_size_vs_sorted"] > 1, "keeping the engine's order costs bytes"
+    assert list(report["datasets"]) == ["synthetic skew 3.0 locality 0.3", "uniform"], "uniform in the same run"
+    for data in report["datasets"].values():
+        assert set(data["results"]) >= {
+            "routelog",
+            "routelog v1 (sorted_gaps)",
+            "zstd-3 raw uint8",
+            "raw int16 .npy (veRL)",
+            "vLLM base64 .npy",
+            "SGLang base64 int32",
+            "Parquet FSB zstd-3",
+            "routelog --topk-order score",
+        }
+        assert data["entropy_bound_bytes_per_token_layer"] > 0 and data["entropy_estimate_bytes_per_token_layer"] > 0
+        assert set(data["ratios"]) == {
+            "routelog_size_vs_bound",
+            "routelog_size_vs_estimate",
+            "v1_size_vs_v2",
+            "routelog_encode_vs_zstd3",
+            "routelog_decode_vs_zstd3",
+            "score_order_size_vs_sorted",
+        }
+        assert data["ratios"]["score_order_size_vs_sorted"] > 1, "keeping the engine's order costs bytes"
+    skewed, uniform = report["datasets"].values()
+    assert skewed["ratios"]["v1_size_vs_v2"] > 1.1, "format 2 learns skew and repeats"
+    assert uniform["ratios"]["v1_size_vs_v2"] > 0.99, "and loses nothing on uniform routing"
 
 
 def test_schemas_are_current() -> None:

@@ -101,6 +101,63 @@ def write_wide(root: Path, expected: dict[str, np.ndarray]) -> None:
             expected[f"wide/wide-{i}/valid"] = np.ones(tokens, bool)
 
 
+def _skewed_routing(rng: np.random.Generator, tokens: int, layers: int, experts: int, k: int) -> np.ndarray:
+    """Sets drawn from skewed per-layer popularity, a third of the tokens repeating the previous token's set."""
+    out = np.empty((tokens, layers, k), np.int64)
+    for j in range(layers):
+        popularity = rng.dirichlet(np.full(experts, 0.3))
+        for t in range(tokens):
+            repeat = t > 0 and rng.random() < 0.33
+            out[t, j] = out[t - 1, j] if repeat else rng.choice(experts, size=k, replace=False, p=popularity)
+    return out
+
+
+def write_grpo_groups(root: Path, expected: dict[str, np.ndarray]) -> None:
+    """Format 2: GRPO groups whose prompts are stored once (one sample's prompt routed differently from token 10
+    on, so only its first 10 tokens are shared), skewed routing with repeats (ranked layers), E = 96 and E = 384
+    (uint16) in two stores, several parts and edge chunks."""
+    for experts in (96, 384):
+        spec = ModelSpec(
+            name=f"golden/grpo-{experts}", num_layers=5, moe_layers=(1, 2, 3, 4), num_experts=experts, topk=4
+        )
+        rng = np.random.default_rng(experts)
+        name = f"grpo-{experts}"
+        with routelog.open_writer(
+            str(root / name),
+            0,
+            model_spec=spec,
+            writer_id="rollout",
+            options=PartOptions(chunk_rows=64, chunk_layers=3),
+            flush_bytes=4000,
+            run_id=f"golden-{name}",
+        ) as writer:
+            for group in range(3):
+                prompt = rng.integers(0, 50000, 40)
+                prompt_routing = _skewed_routing(rng, 40, 4, experts, 4)
+                for sample in range(4):
+                    tokens = 40 + int(rng.integers(10, 30))
+                    ids = _skewed_routing(rng, tokens, 4, experts, 4)
+                    ids[:40] = prompt_routing
+                    if group == 1 and sample == 2:
+                        ids[10:40] = _skewed_routing(rng, 30, 4, experts, 4)  # batch-variant numerics
+                    valid = np.ones(tokens, bool)
+                    valid[-1] = False
+                    record = Record(
+                        sample_id=f"g{group}/{sample}",
+                        expert_ids=ids,
+                        prompt_len=40,
+                        response_len=tokens - 40,
+                        valid=valid,
+                        token_ids=np.concatenate([prompt, rng.integers(0, 50000, tokens - 40)]),
+                        group_id=f"g{group}",
+                    )
+                    writer.append(record)
+                    expected_ids = np.sort(ids, axis=-1).astype(np.int16)
+                    expected_ids[~valid] = -1
+                    expected[f"{name}/{record.sample_id}/ids"] = expected_ids
+                    expected[f"{name}/{record.sample_id}/valid"] = valid
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force", action="store_true", help="replace existing fixtures of this version")
@@ -114,6 +171,8 @@ def main() -> int:
     expected: dict[str, np.ndarray] = {}
     write_dense_first(FIXTURES, expected)
     write_wide(FIXTURES, expected)
+    if FORMAT_VERSION >= 2:
+        write_grpo_groups(FIXTURES, expected)
     np.savez_compressed(FIXTURES / "expected.npz", **expected)  # type: ignore[arg-type]
     print(f"wrote {FIXTURES}")
     return 0

@@ -1,0 +1,153 @@
+"""Shared prefixes stored once (routelog.dedup): GRPO groups and multi-turn sessions, checked never assumed."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+import routelog
+from routelog import ModelSpec, PartOptions, Record
+from routelog.synth import synthetic_spec
+from routelog.verify import verify_store
+from tests.records import random_routing
+
+SPEC = synthetic_spec(layers=4, experts=32, topk=4)
+
+
+def _grpo_group(rng: np.random.Generator, group: str, n: int, prompt_len: int) -> list[Record]:
+    """``n`` samples of one prompt: the prompt's tokens and routing are identical, each response its own."""
+    prompt = rng.integers(0, 1000, prompt_len)
+    prompt_routing = random_routing(rng, prompt_len, SPEC.num_moe_layers, SPEC.num_experts, SPEC.topk)
+    records = []
+    for i in range(n):
+        length = int(rng.integers(5, 60))
+        valid = np.ones(prompt_len + length, bool)
+        valid[-1] = False
+        routing = random_routing(rng, prompt_len + length, SPEC.num_moe_layers, SPEC.num_experts, SPEC.topk)
+        routing[:prompt_len] = prompt_routing
+        records.append(
+            Record(
+                sample_id=f"{group}/{i}",
+                expert_ids=routing,
+                prompt_len=prompt_len,
+                response_len=length,
+                valid=valid,
+                token_ids=np.concatenate([prompt, rng.integers(0, 1000, length)]),
+                group_id=group,
+            )
+        )
+    return records
+
+
+def _write(records: list[Record], *, dedup: bool = True) -> tuple[routelog.Store, int]:
+    url = f"memory://dedup-tests/{uuid.uuid4().hex}"
+    with routelog.open_writer(url, step=0, model_spec=SPEC, options=PartOptions(dedup=dedup)) as writer:
+        for record in records:
+            writer.append(record)
+    store = routelog.open_store(url)
+    return store, sum(c.routing.n_rows for c in store.step(0).commits)
+
+
+def _assert_reads_back(store: routelog.Store, records: list[Record]) -> None:
+    snapshot = store.step(0)
+    for record, got in zip(records, snapshot.read_many([r.sample_id for r in records]), strict=True):
+        np.testing.assert_array_equal(got.valid, record.valid)
+        want = np.sort(np.asarray(record.expert_ids), axis=-1)[record.valid]
+        np.testing.assert_array_equal(got.expert_ids[record.valid], want)
+    assert verify_store(store).ok
+
+
+def test_a_grpo_group_stores_its_prompt_once() -> None:
+    rng = np.random.default_rng(0)
+    records = _grpo_group(rng, "g0", 8, prompt_len=40) + _grpo_group(rng, "g1", 8, prompt_len=25)
+    store, stored = _write(records)
+    _, plain = _write(records, dedup=False)
+    assert plain == sum(int(r.valid.sum()) for r in records)
+    assert stored == plain - 7 * 40 - 7 * 25  # each prompt once per group
+    _assert_reads_back(store, records)
+    info = store.step(0).info("g0/3")
+    assert info.spans[0].row == store.step(0).info("g0/0").spans[0].row  # points at the first sample's rows
+
+
+def test_multi_turn_history_is_stored_once() -> None:
+    """Turn t + 1 re-sends turn t's tokens; the token turn t sampled last (never fed, no routing there) is fed in
+    turn t + 1, so the shared prefix ends just before it."""
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 1000, 200)
+    routing = random_routing(rng, 200, SPEC.num_moe_layers, SPEC.num_experts, SPEC.topk)
+    records = []
+    for turn, end in enumerate((50, 100, 150, 200)):
+        valid = np.ones(end, bool)
+        valid[-1] = False
+        records.append(
+            Record(
+                sample_id=f"session/t{turn}",
+                expert_ids=routing[:end],
+                prompt_len=end - 20,
+                response_len=20,
+                valid=valid,
+                token_ids=tokens[:end],
+            )
+        )
+    store, stored = _write(records)
+    assert stored == 199  # every routed token once: rows of turn t extend turn t - 1's
+    _assert_reads_back(store, records)
+
+
+def test_same_tokens_routed_differently_are_not_shared() -> None:
+    """Batch-variant numerics: the same prompt can be routed differently; the shared prefix ends at the first
+    token whose routing differs, and the rest is stored."""
+    rng = np.random.default_rng(2)
+    a, b = _grpo_group(rng, "g", 2, prompt_len=60)
+    changed = np.asarray(b.expert_ids).copy()
+    changed[30, 2] = (changed[30, 2] + 1) % SPEC.num_experts  # layer 2 of token 30: another expert...
+    while len(set(changed[30, 2])) < SPEC.topk:  # ...still a set of distinct experts
+        changed[30, 2] = (changed[30, 2] + 1) % SPEC.num_experts
+    b = Record(**{**b.__dict__, "expert_ids": changed})
+    store, stored = _write([a, b])
+    assert stored == int(a.valid.sum()) + int(b.valid.sum()) - 30
+    _assert_reads_back(store, [a, b])
+
+
+def test_a_token_computed_in_one_record_and_missing_in_the_other_ends_the_prefix() -> None:
+    rng = np.random.default_rng(3)
+    a, b = _grpo_group(rng, "g", 2, prompt_len=60)
+    b.valid[20:25] = False
+    store, stored = _write([a, b])
+    assert stored == int(a.valid.sum()) + int(b.valid.sum()) - 20
+    _assert_reads_back(store, [a, b])
+
+
+def test_records_without_token_ids_or_short_prefixes_are_stored_whole() -> None:
+    rng = np.random.default_rng(4)
+    short = _grpo_group(rng, "short", 3, prompt_len=10)  # under MIN_SHARED_TOKENS
+    anonymous = [Record(**{**r.__dict__, "token_ids": None}) for r in _grpo_group(rng, "anon", 3, prompt_len=40)]
+    records = short + anonymous
+    store, stored = _write(records)
+    assert stored == sum(int(r.valid.sum()) for r in records)
+    _assert_reads_back(store, records)
+
+
+@pytest.mark.parametrize("topk_order", ["sorted", "score"])
+def test_shared_rows_survive_drop_of_the_record_that_owns_them(topk_order: str) -> None:
+    """Dropping the first sample of a group hides it, but its rows still serve the others (gc keeps a part while
+    any of its records lives)."""
+    rng = np.random.default_rng(5)
+    records = _grpo_group(rng, "g", 4, prompt_len=30)
+    url = f"memory://dedup-tests/{uuid.uuid4().hex}"
+    spec: ModelSpec = SPEC
+    with routelog.open_writer(url, step=0, model_spec=spec, options=PartOptions(topk_order=topk_order)) as writer:
+        for record in records:
+            writer.append(record)
+    store = routelog.open_store(url)
+    store.drop(0, sample_ids=["g/0"])
+    store.gc(older_than=0, delete=True, force=True)
+    snapshot = store.step(0)
+    assert "g/0" not in snapshot.sample_ids
+    for record, got in zip(records[1:], snapshot.read_many([r.sample_id for r in records[1:]]), strict=True):
+        want = np.asarray(record.expert_ids)[record.valid]
+        if topk_order == "sorted":
+            want = np.sort(want, axis=-1)
+        np.testing.assert_array_equal(got.expert_ids[record.valid], want)
