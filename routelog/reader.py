@@ -252,8 +252,17 @@ class StepSnapshot:
 
     @property
     def stored_rows(self) -> int:
-        """Token rows stored in the routing arrays (a record's missing final rows are not stored)."""
+        """Token rows stored in the routing arrays (a record's missing final rows are not stored; a prefix shared
+        by several records of a part is stored once)."""
         return sum(c.routing.n_rows for c in self.commits)
+
+    @property
+    def routed_rows(self) -> int:
+        """Routed token rows of the step's live records, shared prefixes counted in every record that has them."""
+        spans = self.index.column("spans").combine_chunks()
+        if not len(spans):
+            return 0
+        return int(pc.sum(pc.list_flatten(spans).field("n_rows")).as_py() or 0)
 
     def info(self, sample_id: str) -> IndexRow:
         """The index row of ``sample_id``."""

@@ -13,12 +13,13 @@ from routelog.root import StoreRoot
 
 def bytes_per_token_layer(snapshots: Iterable[StepSnapshot], num_moe_layers: int) -> float | None:
     """The one figure of routing density that ``inspect`` and ``stats`` print: the routing arrays' stored bytes
-    over the stored token rows times the MoE layers (indexes, values and documents excluded; ``None`` when
-    nothing is stored)."""
+    over the routed token rows of the records times the MoE layers (a shared prefix counts in every record that
+    has it, so deduplication lowers it; indexes, values and documents excluded; ``None`` when nothing is
+    stored)."""
     routing_bytes = rows = 0
     for snapshot in snapshots:
         routing_bytes += snapshot.routing_bytes
-        rows += snapshot.stored_rows
+        rows += snapshot.routed_rows
     return routing_bytes / (rows * num_moe_layers) if rows else None
 
 
@@ -29,6 +30,7 @@ def step_summary(snapshot: StepSnapshot) -> dict[str, Any]:
         "records": len(snapshot),
         "tokens": snapshot.n_tokens,
         "stored_rows": snapshot.stored_rows,
+        "routed_rows": snapshot.routed_rows,
         "parts": len(snapshot.commits),
         "sealed": snapshot.sealed,
         "stored_bytes": snapshot.stored_bytes,
@@ -56,10 +58,17 @@ def store_summary(store: StoreRoot) -> dict[str, Any]:
         "records": sum(s["records"] for s in steps),
         "tokens": sum(s["tokens"] for s in steps),
         "stored_rows": sum(s["stored_rows"] for s in steps),
+        "routed_rows": sum(s["routed_rows"] for s in steps),
         "stored_bytes": sum(s["stored_bytes"] for s in steps) + _run_document_size(store),
         "routing_bytes": sum(s["routing_bytes"] for s in steps),
         "bytes_per_token_layer": bytes_per_token_layer(snapshots, spec.num_moe_layers),
+        "dedup_ratio": _ratio(sum(s["routed_rows"] for s in steps), sum(s["stored_rows"] for s in steps)),
     }
+
+
+def _ratio(routed: int, stored: int) -> float | None:
+    """Routed rows per stored row: what storing shared prefixes once saves (1.0 without sharing)."""
+    return routed / stored if stored else None
 
 
 def _run_document_size(store: StoreRoot) -> int:

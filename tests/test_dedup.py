@@ -67,6 +67,11 @@ def test_a_grpo_group_stores_its_prompt_once() -> None:
     assert plain == sum(int(r.valid.sum()) for r in records)
     assert stored == plain - 7 * 40 - 7 * 25  # each prompt once per group
     _assert_reads_back(store, records)
+    summary = store.summary()
+    assert (summary["routed_rows"], summary["stored_rows"]) == (plain, stored)
+    assert summary["dedup_ratio"] == pytest.approx(plain / stored)
+    per_routed_row = summary["routing_bytes"] / (plain * SPEC.num_moe_layers)
+    assert summary["bytes_per_token_layer"] == pytest.approx(per_routed_row), "per routed (logical) token-layer"
     info = store.step(0).info("g0/3")
     assert info.spans[0].row == store.step(0).info("g0/0").spans[0].row  # points at the first sample's rows
 

@@ -48,3 +48,23 @@ def test_golden_metadata_survives() -> None:
     assert [(s.start, s.end, s.source) for s in info.segments] == [(0, 8, "prompt"), (8, 59, "response")]
     assert info.n_missing == 4
     assert info.extra == '{"reward": 0.75}'
+
+
+def test_golden_v2_holds_what_format_2_adds() -> None:
+    """The format-2 fixtures exercise the new parts of the format: ranked layers, repeats and shared prefixes."""
+    for name in ("grpo-96", "grpo-384"):
+        store = routelog.open_store(str(FIXTURES / "golden-v2" / name))
+        snapshot = store.step(0)
+        assert {c.routing.transform for c in snapshot.commits} == {"ranked_gaps"}
+        assert snapshot.routed_rows > snapshot.stored_rows, "GRPO prompts are stored once"
+        assert store.model_spec.num_experts == int(name.split("-")[1])
+
+
+def test_a_format_1_reader_refuses_format_2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A format-1 reader runs the same version check with FORMAT_VERSION = 1: it refuses, with the typed error."""
+    import routelog.format
+
+    shutil.copytree(FIXTURES / "golden-v2" / "grpo-96", tmp_path / "store")
+    monkeypatch.setattr(routelog.format, "FORMAT_VERSION", 1)
+    with pytest.raises(routelog.FormatVersionError, match="format version 2"):
+        routelog.open_store(str(tmp_path / "store"))

@@ -45,12 +45,16 @@ def inspect(url: UrlArgument, json_out: JsonFlag = False, storage_options_: Stor
         f", E={spec['num_experts']}, K={spec['topk']}",
         highlight=False,
     )
-    table = Table("step", "records", "tokens", "parts", "stored bytes", "routing bytes", "sealed")
+    table = Table(
+        "step", "records", "tokens", "routed rows", "stored rows", "parts", "stored bytes", "routing bytes", "sealed"
+    )
     for s in summary["per_step"]:
         table.add_row(
             str(s["step"]),
             f"{s['records']:,}",
             f"{s['tokens']:,}",
+            f"{s['routed_rows']:,}",
+            f"{s['stored_rows']:,}",
             str(s["parts"]),
             f"{s['stored_bytes']:,}",
             f"{s['routing_bytes']:,}",
@@ -61,9 +65,15 @@ def inspect(url: UrlArgument, json_out: JsonFlag = False, storage_options_: Stor
     console.print(
         f"total: {plural(summary['records'], 'record')}, {plural(summary['tokens'], 'token')}, "
         f"{summary['stored_bytes']:,} bytes stored"
-        + (f"; routing {bptl:.3f} bytes/token-layer (routing bytes / stored token rows x MoE layers)" if bptl else ""),
+        + (f"; routing {bptl:.3f} bytes/token-layer (routing bytes / routed token rows x MoE layers)" if bptl else ""),
         highlight=False,
     )
+    if summary["dedup_ratio"]:
+        console.print(
+            f"shared prefixes stored once: {summary['routed_rows']:,} routed rows in {summary['stored_rows']:,} "
+            f"stored ({summary['dedup_ratio']:.2f}x)",
+            highlight=False,
+        )
 
 
 @app.command(name="ls")
