@@ -2,26 +2,26 @@
 
 Real routing is skewed (some experts take many times their share), and consecutive tokens often keep their set.
 Format 1 stores each sorted set as ID gaps, whose distribution ignores both. Per inner chunk and MoE layer this
-codec (an array -> bytes codec, followed by zstd and crc32c in the shard):
+codec (an array -> bytes codec that compresses its own output; crc32c follows it in the shard):
 
 1. flags rows equal to the row before them (same layer) and keeps only the others ("unique rows");
 2. when the layer's expert load is skewed, relabels experts by their popularity rank in the chunk (the most used
    expert becomes 0) and sorts each row's ranks, so the gaps between consecutive members shrink and zstd's
    entropy coder sees a peaked alphabet; the rank -> ID table travels in the chunk (self-contained: any chunk
-   decodes alone, and a ranged read needs nothing else). A near-uniform layer keeps plain ID gaps (the format-1
-   transform), which decodes fastest;
+   decodes alone, and a ranged read needs nothing else). A layer keeps plain ID gaps (the format-1 transform,
+   the fastest to decode) unless ranking shrinks the entropy of its gaps by :data:`MIN_GAIN`;
 3. stores any row that is not a valid top-k set (the fill value of zarr's edge padding, or data written by
    other tools) verbatim as an exception, so the codec is lossless for every array zarr hands it.
 
-Payload (little-endian, before zstd)::
+Stored chunk (little-endian): ``u32 n | zstd frame (n bytes) of the gaps section | zstd frame of the rest``::
 
-    the unique rows' gaps, [U, K] (uint16 IDs: the low-byte plane, then the high-byte plane)
-    | per layer with repeats: ceil(R/8) bytes repeat bitmap (numpy packbits, big bit order)
-    | per ranked layer: rank -> ID table, E IDs | per exception: u32 unique-row index, then K IDs
-    | trailer: u8 mode per layer (bit 0 ranked, bit 1 has repeats), u32 U, u32 exceptions, u8 version (1)
+    gaps section: the unique rows' gaps, [U, K] (uint16 IDs: the low-byte plane, then the high-byte plane)
+    the rest:     per layer with repeats, ceil(R/8) bytes repeat bitmap (numpy packbits, big bit order)
+                  | per ranked layer, the rank -> ID table, E IDs | per exception, u32 unique-row index, K IDs
+                  | trailer: u8 mode per layer (bit 0 ranked, bit 1 has repeats), u32 U, u32 exceptions, u8 version
 
-The gaps come first and the small fields last: bytes before the gaps would shift them across zstd's 128 KiB
-blocks and cost ~1.4 % on uniform routing (measured), bytes after them cost a few dozen.
+The codec compresses its own two sections: the gaps alone fill at most zstd's 128 KiB block class, and a byte more
+in one frame switches zstd to larger tables and another parse (measured: 11 % larger and 3x slower for E = 64).
 
 Decoding undoes each step with whole-array numpy passes: the gap prefix sums of :mod:`routelog.codec`, one table
 lookup and the sorting network for ranked layers, and one gather that re-expands the repeats.
@@ -30,10 +30,12 @@ lookup and the sorting network for ranked layers, and one gather that re-expands
 from __future__ import annotations
 
 import math
+from functools import cache
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from numcodecs import Zstd
 
 from routelog.codec import IdArray, gaps_from_sorted, sort_rows, sorted_from_gaps
 
@@ -46,20 +48,30 @@ MODE_RANKED = 1
 HAS_REPEATS = 2
 """Layer mode bit: some rows repeat the previous one (the layer's bitmap follows)."""
 RANK_BELOW = 0.99
-"""A layer is relabelled by rank when the entropy of its expert load is below this fraction of log2(E): above it
-the gaps barely shrink and the plain transform decodes faster."""
+"""A layer is considered for relabelling only when the entropy of its expert load is below this fraction of
+log2(E): above it the gaps cannot shrink."""
+MIN_GAIN = 0.05
+"""...and relabelled only when that makes its gaps this much smaller (compressed): decoding a ranked layer costs a
+table lookup and a sort per row (several times the plain gaps' time), worth it only for a real gain."""
 
 
 class RankedFormatError(ValueError):
     """Payload bytes that do not decode to the chunk's shape (wrapped as corrupt data by callers)."""
 
 
-def encode(ids: npt.NDArray[Any], num_experts: int, *, validate: bool = True) -> npt.NDArray[np.uint8]:
-    """The payload of one chunk of IDs ``[layers, rows, K]`` (uint8 or uint16), before zstd.
+def encode(ids: npt.NDArray[Any], num_experts: int, *, level: int = 3, validate: bool = True) -> bytes:
+    """The stored bytes of one chunk of IDs ``[layers, rows, K]`` (uint8 or uint16): two zstd frames.
 
     ``validate=False`` promises that every row is a valid top-k set (routelog's writers checked them, and pad edge
     chunks with repeats), skipping the search for exceptions.
     """
+    gaps, tail = _transform(ids, num_experts, validate)
+    first = _smaller_frame(gaps, level)
+    return b"".join([len(first).to_bytes(4, "little"), first, bytes(_zstd(level).encode(tail))])
+
+
+def _transform(ids: npt.NDArray[Any], num_experts: int, validate: bool) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """The two sections of a chunk before compression: the unique rows' gaps, and everything else."""
     layers, rows, k = ids.shape
     dtype = ids.dtype.newbyteorder("<")
     modes = np.zeros(layers, np.uint8)
@@ -88,14 +100,17 @@ def encode(ids: npt.NDArray[Any], num_experts: int, *, validate: bool = True) ->
                 unique[bad] = np.arange(k, dtype=dtype)  # a valid placeholder; the exception overwrites it
         unique_base += unique.shape[0]
         load = np.bincount(unique.ravel(), minlength=num_experts)
+        gaps = gaps_from_sorted(unique.copy())
         if unique.shape[0] and _skewed(load):
-            modes[j] |= MODE_RANKED
             order = np.argsort(-load, kind="stable")
             rank_of = np.empty(num_experts, dtype=dtype)
             rank_of[order] = np.arange(num_experts, dtype=dtype)
-            tables.append(order.astype(dtype))
-            unique = sort_rows(rank_of[unique])
-        streams.append(gaps_from_sorted(unique))
+            ranked_gaps = gaps_from_sorted(sort_rows(rank_of[unique]))
+            if _trial_size(ranked_gaps) < (1 - MIN_GAIN) * _trial_size(gaps):
+                modes[j] |= MODE_RANKED
+                tables.append(order.astype(dtype))
+                gaps = ranked_gaps
+        streams.append(gaps)
     gaps = np.concatenate(streams) if streams else np.zeros((0, k), dtype)
     if dtype.itemsize == 2:  # byte planes: zstd fits one entropy table per plane
         gaps = np.moveaxis(gaps.view(np.uint8).reshape(*gaps.shape, 2), 2, 0)
@@ -106,7 +121,7 @@ def encode(ids: npt.NDArray[Any], num_experts: int, *, validate: bool = True) ->
     counts = np.array([unique_base, len(exceptions)], "<u4").view(np.uint8)
     trailer = [modes, counts, np.array([VERSION], np.uint8)]
     tail = [*bitmaps, *(t.view(np.uint8) for t in tables), listed.ravel()]
-    return np.concatenate([gaps.reshape(-1).view(np.uint8), *tail, *trailer])
+    return gaps.reshape(-1).view(np.uint8), np.concatenate([*tail, *trailer])
 
 
 def decode(
@@ -120,7 +135,16 @@ def decode(
     raises :class:`RankedFormatError`."""
     layers, rows, k = shape
     dtype = np.dtype(dtype).newbyteorder("<")
-    data = np.frombuffer(payload, dtype=np.uint8)
+    stored = np.frombuffer(payload, dtype=np.uint8)
+    if stored.size < 4:
+        raise RankedFormatError(f"a chunk of {stored.size} bytes")
+    first = int(stored[:4].view("<u4")[0])
+    if first > stored.size - 4:
+        raise RankedFormatError(f"the gaps frame claims {first} bytes of the chunk's {stored.size - 4}")
+    gap_limit = layers * rows * k * dtype.itemsize
+    tail_limit = layers * (10 + math.ceil(rows / 8) + num_experts * dtype.itemsize) + layers * rows * (4 + k * 2) + 9
+    gap_bytes = _decompress(stored[4 : 4 + first], gap_limit, "gaps")
+    data = _decompress(stored[4 + first :], tail_limit, "tail")
     if data.size < layers + 9 or data[-1] != VERSION:
         raise RankedFormatError(f"unknown chunk payload version {int(data[-1]) if data.size else None}")
     modes = data[-(layers + 9) : -9]
@@ -129,8 +153,9 @@ def decode(
     total, n_exceptions = (int(n) for n in data[-9:-1].view("<u4"))
     if total > layers * rows:
         raise RankedFormatError(f"{total} unique rows in a chunk of {layers} x {rows}")
+    if gap_bytes.size != total * k * dtype.itemsize:
+        raise RankedFormatError(f"{gap_bytes.size} bytes of gaps for {total} unique rows of {k}")
     reader = _Reader(data[: -(layers + 9)])
-    gap_bytes = reader.take(total * k * dtype.itemsize)
     with_repeats = np.flatnonzero(modes & HAS_REPEATS)
     per_layer = math.ceil(rows / 8)
     bitmaps = reader.take(with_repeats.size * per_layer).reshape(with_repeats.size, per_layer)
@@ -202,6 +227,61 @@ def _invalid_rows(rows: npt.NDArray[Any], num_experts: int) -> npt.NDArray[np.bo
     for c in range(1, rows.shape[1]):
         bad |= rows[:, c] <= rows[:, c - 1]
     return bad
+
+
+@cache
+def _zstd(level: int) -> Zstd:
+    return Zstd(level=level)
+
+
+def _smaller_frame(data: npt.NDArray[np.uint8], level: int) -> bytes:
+    """The smaller of ``level``'s frame and level 1's (a reader decodes either). On near-uniform gaps zstd's match
+    finder costs more than it finds, erratically across levels and sizes (measured for E = 64: level 3 +1.5 %,
+    level 5 +11 % over level 1); on repetitive routing the higher level's matches win."""
+    chosen = bytes(_zstd(level).encode(data))
+    if level != 1:
+        fast = bytes(_zstd(1).encode(data))
+        chosen = fast if len(fast) < len(chosen) else chosen
+    return chosen
+
+
+def _decompress(frame: npt.NDArray[np.uint8], limit: int, what: str) -> npt.NDArray[np.uint8]:
+    """One zstd frame, refused before decoding when it declares more than ``limit`` bytes."""
+    size = frame_content_size(frame)
+    if size is None or size > limit:
+        raise RankedFormatError(f"the {what} frame declares {size} bytes, more than a chunk holds ({limit})")
+    out = np.empty(size, dtype=np.uint8)
+    if size == 0:
+        return out
+    try:
+        written = _zstd(1).decode(frame, out=out)
+    except (RuntimeError, ValueError) as exc:
+        raise RankedFormatError(f"the {what} frame cannot be decoded ({exc})") from exc
+    if np.asarray(written).nbytes != size:
+        raise RankedFormatError(f"the {what} frame decodes to {np.asarray(written).nbytes} bytes, not {size}")
+    return out
+
+
+def frame_content_size(frame: npt.NDArray[np.uint8] | memoryview) -> int | None:
+    """The decompressed size a zstd frame header declares (RFC 8878 3.1.1.1), or None when it declares none."""
+    head = bytes(frame[:18])
+    if len(head) < 6 or head[:4] != b"\x28\xb5\x2f\xfd":
+        return None
+    descriptor = head[4]
+    size_flag, single_segment, dict_flag = descriptor >> 6, (descriptor >> 5) & 1, descriptor & 3
+    at = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[dict_flag]
+    width = (1 if single_segment else 0, 2, 4, 8)[size_flag]
+    if width == 0 or len(head) < at + width:
+        return None
+    value = int.from_bytes(head[at : at + width], "little")
+    return value + 256 if width == 2 else value
+
+
+def _trial_size(gaps: npt.NDArray[Any]) -> int:
+    """Compressed size of a layer's gaps at zstd's fastest level: the measure that decides its transform (an
+    order-0 entropy estimate misleads on real routing, where long repeated runs leave few bytes to the entropy
+    coder: measured on the corpus, ranking cut the gaps' order-0 entropy by half and their zstd size by 2 %)."""
+    return len(_zstd(1).encode(np.ascontiguousarray(gaps)))
 
 
 def _skewed(load: npt.NDArray[np.int64]) -> bool:

@@ -99,11 +99,14 @@ class ShardLayout:
         data_type = "uint8"
         if self.ranked:
             data_type = self.dtype.name
-            inner = [{"name": RANKED_CODEC, "configuration": {"num_experts": self.num_experts}}]
+            inner = [{"name": RANKED_CODEC, "configuration": {"num_experts": self.num_experts, "level": zstd_level}}]
         elif self.planes > 1:
             shape, shard, chunk = [*shape, self.planes], [*shard, self.planes], [*chunk, self.planes]
             names.append("byte")
             inner = [{"name": "transpose", "configuration": {"order": [3, 0, 1, 2]}}, {"name": "bytes"}]
+        if not self.ranked:  # the ranked codec compresses its own output
+            inner.append({"name": "zstd", "configuration": {"level": zstd_level, "checksum": False}})
+        inner.append({"name": "crc32c"})
         return {
             "zarr_format": 3,
             "node_type": "array",
@@ -117,11 +120,7 @@ class ShardLayout:
                     "name": "sharding_indexed",
                     "configuration": {
                         "chunk_shape": chunk,
-                        "codecs": [
-                            *inner,
-                            {"name": "zstd", "configuration": {"level": zstd_level, "checksum": False}},
-                            {"name": "crc32c"},
-                        ],
+                        "codecs": inner,
                         "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
                         "index_location": "start",
                     },
@@ -155,7 +154,7 @@ def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int)
                 block = _padded(block, layout)
             block = np.ascontiguousarray(block, dtype=dtype)
             if layout.ranked:  # rows were validated on append, and the padding repeats valid rows
-                payload = codec.encode(ranked.encode(block, layout.num_experts, validate=False))
+                payload = ranked.encode(block, layout.num_experts, level=zstd_level, validate=False)
             else:
                 if layout.planes > 1:
                     block = np.ascontiguousarray(
@@ -183,25 +182,21 @@ def _padded(block: npt.NDArray[Any], layout: ShardLayout) -> npt.NDArray[Any]:
 
 
 def max_payload_nbytes(layout: ShardLayout) -> int:
-    """The most bytes one inner chunk's codec output can take before zstd."""
+    """The most bytes one inner chunk's compressed payload can take (before its crc32c)."""
     raw = math.prod(layout.chunk_shape) * layout.planes
     if not layout.ranked:
-        return raw
+        return raw + (raw >> 8) + 64
     layers, rows, k = layout.chunk_shape
     itemsize = layout.dtype.itemsize
-    # header, repeat bitmaps, one table per layer, and every row an exception (index + IDs) besides its gaps
-    return (
-        5
-        + layers * (1 + math.ceil(rows / 8) + layout.num_experts * itemsize)
-        + layers * rows * (4 + k * itemsize)
-        + raw
-    )
+    # the gaps frame, and a frame of bitmaps, tables, every row an exception and the trailer
+    tail = layers * (10 + math.ceil(rows / 8) + layout.num_experts * itemsize) + layers * rows * (4 + k * itemsize)
+    gaps = raw * itemsize
+    return 4 + gaps + (gaps >> 8) + 64 + tail + (tail >> 8) + 64
 
 
 def max_piece_nbytes(layout: ShardLayout) -> int:
-    """The most bytes one stored inner chunk can take: zstd's worst-case bound for the chunk, plus its crc32c."""
-    raw = max_payload_nbytes(layout)
-    return raw + (raw >> 8) + 64 + 4
+    """The most bytes one stored inner chunk can take: the compressed payload's bound, plus its crc32c."""
+    return max_payload_nbytes(layout) + 4
 
 
 def decode_shard_index(data: bytes, layout: ShardLayout, shard_nbytes: int) -> npt.NDArray[np.uint64]:
@@ -246,13 +241,8 @@ def decode_chunk(
         raise ShardFormatError("inner chunk checksum mismatch")
     target = np.empty(layout.chunk_shape, dtype=layout.dtype) if out is None else out
     if layout.ranked:
-        size = _frame_content_size(view[:-4])
-        if size is None or size > max_payload_nbytes(layout):
-            raise ShardFormatError(f"the inner chunk's zstd frame declares {size} bytes, more than the chunk can hold")
-        payload = np.empty(size, dtype=np.uint8)
-        _decompress(view[:-4], payload, size)
         try:
-            ranked.decode(payload, layout.chunk_shape, layout.dtype, layout.num_experts, out=target)
+            ranked.decode(view[:-4], layout.chunk_shape, layout.dtype, layout.num_experts, out=target)
         except ranked.RankedFormatError as exc:
             raise ShardFormatError(str(exc)) from exc
         return target
@@ -266,20 +256,6 @@ def decode_chunk(
     np.left_shift(high, 8, out=target, dtype=layout.dtype)
     np.bitwise_or(target, low, out=target)
     return target
-
-
-def _frame_content_size(frame: memoryview) -> int | None:
-    """The decompressed size a zstd frame header declares (RFC 8878 3.1.1.1), or None when it declares none."""
-    if len(frame) < 6 or bytes(frame[:4]) != b"\x28\xb5\x2f\xfd":
-        return None
-    descriptor = frame[4]
-    size_flag, single_segment, dict_flag = descriptor >> 6, (descriptor >> 5) & 1, descriptor & 3
-    at = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[dict_flag]
-    width = (1 if single_segment else 0, 2, 4, 8)[size_flag]
-    if width == 0 or len(frame) < at + width:
-        return None
-    value = int.from_bytes(bytes(frame[at : at + width]), "little")
-    return value + 256 if width == 2 else value
 
 
 def _decompress(payload: memoryview, out: npt.NDArray[np.uint8], size: int) -> None:

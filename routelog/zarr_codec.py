@@ -27,16 +27,20 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RankedGapsCodec(ArrayBytesCodec):
     """Array -> bytes: a chunk of top-k expert IDs ``[layers, rows, K]`` to :func:`routelog.ranked.encode`'s
-    payload (zstd and crc32c follow it in the codec chain)."""
+    compressed bytes (crc32c follows it in the codec chain). ``level`` is zstd's, used when encoding only."""
 
     is_fixed_size = False
 
     num_experts: int
+    level: int
 
-    def __init__(self, *, num_experts: int) -> None:
+    def __init__(self, *, num_experts: int, level: int = 3) -> None:
         if not isinstance(num_experts, int) or not 1 <= num_experts <= MAX_EXPERTS:
             raise ValueError(f"{ranked.RANKED_CODEC}: num_experts must be an integer in [1, {MAX_EXPERTS}]")
+        if not isinstance(level, int) or not -7 <= level <= 22:
+            raise ValueError(f"{ranked.RANKED_CODEC}: level must be a zstd level in [-7, 22]")
         object.__setattr__(self, "num_experts", num_experts)
+        object.__setattr__(self, "level", level)
 
     @classmethod
     def from_dict(cls, data: dict[str, JSON]) -> Self:
@@ -44,7 +48,7 @@ class RankedGapsCodec(ArrayBytesCodec):
         return cls(**configuration)  # type: ignore[arg-type]
 
     def to_dict(self) -> dict[str, JSON]:
-        return {"name": ranked.RANKED_CODEC, "configuration": {"num_experts": self.num_experts}}
+        return {"name": ranked.RANKED_CODEC, "configuration": {"num_experts": self.num_experts, "level": self.level}}
 
     def validate(self, *, shape: tuple[int, ...], dtype: Any, chunk_grid: Any) -> None:
         native = dtype.to_native_dtype()
@@ -60,8 +64,7 @@ class RankedGapsCodec(ArrayBytesCodec):
 
     async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
         ids = np.ascontiguousarray(chunk_array.as_numpy_array())
-        payload = ranked.encode(ids, self.num_experts)
-        return chunk_spec.prototype.buffer.from_bytes(payload.tobytes())
+        return chunk_spec.prototype.buffer.from_bytes(ranked.encode(ids, self.num_experts, level=self.level))
 
     def compute_encoded_size(self, input_byte_length: int, chunk_spec: ArraySpec) -> int:
         raise NotImplementedError  # variable: repeats and skew shrink it

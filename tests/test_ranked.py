@@ -67,7 +67,7 @@ def test_skewed_repeating_routing_is_smaller_than_format_1() -> None:
     rng = np.random.default_rng(3)
 
     def sizes(ids: np.ndarray) -> tuple[int, int]:
-        v2 = len(zstd.encode(np.frombuffer(ranked.encode(ids, 128), np.uint8)))
+        v2 = len(ranked.encode(ids, 128))
         v1 = len(zstd.encode(gaps_from_sorted(ids.copy())))
         return v2, v1
 
@@ -81,24 +81,33 @@ def test_uniform_layers_keep_plain_gaps_and_skewed_ones_are_ranked() -> None:
     rng = np.random.default_rng(5)
     uniform = _routing(rng, 1, 4096, 128, 8, skew=0.0, repeat=0.0)
     skewed = _routing(rng, 1, 4096, 128, 8, skew=3.0, repeat=0.0)
-    payload = ranked.encode(np.concatenate([uniform, skewed]), 128)
-    assert list(payload[-11:-9]) == [ranked.MODE_GAPS, ranked.MODE_RANKED]  # the trailer's layer modes
+    gaps, tail = ranked._transform(np.concatenate([uniform, skewed]), 128, validate=True)
+    assert list(tail[-11:-9]) == [ranked.MODE_GAPS, ranked.MODE_RANKED]  # the trailer's layer modes
 
 
 @pytest.mark.parametrize(
     "damage",
     [
-        lambda p: p[1:],  # truncated
-        lambda p: b"\0" + p,  # extra bytes
-        lambda p: p[:-1] + bytes([9]),  # unknown version
-        lambda p: p[:-11] + bytes([7]) + p[-10:],  # unknown layer mode
+        lambda p: p[:-1],  # truncated
+        lambda p: p + b"\0",  # trailing bytes
+        lambda p: (10**6).to_bytes(4, "little") + p[4:],  # the gaps frame claims more than there is
+        lambda p: p[:4] + p[5:],  # a damaged frame
     ],
 )
-def test_malformed_payloads_raise_a_typed_error(damage) -> None:
+def test_malformed_chunks_raise_a_typed_error(damage) -> None:
     ids = _routing(np.random.default_rng(1), 2, 100, 64, 4, skew=3.0, repeat=0.5)
-    payload = ranked.encode(ids, 64).tobytes()
+    payload = ranked.encode(ids, 64)
     with pytest.raises(ranked.RankedFormatError):
         ranked.decode(damage(payload), ids.shape, ids.dtype, 64)
+
+
+def test_a_section_that_declares_more_than_a_chunk_holds_is_refused_before_decoding() -> None:
+    """A forged frame header cannot make the reader allocate what it claims."""
+    ids = _routing(np.random.default_rng(2), 2, 100, 64, 4, skew=0.0, repeat=0.0)
+    huge = Zstd(level=3).encode(np.zeros(10_000, np.uint8))  # declares 10 000 bytes; the chunk's gaps are 800
+    forged = len(huge).to_bytes(4, "little") + bytes(huge) + ranked.encode(ids, 64)[4:]
+    with pytest.raises(ranked.RankedFormatError, match="more than a chunk holds"):
+        ranked.decode(forged, ids.shape, ids.dtype, 64)
 
 
 @settings(max_examples=200, deadline=None)
@@ -106,7 +115,7 @@ def test_malformed_payloads_raise_a_typed_error(damage) -> None:
 def test_any_flipped_byte_decodes_or_raises_the_typed_error(position: int, value: int, seed: int) -> None:
     """A damaged payload (crc32c catches it first in a store) never escapes as another exception type."""
     ids = _routing(np.random.default_rng(seed), 2, 64, 300, 4, skew=3.0, repeat=0.5)
-    payload = bytearray(ranked.encode(ids, 300).tobytes())
+    payload = bytearray(ranked.encode(ids, 300))
     payload[position % len(payload)] = value
     try:
         out = ranked.decode(bytes(payload), ids.shape, ids.dtype, 300)
@@ -127,14 +136,14 @@ def test_zarr_python_writes_and_reads_through_the_registered_codec(tmp_path: Pat
         shards=(6, 1024, 6),
         chunks=(3, 256, 6),
         serializer=RankedGapsCodec(num_experts=experts),
-        compressors=[zarr.codecs.ZstdCodec(level=3)],
+        compressors=None,  # the codec compresses its own output
         fill_value=0,
     )
     array[...] = ids
     reopened = zarr.open_array(str(tmp_path / "routing"), mode="r")
     assert reopened.metadata.to_dict()["codecs"][0]["configuration"]["codecs"][0] == {
         "name": ranked.RANKED_CODEC,
-        "configuration": {"num_experts": experts},
+        "configuration": {"num_experts": experts, "level": 3},
     }
     np.testing.assert_array_equal(reopened[...], ids)
     np.testing.assert_array_equal(reopened[1:4, 300:700], ids[1:4, 300:700])

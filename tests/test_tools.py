@@ -86,3 +86,17 @@ def test_bench_audit_measures_stats_and_diff_against_a_plain_read() -> None:
         assert report[name]["tokens"] == 64 * 1024 and report[name]["tokens_per_s"] > 0
         assert report[name]["peak_rss_mb"] > 0
     assert set(report["ratios"]) == {"stats_vs_read_only", "diff_vs_read_only"}
+
+
+def test_bench_dedup_compares_format_1_and_2_on_the_corpus() -> None:
+    result = _tool(str(TOOLS / "bench_dedup.py"), "--quick", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert len(report["scenarios"]) == 8
+    for name, scenario in report["scenarios"].items():
+        v1, codec, both = (
+            scenario[k] for k in ("format 1 (sorted_gaps)", "format 2 codec only", "format 2 (codec + dedup)")
+        )
+        assert v1["routed_rows"] == codec["routed_rows"] == both["routed_rows"], name
+        assert both["stored_rows"] < codec["stored_rows"] == v1["stored_rows"], f"{name}: shared prefixes stored once"
+        assert both["routing_bytes"] < v1["routing_bytes"], name

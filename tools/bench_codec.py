@@ -7,7 +7,9 @@ ID) per second on one core; routelog's decode goes through the reader's chunk fe
 
 Two references per routing: the bound log2(C(E, K)) / 8 (uniform sets), and an empirical conditional-entropy
 estimate (see :func:`entropy_estimate`). With ``--corpus STORE...`` the routing is the corpus' (every valid row
-of every record, in record order), and uniform routing of the same shape is measured in the same run.
+of every record, in record order: the codec alone, without sharing prefixes), uniform routing of the same shape
+is measured in the same run, and the corpus is also written again by routelog's writer as format 1 and as format
+2 (codec and shared prefixes: what a store of that corpus costs).
 
 Goals (issue #14): on the corpus v2 >= 1.3 x smaller than v1 and <= 1.1 x the estimate; on uniform routing
 <= 1.05 x the bound; encode >= 0.5 x and decode >= 0.7 x the speed of zstd-3 alone on the same raw bytes.
@@ -243,7 +245,39 @@ def corpus_routing(url: str) -> tuple[np.ndarray, int]:
         snapshot = store.step(step)
         for got in snapshot.read_many(snapshot.sample_ids):
             blocks.append(got.expert_ids[got.valid])
-    return np.concatenate(blocks), store.model_spec.num_experts
+    spec = store.model_spec
+    return np.concatenate(blocks).astype(spec.id_dtype), spec.num_experts
+
+
+def writer_sizes(url: str) -> dict[str, float]:
+    """The corpus written again by routelog's writer, as format 1 (``sorted_gaps``, no sharing) and format 2 (the
+    default: codec and shared prefixes): routing bytes per routed token-layer, the figure ``inspect`` prints."""
+    store = routelog.open_store(url)
+    sizes = {}
+    for name, options in (
+        ("format 1 writer", PartOptions(transform="sorted_gaps", dedup=False)),
+        ("format 2 writer", PartOptions()),
+    ):
+        target = f"memory://bench-codec-writer/{uuid.uuid4().hex}"
+        for step in store.steps():
+            snapshot = store.step(step)
+            with routelog.open_writer(target, step, model_spec=store.model_spec, options=options) as writer:
+                for got in snapshot.read_many(snapshot.sample_ids):
+                    info = got.info
+                    writer.append(
+                        routelog.Record(
+                            sample_id=info.sample_id,
+                            expert_ids=got.expert_ids,
+                            prompt_len=info.prompt_len,
+                            response_len=info.response_len,
+                            valid=got.valid,
+                            token_ids=info.token_ids,
+                            group_id=info.group_id,
+                        )
+                    )
+        sizes[name] = routelog.open_store(target).summary()["bytes_per_token_layer"]
+    sizes["v1_size_vs_v2"] = sizes["format 1 writer"] / sizes["format 2 writer"]
+    return sizes
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -253,6 +287,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for url in args.corpus:
         ids, experts = corpus_routing(url)
         datasets[f"corpus {url}"] = measure_routing(ids, experts, args)
+        datasets[f"corpus {url}"]["writers"] = writer_sizes(url)
         shapes.append((ids.shape, experts))
     if not args.corpus:
         spec = synthetic_spec(args.layers, args.experts, args.topk)
@@ -315,6 +350,12 @@ def main() -> None:
             print(f"{layout:30s} {r['bytes_per_token_layer']:14.3f} {r['encode_MBps']:10.0f} {r['decode_MBps']:10.0f}")
         for key, value in data["ratios"].items():
             print(f"  {key:32s} {value:.3f}")
+        if "writers" in data:
+            w = data["writers"]
+            print(
+                f"  written by routelog (bytes per routed token-layer): format 1 {w['format 1 writer']:.3f}, "
+                f"format 2 (codec + shared prefixes) {w['format 2 writer']:.3f}: {w['v1_size_vs_v2']:.2f}x smaller"
+            )
     print("\ngoals:", ", ".join(f"{k} {v}" for k, v in report["goals"].items()))
 
 
