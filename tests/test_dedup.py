@@ -156,3 +156,32 @@ def test_shared_rows_survive_drop_of_the_record_that_owns_them(topk_order: str) 
         if topk_order == "sorted":
             want = np.sort(want, axis=-1)
         np.testing.assert_array_equal(got.expert_ids[record.valid], want)
+
+
+def test_a_micro_batch_of_a_group_fetches_the_shared_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader reads a micro-batch with one read_many: spans of several records over the same rows become one
+    ranged read, so a group's micro-batch costs the prompt once plus its responses."""
+    rng = np.random.default_rng(6)
+    records = _grpo_group(rng, "g", 8, prompt_len=200)
+    url = f"memory://dedup-tests/{uuid.uuid4().hex}"
+    with routelog.open_writer(url, step=0, model_spec=SPEC, options=PartOptions(chunk_rows=16)) as writer:
+        for record in records:
+            writer.append(record)
+    snapshot = routelog.open_store(url).step(0)
+    fetched: list[int] = []
+    storage = snapshot.store.storage
+    read_ranges = storage.read_ranges
+
+    def counting(ranges: list[tuple[str, int, int]]) -> list[bytes]:
+        fetched.extend(stop - start for _, start, stop in ranges)
+        return read_ranges(ranges)
+
+    monkeypatch.setattr(storage, "read_ranges", counting)
+    snapshot.read_many(["g/0"])
+    one = sum(fetched)
+    fetched.clear()
+    snapshot.read_many([r.sample_id for r in records])
+    group = sum(fetched)
+    stored = sum(o.size for c in snapshot.commits for o in c.objects if "/c/" in o.key)
+    assert group <= stored, "every stored byte at most once"
+    assert group < 8 * one / 2, "the shared prompt is not fetched once per sample"
