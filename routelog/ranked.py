@@ -66,7 +66,10 @@ def encode(ids: npt.NDArray[Any], num_experts: int, *, level: int = 3, validate:
     chunks with repeats), skipping the search for exceptions.
     """
     gaps, tail = _transform(ids, num_experts, validate)
-    first = _smaller_frame(gaps, level)
+    modes = tail[-(ids.shape[0] + 9) : -9]
+    # Without repeats or ranked layers the gaps are near-uniform: zstd's matches cost more than they find there,
+    # and level 1 codes them smallest and fastest. Otherwise the better of both levels.
+    first = _smaller_frame(gaps, level) if modes.any() else bytes(_zstd(1).encode(gaps))
     return b"".join([len(first).to_bytes(4, "little"), first, bytes(_zstd(level).encode(tail))])
 
 
@@ -91,7 +94,7 @@ def _transform(ids: npt.NDArray[Any], num_experts: int, validate: bool) -> tuple
             bitmaps.append(np.packbits(repeat))
             unique = layer[~repeat] if words is None else words[~repeat].view(dtype).reshape(-1, k)
         else:
-            unique = layer.copy()
+            unique = layer.copy() if validate else layer  # only validation writes into it
         if validate:
             bad = _invalid_rows(unique, num_experts)
             if bad.any():
@@ -99,10 +102,10 @@ def _transform(ids: npt.NDArray[Any], num_experts: int, validate: bool) -> tuple
                     exceptions.append((unique_base + int(i), unique[i].copy()))
                 unique[bad] = np.arange(k, dtype=dtype)  # a valid placeholder; the exception overwrites it
         unique_base += unique.shape[0]
-        load = np.bincount(unique.ravel(), minlength=num_experts)
+        load = np.bincount(unique[:: max(1, unique.shape[0] // 1024)].ravel(), minlength=num_experts)
         gaps = gaps_from_sorted(unique.copy())
         if unique.shape[0] and _skewed(load):
-            order = np.argsort(-load, kind="stable")
+            order = np.argsort(-np.bincount(unique.ravel(), minlength=num_experts), kind="stable")
             rank_of = np.empty(num_experts, dtype=dtype)
             rank_of[order] = np.arange(num_experts, dtype=dtype)
             ranked_gaps = gaps_from_sorted(sort_rows(rank_of[unique]))
@@ -141,9 +144,7 @@ def decode(
     first = int(stored[:4].view("<u4")[0])
     if first > stored.size - 4:
         raise RankedFormatError(f"the gaps frame claims {first} bytes of the chunk's {stored.size - 4}")
-    gap_limit = layers * rows * k * dtype.itemsize
     tail_limit = layers * (10 + math.ceil(rows / 8) + num_experts * dtype.itemsize) + layers * rows * (4 + k * 2) + 9
-    gap_bytes = _decompress(stored[4 : 4 + first], gap_limit, "gaps")
     data = _decompress(stored[4 + first :], tail_limit, "tail")
     if data.size < layers + 9 or data[-1] != VERSION:
         raise RankedFormatError(f"unknown chunk payload version {int(data[-1]) if data.size else None}")
@@ -153,8 +154,6 @@ def decode(
     total, n_exceptions = (int(n) for n in data[-9:-1].view("<u4"))
     if total > layers * rows:
         raise RankedFormatError(f"{total} unique rows in a chunk of {layers} x {rows}")
-    if gap_bytes.size != total * k * dtype.itemsize:
-        raise RankedFormatError(f"{gap_bytes.size} bytes of gaps for {total} unique rows of {k}")
     reader = _Reader(data[: -(layers + 9)])
     with_repeats = np.flatnonzero(modes & HAS_REPEATS)
     per_layer = math.ceil(rows / 8)
@@ -177,11 +176,13 @@ def decode(
     target = np.empty(shape, dtype=dtype) if out is None else out
     # Without repeats the unique rows are the chunk: decode straight into the output.
     unique = target.reshape(layers * rows, k) if repeat is None else np.empty((total, k), dtype)
+    gap_frame = stored[4 : 4 + first]
     if dtype.itemsize == 2:  # interleave the low and high byte planes back into IDs
+        gap_bytes = _decompress(gap_frame, total * k * 2, "gaps", exact=True)
         unique.view(np.uint8).reshape(total, k, 2)[...] = np.moveaxis(gap_bytes.reshape(2, total, k), 0, 2)
-        sorted_from_gaps(unique)
     else:
-        sorted_from_gaps(gap_bytes.reshape(total, k), out=unique)
+        _decompress(gap_frame, total * k, "gaps", exact=True, out=unique.reshape(-1))
+    sorted_from_gaps(unique)
     starts = np.concatenate([[0], np.cumsum(unique_counts)])
     for n, layer in enumerate(ranked_layers):
         table = tables[n * num_experts : (n + 1) * num_experts]
@@ -245,12 +246,21 @@ def _smaller_frame(data: npt.NDArray[np.uint8], level: int) -> bytes:
     return chosen
 
 
-def _decompress(frame: npt.NDArray[np.uint8], limit: int, what: str) -> npt.NDArray[np.uint8]:
-    """One zstd frame, refused before decoding when it declares more than ``limit`` bytes."""
+def _decompress(
+    frame: npt.NDArray[np.uint8],
+    limit: int,
+    what: str,
+    *,
+    exact: bool = False,
+    out: npt.NDArray[Any] | None = None,
+) -> npt.NDArray[np.uint8]:
+    """One zstd frame (into ``out`` when given), refused before decoding when it declares more than ``limit``
+    bytes (or, ``exact``, any other size)."""
     size = frame_content_size(frame)
-    if size is None or size > limit:
-        raise RankedFormatError(f"the {what} frame declares {size} bytes, more than a chunk holds ({limit})")
-    out = np.empty(size, dtype=np.uint8)
+    if size is None or size > limit or (exact and size != limit):
+        expected = f"exactly {limit}" if exact else f"at most {limit}"
+        raise RankedFormatError(f"the {what} frame declares {size} bytes, more than a chunk holds ({expected})")
+    out = np.empty(size, dtype=np.uint8) if out is None else out.view(np.uint8)
     if size == 0:
         return out
     try:

@@ -105,7 +105,9 @@ def test_a_section_that_declares_more_than_a_chunk_holds_is_refused_before_decod
     """A forged frame header cannot make the reader allocate what it claims."""
     ids = _routing(np.random.default_rng(2), 2, 100, 64, 4, skew=0.0, repeat=0.0)
     huge = Zstd(level=3).encode(np.zeros(10_000, np.uint8))  # declares 10 000 bytes; the chunk's gaps are 800
-    forged = len(huge).to_bytes(4, "little") + bytes(huge) + ranked.encode(ids, 64)[4:]
+    stored = ranked.encode(ids, 64)
+    rest = stored[4 + int.from_bytes(stored[:4], "little") :]
+    forged = len(huge).to_bytes(4, "little") + bytes(huge) + rest
     with pytest.raises(ranked.RankedFormatError, match="more than a chunk holds"):
         ranked.decode(forged, ids.shape, ids.dtype, 64)
 
