@@ -81,7 +81,7 @@ def test_uniform_layers_keep_plain_gaps_and_skewed_ones_are_ranked() -> None:
     rng = np.random.default_rng(5)
     uniform = _routing(rng, 1, 4096, 128, 8, skew=0.0, repeat=0.0)
     skewed = _routing(rng, 1, 4096, 128, 8, skew=3.0, repeat=0.0)
-    gaps, tail = ranked._transform(np.concatenate([uniform, skewed]), 128, validate=True)
+    _gaps, tail = ranked._transform(np.concatenate([uniform, skewed]), 128, validate=True)
     assert list(tail[-11:-9]) == [ranked.MODE_GAPS, ranked.MODE_RANKED]  # the trailer's layer modes
 
 
