@@ -334,8 +334,8 @@ def fetch_blocks(
             cl0, cr0 = chunk.layer_chunk * layout_.chunk_layers, chunk.row_chunk * layout_.chunk_rows
             ls, le = max(l0, cl0), min(l1, cl0 + layout_.chunk_layers)
             rs, re_ = max(r0, cr0), min(r1, cr0 + layout_.chunk_rows)
-            try:
-                decode_chunk(pieces[(request.array_key, chunk.start)], layout_, out=raw)
+            try:  # a ranked chunk decodes to IDs itself; the others to their stored form, un-transformed below
+                decode_chunk(pieces[(request.array_key, chunk.start)], layout_, out=ids if layout_.ranked else raw)
             except ShardFormatError as exc:
                 raise CorruptDataError(
                     f"{storage.url_of(request.shard_key)}: inner chunk rows [{cr0}, {cr0 + layout_.chunk_rows}) "
@@ -344,7 +344,8 @@ def fetch_blocks(
                 ) from exc
             # Un-transform the whole chunk while it is contiguous and in cache, then place the overlap: one
             # contiguous copy per layer.
-            decode_rows(raw, array.transform, out=ids)
+            if not layout_.ranked:
+                decode_rows(raw, array.transform, out=ids)
             block[ls - l0 : le - l0, rs - r0 : re_ - r0] = ids[ls - cl0 : le - cl0, rs - cr0 : re_ - cr0]
         blocks.append(block)
     return blocks

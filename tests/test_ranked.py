@@ -149,3 +149,10 @@ def test_zarr_python_writes_and_reads_through_the_registered_codec(tmp_path: Pat
     }
     np.testing.assert_array_equal(reopened[...], ids)
     np.testing.assert_array_equal(reopened[1:4, 300:700], ids[1:4, 300:700])
+
+
+@pytest.mark.parametrize("skew", [0.0, 3.0])
+def test_the_writers_fast_path_stores_what_the_general_path_stores(skew: float) -> None:
+    """Writers skip validation and take a one-pass path for plain chunks; it must give the same bytes."""
+    ids = _routing(np.random.default_rng(9), 4, 4096, 128, 8, skew=skew, repeat=0.0)
+    assert ranked.encode(ids, 128, validate=False) == ranked.encode(ids, 128, validate=True)
