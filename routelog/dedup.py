@@ -40,8 +40,8 @@ class Placement:
 class PartRows:
     """The routing rows ``[layers, n, K]`` of a part being built, growing as records are placed."""
 
-    def __init__(self, layers: int, topk: int, dtype: np.dtype[Any]) -> None:
-        self._data = np.empty((layers, 1024, topk), dtype)
+    def __init__(self, layers: int, topk: int, dtype: np.dtype[Any], capacity: int = 1024) -> None:
+        self._data = np.empty((layers, max(1, capacity), topk), dtype)
         self.n = 0
 
     def append(self, rows: IdArray) -> int:

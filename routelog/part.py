@@ -103,7 +103,8 @@ def build_part(records: Sequence[PreparedRecord], spec: ModelSpec, options: Part
     """Concatenate the records' stored rows into one sharded zarr array (and one per extra stream the records
     carry) and write their Parquet index."""
     rows: list[IndexRow] = []
-    routing = PartRows(spec.num_moe_layers, spec.topk, spec.id_dtype)
+    capacity = sum(r.rows.shape[1] for r in records)  # at most: shared prefixes only make it smaller
+    routing = PartRows(spec.num_moe_layers, spec.topk, spec.id_dtype, capacity)
     prefixes = PrefixIndex(routing) if options.dedup else None
     stream_offsets: dict[str, int] = {}
     for rec in records:
@@ -184,7 +185,10 @@ def _encode_array(
     """Encode stored rows ``[layers, rows, topk]`` (concatenated on axis 1) as one sharded array under ``path``,
     adding its objects to ``objects``; returns its description (with the ``zarr.json`` copy)."""
     dtype = storage_dtype(universe)
-    data = np.concatenate(blocks, axis=1) if blocks else np.zeros((layers, 0, topk), dtype)
+    if len(blocks) == 1:
+        data = blocks[0]
+    else:
+        data = np.concatenate(blocks, axis=1) if blocks else np.zeros((layers, 0, topk), dtype)
     transform: Transform = options.transform if options.topk_order == "sorted" else "none"
     if transform == "sorted_gaps":  # format 1's transform: the shard stores the gaps themselves
         data = gaps_from_sorted(np.array(data, order="C"))
