@@ -81,19 +81,19 @@ class PrefixIndex:
     def place(self, token_ids: list[int] | None, spans: list[Span], own_rows: IdArray) -> Placement:
         """Place a record (its spans relative to its own stored rows ``own_rows``) and return where its rows go; the
         caller appends ``own_rows[:, first_own_row:]`` to the part at ``rows.n`` afterwards."""
-        n_tokens = sum(s.n_rows for s in spans) if token_ids is None else len(token_ids)
-        local = np.full(max(n_tokens, _span_end(spans)), -1, dtype=np.int64)
+        if token_ids is None or len(token_ids) < MIN_SHARED_TOKENS:  # nothing to compare: stored whole
+            shift = self.rows.n
+            return Placement([Span(token_start=s.token_start, n_rows=s.n_rows, row=s.row + shift) for s in spans], 0, 0)
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        local = np.full(tokens.size, -1, dtype=np.int64)
         for span in spans:
             local[span.token_start : span.token_start + span.n_rows] = np.arange(span.row, span.row + span.n_rows)
-        tokens = None if token_ids is None else np.asarray(token_ids, dtype=np.int64)
         shared, source = 0, None
-        probe = None
-        if tokens is not None and tokens.size >= MIN_SHARED_TOKENS:
-            probe = hashlib.blake2b(tokens[:MIN_SHARED_TOKENS].tobytes(), digest_size=16).digest()
-            for earlier in reversed(self._by_probe.get(probe, [])[-CANDIDATES:]):
-                length = self._shared_prefix(earlier, tokens, local, own_rows)
-                if length > shared:
-                    shared, source = length, earlier
+        probe = hashlib.blake2b(tokens[:MIN_SHARED_TOKENS].tobytes(), digest_size=16).digest()
+        for earlier in reversed(self._by_probe.get(probe, [])[-CANDIDATES:]):
+            length = self._shared_prefix(earlier, tokens, local, own_rows)
+            if length > shared:
+                shared, source = length, earlier
         if source is None or shared < MIN_SHARED_TOKENS:
             shared = 0
         first_own_row = int((local[:shared] >= 0).sum())
@@ -101,8 +101,7 @@ class PrefixIndex:
         part_row = np.where(local >= 0, local + base, -1)
         if source is not None and shared:
             part_row[:shared] = source.part_row[:shared]
-        if tokens is not None and probe is not None:
-            self._by_probe.setdefault(probe, []).append(_Placed(tokens, part_row))
+        self._by_probe.setdefault(probe, []).append(_Placed(tokens, part_row))
         return Placement(_spans_of(part_row), first_own_row, shared)
 
     def _shared_prefix(
@@ -121,10 +120,6 @@ class PrefixIndex:
             if not same.all():
                 n = int(routed[int(np.argmin(same))])
         return n
-
-
-def _span_end(spans: list[Span]) -> int:
-    return max((s.token_start + s.n_rows for s in spans), default=0)
 
 
 def _spans_of(part_row: npt.NDArray[np.int64]) -> list[Span]:

@@ -79,10 +79,8 @@ def _transform(ids: npt.NDArray[Any], num_experts: int, validate: bool) -> tuple
     dtype = ids.dtype.newbyteorder("<")
     if not validate and dtype.itemsize == 1 and _plain(ids, num_experts):
         # The common case of near-uniform routing: no repeats, no skew: format 1's gaps, one pass for the chunk.
-        plain = np.zeros(layers + 9, np.uint8)  # the trailer alone: every mode 0, U = all rows, no exceptions
-        plain[layers : layers + 4] = np.frombuffer(np.uint32(layers * rows).tobytes(), np.uint8)
-        plain[-1] = VERSION
-        return gaps_from_sorted(np.array(ids, dtype=dtype, order="C")).reshape(-1), plain
+        rest = _trailer(np.zeros(layers, np.uint8), layers * rows, 0)  # every mode 0, all rows unique
+        return gaps_from_sorted(np.array(ids, dtype=dtype, order="C")).reshape(-1), rest
     modes = np.zeros(layers, np.uint8)
     bitmaps: list[npt.NDArray[np.uint8]] = []
     tables: list[npt.NDArray[Any]] = []
@@ -127,10 +125,29 @@ def _transform(ids: npt.NDArray[Any], num_experts: int, validate: bool) -> tuple
     for n, (unique_row, row) in enumerate(exceptions):
         listed[n, :4] = np.frombuffer(np.uint32(unique_row).tobytes(), np.uint8)
         listed[n, 4:] = row.astype(dtype).view(np.uint8)
-    counts = np.array([unique_base, len(exceptions)], "<u4").view(np.uint8)
-    trailer = [modes, counts, np.array([VERSION], np.uint8)]
     tail = [*bitmaps, *(t.view(np.uint8) for t in tables), listed.ravel()]
-    return gaps.reshape(-1).view(np.uint8), np.concatenate([*tail, *trailer])
+    return gaps.reshape(-1).view(np.uint8), np.concatenate([*tail, _trailer(modes, unique_base, len(exceptions))])
+
+
+def _trailer(modes: npt.NDArray[np.uint8], unique: int, exceptions: int) -> npt.NDArray[np.uint8]:
+    """The rest section's last bytes: the layer modes, U, the exception count and the version."""
+    counts = np.array([unique, exceptions], "<u4").view(np.uint8)
+    return np.concatenate([modes, counts, np.array([VERSION], np.uint8)])
+
+
+def max_stored_nbytes(shape: tuple[int, int, int], itemsize: int, num_experts: int) -> int:
+    """The most bytes :func:`encode` can produce for a chunk: both frames at zstd's worst case."""
+    return 4 + _zstd_bound(math.prod(shape) * itemsize) + _zstd_bound(_max_rest_nbytes(shape, itemsize, num_experts))
+
+
+def _max_rest_nbytes(shape: tuple[int, int, int], itemsize: int, num_experts: int) -> int:
+    """The largest rest section: every layer with a bitmap and a table, every row an exception, the trailer."""
+    layers, rows, k = shape
+    return layers * (math.ceil(rows / 8) + num_experts * itemsize) + layers * rows * (4 + k * itemsize) + layers + 9
+
+
+def _zstd_bound(n: int) -> int:
+    return n + (n >> 8) + 64
 
 
 def decode(
@@ -150,8 +167,7 @@ def decode(
     first = int(stored[:4].view("<u4")[0])
     if first > stored.size - 4:
         raise RankedFormatError(f"the gaps frame claims {first} bytes of the chunk's {stored.size - 4}")
-    tail_limit = layers * (10 + math.ceil(rows / 8) + num_experts * dtype.itemsize) + layers * rows * (4 + k * 2) + 9
-    data = _decompress(stored[4 + first :], tail_limit, "tail")
+    data = _decompress(stored[4 + first :], _max_rest_nbytes(shape, dtype.itemsize, num_experts), "tail")
     if data.size < layers + 9 or data[-1] != VERSION:
         raise RankedFormatError(f"unknown chunk payload version {int(data[-1]) if data.size else None}")
     modes = data[-(layers + 9) : -9]

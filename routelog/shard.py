@@ -183,15 +183,10 @@ def _padded(block: npt.NDArray[Any], layout: ShardLayout) -> npt.NDArray[Any]:
 
 def max_payload_nbytes(layout: ShardLayout) -> int:
     """The most bytes one inner chunk's compressed payload can take (before its crc32c)."""
+    if layout.ranked:
+        return ranked.max_stored_nbytes(layout.chunk_shape, layout.dtype.itemsize, layout.num_experts)
     raw = math.prod(layout.chunk_shape) * layout.planes
-    if not layout.ranked:
-        return raw + (raw >> 8) + 64
-    layers, rows, k = layout.chunk_shape
-    itemsize = layout.dtype.itemsize
-    # the gaps frame, and a frame of bitmaps, tables, every row an exception and the trailer
-    tail = layers * (10 + math.ceil(rows / 8) + layout.num_experts * itemsize) + layers * rows * (4 + k * itemsize)
-    gaps = raw * itemsize
-    return 4 + gaps + (gaps >> 8) + 64 + tail + (tail >> 8) + 64
+    return raw + (raw >> 8) + 64
 
 
 def max_piece_nbytes(layout: ShardLayout) -> int:

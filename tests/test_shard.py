@@ -60,6 +60,18 @@ def test_zarr_python_reads_routelog_shards(layers: int, rows: int, k: int, cl: i
     np.testing.assert_array_equal(_logical(array, layout), data)
 
 
+def _decode_all(shard: bytes, layout: ShardLayout) -> np.ndarray:
+    """Every inner chunk of ``shard`` decoded by routelog, placed into the whole array."""
+    layers, rows, k, cl, cr = layout.num_layers, layout.n_rows, layout.topk, layout.chunk_layers, layout.chunk_rows
+    index = decode_shard_index(shard[: layout.index_nbytes], layout, len(shard))
+    out = np.empty((layers, rows, k), dtype=layout.dtype)
+    for chunk in chunks_for(index, layout, (0, layers), (0, rows)):
+        l0, r0 = chunk.layer_chunk * cl, chunk.row_chunk * cr
+        values = decode_chunk(shard[chunk.start : chunk.stop], layout)
+        out[l0 : l0 + cl, r0 : r0 + cr] = values[: min(cl, layers - l0), : min(cr, rows - r0)]
+    return out
+
+
 def _zarr_python_shard(data: np.ndarray, layout: ShardLayout, *, write_empty_chunks: bool) -> bytes:
     layers, rows, k = data.shape
     buffers: dict[str, object] = {}
@@ -83,13 +95,7 @@ def test_routelog_reads_zarr_python_shards(layers: int, rows: int, k: int, cl: i
         data[: min(cl, layers), : min(cr, rows)] = 0  # one all-fill chunk, written only with write_empty_chunks
     layout = ShardLayout(layers, rows, k, cl, cr, np.dtype(dtype))
     shard = _zarr_python_shard(data, layout, write_empty_chunks=True)
-    index = decode_shard_index(shard[: layout.index_nbytes], layout, len(shard))
-    out = np.empty((layers, rows, k), dtype=dtype)
-    for chunk in chunks_for(index, layout, (0, layers), (0, rows)):
-        l0, r0 = chunk.layer_chunk * cl, chunk.row_chunk * cr
-        values = decode_chunk(shard[chunk.start : chunk.stop], layout)
-        out[l0 : l0 + cl, r0 : r0 + cr] = values[: min(cl, layers - l0), : min(cr, rows - r0)]
-    np.testing.assert_array_equal(out, data)
+    np.testing.assert_array_equal(_decode_all(shard, layout), data)
 
 
 def test_a_chunk_marked_never_written_is_refused_not_filled() -> None:
@@ -157,10 +163,4 @@ def test_format_2_shards_read_both_ways_with_zarr_python(
     }
     np.testing.assert_array_equal(_zarr_view(objects)[...], data)
     shard = _zarr_python_shard(data, layout, write_empty_chunks=True)
-    index = decode_shard_index(shard[: layout.index_nbytes], layout, len(shard))
-    out = np.empty((layers, rows, k), dtype=dtype)
-    for chunk in chunks_for(index, layout, (0, layers), (0, rows)):
-        l0, r0 = chunk.layer_chunk * cl, chunk.row_chunk * cr
-        values = decode_chunk(shard[chunk.start : chunk.stop], layout)
-        out[l0 : l0 + cl, r0 : r0 + cr] = values[: min(cl, layers - l0), : min(cr, rows - r0)]
-    np.testing.assert_array_equal(out, data)
+    np.testing.assert_array_equal(_decode_all(shard, layout), data)

@@ -263,18 +263,7 @@ def writer_sizes(url: str) -> dict[str, float]:
             snapshot = store.step(step)
             with routelog.open_writer(target, step, model_spec=store.model_spec, options=options) as writer:
                 for got in snapshot.read_many(snapshot.sample_ids):
-                    info = got.info
-                    writer.append(
-                        routelog.Record(
-                            sample_id=info.sample_id,
-                            expert_ids=got.expert_ids,
-                            prompt_len=info.prompt_len,
-                            response_len=info.response_len,
-                            valid=got.valid,
-                            token_ids=info.token_ids,
-                            group_id=info.group_id,
-                        )
-                    )
+                    writer.append(got.to_record())
         sizes[name] = routelog.open_store(target).summary()["bytes_per_token_layer"]
     sizes["v1_size_vs_v2"] = sizes["format 1 writer"] / sizes["format 2 writer"]
     return sizes

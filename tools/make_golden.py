@@ -26,6 +26,15 @@ def _routing(rng: np.random.Generator, tokens: int, layers: int, experts: int, k
     return np.argsort(rng.random((tokens, layers, experts)), axis=-1)[..., :k]
 
 
+def _expect_sorted(expected: dict[str, np.ndarray], store: str, record: Record) -> None:
+    """What a reader must return for ``record`` written with sorted sets: ascending rows, -1 where missing."""
+    valid = np.asarray(record.valid)
+    ids = np.sort(np.asarray(record.expert_ids), axis=-1).astype(np.int16)
+    ids[~valid] = -1
+    expected[f"{store}/{record.sample_id}/ids"] = ids
+    expected[f"{store}/{record.sample_id}/valid"] = valid
+
+
 def write_dense_first(root: Path, expected: dict[str, np.ndarray]) -> None:
     """DeepSeek-V3 style (3 dense layers, E=64, K=6), two steps, several parts, missing rows, multi-turn segments."""
     spec = ModelSpec.from_hf_config(
@@ -79,10 +88,7 @@ def write_dense_first(root: Path, expected: dict[str, np.ndarray]) -> None:
                     extra={"reward": float(i) / 4},
                 )
                 writer.append(record)
-                expected_ids = np.sort(ids, axis=-1).astype(np.int16)
-                expected_ids[~valid] = -1
-                expected[f"dense-first/{record.sample_id}/ids"] = expected_ids
-                expected[f"dense-first/{record.sample_id}/valid"] = valid
+                _expect_sorted(expected, "dense-first", record)
 
 
 def write_wide(root: Path, expected: dict[str, np.ndarray]) -> None:
@@ -152,10 +158,7 @@ def write_grpo_groups(root: Path, expected: dict[str, np.ndarray]) -> None:
                         group_id=f"g{group}",
                     )
                     writer.append(record)
-                    expected_ids = np.sort(ids, axis=-1).astype(np.int16)
-                    expected_ids[~valid] = -1
-                    expected[f"{name}/{record.sample_id}/ids"] = expected_ids
-                    expected[f"{name}/{record.sample_id}/valid"] = valid
+                    _expect_sorted(expected, name, record)
 
 
 def main() -> int:
