@@ -141,3 +141,11 @@ def test_version_and_usage_errors() -> None:
     usage = _cli("ls")
     assert usage.returncode == EXIT_USAGE and "Missing argument" in usage.stderr
     assert _cli("no-such-command").returncode == EXIT_USAGE
+
+
+def test_an_output_path_the_os_refuses_names_the_path_and_the_fix(tmp_path: Path) -> None:
+    golden = Path(__file__).parent / "fixtures" / "golden-v2" / "grpo-96"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = _cli("cat", str(golden), "--step", "0", "--sample", "g0/0", "--npy", str(blocker / "out.npy"))
+    _one_line_error(result, EXIT_USAGE, str(blocker / "out.npy"), "choose a path under a directory")

@@ -40,6 +40,22 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+_PATH_FIXES: tuple[tuple[type[OSError], str], ...] = (
+    (NotADirectoryError, "a parent of this path is a file: choose a path under a directory"),
+    (IsADirectoryError, "this is a directory: give a file path"),
+    (PermissionError, "not allowed: choose a path this user can read or write"),
+    (FileNotFoundError, "check the path"),
+)
+
+
+def _path_error(exc: OSError) -> str:
+    """An operating-system error on a path, with what to do about it."""
+    if exc.filename is None:
+        return _one_line(exc)
+    fix = next((fix for kind, fix in _PATH_FIXES if isinstance(exc, kind)), "check the path")
+    return f"{exc.filename}: {exc.strerror or _one_line(exc)}; {fix}"
+
+
 def main() -> None:
     """Run the command line."""
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") or "--debug" in sys.argv[1:]
@@ -58,8 +74,10 @@ def main() -> None:
         hint = f" (run with --debug or {DEBUG_ENV}=1 for the traceback)"
         if isinstance(exc, (StoreAccessError, StoreUnreachableError)):
             _fail(_one_line(exc), EXIT_STORAGE)
-        elif isinstance(exc, (RoutelogError, OSError)):  # OSError: an input or output path of the command
+        elif isinstance(exc, RoutelogError):
             _fail(_one_line(exc), EXIT_USAGE)
+        elif isinstance(exc, OSError):  # an input or output path of the command
+            _fail(_path_error(exc), EXIT_USAGE)
         else:
             _fail(f"internal error {type(exc).__name__}: {_one_line(exc)}{hint}; please report it", EXIT_INTERNAL)
     sys.exit(code if isinstance(code, int) else 0)
