@@ -197,6 +197,9 @@ def diff_figure(result: DiffResult, path: Path) -> None:
         xlabel="MoE layer (global index)",
         ylabel="decisions differing (%)",
     )
+    if result.router_diff_rate == 0:  # all bars are zero-height: say so instead of an empty panel
+        axes[3].set_ylim(0, 1)
+        axes[3].text(0.5, 0.5, "no decision differs", ha="center", va="center", transform=axes[3].transAxes)
     fig.suptitle(f"Routing differences: {result.a}  vs  {result.b}  ({result.records_compared} records)", fontsize=10)
     _save(fig, path)
 
