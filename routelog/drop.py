@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from routelog import keys
-from routelog.errors import CommitConflictError, RecordNotFoundError
-from routelog.format import DropRecord, dump_document, utc_now
+from routelog.errors import RecordNotFoundError
+from routelog.format import DropRecord, utc_now
+from routelog.numbered import create_numbered
 from routelog.reader import StepSnapshot
 from routelog.root import StoreRoot
 
@@ -55,13 +56,12 @@ def write_drop(
     reason: str | None,
     writer_id: str,
 ) -> DropRecord:
-    """Create the next drop document of ``writer_id`` exclusively (retrying the sequence number if another process
-    of the same id took it)."""
-    storage = store.storage
-    for _ in range(8):
-        existing = [keys.parse_commit_name(n) for n in storage.list(keys.drops_dir(step))]
-        seq = 1 + max((p[1] for p in existing if p is not None and p[0] == writer_id), default=-1)
-        drop = DropRecord(
+    """Create the next drop document of ``writer_id`` exclusively."""
+    return create_numbered(
+        store.storage,
+        keys.drops_dir(step),
+        writer_id,
+        lambda seq: DropRecord(
             step=step,
             writer_id=writer_id,
             seq=seq,
@@ -70,7 +70,5 @@ def write_drop(
             parts=parts,
             writers=writers,
             reason=reason,
-        )
-        if storage.create(keys.drop_key(step, drop.name), dump_document(drop)):
-            return drop
-    raise CommitConflictError(f"{storage.url_of(keys.drops_dir(step))}: could not create a drop for {writer_id!r}")
+        ),
+    )

@@ -22,6 +22,7 @@ from routelog.codec import TopkOrder, Transform
 from routelog.errors import CorruptDataError, FormatVersionError
 from routelog.spec import MAX_EXPERTS, ModelSpec
 from routelog.values import VALUES_OBJECT
+from routelog.weights import WeightsDtype
 
 FORMAT_VERSION = 2
 """The format this routelog writes, and the newest it reads (it reads every older one too)."""
@@ -51,6 +52,7 @@ COMMIT_KIND: Final = "routelog.commit"
 SEAL_KIND: Final = "routelog.seal"
 ANNOTATION_KIND: Final = "routelog.annotation"
 DROP_KIND: Final = "routelog.drop"
+FIDELITY_KIND: Final = "routelog.fidelity"
 
 
 class ArrowType:
@@ -234,6 +236,35 @@ class RoutingArrayInfo(_Document):
         return self
 
 
+class WeightsArrayInfo(_Document):
+    """The zarr v3 array ``weights`` of a part (format 2, optional): the routing weights (gate probabilities) of the
+    chosen experts, ``[num_moe_layers, n_rows, topk]`` aligned element by element with ``routing`` (same rows, same
+    slot order). bf16 values are stored as their uint16 bit patterns; both dtypes as byte planes, like uint16 IDs.
+    NaN marks a row whose record carried no weights."""
+
+    path: Literal["weights"] = "weights"
+    dtype: WeightsDtype
+    n_rows: int = Field(ge=0, le=MAX_PART_ROWS)
+    num_moe_layers: int = Field(ge=1, le=MAX_MOE_LAYERS)
+    topk: int = Field(ge=1, le=MAX_TOPK)
+    chunk_rows: int = Field(ge=1, le=MAX_PART_ROWS)
+    chunk_layers: int = Field(ge=1, le=MAX_MOE_LAYERS)
+    zarr_metadata: dict[str, JsonValue] = {}
+    """A copy of ``weights/zarr.json``."""
+
+    @model_validator(mode="after")
+    def _bounded(self) -> WeightsArrayInfo:
+        if self.chunk_layers > self.num_moe_layers:
+            raise ValueError(f"chunk_layers {self.chunk_layers} exceeds num_moe_layers {self.num_moe_layers}")
+        itemsize = 2 if self.dtype == "bfloat16" else 4
+        if self.chunk_layers * self.chunk_rows * self.topk * itemsize > MAX_CHUNK_BYTES:
+            raise ValueError(f"an inner chunk would decode to more than {MAX_CHUNK_BYTES} bytes")
+        grid = math.ceil(self.num_moe_layers / self.chunk_layers) * max(1, math.ceil(self.n_rows / self.chunk_rows))
+        if grid > MAX_CHUNKS:
+            raise ValueError(f"the shard would hold {grid} inner chunks (at most {MAX_CHUNKS})")
+        return self
+
+
 class ValueColumn(_Document):
     """A per-token float column (see ``routelog.values``): entry ``t`` belongs to input position ``t``."""
 
@@ -301,12 +332,22 @@ class CommitRecord(_CommitBase):
     streams: dict[StreamName, RoutingArrayInfo] = {}
     """Extra routing streams of the part's records (format 1.2), e.g. ``mtp``: the routing of multi-token-
     prediction layers, kept apart from the decoder's so that it is never installed into a decoder router."""
+    weights: WeightsArrayInfo | None = None
+    """The routing weights of the part's rows (format 2), when any of its records carried them; read only when
+    asked for."""
 
     @model_validator(mode="after")
-    def _stream_paths(self) -> CommitRecord:
+    def _arrays(self) -> CommitRecord:
         for name, array in self.streams.items():
             if array.path != f"{STREAMS_DIR}/{name}":
                 raise ValueError(f"stream {name!r} must be stored under {STREAMS_DIR}/{name}, not {array.path!r}")
+        weights, routing = self.weights, self.routing
+        if weights is not None and (weights.n_rows, weights.num_moe_layers, weights.topk) != (
+            routing.n_rows,
+            routing.num_moe_layers,
+            routing.topk,
+        ):
+            raise ValueError("the weights array must have the routing array's rows, layers and top-k")
         return self
 
 
@@ -346,6 +387,51 @@ class DropRecord(_Document):
     def _not_empty(self) -> DropRecord:
         if not (self.sample_ids or self.parts or self.writers):
             raise ValueError("a drop names at least one sample id, part or writer")
+        return self
+
+    @property
+    def name(self) -> str:
+        return keys.commit_name(self.writer_id, self.seq)
+
+
+class FidelityRecord(_Document):
+    """Created exclusively under ``steps/<step>/fidelity/<writer>.<seq>.json`` (format 2, optional): how faithfully
+    one training rank replayed the step's routing. While replaying, each router still computes its own top-k;
+    per MoE layer the rank counts the rows it replayed and, of those, the rows whose own top-k set differs from the
+    replayed one (the R3 paper's router diff, measured in the trainer). Counts are summed on the rank and
+    published once per step, so a step of any size costs one small document per rank."""
+
+    format_version: int = FORMAT_VERSION
+    kind: Literal["routelog.fidelity"] = FIDELITY_KIND
+    features: list[str] = []
+    step: int = Field(ge=0)
+    writer_id: WriterId
+    """The rank that measured, e.g. ``train-dp0-pp1``."""
+    seq: int = Field(ge=0, lt=10**8)
+    created_at: datetime
+    trainer_step: int | None = None
+    """The trainer's own iteration counter, when it differs from the store's step."""
+    phase: Name | None = None
+    """What the measured forwards were for, e.g. ``old_logprob`` or ``train``."""
+    layers: list[int] = Field(max_length=MAX_MOE_LAYERS)
+    """Global layer indices (0-based decoder layers) of the counts below."""
+    replayed_rows: list[int]
+    differing_rows: list[int]
+    """Replayed rows whose router would have chosen another set."""
+    fallback_rows: list[int] = []
+    """Rows without a recorded route that took the router's own choice (the ``router`` missing policy)."""
+    samples: int = Field(ge=0)
+    """Records installed by the rank in the step."""
+    token_mismatches: int = Field(0, ge=0)
+    """Records whose fed tokens hashed differently from the recorded ones (a gate in ``warn`` mode let them through)."""
+
+    @model_validator(mode="after")
+    def _aligned(self) -> FidelityRecord:
+        n = len(self.layers)
+        if len(self.replayed_rows) != n or len(self.differing_rows) != n or len(self.fallback_rows) not in (0, n):
+            raise ValueError("replayed_rows, differing_rows and fallback_rows must have one count per layer")
+        if any(d < 0 or d > r for d, r in zip(self.differing_rows, self.replayed_rows, strict=True)):
+            raise ValueError("every layer's differing_rows must lie in [0, replayed_rows]")
         return self
 
     @property
@@ -423,6 +509,7 @@ DOCUMENT_MODELS: dict[str, type[BaseModel]] = {
     "seal_intent": SealIntent,
     "annotation": AnnotationCommit,
     "drop": DropRecord,
+    "fidelity": FidelityRecord,
     "index_row": IndexRow,
     "model_spec": ModelSpec,
 }

@@ -102,10 +102,11 @@ def collect_garbage(
         base = keys.step_dir(step)
         survey = _survey(store, step, report.damaged)
         dropped = _dropped_parts(store, step, survey, report.damaged)
+        referenced = _referenced_parts(store, step, report.damaged)
         for part, when in dropped.items():  # reclaimable once no reader can still be reading them
-            if now - when.timestamp() >= older_than:
+            if now - when.timestamp() >= older_than and referenced is not None and part not in referenced:
                 survey.claimed.discard(part)
-        dead[step] = _dead_parts(store, step, survey, dropped, report.damaged)
+        dead[step] = _dead_parts(survey, dropped, referenced)
         report.dead_parts += [keys.part_dir(step, p) for p in dead[step]]
         found = {directory: storage.find(directory) for directory in (keys.parts_dir(step), keys.annotations_dir(step))}
         _check_claims(store, survey, found[keys.parts_dir(step)], set(dropped), report.damaged)
@@ -167,17 +168,21 @@ def _dropped_parts(store: StoreRoot, step: int, survey: _StepSurvey, damaged: li
     return when
 
 
-def _dead_parts(
-    store: StoreRoot, step: int, survey: _StepSurvey, dropped: dict[str, datetime], damaged: list[str]
-) -> list[str]:
-    """Committed parts not yet dropped whole of which no record is live (dropped by sample id, or shadowed)."""
+def _referenced_parts(store: StoreRoot, step: int, damaged: list[str]) -> set[str] | None:
+    """The step's parts live records read rows from (None when the step cannot be read: nothing is reclaimed)."""
     try:
-        snapshot = StepSnapshot.load(store, step)
+        return StepSnapshot.load(store, step).referenced_parts()
     except RoutelogError as exc:
         damaged.append(f"step {step}: {exc}")
+        return None
+
+
+def _dead_parts(survey: _StepSurvey, dropped: dict[str, datetime], referenced: set[str] | None) -> list[str]:
+    """Committed parts not yet dropped whole from which no live record reads a row (their records dropped by
+    sample id or shadowed, and no shared prefix of another record points at them)."""
+    if referenced is None:
         return []
-    live = {snapshot.commits[int(i)].part for i in set(snapshot.index.column("_commit").to_pylist())}
-    return sorted(c.part for c in survey.commits.values() if c.part not in live and c.part not in dropped)
+    return sorted(c.part for c in survey.commits.values() if c.part not in referenced and c.part not in dropped)
 
 
 def _survey(store: StoreRoot, step: int, damaged: list[str]) -> _StepSurvey:

@@ -146,3 +146,12 @@ def drops_dir(step: int) -> str:
 
 def drop_key(step: int, name: str) -> str:
     return f"{drops_dir(step)}/{name}"
+
+
+def fidelity_dir(step: int) -> str:
+    """Replay-fidelity documents (``<writer>.<seq>.json``): what training ranks measured while replaying."""
+    return f"{step_dir(step)}/fidelity"
+
+
+def fidelity_key(step: int, name: str) -> str:
+    return f"{fidelity_dir(step)}/{name}"

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from routelog.align.plan import AlignmentPlan, MicroBatchReplay, gather
+from routelog.align.positions import PAD
 from routelog.errors import ModelSpecError
 from routelog.reader import StepSnapshot
 from routelog.store import Store, open_store
@@ -78,7 +79,17 @@ class ReplayLoader:
     def load(self, m: int) -> MicroBatchReplay:
         """Read micro-batch ``m``'s records (this stage's layers only) and align them."""
         batch = self.plan.micro_batches[m]
-        routings = self.snapshot.read_many(batch.sample_ids, moe_layers=self.plan.moe_layers)
+        snapshot = self.snapshot
+        lengths = [snapshot.info(sid).n_tokens for sid in batch.sample_ids]
+        # Only the tokens this rank holds (a CP/SP rank holds a fraction of each sequence): only their chunks are
+        # fetched.
+        positions = self.plan.positions(m, lengths)
+        real = positions[positions[:, 0] != PAD]
+        needed = {sid: np.zeros(n, dtype=bool) for sid, n in zip(batch.sample_ids, lengths, strict=True)}
+        first = self.plan.first_index(m)
+        for j, sid in enumerate(batch.sample_ids):
+            needed[sid][real[real[:, 0] - first == j, 1]] = True
+        routings = snapshot.read_many(batch.sample_ids, moe_layers=self.plan.moe_layers, tokens=needed)
         return gather(self.plan, m, {r.sample_id: r for r in routings})
 
     def __iter__(self) -> Iterator[MicroBatchReplay]:

@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from routelog.align.plan import AlignmentPlan, MicroBatchReplay
 from routelog.errors import AlignmentError, ReplayConfigError
+from routelog.fidelity import FidelityGate, StepFidelity
 from routelog.record import token_hash
 from routelog.spec import ModelSpec
 
@@ -51,12 +52,14 @@ def _decoder(chunk: Any) -> Any:
     raise ReplayConfigError(f"{type(chunk).__name__} has no decoder (expected a megatron-core GPTModel chunk)")
 
 
-def find_routers(model_chunks: Sequence[Any]) -> list[ChunkRouter]:
-    """Every replay-enabled ``TopKRouter`` under each chunk's decoder, in forward order (MTP routers excluded)."""
+def find_routers(model_chunks: Sequence[Any], vp_stages: Sequence[int] | None = None) -> list[ChunkRouter]:
+    """Every replay-enabled ``TopKRouter`` under each chunk's decoder, in forward order (MTP routers excluded);
+    ``vp_stages`` names the chunks' virtual stages when they are not all of this rank's, in order."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     found = []
-    for vp_stage, chunk in enumerate(model_chunks):
+    stages = range(len(model_chunks)) if vp_stages is None else vp_stages
+    for vp_stage, chunk in zip(stages, model_chunks, strict=True):
         routers = [m for m in _decoder(chunk).modules() if isinstance(m, TopKRouter)]
         for router in sorted(routers, key=lambda r: int(r.layer_number)):
             if getattr(router, "router_replay", None) is None:
@@ -107,6 +110,23 @@ def check_tokens(replay: MicroBatchReplay, token_ids: Sequence[npt.ArrayLike]) -
             )
 
 
+def _action(router_replay: Any, name: str) -> Any:
+    """The ``RouterReplayAction`` member ``name`` of the enum ``router_replay``'s own class uses: megatron-core's,
+    or a trainer's own copy (veRL patches its ``RouterReplay`` and enum into ``TopKRouter``; equal names, unequal
+    members)."""
+    import sys
+
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    own = getattr(sys.modules.get(type(router_replay).__module__), "RouterReplayAction", RouterReplayAction)
+    return own[name]
+
+
+def _is(action: Any, name: str) -> bool:
+    """Whether ``action`` is the member ``name`` of any ``RouterReplayAction`` enum."""
+    return getattr(action, "name", None) == name
+
+
 class MaskedTopk:
     """Wraps one router's ``RouterReplay.get_replay_topk`` so that rows whose mask is False take the router's own
     top-k (the ``router`` missing-route policy), and counts how often the router's own choice differs from the
@@ -125,6 +145,8 @@ class MaskedTopk:
         """Replayed rows seen by forward passes."""
         self.differing = 0
         """Of those, rows whose native top-k set differs from the replayed one."""
+        self.fallback = 0
+        """Rows without a recorded route seen by forward passes (they take the router's own top-k)."""
         self._original = router_replay.get_replay_topk
         router_replay.get_replay_topk = self
 
@@ -147,13 +169,15 @@ class MaskedTopk:
         default_compute_topk: Any = None,
     ) -> tuple[Any, Any]:
         import torch
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         action = self.replay.router_replay_action
-        if action == RouterReplayAction.REPLAY_FORWARD and self.current is not None:
+        if _is(action, "REPLAY_FORWARD") and self.current is not None:
             target, mask, forward = self.replay.target_topk_idx, self.current, True
-        elif action == RouterReplayAction.REPLAY_BACKWARD and self.queued:
+        elif _is(action, "REPLAY_BACKWARD") and self.queued:
             target, mask, forward = self.replay.replay_backward_list.pop(0), self.queued.pop(0), False
+            trainer_masks = getattr(self.replay, "replay_backward_mask_list", None)  # veRL's RouterReplay
+            if trainer_masks:
+                trainer_masks.pop(0)
         else:
             return self._original(scores, topk, num_groups, group_topk, default_compute_topk)  # type: ignore[no-any-return]
         target = target.to(scores.device)
@@ -163,6 +187,7 @@ class MaskedTopk:
             same = (torch.sort(native, dim=1).values == torch.sort(target, dim=1).values).all(dim=1)
             self.rows += int(mask.sum())
             self.differing += int((mask & ~same).sum())
+            self.fallback += int((~mask).sum())
         indices = torch.where(mask[:, None], target, native) if self.use_native_for_missing else target
         return scores.gather(1, indices), indices
 
@@ -170,20 +195,34 @@ class MaskedTopk:
 class MegatronReplay:
     """Hands one rank's replay tensors to megatron-core's routers, micro-batch by micro-batch.
 
-    With the plan's ``missing="router"`` (or ``measure=True``) each router's replay is wrapped by
+    With the plan's ``missing="router"`` (or ``measure=True``, or a ``gate``) each router's replay is wrapped by
     :class:`MaskedTopk`: rows without a recorded route take the router's own top-k, and :meth:`router_diff`
-    reports, per layer, how often the router's own choice differs from the replayed one.
+    reports, per layer, how often the router's own choice differs from the replayed one; :meth:`end_step` returns
+    the step's counts (:class:`~routelog.fidelity.StepFidelity`, to publish with
+    :func:`~routelog.fidelity.write_fidelity`) after the ``gate`` checked them.
     """
 
     def __init__(
-        self, model_chunks: Sequence[Any], plan: AlignmentPlan, *, config: Any = None, measure: bool = False
+        self,
+        model_chunks: Sequence[Any],
+        plan: AlignmentPlan,
+        *,
+        config: Any = None,
+        measure: bool = False,
+        gate: FidelityGate | None = None,
+        vp_stages: Sequence[int] | None = None,
     ) -> None:
+        """``vp_stages``: the virtual stages of ``model_chunks`` when they are not all of this rank's chunks in
+        order (a trainer that hands one chunk at a time)."""
         if config is not None:
             check_config(config, plan.spec)
         self.plan = plan
-        self.routers = find_routers(model_chunks)
+        self.gate = gate
+        self._step = StepFidelity()
+        self._counted: dict[int, tuple[int, int, int]] = {}
+        self.routers = find_routers(model_chunks, vp_stages)
         found = [(r.vp_stage, r.layer_number) for r in self.routers]
-        expected = [(r.vp_stage, r.layer_number) for r in plan.routers]
+        expected = [(r.vp_stage, r.layer_number) for r in plan.routers if vp_stages is None or r.vp_stage in vp_stages]
         if found != expected:
             raise AlignmentError(
                 f"the model's routers (vp_stage, layer_number) {found} differ from the plan's {expected}: the "
@@ -191,7 +230,7 @@ class MegatronReplay:
             )
         self._handles = [r.module.register_forward_pre_hook(self._check_rows_hook(r)) for r in self.routers]
         self._masked: dict[int, MaskedTopk] = {}
-        if plan.missing == "router" or measure:
+        if plan.missing == "router" or measure or gate is not None:
             self._masked = {
                 r.layer_number: MaskedTopk(r.module.router_replay, use_native_for_missing=plan.missing == "router")
                 for r in self.routers
@@ -202,17 +241,15 @@ class MegatronReplay:
         return {n: (m.rows, m.differing) for n, m in self._masked.items()}
 
     def _check_rows_hook(self, router: ChunkRouter) -> Any:
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
         def check(module: Any, args: tuple[Any, ...]) -> None:
             replay = module.router_replay
             hidden = args[0]
             tokens = int(hidden.shape[0] * hidden.shape[1]) if hidden.dim() == 3 else int(hidden.shape[0])
             action = replay.router_replay_action
             target = None
-            if action == RouterReplayAction.REPLAY_FORWARD:
+            if _is(action, "REPLAY_FORWARD"):
                 target = replay.target_topk_idx
-            elif action == RouterReplayAction.REPLAY_BACKWARD and replay.replay_backward_list:
+            elif _is(action, "REPLAY_BACKWARD") and replay.replay_backward_list:
                 target = replay.replay_backward_list[0]
             if target is not None and int(target.shape[0]) != tokens:
                 raise AlignmentError(
@@ -232,36 +269,67 @@ class MegatronReplay:
         tokens: Sequence[npt.ArrayLike] | None = None,
     ) -> Iterator[None]:
         """Replay ``replay`` in the forward run inside the block (one model chunk, or all with ``vp_stage=None``)."""
-        import torch
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        if tokens is not None:
-            check_tokens(replay, tokens)
-        by_layer = {r.layer_number: j for j, r in enumerate(replay.routers)}
         # Actions are set on this model's decoder routers only: a process-global flip would also reach MTP routers
         # and orphans of a decoder built twice, which have no targets.
-        mask = torch.from_numpy(replay.mask)
         for router in self.routers:
-            router.module.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-            if vp_stage is None or router.vp_stage == vp_stage:
-                target = torch.from_numpy(replay.ids[by_layer[router.layer_number]])
-                router.module.router_replay.set_target_indices(target if device is None else target.to(device))
-                if router.layer_number in self._masked:
-                    self._masked[router.layer_number].push(mask if device is None else mask.to(device))
+            router.module.router_replay.set_router_replay_action(_action(router.module.router_replay, "REPLAY_FORWARD"))
+        self.install(replay, vp_stage=vp_stage, device=device, tokens=tokens)
         try:
             yield
         finally:
             # Recomputation in the backward pass pops the targets just set, oldest first.
             for router in self.routers:
-                router.module.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+                replay_ = router.module.router_replay
+                replay_.set_router_replay_action(_action(replay_, "REPLAY_BACKWARD"))
 
-    def end_step(self) -> None:
-        """Clear every target and the action after the optimizer step."""
+    def install(
+        self,
+        replay: MicroBatchReplay,
+        *,
+        vp_stage: int | None = None,
+        device: Any = None,
+        tokens: Sequence[npt.ArrayLike] | None = None,
+    ) -> None:
+        """Hand ``replay``'s targets to the routers of one model chunk (all with ``vp_stage=None``) without
+        touching the replay action: for trainers that set it themselves around their forward step (veRL)."""
+        import torch
+
+        if tokens is not None:
+            try:
+                check_tokens(replay, tokens)
+            except AlignmentError as exc:
+                if self.gate is None:
+                    raise
+                self._step.token_mismatches += 1
+                self.gate.token_mismatch(str(exc))
+        if vp_stage is None or vp_stage == 0:  # a micro-batch visits every model chunk: count its records once
+            self._step.samples += len(replay.sample_ids)
+        by_layer = {r.layer_number: j for j, r in enumerate(replay.routers)}
+        mask = torch.from_numpy(replay.mask)
+        for router in self.routers:
+            if vp_stage is None or router.vp_stage == vp_stage:
+                target = torch.from_numpy(replay.ids[by_layer[router.layer_number]])
+                router.module.router_replay.set_target_indices(target if device is None else target.to(device))
+                if router.layer_number in self._masked:
+                    self._masked[router.layer_number].push(mask if device is None else mask.to(device))
+
+    def end_step(self) -> StepFidelity:
+        """Clear every target and the action after the optimizer step; returns the step's replay-fidelity counts
+        (per global layer index; empty unless measured) once the gate has checked them."""
         for router in self.routers:
             router.module.router_replay.clear_indices()
             router.module.router_replay.clear_router_replay_action()
         for masked in self._masked.values():
             masked.clear()
+        counts, self._step = self._step, StepFidelity()
+        for layer_number, masked in self._masked.items():
+            before = self._counted.get(layer_number, (0, 0, 0))
+            now = (masked.rows, masked.differing, masked.fallback)
+            counts.add(layer_number - 1, *(a - b for a, b in zip(now, before, strict=True)))
+            self._counted[layer_number] = now
+        if self.gate is not None:
+            self.gate.check(counts, "routing replay")
+        return counts
 
     def remove(self) -> None:
         """Remove the row-count hooks and the replay wrappers."""

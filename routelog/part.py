@@ -35,6 +35,7 @@ from routelog.format import (
     Span,
     ValueColumn,
     ValuesInfo,
+    WeightsArrayInfo,
 )
 from routelog.record import PreparedRecord
 from routelog.shard import (
@@ -50,6 +51,8 @@ from routelog.shard import (
 from routelog.spec import ModelSpec
 from routelog.storage import Storage
 from routelog.values import VALUES_OBJECT, values_to_parquet
+from routelog.weights import WeightsDtype
+from routelog.weights import storage_dtype as weights_storage_dtype
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,12 @@ class PartOptions:
     transform: Literal["ranked_gaps", "sorted_gaps"] = "ranked_gaps"
     """Chunk codec of sorted sets: ``ranked_gaps`` (format 2, learns each chunk's popularity and repeats) or
     ``sorted_gaps`` (format 1's ID gaps: the fastest to encode, larger on skewed routing)."""
-    dedup: bool = True
-    """Store a prefix a record shares with an earlier record of the part (same tokens, same routing) once
-    (:mod:`routelog.dedup`)."""
+    dedup: Literal["step", "part", "off"] = "step"
+    """Store a prefix a record shares with an earlier record (same tokens, same routing) once
+    (:mod:`routelog.dedup`): ``step`` looks for it in the part, in the writer's earlier parts and in other
+    writers' committed parts of the step; ``part`` only in the part; ``off`` stores every record whole."""
+    weights_dtype: WeightsDtype = "bfloat16"
+    """How records' routing weights are stored, when they carry some (:mod:`routelog.weights`)."""
 
     def __post_init__(self) -> None:
         if self.chunk_rows < 1 or self.chunk_layers < 1:
@@ -78,6 +84,10 @@ class PartOptions:
             raise ValueError(f"topk_order must be 'sorted' or 'score', got {self.topk_order!r}")
         if self.transform not in ("ranked_gaps", "sorted_gaps"):
             raise ValueError(f"transform must be 'ranked_gaps' or 'sorted_gaps', got {self.transform!r}")
+        if self.dedup not in ("step", "part", "off"):
+            raise ValueError(f"dedup must be 'step', 'part' or 'off', got {self.dedup!r}")
+        if self.weights_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"weights_dtype must be 'bfloat16' or 'float32', got {self.weights_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,10 @@ class BuiltPart:
     n_tokens: int
     values: ValuesInfo | None = None
     streams: dict[str, RoutingArrayInfo] = field(default_factory=dict)
+    weights: WeightsArrayInfo | None = None
+    prefix_part: int | None = None
+    """The part's id in the :class:`~routelog.dedup.PrefixIndex` it was placed with: tell the index whether it
+    was committed (``committed``) or not (``abandon``)."""
 
     def object_infos(self) -> list[ObjectInfo]:
         return [
@@ -99,22 +113,48 @@ class BuiltPart:
         ]
 
 
-def build_part(records: Sequence[PreparedRecord], spec: ModelSpec, options: PartOptions) -> BuiltPart:
+def build_part(
+    records: Sequence[PreparedRecord], spec: ModelSpec, options: PartOptions, prefixes: PrefixIndex | None = None
+) -> BuiltPart:
     """Concatenate the records' stored rows into one sharded zarr array (and one per extra stream the records
-    carry) and write their Parquet index."""
-    rows: list[IndexRow] = []
+    carry, and one of routing weights when some record has them) and write their Parquet index.
+
+    With ``dedup="step"``, ``prefixes`` is the writer's index of the step's earlier records (a fresh one when
+    None): shared prefixes may then point at earlier committed parts."""
     capacity = sum(r.rows.shape[1] for r in records)  # at most: shared prefixes only make it smaller
-    routing = PartRows(spec.num_moe_layers, spec.topk, spec.id_dtype, capacity)
-    prefixes = PrefixIndex(routing) if options.dedup else None
+    routing = PartRows(spec.num_moe_layers, spec.topk, spec.id_dtype, capacity, options.weights_dtype)
+    if options.dedup == "off":
+        prefixes = None
+    elif options.dedup == "part" or prefixes is None:
+        prefixes = PrefixIndex()
+    part_id = None if prefixes is None else prefixes.begin_part(routing)
+    try:
+        return _build(records, spec, options, routing, prefixes, part_id)
+    except BaseException:
+        if prefixes is not None and part_id is not None:
+            prefixes.abandon(part_id)
+        raise
+
+
+def _build(
+    records: Sequence[PreparedRecord],
+    spec: ModelSpec,
+    options: PartOptions,
+    routing: PartRows,
+    prefixes: PrefixIndex | None,
+    part_id: int | None,
+) -> BuiltPart:
+    rows: list[IndexRow] = []
     stream_offsets: dict[str, int] = {}
     for rec in records:
-        if prefixes is None:
+        if prefixes is None or part_id is None:
             spans = [_shifted(s, routing.n) for s in rec.row.spans]
-            routing.append(rec.rows)
+            routing.append(rec.rows, rec.weights)
         else:
-            placed = prefixes.place(rec.row.token_ids, rec.row.spans, rec.rows)
+            placed = prefixes.place(part_id, rec.row.token_ids, rec.row.spans, rec.rows, rec.weights)
             spans = placed.spans
-            routing.append(rec.rows[:, placed.first_own_row :])
+            first = placed.first_own_row
+            routing.append(rec.rows[:, first:], None if rec.weights is None else rec.weights[:, first:])
         streams = None
         if rec.row.streams:
             streams = []
@@ -150,6 +190,9 @@ def build_part(records: Sequence[PreparedRecord], spec: ModelSpec, options: Part
             {"stream": name, "num_experts": declared.universe},
             objects,
         )
+    weights = None
+    if routing.weights is not None:
+        weights = _encode_weights(routing.weights, spec, options, objects)
     objects[keys.INDEX] = index_to_parquet(rows)
     names = sorted({name for r in records for name in r.values})
     values = None
@@ -165,6 +208,8 @@ def build_part(records: Sequence[PreparedRecord], spec: ModelSpec, options: Part
         n_tokens=sum(r.n_tokens for r in rows),
         values=values,
         streams=streams_info,
+        weights=weights,
+        prefix_part=part_id if options.dedup == "step" else None,
     )
 
 
@@ -213,7 +258,37 @@ def _encode_array(
     return info.model_copy(update={"zarr_metadata": metadata})
 
 
-def shard_layout(info: RoutingArrayInfo) -> ShardLayout:
+def _encode_weights(
+    data: npt.NDArray[Any], spec: ModelSpec, options: PartOptions, objects: dict[str, bytes]
+) -> WeightsArrayInfo:
+    """Encode the part's stored weights ``[layers, rows, topk]`` as the sharded array ``weights``."""
+    info = WeightsArrayInfo(
+        dtype=options.weights_dtype,
+        n_rows=data.shape[1],
+        num_moe_layers=spec.num_moe_layers,
+        topk=spec.topk,
+        chunk_rows=options.chunk_rows,
+        chunk_layers=min(options.chunk_layers, spec.num_moe_layers),
+    )
+    layout_ = shard_layout(info)
+    attributes = {"routelog": {"format_version": FORMAT_VERSION, "weights_dtype": info.dtype}}
+    metadata = layout_.zarr_metadata(options.zstd_level, attributes)
+    objects[f"{info.path}/zarr.json"] = json.dumps(metadata, indent=1).encode()
+    if info.n_rows:
+        objects[f"{info.path}/{layout_.shard_key}"] = encode_shard(data, layout_, options.zstd_level)
+    return info.model_copy(update={"zarr_metadata": metadata})
+
+
+def shard_layout(info: RoutingArrayInfo | WeightsArrayInfo) -> ShardLayout:
+    if isinstance(info, WeightsArrayInfo):
+        return ShardLayout(
+            num_layers=info.num_moe_layers,
+            n_rows=info.n_rows,
+            topk=info.topk,
+            chunk_layers=info.chunk_layers,
+            chunk_rows=info.chunk_rows,
+            dtype=weights_storage_dtype(info.dtype),
+        )
     return ShardLayout(
         num_layers=info.num_moe_layers,
         n_rows=info.n_rows,
@@ -253,8 +328,8 @@ class BlockRequest:
 
     part_key: str
     """The part directory relative to the store root."""
-    array: RoutingArrayInfo
-    """The part's decoder routing, or one of its streams."""
+    array: RoutingArrayInfo | WeightsArrayInfo
+    """The part's decoder routing, one of its streams, or its routing weights."""
     shard_nbytes: int
     """The shard's size as the commit lists it (0 when unlisted: every chunk then lies outside it)."""
     layers: tuple[int, int]
@@ -272,9 +347,15 @@ class BlockRequest:
         samples: tuple[str, ...] = (),
         *,
         stream: str | None = None,
+        weights: bool = False,
     ) -> BlockRequest:
-        """A request for the commit's decoder routing, or for its stream ``stream``."""
-        array = commit.routing if stream is None else commit.streams[stream]
+        """A request for the commit's decoder routing, for its stream ``stream``, or (``weights``, when the part
+        has them) for its routing weights."""
+        array: RoutingArrayInfo | WeightsArrayInfo = commit.routing if stream is None else commit.streams[stream]
+        if weights:
+            if commit.weights is None:
+                raise ValueError(f"part {part_key!r} holds no routing weights")
+            array = commit.weights
         key = f"{array.path}/{shard_layout(array).shard_key}"
         nbytes = next((o.size for o in commit.objects if o.key == key), 0)
         return cls(part_key, array, nbytes, layers, rows, samples)
@@ -311,7 +392,8 @@ class ShardIndexCache:
 def fetch_blocks(
     storage: Storage, requests: Sequence[BlockRequest], cache: ShardIndexCache | None = None
 ) -> list[np.ndarray[Any, Any]]:
-    """Decoded expert IDs for each request, layer-major ``[layers, rows, topk]`` in the storage dtype.
+    """Decoded expert IDs (or stored weights) for each request, layer-major ``[layers, rows, topk]`` in the
+    storage dtype.
 
     Two rounds of concurrent ranged reads: the shard indexes not cached yet, then exactly the inner chunks the
     requests touch (neighbouring chunks merged into one request). Each chunk is checksum-verified, decompressed
@@ -330,16 +412,18 @@ def fetch_blocks(
     blocks = []
     for request, chunks in zip(requests, plans, strict=True):
         array, layout_ = request.array, shard_layout(request.array)
+        # Ranked chunks decode to IDs themselves and untransformed ones are what they store; gaps are undone below.
+        direct = isinstance(array, WeightsArrayInfo) or array.transform != "sorted_gaps"
         raw = np.empty(layout_.chunk_shape, layout_.dtype)  # scratch: stored form of one chunk
-        ids = np.empty(layout_.chunk_shape, layout_.dtype)  # scratch: its expert IDs
+        ids = np.empty(layout_.chunk_shape, layout_.dtype)  # scratch: its expert IDs (or weights)
         (l0, l1), (r0, r1) = request.layers, request.rows
         block = np.empty((l1 - l0, r1 - r0, array.topk), dtype=layout_.dtype)
         for chunk in chunks:
             cl0, cr0 = chunk.layer_chunk * layout_.chunk_layers, chunk.row_chunk * layout_.chunk_rows
             ls, le = max(l0, cl0), min(l1, cl0 + layout_.chunk_layers)
             rs, re_ = max(r0, cr0), min(r1, cr0 + layout_.chunk_rows)
-            try:  # a ranked chunk decodes to IDs itself; the others to their stored form, un-transformed below
-                decode_chunk(pieces[(request.array_key, chunk.start)], layout_, out=ids if layout_.ranked else raw)
+            try:
+                decode_chunk(pieces[(request.array_key, chunk.start)], layout_, out=ids if direct else raw)
             except ShardFormatError as exc:
                 raise CorruptDataError(
                     f"{storage.url_of(request.shard_key)}: inner chunk rows [{cr0}, {cr0 + layout_.chunk_rows}) "
@@ -348,8 +432,8 @@ def fetch_blocks(
                 ) from exc
             # Un-transform the whole chunk while it is contiguous and in cache, then place the overlap: one
             # contiguous copy per layer.
-            if not layout_.ranked:
-                decode_rows(raw, array.transform, out=ids)
+            if not direct:
+                decode_rows(raw, "sorted_gaps", out=ids)
             block[ls - l0 : le - l0, rs - r0 : re_ - r0] = ids[ls - cl0 : le - cl0, rs - cr0 : re_ - cr0]
         blocks.append(block)
     return blocks

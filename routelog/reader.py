@@ -8,7 +8,7 @@ of the sharded array; the array metadata comes embedded in the commit), concurre
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -45,6 +45,7 @@ from routelog.routing import ROUTING_TABLE_SCHEMA, RecordRouting
 from routelog.spec import ModelSpec
 from routelog.storage import check_digest
 from routelog.values import FloatArray, values_from_parquet
+from routelog.weights import from_storage
 
 _VALUES_CACHE = 4
 """Values objects kept decoded per snapshot (streaming reads visit parts one after another)."""
@@ -66,7 +67,7 @@ class _PartRead:
     members: tuple[tuple[str, Span], ...]
     """The (sample id, span) pairs whose rows this read covers."""
 
-    def request(self, commit: CommitRecord, stream: str | None) -> BlockRequest:
+    def request(self, commit: CommitRecord, stream: str | None, *, weights: bool = False) -> BlockRequest:
         return BlockRequest.of(
             self.part_key,
             commit,
@@ -74,6 +75,7 @@ class _PartRead:
             (self.row_start, self.row_stop),
             tuple(sorted({sid for sid, _ in self.members})),
             stream=stream,
+            weights=weights,
         )
 
 
@@ -97,6 +99,9 @@ class StepSnapshot:
     as_of: datetime | None = None
     drops: list[DropRecord] = field(default_factory=list)
     """The drop documents applied (as of :attr:`as_of`)."""
+    dropped_commits: list[CommitRecord] = field(default_factory=list)
+    """Commits of wholly dropped parts: none of their records is read, but live records' shared prefixes may
+    still point at their rows."""
     shadowed: list[Shadowed] = field(init=False)
     """Records committed again by another commit and shadowed by the earliest one."""
     _positions: dict[str, int] = field(init=False, repr=False)
@@ -134,7 +139,7 @@ class StepSnapshot:
             self.index = self.index.filter(pa.array(mask))
         self._commit_column = self.index.column("_commit").to_numpy()
         self._n_tokens = self.index.column("n_tokens").to_numpy()
-        self._own = {keys.part_dir(self.step, c.part): c for c in self.commits}
+        self._own = {keys.part_dir(self.step, c.part): c for c in [*self.dropped_commits, *self.commits]}
         self._positions = {sid: i for i, sid in enumerate(self.index.column("sample_id").to_pylist())}
 
     # -- loading -------------------------------------------------------------------------------------------------
@@ -165,6 +170,7 @@ class StepSnapshot:
             commits = [c for c in commits if c.created_at <= as_of]
         drops = read_drops(store, step, as_of)
         unread = len(commits)
+        dropped = [c for c in commits if dropped_part(c, drops)]
         commits = [c for c in commits if not dropped_part(c, drops)]
         if as_of is not None:  # a part dropped after as_of is read as it was, unless gc has reclaimed it since
             later = read_drops(store, step)
@@ -185,7 +191,7 @@ class StepSnapshot:
         check_index(index, commits, step, f"step {step} of {store.url}")
         if seal is not None and unread == len(commits):
             check_seal_counts(seal, index, commits, f"step {step} of {store.url}")
-        return cls(store, step, commits, index, seal is not None, as_of, drops)
+        return cls(store, step, commits, index, seal is not None, as_of, drops, dropped)
 
     @classmethod
     def _load_consolidated(
@@ -219,8 +225,9 @@ class StepSnapshot:
         check_index(index, commits, step, storage.url_of(index_key))
         check_seal_counts(seal, index, commits, f"step {step} of {store.url}")
         drops = read_drops(store, step, as_of)
+        dropped = [c for c in commits if dropped_part(c, drops)]
         commits, index = _without_dropped_parts(commits, index, drops)
-        return cls(store, step, commits, index, True, as_of, drops)
+        return cls(store, step, commits, index, True, as_of, drops, dropped)
 
     def _commit_of(self, position: int) -> int:
         return int(self._commit_column[position])
@@ -264,6 +271,17 @@ class StepSnapshot:
             return 0
         return int(pc.sum(pc.list_flatten(spans).field("n_rows")).as_py() or 0)
 
+    def referenced_parts(self) -> set[str]:
+        """Names of the step's parts that live records read rows from: their own, and the parts their shared
+        prefixes point at (which may be dropped whole, and must then be kept)."""
+        parts = {self.commits[int(i)].part for i in np.unique(self._commit_column)}
+        spans = pc.list_flatten(self.index.column("spans").combine_chunks())
+        for key in pc.unique(spans.field("part").drop_null()).to_pylist() if len(spans) else []:
+            parsed = keys.parse_span_part(key)
+            if parsed is not None and parsed[0] == self.step:
+                parts.add(parsed[1])
+        return parts
+
     def info(self, sample_id: str) -> IndexRow:
         """The index row of ``sample_id``."""
         return self._row(self._position(sample_id))
@@ -298,13 +316,25 @@ class StepSnapshot:
         return self.read_many([sample_id], moe_layers=moe_layers)[0]
 
     def read_many(
-        self, sample_ids: Iterable[str], *, moe_layers: Sequence[int] | None = None, stream: str | None = None
+        self,
+        sample_ids: Iterable[str],
+        *,
+        moe_layers: Sequence[int] | None = None,
+        stream: str | None = None,
+        weights: bool = False,
+        tokens: Mapping[str, npt.NDArray[np.bool_]] | None = None,
     ) -> list[RecordRouting]:
         """Routing of several records, fetched concurrently; results follow the order of ``sample_ids``.
 
         ``moe_layers`` are positions on the MoE axis (default: all). With ``stream`` (e.g. ``"mtp"``), the records'
         rows of that extra stream instead, ``moe_layers`` then being positions on the stream's own layer axis.
+        With ``weights``, also the routing weights (:attr:`RecordRouting.weights`; never fetched otherwise).
+        ``tokens[sample_id]`` (``[n_tokens]`` bool) restricts a record to those tokens: only the chunks holding
+        them are fetched (a context-parallel rank needs a fraction of each sequence); the other rows read as
+        missing.
         """
+        if weights and stream is not None:
+            raise ValueError("routing weights are stored for the decoder routing only, not for a stream")
         spec = self.store.model_spec
         if stream is None:
             n_layers, topk, dtype, names = spec.num_moe_layers, spec.topk, spec.id_dtype, tuple(spec.moe_layers)
@@ -325,7 +355,10 @@ class StepSnapshot:
         valid = {r.sample_id: np.zeros(r.n_tokens, dtype=bool) for r in rows}
         by_part: dict[str, list[tuple[str, Span]]] = defaultdict(list)
         for r in rows:
-            for span in _spans(r, stream):
+            needed = None if tokens is None else tokens.get(r.sample_id)
+            if needed is not None and needed.shape != (r.n_tokens,):
+                raise ValueError(f"tokens[{r.sample_id!r}] has shape {needed.shape}, the record {r.n_tokens} tokens")
+            for span in _spans(r, stream) if needed is None else _restricted(_spans(r, stream), needed):
                 by_part[span.part or own_part[r.sample_id]].append((r.sample_id, span))
                 valid[r.sample_id][span.token_start : span.token_start + span.n_rows] = True
         commits = {key: self._commit_for(key) for key in by_part}
@@ -336,11 +369,28 @@ class StepSnapshot:
             for lo, hi, members in _merge_rows(items, arrays[key].chunk_rows):
                 for a, b in runs:
                     reads.append(_PartRead(key, lo, hi, wanted[a], wanted[b - 1] + 1, a, b, members))
+        for key, items in by_part.items():
+            _check_referenced_rows(key, arrays[key], items, self.store.storage.url_of(key))
         requests = [read.request(commits[read.part_key], stream) for read in reads]
-        for read, block in zip(reads, fetch_blocks(self.store.storage, requests, self._index_cache), strict=True):
+        with_weights = [
+            (read, info) for read in reads if weights and (info := commits[read.part_key].weights) is not None
+        ]
+        requests += [read.request(commits[read.part_key], None, weights=True) for read, _ in with_weights]
+        blocks = fetch_blocks(self.store.storage, requests, self._index_cache)
+        for read, block in zip(reads, blocks[: len(reads)], strict=True):
             for sid, span in read.members:
                 src = block[:, span.row - read.row_start : span.row - read.row_start + span.n_rows]
                 out[sid][read.out_start : read.out_stop, span.token_start : span.token_start + span.n_rows] = src
+        weights_out = (
+            {r.sample_id: np.full(out[r.sample_id].shape, np.nan, np.float32) for r in rows} if weights else {}
+        )
+        for (read, info), block in zip(with_weights, blocks[len(reads) :], strict=True):
+            values = from_storage(block, info.dtype)
+            for sid, span in read.members:
+                src = values[:, span.row - read.row_start : span.row - read.row_start + span.n_rows]
+                weights_out[sid][read.out_start : read.out_stop, span.token_start : span.token_start + span.n_rows] = (
+                    src
+                )
         orders = {r.sample_id: self._topk_order(own_part[r.sample_id], stream) for r in rows}
         return [
             RecordRouting(
@@ -352,6 +402,7 @@ class StepSnapshot:
                 topk_order=orders[r.sample_id],
                 num_moe_layers=n_layers,
                 stream=stream,
+                weights=weights_out.get(r.sample_id),
             )
             for r in rows
         ]
@@ -556,6 +607,34 @@ class StepSnapshot:
             raise CorruptDataError(f"span reference {part_key!r} points at a part that step {step} does not hold")
         self._foreign[part_key] = commit
         return commit
+
+
+def _check_referenced_rows(part_key: str, array: RoutingArrayInfo, items: list[tuple[str, Span]], where: str) -> None:
+    """Spans that point at another part end within its rows (a record's own spans are checked with its index)."""
+    for sid, span in items:
+        if span.part is not None and span.row + span.n_rows > array.n_rows:
+            raise CorruptDataError(
+                f"{where}: sample {sid!r} points at rows [{span.row}, {span.row + span.n_rows}) of a part of "
+                f"{array.n_rows} rows"
+            )
+
+
+def _restricted(spans: list[Span], needed: npt.NDArray[np.bool_]) -> list[Span]:
+    """The parts of ``spans`` whose tokens are ``needed`` (maximal runs)."""
+    out = []
+    for span in spans:
+        inside = needed[span.token_start : span.token_start + span.n_rows]
+        if inside.all():
+            out.append(span)
+            continue
+        edges = np.flatnonzero(np.diff(np.concatenate([[False], inside, [False]]).astype(np.int8)))
+        for a, b in zip(edges[::2], edges[1::2], strict=True):
+            out.append(
+                span.model_copy(
+                    update={"token_start": span.token_start + int(a), "row": span.row + int(a), "n_rows": int(b - a)}
+                )
+            )
+    return out
 
 
 def _spans(row: IndexRow, stream: str | None) -> list[Span]:

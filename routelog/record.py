@@ -25,6 +25,7 @@ from routelog.errors import InvalidRecordError
 from routelog.format import MAX_NAME_CHARS, MAX_RECORD_TOKENS, IndexRow, Segment, Span, StreamSpans, load_json
 from routelog.spec import ModelSpec, StreamSpec
 from routelog.values import FloatArray, check_token_values
+from routelog.weights import WeightsDtype, to_storage
 
 TOKEN_HASH_PREFIX = "blake2b-128:"
 _TOKEN_HASH = re.compile(r"blake2b-128:[0-9a-f]{32}")
@@ -78,6 +79,10 @@ class Record:
     payload_start: int | None = None
     """Input position of the engine's first routing row (vLLM ``routed_experts_prompt_start``, SGLang
     ``routed_experts_start_len``), kept so an export reproduces the engine's payload."""
+    weights: npt.ArrayLike | None = None
+    """Optional routing weights ``[n_tokens, n_moe_layers, topk]`` (float; pass ``tensor.float().numpy()`` for a
+    bf16 tensor): slot ``j`` weighs expert ``expert_ids[..., j]``. Stored in the part's ``weights_dtype`` beside
+    the IDs (see :mod:`routelog.weights`); rows not in ``valid`` are ignored."""
 
     @property
     def n_tokens(self) -> int:
@@ -97,9 +102,13 @@ class PreparedRecord:
     """Stored rows of each extra stream, ``[stream layers, n_valid_rows, stream topk]`` (spans in ``row``)."""
     raw_nbytes: int = field(default=0)
     """Size of the valid rows at one byte/two bytes per ID, the 'raw-equivalent' measure of throughput."""
+    weights: npt.NDArray[Any] | None = None
+    """Stored-form routing weights ``[n_moe_layers, n_valid_rows, topk]`` aligned with :attr:`rows`, or None."""
 
 
-def prepare_record(record: Record, spec: ModelSpec, step: int, topk_order: TopkOrder) -> PreparedRecord:
+def prepare_record(
+    record: Record, spec: ModelSpec, step: int, topk_order: TopkOrder, weights_dtype: WeightsDtype = "bfloat16"
+) -> PreparedRecord:
     """Validate ``record`` against ``spec`` and convert it to stored form; raise :class:`InvalidRecordError`.
 
     Everything the part's index and values objects will hold is checked here, on the caller's thread, so a bad
@@ -137,6 +146,9 @@ def prepare_record(record: Record, spec: ModelSpec, step: int, topk_order: TopkO
     values = check_token_values(record.token_values, n, sid)
     main = _Axis("expert_ids", spec.num_moe_layers, spec.num_experts, spec.topk, spec.moe_layers, spec)
     stored, spans = _stored_rows(sid, record.expert_ids, valid, main, n, topk_order)
+    weights = None
+    if record.weights is not None:
+        weights = to_storage(_stored_weights(record, valid, main, n, topk_order), weights_dtype)
     streams: dict[str, IdArray] = {}
     stream_spans: list[StreamSpans] = []
     for name, (declared, given) in _check_streams(record, spec).items():
@@ -163,7 +175,7 @@ def prepare_record(record: Record, spec: ModelSpec, step: int, topk_order: TopkO
         payload_start=_check_payload_start(record, n),
     )
     raw = stored.nbytes + sum(rows.nbytes for rows in streams.values())
-    return PreparedRecord(row=row, rows=stored, values=values, streams=streams, raw_nbytes=raw)
+    return PreparedRecord(row=row, rows=stored, values=values, streams=streams, raw_nbytes=raw, weights=weights)
 
 
 @dataclass(frozen=True)
@@ -210,6 +222,40 @@ def _stored_rows(
         spans.append(Span(token_start=start, n_rows=stop - start, row=offset))
         offset += stop - start
     return stored.reshape(axis.num_layers, n_valid, axis.topk), spans
+
+
+def _stored_weights(
+    record: Record, valid: npt.NDArray[np.bool_], axis: _Axis, n: int, topk_order: TopkOrder
+) -> npt.NDArray[np.float32]:
+    """The weights of the computed rows, layer-major and in the slot order of the stored IDs (each weight follows
+    its expert when the sets are sorted); the IDs were validated already."""
+    sid = record.sample_id
+    try:
+        given = np.asarray(record.weights)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRecordError(sid, "weights", f"is not a regular array ({exc})", "pass a float array") from None
+    shape = (n, axis.num_layers, axis.topk)
+    if given.shape != shape or given.dtype.kind not in "fiu":
+        raise InvalidRecordError(
+            sid,
+            "weights",
+            f"has shape {given.shape} and dtype {given.dtype}, expected a float array of shape {shape} like expert_ids",
+            "pass the chosen experts' gate weights, one per expert ID (tensor.float().numpy() for bf16 tensors)",
+        )
+    weights = given[valid].astype(np.float32)
+    if not np.isfinite(weights).all():
+        token, layer_pos, _ = np.argwhere(~np.isfinite(weights))[0]
+        raise InvalidRecordError(
+            sid,
+            "weights",
+            f"token {int(np.flatnonzero(valid)[token])}, layer {axis.layer(int(layer_pos))} holds a non-finite weight",
+            "store the gate's finite weights; mark rows the engine never computed invalid instead",
+        )
+    by_layer = np.ascontiguousarray(weights.transpose(1, 0, 2))
+    if topk_order == "sorted":
+        ids = np.asarray(record.expert_ids)[valid].transpose(1, 0, 2)
+        by_layer = np.take_along_axis(by_layer, np.argsort(ids, axis=2, kind="stable"), axis=2)
+    return by_layer
 
 
 def _check_payload_start(record: Record, n: int) -> int | None:

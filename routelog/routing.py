@@ -57,6 +57,9 @@ class RecordRouting:
     """Length of the model's MoE axis (``moe_layers`` may be a subset); of the stream's axis for a stream."""
     stream: str | None = None
     """The extra stream these rows are of (e.g. ``mtp``); None for the decoder routing."""
+    weights: npt.NDArray[np.float32] | None = None
+    """Routing weights ``[n_layers, n_tokens, topk]`` float32 aligned with :attr:`by_layer` (slot ``j`` weighs
+    expert ``by_layer[..., j]``), when read with ``weights=True``; NaN where the record carried none."""
 
     @property
     def sample_id(self) -> str:
@@ -97,6 +100,7 @@ class RecordRouting:
             segments=info.segments,
             extra=None if info.extra is None else json.loads(info.extra),
             payload_start=info.payload_start,
+            weights=None if self.weights is None or np.isnan(self.weights).all() else self.weights.transpose(1, 0, 2),
         )
 
     def to_arrow(self) -> pa.Table:

@@ -79,7 +79,8 @@ class ShardLayout:
 
     @property
     def planes(self) -> int:
-        """Byte planes of a format-1 array: its uint16 IDs are stored as two (the ranked codec splits its own)."""
+        """Byte planes of a plain array: uint16 IDs are stored as two, float32 weights as four (the ranked codec
+        splits its own)."""
         return 1 if self.ranked else self.dtype.itemsize
 
     @property
@@ -158,7 +159,7 @@ def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int)
             else:
                 if layout.planes > 1:
                     block = np.ascontiguousarray(
-                        np.moveaxis(block.view(np.uint8).reshape(*layout.chunk_shape, 2), 3, 0)
+                        np.moveaxis(block.view(np.uint8).reshape(*layout.chunk_shape, layout.planes), 3, 0)
                     )
                 payload = codec.encode(block)
             piece = bytes(payload) + _crc(payload)
@@ -247,9 +248,9 @@ def decode_chunk(
         return target
     planes = np.empty(size, dtype=np.uint8)
     _decompress(view[:-4], planes, size)
-    low, high = planes.reshape(2, *layout.chunk_shape)
-    np.left_shift(high, 8, out=target, dtype=layout.dtype)
-    np.bitwise_or(target, low, out=target)
+    target.view(np.uint8).reshape(*layout.chunk_shape, layout.planes)[...] = np.moveaxis(
+        planes.reshape(layout.planes, *layout.chunk_shape), 0, 3
+    )
     return target
 
 

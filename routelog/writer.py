@@ -8,7 +8,8 @@ object is ever read, modified and written back, so any number of writers append 
 Streaming: ``append`` validates and canonicalises a record on the caller's thread (so a bad record raises there
 and nothing else is affected, at about 1 GB/s of routing); compression, upload and commit run on a background
 thread. A bounded queue of parts gives backpressure, so memory stays within about ``(max_pending + 2) x
-flush_bytes`` whatever the run length. Parts are flushed by size and by age.
+flush_bytes`` plus the shared-prefix index's budget (:data:`routelog.dedup.DEFAULT_BUDGET_BYTES`) whatever the run
+length. Parts are flushed by size and by age.
 
 Idempotence: a writer learns at its start which records the step already holds (from the step's index) and skips
 a record whose sample id is already committed with the same tokens, whichever writer committed it, so re-running
@@ -31,11 +32,12 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Literal, TypedDict
 
 from routelog import keys
+from routelog.dedup import PrefixIndex
 from routelog.errors import (
     CommitConflictError,
     CommitUndecidedError,
@@ -46,6 +48,7 @@ from routelog.errors import (
 )
 from routelog.format import CommitRecord, dump_document, parse_document, utc_now
 from routelog.part import BuiltPart, PartOptions, build_part
+from routelog.peers import PeerParts
 from routelog.reader import StepSnapshot, read_seal
 from routelog.record import PreparedRecord, Record, prepare_record
 from routelog.root import StoreRoot
@@ -141,6 +144,8 @@ class StepWriter:
         """Records accepted for writing (new records; ``already_present`` ones are not counted)."""
         self._next_seq = self._next_commit_seq()
         self._committed = self._step_records()
+        self._prefixes = PrefixIndex()
+        self._peers = PeerParts(store, self.step, self._prefixes)
         self._sample_ids: set[str] = set()
         self._buffer: list[PreparedRecord] = []
         self._buffered_bytes = 0
@@ -209,7 +214,9 @@ class StepWriter:
         self._check_usable()
         sid = record.sample_id
         if sid in self._committed:
-            prepared = prepare_record(record, self.store.model_spec, self.step, self.options.topk_order)
+            prepared = prepare_record(
+                record, self.store.model_spec, self.step, self.options.topk_order, self.options.weights_dtype
+            )
             same = (prepared.row.token_hash, prepared.row.n_tokens) == self._committed[sid]
             if same and self.on_duplicate == "skip":
                 self.already_present.append(sid)
@@ -227,7 +234,9 @@ class StepWriter:
                 f"already appended to step {self.step}",
                 "give every record of a step a unique sample id",
             )
-        prepared = prepare_record(record, self.store.model_spec, self.step, self.options.topk_order)
+        prepared = prepare_record(
+            record, self.store.model_spec, self.step, self.options.topk_order, self.options.weights_dtype
+        )
         with self._lock:
             self.appended += 1
             self._sample_ids.add(sid)
@@ -327,17 +336,28 @@ class StepWriter:
         self._check_not_sealed()
         records: list[PreparedRecord] = batch.records
         refused: dict[str, str] = {}
+        if self.options.dedup == "step":
+            self._peers.refresh()
+        spec = self.store.model_spec
         try:
-            built = build_part(records, self.store.model_spec, self.options)
+            built = build_part(records, spec, self.options, self._prefixes)
         except Exception:  # append validated these records: find the one that still fails
             records, refused = _isolate_failures(records, self.store, self.options)
             if not records:
                 return None, refused
-            built = build_part(records, self.store.model_spec, self.options)
-        commit = publish_part(
-            self.store, self.step, self.writer_id, batch.seq, built, max_commit_delay=self.max_commit_delay
-        )
-        self._confirm_commit(commit, [r.row.sample_id for r in records])
+            built = build_part(records, spec, self.options, self._prefixes)
+        try:
+            commit = publish_part(
+                self.store, self.step, self.writer_id, batch.seq, built, max_commit_delay=self.max_commit_delay
+            )
+            self._confirm_commit(commit, [r.row.sample_id for r in records])
+        except BaseException:  # not (or not surely) part of the step: never point at it
+            if built.prefix_part is not None:
+                self._prefixes.abandon(built.prefix_part)
+            raise
+        if built.prefix_part is not None:
+            self._prefixes.committed(built.prefix_part, keys.part_dir(self.step, commit.part))
+        self._peers.seen(commit.name)
         return commit, refused
 
     def _confirm_commit(self, commit: CommitRecord, sample_ids: list[str]) -> None:
@@ -445,7 +465,7 @@ def _isolate_failures(
     refused: dict[str, str] = {}
     for record in records:
         try:
-            build_part([record], store.model_spec, options)
+            build_part([record], store.model_spec, replace(options, dedup="off"))
         except Exception as exc:  # reported to the caller with the sample id
             refused[record.row.sample_id] = f"sample {record.row.sample_id!r} cannot be stored: {exc!r}"
         else:
@@ -494,6 +514,7 @@ def publish_part(
         objects=built.object_infos(),
         values=built.values,
         streams=built.streams,
+        weights=built.weights,
     )
     if not storage.create(key, dump_document(commit)):
         existing = parse_document(storage.read(key), CommitRecord, storage.url_of(key))

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import uuid
+from typing import Literal
 
 import numpy as np
 import pytest
 
 import routelog
-from routelog import ModelSpec, PartOptions, Record
+from routelog import ModelSpec, PartOptions, Record, keys
+from routelog.dedup import PrefixIndex
+from routelog.part import build_part
+from routelog.record import prepare_record
 from routelog.synth import synthetic_spec
 from routelog.verify import verify_store
 from tests.records import random_routing
@@ -41,7 +45,7 @@ def _grpo_group(rng: np.random.Generator, group: str, n: int, prompt_len: int) -
     return records
 
 
-def _write(records: list[Record], *, dedup: bool = True) -> tuple[routelog.Store, int]:
+def _write(records: list[Record], *, dedup: Literal["step", "part", "off"] = "step") -> tuple[routelog.Store, int]:
     url = f"memory://dedup-tests/{uuid.uuid4().hex}"
     with routelog.open_writer(url, step=0, model_spec=SPEC, options=PartOptions(dedup=dedup)) as writer:
         for record in records:
@@ -63,7 +67,7 @@ def test_a_grpo_group_stores_its_prompt_once() -> None:
     rng = np.random.default_rng(0)
     records = _grpo_group(rng, "g0", 8, prompt_len=40) + _grpo_group(rng, "g1", 8, prompt_len=25)
     store, stored = _write(records)
-    _, plain = _write(records, dedup=False)
+    _, plain = _write(records, dedup="off")
     assert plain == sum(int(r.valid.sum()) for r in records)
     assert stored == plain - 7 * 40 - 7 * 25  # each prompt once per group
     _assert_reads_back(store, records)
@@ -185,3 +189,96 @@ def test_a_micro_batch_of_a_group_fetches_the_shared_prompt_once(monkeypatch: py
     stored = sum(o.size for c in snapshot.commits for o in c.objects if "/c/" in o.key)
     assert group <= stored, "every stored byte at most once"
     assert group < 8 * one / 2, "the shared prompt is not fetched once per sample"
+
+
+def _write_parts(url: str, records: list[Record], writer_id: str, *, per_part: int) -> None:
+    """Commit ``records`` as one writer, ``per_part`` records per part."""
+    with routelog.open_writer(url, step=0, model_spec=SPEC, writer_id=writer_id) as writer:
+        for i, record in enumerate(records):
+            writer.append(record)
+            if (i + 1) % per_part == 0:
+                writer.flush()
+
+
+def _stored_rows(url: str) -> int:
+    return sum(c.routing.n_rows for c in routelog.open_store(url).step(0).commits)
+
+
+def test_a_group_split_across_parts_stores_its_prompt_once() -> None:
+    """The writer remembers its committed parts: the group's later samples point into the first part."""
+    rng = np.random.default_rng(7)
+    records = _grpo_group(rng, "g", 8, prompt_len=50)
+    url = f"memory://dedup-tests/{uuid.uuid4().hex}"
+    _write_parts(url, records, "w0", per_part=3)
+    store = routelog.open_store(url)
+    assert len(store.step(0).commits) == 3
+    assert _stored_rows(url) == sum(int(r.valid.sum()) for r in records) - 7 * 50
+    later = store.step(0).info("g/5")
+    assert later.spans[0].part is not None and later.spans[0].part.startswith(keys.part_dir(0, "w0."))
+    _assert_reads_back(store, records)
+
+
+def test_writers_share_prefixes_with_each_others_committed_parts() -> None:
+    """A group whose samples reached two inference workers: the second writer compares with, and points at, the
+    first writer's committed rows (fetched only for records whose first tokens match)."""
+    rng = np.random.default_rng(8)
+    group = _grpo_group(rng, "g", 8, prompt_len=64)
+    other = _grpo_group(rng, "h", 2, prompt_len=64)
+    url = f"memory://dedup-tests/{uuid.uuid4().hex}"
+    _write_parts(url, group[:4] + other, "worker-a", per_part=6)
+    _write_parts(url, group[4:], "worker-b", per_part=4)
+    store = routelog.open_store(url)
+    b_commit = next(c for c in store.step(0).commits if c.writer_id == "worker-b")
+    assert b_commit.routing.n_rows == sum(int(r.valid.sum()) for r in group[4:]) - 4 * 64
+    _assert_reads_back(store, group + other)
+
+
+def test_a_writer_does_not_share_with_a_peer_whose_routing_differs() -> None:
+    rng = np.random.default_rng(9)
+    a, b = _grpo_group(rng, "g", 2, prompt_len=64)
+    routing = np.asarray(b.expert_ids).copy()
+    routing[40] = random_routing(rng, 1, SPEC.num_moe_layers, SPEC.num_experts, SPEC.topk)[0]
+    b = Record(**{**b.__dict__, "expert_ids": routing})
+    url = f"memory://dedup-tests/{uuid.uuid4().hex}"
+    _write_parts(url, [a], "worker-a", per_part=1)
+    _write_parts(url, [b], "worker-b", per_part=1)
+    b_commit = next(c for c in routelog.open_store(url).step(0).commits if c.writer_id == "worker-b")
+    assert b_commit.routing.n_rows == int(b.valid.sum()) - 40
+    _assert_reads_back(routelog.open_store(url), [a, b])
+
+
+def test_a_dropped_part_that_others_point_at_is_kept_until_nothing_does() -> None:
+    rng = np.random.default_rng(10)
+    records = _grpo_group(rng, "g", 4, prompt_len=40)
+    url = f"memory://dedup-tests/{uuid.uuid4().hex}"
+    _write_parts(url, records[:2], "worker-a", per_part=2)
+    _write_parts(url, records[2:], "worker-b", per_part=2)
+    store = routelog.open_store(url)
+    store.drop(0, writers=["worker-a"])
+    store.gc(older_than=0, delete=True, force=True)
+    snapshot = store.step(0)
+    assert snapshot.sample_ids == ["g/2", "g/3"]
+    _assert_reads_back(store, records[2:])
+    a_part = next(c for c in snapshot.dropped_commits if c.writer_id == "worker-a").part
+    assert store.storage.find(keys.part_dir(0, a_part)), "gc kept the rows worker-b's records read"
+    store.drop(0, writers=["worker-b"])
+    store.gc(older_than=0, delete=True, force=True)
+    assert not store.storage.find(keys.part_dir(0, a_part)), "nothing points at it any more: reclaimed"
+    assert verify_store(store).ok
+
+
+def test_the_prefix_index_stays_within_its_budget() -> None:
+    """Earlier parts are forgotten oldest first once their rows exceed the budget: memory stays bounded, and a
+    group whose first part was forgotten is stored whole again (still correct)."""
+    rng = np.random.default_rng(11)
+    records = _grpo_group(rng, "g", 7, prompt_len=200)
+    index = PrefixIndex(budget_bytes=30_000)
+    options = PartOptions()
+    for i, record in enumerate(records):
+        part = build_part([prepare_record(record, SPEC, 0, "sorted")], SPEC, options, index)
+        assert part.prefix_part is not None
+        index.committed(part.prefix_part, keys.part_dir(0, f"w.{i:08d}.00"))
+        assert index.nbytes <= 30_000 + part.routing.n_rows * SPEC.num_moe_layers * SPEC.topk
+    assert part.routing.n_rows == int(records[-1].valid.sum()), (
+        "the first part (and all that pointed at it) was forgotten"
+    )

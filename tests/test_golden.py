@@ -26,12 +26,16 @@ def test_golden_stores_read_exactly(golden: Path, tmp_path: Path) -> None:
         shutil.copytree(golden / name, copy)  # read a copy: the fixture itself must never change
         store = routelog.open_store(str(copy))
         checked = 0
+        weights = any(k.startswith(f"{name}/") and k.endswith("/weights") for k in expected)
         for step in store.steps():
             snapshot = store.step(step)
-            for got in snapshot.read_many(snapshot.sample_ids):
+            for got in snapshot.read_many(snapshot.sample_ids, weights=weights):
                 key = f"{name}/{got.sample_id}"
                 np.testing.assert_array_equal(got.expert_ids, expected[f"{key}/ids"])
                 np.testing.assert_array_equal(got.valid, expected[f"{key}/valid"])
+                if weights:
+                    assert got.weights is not None
+                    np.testing.assert_array_equal(got.weights.transpose(1, 0, 2), expected[f"{key}/weights"])
                 checked += 1
         assert checked == sum(1 for k in expected if k.startswith(f"{name}/") and k.endswith("/ids"))
         assert verify_store(store).ok
@@ -58,6 +62,25 @@ def test_golden_v2_holds_what_format_2_adds() -> None:
         assert {c.routing.transform for c in snapshot.commits} == {"ranked_gaps"}
         assert snapshot.routed_rows > snapshot.stored_rows, "GRPO prompts are stored once"
         assert store.model_spec.num_experts == int(name.split("-")[1])
+
+
+def test_golden_v2_shares_across_parts_and_writers_and_keeps_weights() -> None:
+    store = routelog.open_store(str(FIXTURES / "golden-v2" / "shared-weights"))
+    snapshot = store.step(0)
+    assert {c.weights.dtype for c in snapshot.commits if c.weights} == {"bfloat16", "float32"}
+    assert any(c.weights is None for c in snapshot.commits), "a part whose record carried no weights"
+    parts = {c.part: c.writer_id for c in snapshot.commits}
+    references = {
+        (parts[snapshot.commits[snapshot._commit_of(snapshot._position(sid))].part], span.part.rsplit("/", 1)[1])
+        for sid in snapshot.sample_ids
+        for span in snapshot.info(sid).spans
+        if span.part is not None
+    }
+    assert {(writer, parts[part]) for writer, part in references} >= {
+        ("worker-a", "worker-a"),
+        ("worker-b", "worker-b"),
+        ("worker-b", "worker-a"),
+    }, "spans point into earlier parts of the same writer and of the other writer"
 
 
 def test_a_format_1_reader_refuses_format_2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -139,6 +139,34 @@ def test_recorder_stops_a_response_at_eos() -> None:
     assert record.response_len == first_eos + 1
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_recorded_weights_survive_the_store_with_their_experts(name: str, tmp_path: Any) -> None:
+    """``record_weights``: the router's weights of its chosen experts, stored in float32 and read back paired with
+    the same experts after the sets were sorted."""
+    import routelog
+
+    model, spec = tiny_model(name)
+    input_ids = torch.tensor([[0, 3, 4, 5, 6], [7, 8, 9, 10, 11]])
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with RoutingRecorder(model, spec, record_weights=True) as rec, torch.no_grad():
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    records = rec.records(input_ids, mask, out, sample_ids=["a", "b"])
+    url = str(tmp_path / "store")
+    options = routelog.PartOptions(weights_dtype="float32")
+    with routelog.open_writer(url, step=0, model_spec=spec, options=options) as writer:
+        for record in records:
+            writer.append(record)
+    for record, got in zip(records, routelog.open_store(url).step(0).read_many(["a", "b"], weights=True), strict=True):
+        valid = np.asarray(record.valid)
+        want_ids, want_w = np.asarray(record.expert_ids)[valid], np.asarray(record.weights)[valid]
+        assert got.weights is not None
+        got_ids, got_w = got.ids[valid], got.weights.transpose(1, 0, 2)[valid]
+        order = np.argsort(want_ids, axis=-1)
+        np.testing.assert_array_equal(got_ids, np.take_along_axis(want_ids, order, -1))
+        np.testing.assert_array_equal(got_w, np.take_along_axis(want_w, order, -1).astype(np.float32))
+        assert (want_w > 0).all()
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_replay_weights_follow_each_router(name: str) -> None:
     model, spec = tiny_model(name)

@@ -92,11 +92,21 @@ def test_bench_dedup_compares_format_1_and_2_on_the_corpus() -> None:
     result = _tool(str(TOOLS / "bench_dedup.py"), "--quick", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert len(report["scenarios"]) == 8
+    assert len(report["scenarios"]) == 16
     for name, scenario in report["scenarios"].items():
-        v1, codec, both = (
-            scenario[k] for k in ("format 1 (sorted_gaps)", "format 2 codec only", "format 2 (codec + dedup)")
+        v1, codec, in_part, both = (
+            scenario[k]
+            for k in (
+                "format 1 (sorted_gaps)",
+                "format 2 codec only",
+                "format 2 dedup in part",
+                "format 2 (codec + dedup)",
+            )
         )
         assert v1["routed_rows"] == codec["routed_rows"] == both["routed_rows"], name
         assert both["stored_rows"] < codec["stored_rows"] == v1["stored_rows"], f"{name}: shared prefixes stored once"
         assert both["routing_bytes"] < v1["routing_bytes"], name
+        if name.endswith("4 writers"):  # a group's samples are spread over writers and parts
+            assert both["stored_rows"] < in_part["stored_rows"], f"{name}: shared across parts and writers"
+        else:
+            assert both["stored_rows"] == in_part["stored_rows"], f"{name}: one part holds everything"

@@ -1,11 +1,16 @@
 """Dedup benchmark: bytes per routed token-layer of GRPO groups and multi-turn sessions, format 1 vs format 2.
 
 The routing is real model routing from the corpus (``tests/fixtures/corpus``, made by ``tools/make_corpus.py``):
-its records are cut into the shapes RL produces, then written three ways in the same run:
+its records are cut into the shapes RL produces, then written four ways in the same run:
 
 * format 1: ``sorted_gaps`` chunks, no sharing (zstd still finds repeats that land in one chunk);
 * format 2 codec only: ``ranked_gaps`` chunks, no sharing;
-* format 2: ``ranked_gaps`` and shared prefixes stored once (the default).
+* format 2, sharing within a part only (``dedup="part"``);
+* format 2: ``ranked_gaps`` and shared prefixes stored once per step, across parts and writers (the default).
+
+Each is written in two layouts: one writer committing one part, and the way a rollout fleet writes: records dealt
+round-robin to 4 writers (one per inference worker, so a group's samples land on different workers), each
+committing a part every 8 records.
 
 Scenarios: GRPO groups of n = 8 and 16 samples whose prompt is a fraction 0.25, 0.5 or 0.75 of the sequence
 (each sample's response is another corpus record's tail, so responses differ), and multi-turn sessions of 4 and 8
@@ -31,10 +36,13 @@ from routelog import ModelSpec, PartOptions, Record
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "corpus" / "qwen3moe"
 CONFIGS = {
-    "format 1 (sorted_gaps)": PartOptions(transform="sorted_gaps", dedup=False),
-    "format 2 codec only": PartOptions(dedup=False),
+    "format 1 (sorted_gaps)": PartOptions(transform="sorted_gaps", dedup="off"),
+    "format 2 codec only": PartOptions(dedup="off"),
+    "format 2 dedup in part": PartOptions(dedup="part"),
     "format 2 (codec + dedup)": PartOptions(),
 }
+LAYOUTS = {"1 writer": (1, 0), "4 writers": (4, 8)}
+"""Writers the records are dealt to round-robin, and records per part (0: one part per writer)."""
 
 
 def corpus_sequences(url: str) -> tuple[ModelSpec, list[tuple[np.ndarray, np.ndarray]]]:
@@ -95,13 +103,27 @@ def multi_turn(sequences: list[tuple[np.ndarray, np.ndarray]], turns: int, sessi
             yield _record(f"s{s}/t{t}", tokens, routing, tokens.size - parts[t][0].size // 2, f"s{s}")
 
 
-def measure(spec: ModelSpec, records: list[Record]) -> dict[str, Any]:
+def write(url: str, spec: ModelSpec, records: list[Record], options: PartOptions, layout: tuple[int, int]) -> None:
+    """Deal ``records`` round-robin to ``layout[0]`` writers, each committing every ``layout[1]`` records."""
+    n_writers, per_part = layout
+    writers = [
+        routelog.open_writer(url, step=0, model_spec=spec, options=options, writer_id=f"w{i}", background=False)
+        for i in range(n_writers)
+    ]
+    for i, record in enumerate(records):
+        writer = writers[i % n_writers]
+        writer.append(record)
+        if per_part and writer.appended % per_part == 0:
+            writer.flush()
+    for writer in writers:
+        writer.close()
+
+
+def measure(spec: ModelSpec, records: list[Record], layout: tuple[int, int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, options in CONFIGS.items():
         url = f"memory://bench-dedup/{uuid.uuid4().hex}"
-        with routelog.open_writer(url, step=0, model_spec=spec, options=options) as writer:
-            for record in records:
-                writer.append(record)
+        write(url, spec, records, options, layout)
         summary = routelog.open_store(url).summary()
         out[name] = {
             "bytes_per_token_layer": summary["bytes_per_token_layer"],
@@ -119,11 +141,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec, sequences = corpus_sequences(args.corpus)
     groups, sessions = (2, 2) if args.quick else (args.groups, args.sessions)
     scenarios: dict[str, Any] = {}
+    cases: dict[str, list[Record]] = {}
     for n in (8, 16):
         for fraction in (0.25, 0.5, 0.75):
-            scenarios[f"GRPO n={n} prompt {fraction:.2f}"] = measure(spec, list(grpo(sequences, n, fraction, groups)))
+            cases[f"GRPO n={n} prompt {fraction:.2f}"] = list(grpo(sequences, n, fraction, groups))
     for turns in (4, 8):
-        scenarios[f"multi-turn {turns} turns"] = measure(spec, list(multi_turn(sequences, turns, sessions)))
+        cases[f"multi-turn {turns} turns"] = list(multi_turn(sequences, turns, sessions))
+    for layout_name, layout in LAYOUTS.items():
+        for case, records in cases.items():
+            scenarios[f"{case}, {layout_name}"] = measure(spec, records, layout)
     return {
         "corpus": args.corpus,
         "model": spec.name,
@@ -152,11 +178,11 @@ def main() -> None:
         f"top-{report['topk']} of {report['num_experts']}; bytes per routed token-layer"
     )
     names = list(CONFIGS)
-    print(f"{'scenario':28s}" + "".join(f"{n:>26s}" for n in names) + f"{'dedup':>8s}{'v1/v2':>8s}")
+    print(f"{'scenario':39s}" + "".join(f"{n:>25s}" for n in names) + f"{'dedup':>8s}{'v1/v2':>8s}")
     for scenario, result in report["scenarios"].items():
-        dedup = result[names[2]]["routed_rows"] / result[names[2]]["stored_rows"]
-        cells = "".join(f"{result[n]['bytes_per_token_layer']:26.3f}" for n in names)
-        print(f"{scenario:28s}{cells}{dedup:7.2f}x{result['v1_size_vs_v2']:7.2f}x")
+        dedup = result[names[-1]]["routed_rows"] / result[names[-1]]["stored_rows"]
+        cells = "".join(f"{result[n]['bytes_per_token_layer']:25.3f}" for n in names)
+        print(f"{scenario:39s}{cells}{dedup:7.2f}x{result['v1_size_vs_v2']:7.2f}x")
     print(f"goal: {report['goal']}")
 
 

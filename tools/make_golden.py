@@ -3,7 +3,7 @@
 Golden stores are written once per format version and committed; every later routelog must still read them
 (``tests/test_golden.py``). Never regenerate an existing version's fixtures: add a new version's instead.
 
-    python tools/make_golden.py [--force]
+    python tools/make_golden.py [--force | --add NAME]
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -161,21 +162,91 @@ def write_grpo_groups(root: Path, expected: dict[str, np.ndarray]) -> None:
                     _expect_sorted(expected, name, record)
 
 
+def write_shared_weights(root: Path, expected: dict[str, np.ndarray]) -> None:
+    """Format 2: routing weights (bf16 from one writer, float32 from the other, and records without any) and
+    prompts shared across parts and across writers (spans naming another part)."""
+    spec = ModelSpec(name="golden/shared-weights", num_layers=3, moe_layers=(0, 1, 2), num_experts=32, topk=4)
+    rng = np.random.default_rng(32)
+    name = "shared-weights"
+    prompts = [(rng.integers(0, 50000, 30), _routing(rng, 30, 3, 32, 4)) for _ in range(2)]
+    gates = [rng.random((30, 3, 4)).astype(np.float32) for _ in range(2)]
+    for writer_id, dtype in (("worker-a", "bfloat16"), ("worker-b", "float32")):
+        options = PartOptions(chunk_rows=32, chunk_layers=2, weights_dtype=dtype)  # type: ignore[arg-type]
+        with routelog.open_writer(
+            str(root / name), 0, model_spec=spec, writer_id=writer_id, options=options, run_id=f"golden-{name}"
+        ) as writer:
+            for group, ((prompt, prompt_routing), gate) in enumerate(zip(prompts, gates, strict=True)):
+                for sample in range(3):
+                    tokens = 30 + int(rng.integers(5, 20))
+                    ids = _routing(rng, tokens, 3, 32, 4)
+                    ids[:30] = prompt_routing
+                    weights = rng.random((tokens, 3, 4)).astype(np.float32)
+                    weights[:30] = gate
+                    valid = np.ones(tokens, bool)
+                    valid[-1] = False
+                    record = Record(
+                        sample_id=f"{writer_id}/g{group}/{sample}",
+                        expert_ids=ids,
+                        prompt_len=30,
+                        response_len=tokens - 30,
+                        valid=valid,
+                        token_ids=np.concatenate([prompt, rng.integers(0, 50000, tokens - 30)]),
+                        group_id=f"g{group}",
+                        weights=None if sample == 2 else weights,
+                    )
+                    writer.append(record)
+                    writer.flush()  # one part per record: every later sample points into an earlier part
+                    _expect_sorted(expected, name, record)
+                    stored = np.full(weights.shape, np.nan, np.float32)
+                    if record.weights is not None:
+                        order = np.argsort(ids, axis=-1)
+                        stored = np.take_along_axis(weights, order, -1)
+                        if dtype == "bfloat16" and (writer_id, sample) != ("worker-b", 0):
+                            stored = _bf16(stored)
+                    stored[~valid] = np.nan
+                    expected[f"{name}/{record.sample_id}/weights"] = stored
+
+
+def _bf16(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bf16 (nearest even), as float32: what a bf16 store gives back."""
+    bits = values.view(np.uint32)
+    return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+WRITERS: dict[str, Callable[[Path, dict[str, np.ndarray]], None]] = {
+    "dense-first": write_dense_first,
+    "wide": write_wide,
+    "grpo-96,grpo-384": write_grpo_groups,
+    "shared-weights": write_shared_weights,
+}
+"""Fixture stores of this version by name, in the order they were added."""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force", action="store_true", help="replace existing fixtures of this version")
+    parser.add_argument(
+        "--add", metavar="NAME", help="write only this (new) store into the existing fixtures: " + ", ".join(WRITERS)
+    )
     args = parser.parse_args()
-    if FIXTURES.exists():
-        if not args.force:
-            print(f"{FIXTURES} exists; golden fixtures are never regenerated (use --force only before release)")
-            return 1
-        shutil.rmtree(FIXTURES)
-    FIXTURES.mkdir(parents=True)
     expected: dict[str, np.ndarray] = {}
-    write_dense_first(FIXTURES, expected)
-    write_wide(FIXTURES, expected)
-    if FORMAT_VERSION >= 2:
-        write_grpo_groups(FIXTURES, expected)
+    if args.add:
+        if args.add not in WRITERS or any((FIXTURES / name).exists() for name in args.add.split(",")):
+            print(f"--add takes the name of a store not written yet: {', '.join(WRITERS)}")
+            return 1
+        with np.load(FIXTURES / "expected.npz", allow_pickle=False) as existing:
+            expected.update(existing)
+        WRITERS[args.add](FIXTURES, expected)
+    else:
+        if FIXTURES.exists():
+            if not args.force:
+                print(f"{FIXTURES} exists; golden fixtures are never regenerated (use --force only before release)")
+                return 1
+            shutil.rmtree(FIXTURES)
+        FIXTURES.mkdir(parents=True)
+        for name, write in WRITERS.items():
+            if FORMAT_VERSION >= 2 or name in ("dense-first", "wide"):
+                write(FIXTURES, expected)
     np.savez_compressed(FIXTURES / "expected.npz", **expected)  # type: ignore[arg-type]
     print(f"wrote {FIXTURES}")
     return 0

@@ -16,7 +16,7 @@ from routelog.audit.diff import DiffResult, TokenMismatchError, diff_unit, merge
 from routelog.audit.drift import DriftResult, js_divergence
 from routelog.audit.drift import drift as _drift
 from routelog.audit.load import StatsResult, StepLoad, layer_stats, load_unit, merge_loads
-from routelog.audit.mismatch import MismatchResult, merge_mismatch, mismatch_unit
+from routelog.audit.mismatch import MismatchResult, merge_mismatch, mismatch_unit, router_diffs
 from routelog.audit.runner import Progress, run_units
 from routelog.audit.units import DEFAULT_BATCH_RECORDS, DEFAULT_UNIT_RECORDS, Plan, Source, plan_units
 from routelog.errors import RecordNotFoundError
@@ -126,10 +126,13 @@ def mismatch(
     progress: Progress | None = None,
     unit_records: int = DEFAULT_UNIT_RECORDS,
 ) -> MismatchResult:
-    """Per step, k3 KL and F(t) between the stored ``logprob_infer`` and ``logprob_train`` columns."""
+    """Per step, k3 KL and F(t) between the stored ``logprob_infer`` and ``logprob_train`` columns, and the router
+    diff training ranks published (:mod:`routelog.fidelity`)."""
     source = Source.of(url, storage_options)
-    plan = plan_units(source, _steps(source, steps), unit_records=unit_records)
-    return merge_mismatch(run_units(plan.units, mismatch_unit, use_ray=use_ray, progress=progress), url)
+    chosen = _steps(source, steps)
+    plan = plan_units(source, chosen, unit_records=unit_records)
+    partials = run_units(plan.units, mismatch_unit, use_ray=use_ray, progress=progress)
+    return merge_mismatch(partials, url, router_diffs(source.open(), chosen))
 
 
 def drift(

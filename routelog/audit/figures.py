@@ -205,9 +205,20 @@ def diff_figure(result: DiffResult, path: Path) -> None:
 
 
 def mismatch_figure(result: MismatchResult, path: Path) -> None:
-    """The R3 paper's Fig. 5: training-inference KL (k3) and F(t) over training steps."""
+    """The R3 paper's Fig. 5: training-inference KL (k3) and F(t) over training steps; with published replay
+    fidelity, the trainer's router diff beside them."""
     plt = _pyplot()
-    fig, (kl_ax, f_ax) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+    panels = (2 if result.steps else 0) + (1 if result.router_diff else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(max(6 * panels, 10), 4.2), squeeze=False, layout="constrained")
+    if result.router_diff:
+        _router_diff_panel(axes[0][-1], result)
+    if result.steps:
+        _logprob_panels(axes[0][0], axes[0][1], result)
+    fig.suptitle(f"Training-inference mismatch of {result.url}", fontsize=10)
+    _save(fig, path)
+
+
+def _logprob_panels(kl_ax: Any, f_ax: Any, result: MismatchResult) -> None:
     steps = [s.step for s in result.steps]
     kl = np.asarray([s.kl_k3 for s in result.steps])
     kl_ax.plot(steps, kl, "o-", color="tab:blue")
@@ -228,8 +239,22 @@ def mismatch_figure(result: MismatchResult, path: Path) -> None:
     f_ax.legend(fontsize=8)
     step_axis(kl_ax, steps)
     step_axis(f_ax, steps)
-    fig.suptitle(f"Training-inference mismatch of {result.url}", fontsize=10)
-    _save(fig, path)
+
+
+def _router_diff_panel(ax: Any, result: MismatchResult) -> None:
+    """Per layer (thin lines) and overall (bold), the share of replayed rows the trainer's router would have
+    routed elsewhere, over training steps."""
+    steps = [d.step for d in result.router_diff]
+    layers = sorted({int(layer) for d in result.router_diff for layer in d.by_layer})
+    for layer in layers:
+        values = [d.by_layer.get(str(layer), np.nan) for d in result.router_diff]
+        ax.plot(steps, values, "-", color="tab:gray", alpha=0.35, linewidth=0.8)
+    overall = [d.router_diff for d in result.router_diff]
+    ax.plot(steps, overall, "o-" if len(steps) <= 12 else "-", color="tab:red", label="all layers")
+    ax.set(xlabel="training step", ylabel="replayed rows the trainer would route elsewhere", title="Router diff")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, title=f"{len(layers)} layers (grey)", title_fontsize=8)
+    step_axis(ax, steps)
 
 
 def drift_figure(result: DriftResult, path: Path) -> None:

@@ -1,19 +1,24 @@
-"""``routelog mismatch``: training-inference mismatch per step from the stored log-probs (the R3 paper's Fig. 5).
+"""``routelog mismatch``: training-inference mismatch per step from the stored log-probs (the R3 paper's Fig. 5),
+and the router diff the trainer measured while replaying.
 
 Per step, over tokens that have both ``logprob_infer`` and ``logprob_train``: the k3 estimate of
-KL(pi_infer || pi_train) and F(t), the share of tokens whose probability ratio exceeds ``t`` either way. Only the
-values objects are read, never routing.
+KL(pi_infer || pi_train) and F(t), the share of tokens whose probability ratio exceeds ``t`` either way. Per step
+with replay-fidelity documents (:mod:`routelog.fidelity`), per layer the share of replayed rows whose trainer
+router would have chosen other experts. Only the values objects and those documents are read, never routing.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 from pydantic import BaseModel
 
 from routelog.audit.units import WorkUnit, pack, unpack
 from routelog.errors import ValuesNotFoundError
+from routelog.fidelity import read_fidelity, step_fidelity
+from routelog.root import StoreRoot
 from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
 
 THRESHOLDS = (1.5, 2.0, 5.0)
@@ -66,15 +71,51 @@ class StepMismatch(BaseModel):
     """F(t) keyed by ``t`` (``"1.5"``, ``"2"``, ``"5"``)."""
 
 
+class StepRouterDiff(BaseModel):
+    step: int
+    replayed_rows: int
+    """Replayed (row, layer) pairs counted by the training ranks."""
+    router_diff: float
+    """Share of them whose trainer router would have chosen another set."""
+    by_layer: dict[str, float]
+    """Router diff per global layer index."""
+    token_mismatches: int
+    trainer_steps: list[int] = []
+
+
 class MismatchResult(BaseModel):
     url: str
     steps: list[StepMismatch]
     """Steps with tokens that have both log-probs."""
     steps_without_logprobs: list[int] = []
     """Steps audited whose records lack one of the two columns: left out of ``steps``."""
+    router_diff: list[StepRouterDiff] = []
+    """Steps whose training ranks published replay fidelity (``routelog.fidelity``)."""
 
 
-def merge_mismatch(partials: list[bytes], url: str) -> MismatchResult:
+def router_diffs(store: StoreRoot, steps: Sequence[int]) -> list[StepRouterDiff]:
+    """Per step with fidelity documents, the trainer's router diff (all ranks and phases summed)."""
+    out = []
+    for step in steps:
+        records = read_fidelity(store, step)
+        if not records:
+            continue
+        counts = step_fidelity(records)
+        rows = sum(counts.replayed.values())
+        out.append(
+            StepRouterDiff(
+                step=step,
+                replayed_rows=rows,
+                router_diff=sum(counts.differing.values()) / rows if rows else 0.0,
+                by_layer={str(layer): diff for layer, diff in counts.router_diff().items()},
+                token_mismatches=counts.token_mismatches,
+                trainer_steps=sorted({r.trainer_step for r in records if r.trainer_step is not None}),
+            )
+        )
+    return out
+
+
+def merge_mismatch(partials: list[bytes], url: str, router_diff: Sequence[StepRouterDiff] = ()) -> MismatchResult:
     by_step: dict[int, list[dict[str, np.ndarray]]] = {}
     for data in partials:
         part = unpack(data)
@@ -97,10 +138,11 @@ def merge_mismatch(partials: list[bytes], url: str) -> MismatchResult:
                 extreme={f"{t:g}": float(e / tokens) for t, e in zip(THRESHOLDS, exceed, strict=True)},
             )
         )
-    if not steps:
+    if not steps and not router_diff:
         raise ValuesNotFoundError(
             f"{url}: no record of step(s) {without} has both {LOGPROB_INFER} and {LOGPROB_TRAIN}: record the "
             f"engine's log-probs as {LOGPROB_INFER} when writing and add the trainer's as {LOGPROB_TRAIN} with "
-            "Store.annotate (see the README's audits section)"
+            "Store.annotate (see the README's audits section), or publish replay fidelity from the trainer "
+            "(routelog.fidelity)"
         )
-    return MismatchResult(url=url, steps=steps, steps_without_logprobs=without)
+    return MismatchResult(url=url, steps=steps, steps_without_logprobs=without, router_diff=list(router_diff))

@@ -134,7 +134,8 @@ def mismatch(
     use_ray: RayFlag = False,
     storage_options_: StorageOptions = None,
 ) -> None:
-    """Per step: training-inference KL (k3) and F(t) for t in 1.5, 2, 5 from stored log-probs: paper Fig. 5."""
+    """Per step: training-inference KL (k3) and F(t) for t in 1.5, 2, 5 from stored log-probs (paper Fig. 5), and the
+    router diff the trainer measured while replaying, per layer (published with routelog.fidelity)."""
     from routelog import audit
     from routelog.audit.figures import mismatch_figure
 
@@ -146,6 +147,14 @@ def mismatch(
     ]
     if result.steps_without_logprobs:
         lines.append(f"steps without both log-prob columns (left out): {result.steps_without_logprobs}")
+    for d in result.router_diff:
+        worst = max(d.by_layer, key=d.by_layer.__getitem__) if d.by_layer else None
+        lines.append(
+            f"step {d.step}: the trainer's routers disagree with the replayed routing on "
+            f"{100 * d.router_diff:.2f} % of {d.replayed_rows:,} replayed rows"
+            + (f" (most: layer {worst}, {100 * d.by_layer[worst]:.2f} %)" if worst is not None else "")
+            + (f"; {d.token_mismatches} records had other tokens" if d.token_mismatches else "")
+        )
     _report(result, json_out, plot, mismatch_figure, lines)
 
 

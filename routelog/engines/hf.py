@@ -48,11 +48,14 @@ class RoutingRecorder:
     >>> records = recorder.records(input_ids, mask, out, sample_ids=[...])                      # doctest: +SKIP
     """
 
-    def __init__(self, model: Any, spec: ModelSpec) -> None:
+    def __init__(self, model: Any, spec: ModelSpec, *, record_weights: bool = False) -> None:
         self.model = model
         self.spec = spec
         self.routers = find_routers(model, spec)
+        self.record_weights = record_weights
+        """Also record the routers' weights of the chosen experts (``Record.weights``)."""
         self.calls: dict[int, list[npt.NDArray[np.int64]]] = {layer: [] for layer in self.routers}
+        self.weight_calls: dict[int, list[npt.NDArray[np.float32]]] = {layer: [] for layer in self.routers}
         self._handles: list[Any] = []
 
     def __enter__(self) -> RoutingRecorder:
@@ -69,12 +72,16 @@ class RoutingRecorder:
         def record(module: Any, inputs: Any, output: Any) -> None:
             _check_router_output(layer, output)
             self.calls[layer].append(output[2].detach().to("cpu").numpy().astype(np.int64, copy=True))
+            if self.record_weights:
+                self.weight_calls[layer].append(output[1].detach().to("cpu").float().numpy().copy())
 
         return record
 
     def clear(self) -> None:
         for calls in self.calls.values():
             calls.clear()
+        for weights in self.weight_calls.values():
+            weights.clear()
 
     def records(
         self,
@@ -105,13 +112,10 @@ class RoutingRecorder:
                 f"recorded {[len(c) for c in calls]} router calls per layer for {new_tokens} new tokens; record one "
                 "generate call at a time (recorder.clear() between calls) with the KV cache on"
             )
-        k = self.spec.topk
-        prefill = np.stack([c[0].reshape(batch, width, k) for c in calls], axis=2)  # [B, P, L, K]
-        decode = (
-            np.stack([np.stack([step.reshape(batch, k) for step in c[1:]], axis=1) for c in calls], axis=2)
-            if new_tokens > 1
-            else np.zeros((batch, 0, len(layers), k), dtype=np.int64)
-        )  # [B, new_tokens - 1, L, K]: decode step s feeds the response token s - 1
+        prefill, decode = _prefill_and_decode(calls, batch, width, self.spec.topk)
+        weights = None
+        if self.record_weights:
+            weights = _prefill_and_decode([self.weight_calls[layer] for layer in layers], batch, width, self.spec.topk)
         stops = set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
         records = []
         for b in range(batch):
@@ -120,13 +124,10 @@ class RoutingRecorder:
             ends = [i for i, t in enumerate(response) if int(t) in stops]
             response = response[: ends[0] + 1] if ends else response
             n_prompt, n_response = prompt.shape[0], response.shape[0]
-            ids = np.zeros((n_prompt + n_response, len(layers), k), dtype=np.int64)
-            valid = np.zeros(n_prompt + n_response, dtype=bool)
-            ids[:n_prompt] = prefill[b, mask[b]]
-            valid[:n_prompt] = True
             fed = min(n_response, decode.shape[1])
-            ids[n_prompt : n_prompt + fed] = decode[b, :fed]
-            valid[n_prompt : n_prompt + fed] = True
+            ids = _by_token(prefill, decode, b, mask[b], n_response, fed)
+            valid = np.zeros(n_prompt + n_response, dtype=bool)
+            valid[: n_prompt + fed] = True
             records.append(
                 Record(
                     sample_id=sample_ids[b],
@@ -139,6 +140,7 @@ class RoutingRecorder:
                     policy_version=policy_version,
                     engine=ENGINE,
                     engine_version=engine_version or _transformers_version(),
+                    weights=None if weights is None else _by_token(*weights, b, mask[b], n_response, fed),
                     segments=[
                         Segment(start=0, end=n_prompt, policy_version=policy_version, source="prompt"),
                         Segment(
@@ -148,6 +150,31 @@ class RoutingRecorder:
                 )
             )
         return records
+
+
+def _prefill_and_decode(
+    calls: list[list[npt.NDArray[Any]]], batch: int, width: int, k: int
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """Per-layer router outputs (the prefill call, then one call per decode step) as ``[B, P, L, K]`` and
+    ``[B, new_tokens - 1, L, K]``: decode step ``s`` feeds response token ``s - 1``."""
+    prefill = np.stack([c[0].reshape(batch, width, k) for c in calls], axis=2)
+    if len(calls[0]) > 1:
+        decode = np.stack([np.stack([step.reshape(batch, k) for step in c[1:]], axis=1) for c in calls], axis=2)
+    else:
+        decode = np.zeros((batch, 0, len(calls), k), dtype=prefill.dtype)
+    return prefill, decode
+
+
+def _by_token(
+    prefill: npt.NDArray[Any], decode: npt.NDArray[Any], b: int, mask: npt.NDArray[np.bool_], n_response: int, fed: int
+) -> npt.NDArray[Any]:
+    """Sequence ``b``'s rows ``[prompt + response, L, K]``: its unpadded prompt's, then the decode steps that fed
+    its response tokens (zeros for the rest, never computed)."""
+    prompt = prefill[b, mask]
+    out = np.zeros((prompt.shape[0] + n_response, *prefill.shape[2:]), dtype=prefill.dtype)
+    out[: prompt.shape[0]] = prompt
+    out[prompt.shape[0] : prompt.shape[0] + fed] = decode[b, :fed]
+    return out
 
 
 def _check_router_output(layer: int, output: Any) -> None:

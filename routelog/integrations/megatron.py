@@ -1,0 +1,168 @@
+"""Replay for users who drive megatron-core's schedules themselves: wrap the forward-step function.
+
+megatron-core calls ``forward_step_func(data_iterator, model)`` once per micro-batch and model chunk; with virtual
+pipeline stages the chunks interleave, but each chunk sees the micro-batches in order. :class:`ReplayHook` keeps a
+cursor per chunk, installs that micro-batch's routes (loaded in the background, only this rank's records and
+layers) around the call, and at the end of the step clears them, lets a :class:`~routelog.fidelity.FidelityGate`
+judge the router diff it measured, and publishes it to the store::
+
+    hook = ReplayHook(url, model_chunks, spec=spec, layout=layout, rank=rank, packing=Packing("megatron"),
+                      config=model_config, gate=FidelityGate(max_router_diff=0.2), fidelity_writer="train-r3")
+    for iteration in range(iterations):
+        hook.begin_step(step_of(iteration), micro_batches)        # this rank's micro-batches: lists of sample ids
+        forward_backward_func(forward_step_func=hook.wrap(forward_step), data_iterator=..., model=model_chunks, ...)
+        optimizer.step()
+        hook.end_step(trainer_step=iteration)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy.typing as npt
+
+from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
+from routelog.align.layout import CpLayout
+from routelog.align.plan import MicroBatchReplay, MissingPolicy
+from routelog.errors import AlignmentError
+from routelog.fidelity import FidelityGate, StepFidelity, write_fidelity
+from routelog.loader import ReplayLoader
+from routelog.megatron import MegatronReplay
+from routelog.spec import ModelSpec
+from routelog.store import Store, open_store
+
+TokensOf = Callable[[MicroBatchReplay], Sequence[npt.ArrayLike]]
+
+
+class ReplayHook:
+    """One rank's replay across training steps: plan, loader and installer, rebuilt per step from its
+    micro-batches; a measured router diff per step."""
+
+    def __init__(
+        self,
+        store: Store | str,
+        model_chunks: Sequence[Any],
+        *,
+        spec: ModelSpec | None = None,
+        layout: ParallelLayout,
+        rank: RankCoords,
+        packing: Packing,
+        config: Any = None,
+        missing: MissingPolicy = "dummy",
+        gate: FidelityGate | None = None,
+        fidelity_writer: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        prefetch: int = 2,
+    ) -> None:
+        self.store = store if isinstance(store, Store) else open_store(store, storage_options=storage_options)
+        self.spec = spec or self.store.model_spec
+        self.layout, self.rank, self.packing, self.missing = layout, rank, packing, missing
+        self.model_chunks = list(model_chunks)
+        self.fidelity_writer = fidelity_writer
+        self.prefetch = prefetch
+        if gate is None and fidelity_writer is not None:
+            gate = _MEASURE_ONLY  # measure the router diff to publish it, judge nothing
+        self.replay = MegatronReplay(self.model_chunks, self._plan(()), config=config, gate=gate)
+        self.step: int | None = None
+        self._loader: ReplayLoader | None = None
+        self._loaded: list[MicroBatchReplay] = []
+        self._iterator: Any = None
+        self._cursor: dict[int, int] = {}
+
+    def _plan(self, micro_batches: Sequence[MicroBatch]) -> AlignmentPlan:
+        return AlignmentPlan(self.spec, self.layout, self.packing, self.rank, tuple(micro_batches), self.missing)
+
+    def begin_step(self, step: int, micro_batches: Sequence[Sequence[str] | MicroBatch]) -> None:
+        """Start loading ``step``'s routing for this rank's micro-batches (in the order the schedule runs them)."""
+        if self.step is not None:
+            raise AlignmentError(f"step {self.step} was begun and not ended: call end_step() after the optimizer step")
+        batches = [b if isinstance(b, MicroBatch) else MicroBatch(tuple(b)) for b in micro_batches]
+        self.step = step
+        self._loader = ReplayLoader(self.store, step, self._plan(batches), prefetch=self.prefetch)
+        self._iterator = iter(self._loader)
+        self._loaded = []
+        self._cursor = {}
+
+    def micro_batch(self, m: int) -> MicroBatchReplay:
+        """Micro-batch ``m`` of the step, loaded in order (earlier ones are kept until the step ends)."""
+        if self._iterator is None:
+            raise AlignmentError("no step begun: call begin_step(step, micro_batches) before the forward passes")
+        while len(self._loaded) <= m:
+            try:
+                self._loaded.append(next(self._iterator))
+            except StopIteration:
+                raise AlignmentError(
+                    f"step {self.step}: the schedule ran micro-batch {m}, but begin_step was given "
+                    f"{len(self._loaded)} micro-batches"
+                ) from None
+        return self._loaded[m]
+
+    def wrap(self, forward_step: Callable[..., Any], *, tokens_of: TokensOf | None = None) -> Callable[..., Any]:
+        """``forward_step`` with the current micro-batch's routes installed around it. ``tokens_of(mb)`` returns
+        the token ids the micro-batch feeds (in ``mb.sample_ids`` order) to have their hashes checked."""
+
+        def forward_step_with_replay(data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+            chunk = self._chunk_of(model)
+            m = self._cursor.get(chunk, 0)
+            self._cursor[chunk] = m + 1
+            mb = self.micro_batch(m)
+            tokens = tokens_of(mb) if tokens_of is not None else None
+            with self.replay.forward(mb, vp_stage=chunk, tokens=tokens):
+                return forward_step(data_iterator, model, *args, **kwargs)
+
+        return forward_step_with_replay
+
+    def _chunk_of(self, model: Any) -> int:
+        for i, chunk in enumerate(self.model_chunks):
+            if chunk is model:
+                return i
+        if len(self.model_chunks) == 1:
+            return 0
+        raise AlignmentError("forward_step was called with a model that is not one of the hook's model chunks")
+
+    def end_step(self, *, trainer_step: int | None = None, phase: str | None = None) -> StepFidelity:
+        """Clear the routes after the optimizer step, check and publish the step's router diff; returns it."""
+        if self._loader is not None:
+            self._loader.close()
+        step, self.step, self._loader, self._iterator, self._loaded = self.step, None, None, None, []
+        counts = self.replay.end_step()
+        if self.fidelity_writer is not None and step is not None and counts.replayed:
+            write_fidelity(self.store, step, self.fidelity_writer, counts, trainer_step=trainer_step, phase=phase)
+        return counts
+
+    def remove(self) -> None:
+        """Undo every hook and wrapper installed on the model."""
+        self.replay.remove()
+
+
+def layout_from_config(config: Any, *, cp: int | None = None, cp_layout: CpLayout = "zigzag") -> ParallelLayout:
+    """The parallel layout a megatron-core ``TransformerConfig`` describes (``cp``: a trainer's per-micro-batch
+    context-parallel size, e.g. veRL's dynamic CP)."""
+    return ParallelLayout(
+        tp=int(getattr(config, "tensor_model_parallel_size", 1) or 1),
+        cp=int(cp or getattr(config, "context_parallel_size", 1) or 1),
+        pp=int(getattr(config, "pipeline_model_parallel_size", 1) or 1),
+        vpp=int(getattr(config, "virtual_pipeline_model_parallel_size", None) or 1),
+        cp_layout=cp_layout,
+        sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
+        first_stage_layers=getattr(config, "num_layers_in_first_pipeline_stage", None),
+        last_stage_layers=getattr(config, "num_layers_in_last_pipeline_stage", None),
+        account_for_embedding=bool(getattr(config, "account_for_embedding_in_pipeline_split", False)),
+        account_for_loss=bool(getattr(config, "account_for_loss_in_pipeline_split", False)),
+    )
+
+
+def rank_from_parallel_state(*, cp_rank: int | None = None) -> RankCoords:
+    """This process's TP, CP and PP ranks from megatron-core's ``parallel_state``."""
+    from megatron.core import parallel_state
+
+    return RankCoords(
+        tp=parallel_state.get_tensor_model_parallel_rank(),
+        cp=parallel_state.get_context_parallel_rank() if cp_rank is None else cp_rank,
+        pp=parallel_state.get_pipeline_model_parallel_rank(),
+    )
+
+
+_MEASURE_ONLY = FidelityGate(max_router_diff=None, on_token_mismatch="raise")
+"""Measures without judging: a hook without a gate still refuses routing recorded for other tokens."""

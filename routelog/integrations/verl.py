@@ -1,0 +1,345 @@
+"""veRL 0.9 (Megatron engine): routing goes to the store, sample ids ride the ``DataProto``, each worker installs its
+own rows through :class:`~routelog.megatron.MegatronReplay`.
+
+veRL carries the rollout's routing as a dense ``batch["routed_experts"]`` ``[bsz, prompt + response, L, K]`` int16
+through every DP dispatch and micro-batch split, and each worker packs it again for its forward (verl #6211: a
+45 GB pipeline broadcast). Here:
+
+* **rollout side** (driver, after ``generate_sequences``): :func:`write_batch` writes every row of the batch as a
+  record and replaces the tensor by a ``routelog_sample_id`` column (and the store step in ``meta_info``);
+* **training side** (every Megatron worker, before the engine is built): :func:`install` patches three points of
+  ``verl.workers.engine.megatron.transformer_impl``: ``prepare_model_inputs`` notes the micro-batch's sample ids
+  and tokens; ``set_router_replay_data`` (which veRL calls per micro-batch and model chunk) arms the chunk instead
+  of packing a tensor; and a forward pre-hook on the chunk installs the rows when the model is called, aligned to
+  the ``packed_seq_params`` (THD) or the input width (BSHD) **the model is actually given**, never re-derived, so
+  FP8 padding, length buckets, dynamic CP and BSHD without remove-padding land where the model computes. Each rank
+  reads only its own records and pipeline-stage layers. ``forward_backward_batch`` is wrapped to end the step:
+  the router diff is judged by the gate and published (:mod:`routelog.fidelity`).
+
+veRL sets the replay actions itself (its own ``RouterReplay`` class and enum, which :mod:`routelog.megatron`
+accepts); ``actor.megatron.router_replay.mode=R3`` stays on, ``rollout.enable_rollout_routing_replay`` may be off
+(the engine no longer needs to return routing through the batch once the rollout writes it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routelog.align import AlignmentPlan, MicroBatch, Packing
+from routelog.align.plan import MicroBatchReplay, MissingPolicy
+from routelog.engines.verl import records_from_batch
+from routelog.errors import AlignmentError
+from routelog.fidelity import FidelityGate, StepFidelity, write_fidelity
+from routelog.integrations.megatron import layout_from_config, rank_from_parallel_state
+from routelog.loader import ReplayLoader
+from routelog.megatron import MegatronReplay
+from routelog.spec import ModelSpec
+from routelog.store import Store, open_store
+from routelog.writer import StepWriter
+
+SAMPLE_ID_KEY = "routelog_sample_id"
+"""The ``non_tensor_batch`` column that replaces ``routed_experts``."""
+STEP_KEY = "routelog_step"
+"""The ``meta_info`` entry naming the store step the batch's routing was written to."""
+ROUTES_KEY = "routed_experts"
+
+
+def sample_ids_of(batch: Any) -> list[str]:
+    """Unique, stable ids for a batch's rows: veRL's ``uid`` names the prompt (shared by its ``rollout.n``
+    samples), so the n-th row of a uid is ``<uid>/<n>``; row numbers without uids."""
+    uids = batch.non_tensor_batch.get("uid")
+    if uids is None:
+        return [str(i) for i in range(len(batch))]
+    seen: dict[str, int] = {}
+    out = []
+    for uid in uids:
+        n = seen.get(str(uid), 0)
+        seen[str(uid)] = n + 1
+        out.append(f"{uid}/{n}")
+    return out
+
+
+def write_batch(
+    writer: StepWriter,
+    batch: Any,
+    *,
+    spec: ModelSpec | None = None,
+    sample_ids: Sequence[str] | None = None,
+    policy_version: int | None = None,
+) -> list[str]:
+    """Write the routing of every row of a rollout ``DataProto`` to ``writer``'s step, then drop the dense tensor
+    from the batch and carry the sample ids instead; returns the ids.
+
+    The batch is veRL's agent-loop output: ``prompts`` (left-padded), ``input_ids``, ``attention_mask`` and
+    ``routed_experts`` ``[bsz, P + R, L, K]`` (rows from the first real prompt token; padding and the final token
+    0).
+    """
+    spec = spec or writer.store.model_spec
+    tensors = batch.batch
+    if ROUTES_KEY not in tensors.keys():
+        raise AlignmentError(
+            f"the batch has no {ROUTES_KEY!r}: enable actor_rollout_ref.rollout.enable_rollout_routing_replay "
+            "so the agent loop returns the engine's routing"
+        )
+    ids = list(sample_ids) if sample_ids is not None else sample_ids_of(batch)
+    uids = batch.non_tensor_batch.get("uid")
+    records = records_from_batch(
+        tensors[ROUTES_KEY].cpu().numpy(),
+        tensors["attention_mask"].cpu().numpy(),
+        int(tensors["prompts"].shape[1]),
+        spec,
+        input_ids=tensors["input_ids"].cpu().numpy(),
+        sample_ids=ids,
+        group_ids=None if uids is None else [str(u) for u in uids],
+        policy_version=policy_version,
+    )
+    for record in records:
+        writer.append(record)
+    del tensors[ROUTES_KEY]
+    batch.non_tensor_batch[SAMPLE_ID_KEY] = np.array(ids, dtype=object)
+    batch.meta_info[STEP_KEY] = writer.step
+    return ids
+
+
+@dataclass(frozen=True)
+class _MicroBatchInput:
+    """What ``prepare_model_inputs`` saw of the micro-batch about to be forwarded."""
+
+    step: int
+    sample_ids: tuple[str, ...]
+    tokens: tuple[npt.NDArray[np.int64], ...]
+
+
+@dataclass(frozen=True)
+class _Armed:
+    micro_batch: _MicroBatchInput
+    config: Any
+    vp_stage: int
+    local_cp_size: int | None
+
+
+class VerlReplay:
+    """One worker's replay: see the module docs; :func:`install` creates one and patches veRL with it."""
+
+    def __init__(
+        self,
+        store: Store | str,
+        *,
+        spec: ModelSpec | None = None,
+        missing: MissingPolicy = "dummy",
+        gate: FidelityGate | None = None,
+        fidelity_writer: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        cache: int = 4,
+    ) -> None:
+        self.store = store if isinstance(store, Store) else open_store(store, storage_options=storage_options)
+        self.spec = spec or self.store.model_spec
+        self.missing = missing
+        self.gate = gate or FidelityGate(max_router_diff=None)
+        self.fidelity_writer = fidelity_writer
+        self._local = threading.local()
+        self._armed: dict[int, _Armed] = {}
+        self._hooked: dict[int, Any] = {}
+        self._replays: dict[tuple[int, int], MegatronReplay] = {}
+        self._loaded: OrderedDict[tuple[Any, ...], MicroBatchReplay] = OrderedDict()
+        self._cache = cache
+        self._step: int | None = None
+
+    # -- the three patched points ------------------------------------------------------------------------------
+    def note_inputs(self, batch: Any) -> None:
+        """From ``prepare_model_inputs``: the micro-batch's sample ids, store step and token ids."""
+        from verl.utils import tensordict_utils as tu
+
+        ids = tu.get(batch, SAMPLE_ID_KEY)
+        step = tu.get(batch, STEP_KEY)
+        if ids is None or step is None:
+            raise AlignmentError(
+                f"the micro-batch carries no {SAMPLE_ID_KEY!r} / {STEP_KEY!r}: write the rollout with "
+                "routelog.integrations.verl.write_batch before computing log-probs or updating the actor"
+            )
+        input_ids = batch["input_ids"]
+        if getattr(input_ids, "is_nested", False):
+            tokens = tuple(t.cpu().numpy().astype(np.int64) for t in input_ids.unbind())
+        else:
+            mask = batch["attention_mask"].bool().cpu().numpy()
+            rows = input_ids.cpu().numpy()
+            tokens = tuple(rows[i][mask[i]].astype(np.int64) for i in range(rows.shape[0]))
+        self._local.current = _MicroBatchInput(int(step), tuple(str(s) for s in ids), tokens)
+        self._step = int(step)
+
+    def arm(self, config: Any, vp_stage: int | None, local_cp_size: int | None, model: Any) -> None:
+        """From ``set_router_replay_data``: the chunk about to run this micro-batch gets its rows at its forward."""
+        current = getattr(self._local, "current", None)
+        if current is None or model is None:
+            raise AlignmentError(
+                "set_router_replay_data ran without a micro-batch noted by prepare_model_inputs (or without the "
+                "model): apply routelog.integrations.verl.install() before the engine is built"
+            )
+        chunk = _unwrap(model)
+        self._armed[id(chunk)] = _Armed(current, config, vp_stage or 0, local_cp_size)
+        if id(chunk) not in self._hooked:
+            self._hooked[id(chunk)] = chunk.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+
+    def _pre_forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        armed = self._armed.pop(id(module), None)
+        if armed is None:
+            return  # a forward without replay (reference model, critic)
+        micro = _micro_batch(armed, args, kwargs)
+        config = armed.config
+        layout = layout_from_config(config, cp=micro.cp, cp_layout=_cp_layout(config))
+        rank = rank_from_parallel_state(cp_rank=micro.cp_rank)
+        packing = Packing("thd") if micro.cu_seqlens_padded is not None else Packing("bshd")
+        plan = AlignmentPlan(self.spec, layout, packing, rank, (micro,), self.missing)
+        mb = self._load(armed.micro_batch.step, plan)
+        replay = self._replay_for(module, plan, armed.vp_stage)
+        tokens = list(armed.micro_batch.tokens) if armed.vp_stage == 0 else None
+        replay.install(mb, vp_stage=armed.vp_stage, tokens=tokens)
+
+    def end_step(self, *, phase: str | None = None) -> StepFidelity:
+        """From ``forward_backward_batch``'s end: clear, judge and publish the router diff of this forward pass."""
+        counts = StepFidelity()
+        for replay in self._replays.values():
+            counts = counts.merge(replay.end_step())
+        self._armed.clear()
+        if self.fidelity_writer is not None and self._step is not None and counts.replayed:
+            write_fidelity(self.store, self._step, self.fidelity_writer, counts, phase=phase)
+        return counts
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+    def _load(self, step: int, plan: AlignmentPlan) -> MicroBatchReplay:
+        """The micro-batch's rows for this rank (every model chunk of the rank shares one read)."""
+        key = (step, plan)
+        if key not in self._loaded:
+            self._loaded[key] = ReplayLoader(self.store, step, plan, prefetch=0).load(0)
+            while len(self._loaded) > self._cache:
+                self._loaded.popitem(last=False)
+        return self._loaded[key]
+
+    def _replay_for(self, chunk: Any, plan: AlignmentPlan, vp_stage: int) -> MegatronReplay:
+        key = (id(chunk), vp_stage)
+        if key not in self._replays:
+            self._replays[key] = MegatronReplay([chunk], plan, gate=self.gate, vp_stages=[vp_stage])
+        return self._replays[key]
+
+    def remove(self) -> None:
+        for handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
+        for replay in self._replays.values():
+            replay.remove()
+        self._replays.clear()
+
+
+def _unwrap(model: Any) -> Any:
+    """The GPTModel under DDP / Float16Module wrappers (the module whose forward takes ``packed_seq_params``)."""
+    current = model
+    for _ in range(8):
+        if hasattr(current, "decoder"):
+            return current
+        current = getattr(current, "module", None)
+        if current is None:
+            break
+    return model
+
+
+def _cp_layout(config: Any) -> Any:
+    """veRL's context-parallel layout: contiguous for DeepSeek-V4 hybrid attention, else zigzag."""
+    from verl.utils.megatron.router_replay_utils import _context_parallel_layout
+
+    return _context_parallel_layout(config)
+
+
+def _micro_batch(armed: _Armed, args: tuple[Any, ...], kwargs: dict[str, Any]) -> MicroBatch:
+    """The micro-batch as the model is given it: THD boundaries from ``packed_seq_params`` (with dynamic CP, the
+    group and this rank's place in it), else the BSHD width of ``input_ids`` / ``attention_mask``."""
+    ids = armed.micro_batch.sample_ids
+    params = kwargs.get("packed_seq_params")
+    if params is not None:
+        cu = getattr(params, "cu_seqlens_q_padded", None)
+        if cu is None:
+            cu = params.cu_seqlens_q
+        cp_rank = None
+        group = getattr(params, "cp_group", None)
+        if armed.local_cp_size is not None and group is not None:
+            import torch.distributed as dist
+
+            cp_rank = dist.get_rank(group=group)
+        return MicroBatch(ids, cu_seqlens_padded=tuple(int(x) for x in cu.tolist()), cp=armed.local_cp_size, cp_rank=cp_rank)
+    dense = kwargs.get("input_ids", args[0] if args else None)
+    if dense is None:
+        dense = kwargs.get("attention_mask")
+    if dense is None or dense.dim() < 2:
+        raise AlignmentError("the model chunk was called without packed_seq_params or a [batch, seq] input: cannot align")
+    return MicroBatch(ids, seq_len=int(dense.shape[1]))
+
+
+def install(
+    store: Store | str,
+    *,
+    spec: ModelSpec | None = None,
+    missing: MissingPolicy = "dummy",
+    gate: FidelityGate | None = None,
+    fidelity_writer: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> VerlReplay:
+    """Patch veRL's Megatron engine in this process to replay from ``store``; returns the :class:`VerlReplay`.
+
+    Call it in every training worker before the engine is built (e.g. at the top of a custom worker's
+    ``init_model``). The patched functions are looked up by veRL in ``transformer_impl``'s namespace, which is why
+    they are replaced there.
+    """
+    from verl.workers.engine.megatron import transformer_impl as impl
+
+    replay = VerlReplay(
+        store, spec=spec, missing=missing, gate=gate, fidelity_writer=fidelity_writer, storage_options=storage_options
+    )
+    engine = impl.MegatronEngineWithLMHead
+    prepare = engine.prepare_model_inputs
+    forward_backward = impl.MegatronEngine.forward_backward_batch
+
+    def prepare_model_inputs(self: Any, batch: Any) -> dict[str, Any]:
+        inputs: dict[str, Any] = prepare(self, batch)
+        replay.note_inputs(batch)
+        if inputs.get(ROUTES_KEY) is None:  # veRL's R3 path insists on a tensor; the routes come from the store
+            inputs[ROUTES_KEY] = _placeholder(batch["input_ids"])
+        return inputs
+
+    def set_router_replay_data(
+        layers_topk_idx: Any,
+        attention_mask: Any,
+        tf_config: Any,
+        vp_rank: int | None = None,
+        replay_mask: Any = None,
+        local_cp_size: int | None = None,
+        model: Any = None,
+    ) -> None:
+        del layers_topk_idx, attention_mask, replay_mask  # rows come from the store, aligned at the forward
+        replay.arm(tf_config, vp_rank, local_cp_size, model)
+
+    def forward_backward_batch(self: Any, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+        try:
+            return forward_backward(self, data, loss_function, forward_only)
+        finally:
+            replay.end_step(phase="logprob" if forward_only else "train")
+
+    engine.prepare_model_inputs = prepare_model_inputs
+    impl.set_router_replay_data = set_router_replay_data
+    impl.MegatronEngine.forward_backward_batch = forward_backward_batch
+    return replay
+
+
+def _placeholder(input_ids: Any) -> Any:
+    """A one-number-per-token stand-in for the routes veRL's R3 path expects (aligned and then ignored)."""
+    import torch
+
+    if getattr(input_ids, "is_nested", False):
+        parts = [torch.zeros((int(n), 1, 1), dtype=torch.int16) for n in input_ids.offsets().diff().tolist()]
+        return torch.nested.as_nested_tensor(parts, layout=torch.jagged)
+    return torch.zeros((*input_ids.shape[:2], 1, 1), dtype=torch.int16)

@@ -1,0 +1,125 @@
+"""Other writers' committed records of a step, as candidates for shared prefixes (:mod:`routelog.dedup`).
+
+A GRPO group's samples or a session's turns may reach different inference workers, so a prefix can repeat across
+writers. Before it builds a part, a writer lists the step's commits, reads the index of each part it has not seen
+(token ids and where each token's routing row lives) and lists those records as candidates; the rows themselves
+are fetched only when a record's first tokens match, and compared before they are shared. Wholly dropped parts are
+never pointed at (``routelog gc`` may be reclaiming them).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import numpy.typing as npt
+
+from routelog import keys
+from routelog.codec import IdArray
+from routelog.dedup import MIN_SHARED_TOKENS, PrefixIndex, WeightRows
+from routelog.errors import RoutelogError
+from routelog.format import CommitRecord, IndexRow, parse_document
+from routelog.part import BlockRequest, ShardIndexCache, fetch_blocks, index_from_parquet
+from routelog.reader import check_commit, dropped_part, list_commit_names, object_info, read_drops
+from routelog.root import StoreRoot
+
+_CACHED_RANGES = 4
+"""Row ranges of one part kept decoded (a group's samples compare against the same prompt rows in turn)."""
+
+
+class StoredPart:
+    """A committed part's routing rows, fetched by ranged reads when a comparison needs them."""
+
+    def __init__(self, store: StoreRoot, part_key: str, commit: CommitRecord) -> None:
+        self.store, self.part_key, self.commit = store, part_key, commit
+        self._cache: OrderedDict[tuple[int, int], tuple[IdArray, WeightRows | None]] = OrderedDict()
+        self._index_cache = ShardIndexCache()
+
+    def take(self, rows: npt.NDArray[np.int64]) -> tuple[IdArray, WeightRows | None]:
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        if not 0 <= lo < hi <= self.commit.routing.n_rows:
+            raise RoutelogError(f"{self.part_key}: rows [{lo}, {hi}) outside its {self.commit.routing.n_rows} rows")
+        cached = next(((a, b) for a, b in self._cache if a <= lo and hi <= b), None)
+        if cached is None:
+            layers = (0, self.commit.routing.num_moe_layers)
+            requests = [BlockRequest.of(self.part_key, self.commit, layers, (lo, hi))]
+            if self.commit.weights is not None:
+                requests.append(BlockRequest.of(self.part_key, self.commit, layers, (lo, hi), weights=True))
+            blocks = fetch_blocks(self.store.storage, requests, self._index_cache)
+            cached = (lo, hi)
+            self._cache[cached] = (blocks[0], blocks[1] if len(blocks) > 1 else None)
+            while len(self._cache) > _CACHED_RANGES:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(cached)
+        ids, weights = self._cache[cached]
+        at = rows - cached[0]
+        return ids[:, at], None if weights is None else weights[:, at]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(ids.nbytes + (0 if w is None else w.nbytes) for ids, w in self._cache.values())
+
+
+class PeerParts:
+    """Keeps a writer's :class:`~routelog.dedup.PrefixIndex` aware of the step's parts committed by others."""
+
+    def __init__(self, store: StoreRoot, step: int, prefixes: PrefixIndex) -> None:
+        self.store, self.step, self.prefixes = store, step, prefixes
+        self._seen: set[str] = set()
+
+    def seen(self, commit_name: str) -> None:
+        """A commit whose records the index lists already (the writer's own)."""
+        self._seen.add(commit_name)
+
+    def refresh(self) -> None:
+        """List the records of commits not seen yet; a commit that cannot be read is skipped (``routelog verify``
+        reports it), never an error of the writer."""
+        names = [n for n in list_commit_names(self.store, self.step) if n not in self._seen]
+        if not names:
+            return
+        drops = read_drops(self.store, self.step)
+        for name in names:
+            self._seen.add(name)
+            try:
+                commit, rows = self._read(name)
+            except (RoutelogError, ValueError, OSError):
+                continue
+            if dropped_part(commit, drops):
+                continue
+            self._list(commit, rows)
+
+    def _read(self, name: str) -> tuple[CommitRecord, list[IndexRow]]:
+        storage = self.store.storage
+        key = keys.commit_key(self.step, name)
+        commit = parse_document(storage.read(key), CommitRecord, storage.url_of(key))
+        check_commit(commit, name, self.step, self.store.model_spec, storage.url_of(key))
+        info = object_info(commit, keys.INDEX, storage.url_of(key))
+        data = storage.read_verified(
+            f"{keys.part_dir(self.step, commit.part)}/{keys.INDEX}", info.size, info.sha256, name
+        )
+        return commit, [IndexRow.model_validate(row) for row in index_from_parquet(data).to_pylist()]
+
+    def _list(self, commit: CommitRecord, rows: list[IndexRow]) -> None:
+        own_key = keys.part_dir(self.step, commit.part)
+        ids: dict[str, int] = {}
+        for row in rows:
+            if row.token_ids is None or len(row.token_ids) < MIN_SHARED_TOKENS:
+                continue
+            part = np.full(row.n_tokens, -1, np.int32)
+            where = np.full(row.n_tokens, -1, np.int64)
+            for span in row.spans:
+                key = span.part or own_key
+                if key not in ids:
+                    known = self.prefixes.part_id(key)
+                    if known is None and key != own_key:
+                        break  # points at a part this writer does not know: not a candidate
+                    ids[key] = (
+                        known
+                        if known is not None
+                        else self.prefixes.add_committed(StoredPart(self.store, own_key, commit), own_key)
+                    )
+                stop = span.token_start + span.n_rows
+                part[span.token_start : stop] = ids[key]
+                where[span.token_start : stop] = np.arange(span.row, span.row + span.n_rows)
+            else:
+                self.prefixes.add_record(np.asarray(row.token_ids, np.int64), part, where)

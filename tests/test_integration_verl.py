@@ -1,0 +1,210 @@
+"""veRL 0.9.1 (real ``DataProto``, ``left_right_2_no_padding``, ``rearrange_micro_batches``, ``preprocess_thd_engine``,
+its ``RouterReplay`` patch and its engine module) with routelog's integration, on megatron-core on CPU.
+
+The rollout side writes the agent loop's batch and leaves only sample ids in it; the training side installs each
+micro-batch's rows at the chunk's forward, aligned to the ``packed_seq_params`` veRL gives the model, and they equal
+veRL's own packing of the true routes at every token (with and without FP8 padding, dynamic micro-batches)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+
+import routelog
+from routelog.align import ParallelLayout
+from tests.test_megatron import HIDDEN, SPEC, megatron_config, moe_layers, selected
+
+pytestmark = [
+    pytest.mark.usefixtures("megatron_env"),
+    pytest.mark.verl,
+    pytest.mark.filterwarnings("ignore::UserWarning"),  # veRL warns about every engine it cannot import here
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+verl = pytest.importorskip("verl")
+
+PROMPT, RESPONSE = 12, 10
+PROMPTS = [3, 12, 7, 5, 9, 4]
+RESPONSES = [10, 2, 6, 9, 5, 8]
+L_FULL = SPEC.num_layers
+
+
+def rollout_batch(rng: np.random.Generator) -> tuple[Any, np.ndarray]:
+    """A batch laid out as veRL's agent loop returns it, and the full-axis routes ``[B, P+R, layers, K]``."""
+    from verl import DataProto
+    from verl.utils.model import compute_position_id_with_mask
+
+    b = len(PROMPTS)
+    prompts = torch.zeros((b, PROMPT), dtype=torch.long)
+    responses = torch.zeros((b, RESPONSE), dtype=torch.long)
+    mask = torch.zeros((b, PROMPT + RESPONSE), dtype=torch.long)
+    routes = np.zeros((b, PROMPT + RESPONSE, L_FULL, SPEC.topk), np.int16)
+    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
+        prompts[i, PROMPT - p :] = torch.from_numpy(rng.integers(1, 64, p))
+        responses[i, :r] = torch.from_numpy(rng.integers(1, 64, r))
+        mask[i, PROMPT - p : PROMPT + r] = 1
+        rows = p + r - 1  # the engine routes every fed token; the last sampled one never is
+        chosen = np.argsort(rng.random((rows, L_FULL, SPEC.num_experts)), axis=-1)[..., : SPEC.topk]
+        chosen[:, [i for i in range(L_FULL) if i not in SPEC.moe_layers]] = 0  # dense layers: zeros, as SGLang
+        routes[i, PROMPT - p : PROMPT - p + rows] = chosen
+    input_ids = torch.cat([prompts, responses], dim=1)
+    batch = DataProto.from_dict(
+        tensors={
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "position_ids": compute_position_id_with_mask(mask),
+            "response_mask": mask[:, PROMPT:].clone(),
+            "routed_experts": torch.from_numpy(routes),
+        },
+        non_tensors={"uid": np.array([f"p{i // 2}" for i in range(b)], dtype=object)},
+        meta_info={"temperature": 1.0},
+    )
+    return batch, routes
+
+
+def _write(rng: np.random.Generator) -> tuple[str, Any, np.ndarray]:
+    from routelog.integrations.verl import write_batch
+
+    url = f"memory://verl/{uuid.uuid4().hex}"
+    batch, routes = rollout_batch(rng)
+    with routelog.open_writer(url, 7, model_spec=SPEC) as writer:
+        ids = write_batch(writer, batch)
+    assert ids == ["p0/0", "p0/1", "p1/0", "p1/1", "p2/0", "p2/1"]
+    return url, batch, routes
+
+
+def test_the_rollout_side_writes_the_routes_and_carries_only_sample_ids() -> None:
+    from routelog.integrations.verl import SAMPLE_ID_KEY, STEP_KEY
+
+    url, batch, routes = _write(np.random.default_rng(0))
+    assert "routed_experts" not in batch.batch.keys()
+    assert batch.meta_info[STEP_KEY] == 7
+    snapshot = routelog.open_store(url).step(7)
+    mask = batch.batch["attention_mask"].numpy().astype(bool)
+    for i, sid in enumerate(batch.non_tensor_batch[SAMPLE_ID_KEY]):
+        got = snapshot.read(sid)
+        want = routes[i][mask[i]][:, list(SPEC.moe_layers)]
+        np.testing.assert_array_equal(got.expert_ids[:-1], np.sort(want[:-1], axis=-1))
+        assert not got.valid[-1], "the final token was never routed"
+        assert got.info.group_id == batch.non_tensor_batch["uid"][i]
+    # a DP split and a micro-batch reorder carry the ids with the rows
+    part = batch.select_idxs([5, 0, 3])
+    assert list(part.non_tensor_batch[SAMPLE_ID_KEY]) == ["p2/1", "p0/0", "p1/1"]
+
+
+@pytest.fixture
+def verl_patched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """veRL's own RouterReplay patch of megatron-core (undone after the test)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
+
+    for cls, names in (
+        (TopKRouter, ("__init__", "routing", "_router_replay_patched")),
+        (TransformerConfig, ("__init__", "_verl_router_patched")),
+        (MoEAlltoAllTokenDispatcher, ("preprocess", "_preprocess_patched")),
+    ):
+        for name in names:
+            monkeypatch.setattr(cls, name, getattr(cls, name, None), raising=False)
+            if getattr(cls, name) is None:
+                monkeypatch.delattr(cls, name)
+    # veRL also rewrites the config constructor's signature object in place: keep the original's.
+    monkeypatch.setattr(TransformerConfig.__init__, "__signature__", None, raising=False)
+    apply_router_replay_patch()
+
+
+@pytest.mark.parametrize("fp8", [None, "e4m3"])
+@pytest.mark.parametrize("max_token_len", [24, 60])
+def test_each_micro_batch_installs_the_rows_the_model_computes_on(
+    verl_patched: None, monkeypatch: pytest.MonkeyPatch, fp8: str | None, max_token_len: int
+) -> None:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from verl.models.mcore.util import preprocess_thd_engine
+    from verl.utils.megatron import router_replay_patch as verl_replay
+    from verl.utils.megatron.router_replay_utils import set_model_router_replay_action
+    from verl.utils.seqlen_balancing import rearrange_micro_batches
+    from verl.workers.engine.megatron import transformer_impl as impl
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from routelog.integrations import verl as integration
+
+    for name in ("prepare_model_inputs",):
+        monkeypatch.setattr(impl.MegatronEngineWithLMHead, name, getattr(impl.MegatronEngineWithLMHead, name))
+    monkeypatch.setattr(impl, "set_router_replay_data", impl.set_router_replay_data)
+    monkeypatch.setattr(impl.MegatronEngine, "forward_backward_batch", impl.MegatronEngine.forward_backward_batch)
+
+    url, batch, routes = _write(np.random.default_rng(1))
+    config = megatron_config()
+    config.fp8 = fp8  # only veRL's packing reads it here: FP8 pads each sequence to 16 and the total to 128
+    torch.manual_seed(0)
+    chunk = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
+        vocab_size=64,
+        max_sequence_length=256,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+    assert all(isinstance(layer.mlp.router.router_replay, verl_replay.RouterReplay) for layer in moe_layers(chunk))
+    replay = integration.install(url, fidelity_writer="train-dp0")
+
+    data = left_right_2_no_padding(batch.to_tensordict())
+    micro_batches, indices = rearrange_micro_batches(data, max_token_len=max_token_len)
+    assert len(micro_batches) > 1
+    for mb, order in zip(micro_batches, indices, strict=True):
+        inputs = impl.MegatronEngineWithLMHead.prepare_model_inputs(None, mb)  # veRL's own, patched
+        set_model_router_replay_action(chunk, verl_replay.RouterReplayAction.REPLAY_FORWARD)
+        impl.set_router_replay_data(inputs["routed_experts"], None, config, vp_rank=0, model=chunk)
+        # What veRL's forward hands the model: its own THD packing of the micro-batch.
+        _, params, _ = preprocess_thd_engine(mb["input_ids"], pre_process=True, use_fp8_padding=fp8 is not None)
+        replay._pre_forward(chunk, (), {"packed_seq_params": params})
+        rows = int(params.cu_seqlens_q_padded[-1])
+        seen: dict[int, np.ndarray] = {}
+        for layer in moe_layers(chunk):
+            handle = layer.mlp.router.register_forward_hook(
+                lambda module, args, out: seen.__setitem__(int(module.layer_number), selected(out[1].detach()))
+            )
+            layer.mlp(torch.randn(rows, 1, HIDDEN))
+            handle.remove()
+        # veRL's own packing of the true routes puts each token's row where the model computes it.
+        truth = [torch.from_numpy(routes[i][batch.batch["attention_mask"][i].bool().numpy()]) for i in order]
+        packed, _, _ = preprocess_thd_engine(
+            torch.nested.as_nested_tensor(truth, layout=torch.jagged), pre_process=True, use_fp8_padding=fp8 is not None
+        )
+        real = np.zeros(rows, bool)
+        cu = params.cu_seqlens_q_padded.tolist()
+        for j, i in enumerate(order):
+            n = int(batch.batch["attention_mask"][i].sum()) - 1  # the last token has no route
+            real[cu[j] : cu[j] + n] = True
+        for layer in moe_layers(chunk):
+            number = int(layer.layer_number)
+            want = np.sort(packed[0, :, number - 1].numpy().astype(np.int64), axis=-1)
+            np.testing.assert_array_equal(seen[number][real], want[real])
+        set_model_router_replay_action(chunk, verl_replay.RouterReplayAction.REPLAY_BACKWARD)
+    counts = replay.end_step(phase="train")
+    assert counts.samples == len(PROMPTS)
+    (record,) = routelog.fidelity.read_fidelity(routelog.open_store(url), 7)
+    assert record.phase == "train" and record.samples == len(PROMPTS)
+    replay.remove()
+    assert ParallelLayout().tp == 1
+
+
+def test_a_micro_batch_without_sample_ids_is_refused() -> None:
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from routelog.errors import AlignmentError
+    from routelog.integrations.verl import VerlReplay
+
+    url, batch, _ = _write(np.random.default_rng(2))
+    del batch.non_tensor_batch["routelog_sample_id"]
+    data = left_right_2_no_padding(batch.to_tensordict())
+    with pytest.raises(AlignmentError, match="write_batch"):
+        VerlReplay(url).note_inputs(data)
