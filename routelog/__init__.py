@@ -37,6 +37,7 @@ from routelog.errors import (
 )
 from routelog.format import FORMAT_VERSION, IndexRow, Segment
 from routelog.part import PartOptions
+from routelog.process_writer import ProcessWriter
 from routelog.reader import StepSnapshot
 from routelog.record import Record, StreamRows, token_hash
 from routelog.routing import RecordRouting
@@ -84,6 +85,7 @@ __all__ = [
     "ModelSpec",
     "ModelSpecError",
     "PartOptions",
+    "ProcessWriter",
     "Record",
     "RecordNotFoundError",
     "RecordRouting",

@@ -89,7 +89,7 @@ class ReplayLoader:
         first = self.plan.first_index(m)
         for j, sid in enumerate(batch.sample_ids):
             needed[sid][real[real[:, 0] - first == j, 1]] = True
-        routings = snapshot.read_many(batch.sample_ids, moe_layers=self.plan.moe_layers, tokens=needed)
+        routings = snapshot.read_many(batch.sample_ids, moe_layers=self.plan.moe_layers, tokens=needed, max_gap=0)
         return gather(self.plan, m, {r.sample_id: r for r in routings})
 
     def __iter__(self) -> Iterator[MicroBatchReplay]:

@@ -319,7 +319,8 @@ def index_from_parquet(data: bytes) -> pa.Table:
 
 # -- reading ------------------------------------------------------------------------------------------------------
 MAX_GAP = 1 << 19
-"""Byte gap under which two chunk reads of a shard merge into one request."""
+"""Byte gap under which two chunk reads of a shard merge into one request (fewer requests for some bytes more;
+a trainer rank, which reads a fraction of each record, uses 0: bytes are what it pays for)."""
 
 
 @dataclass(frozen=True)
@@ -390,7 +391,10 @@ class ShardIndexCache:
 
 
 def fetch_blocks(
-    storage: Storage, requests: Sequence[BlockRequest], cache: ShardIndexCache | None = None
+    storage: Storage,
+    requests: Sequence[BlockRequest],
+    cache: ShardIndexCache | None = None,
+    max_gap: int = MAX_GAP,
 ) -> list[np.ndarray[Any, Any]]:
     """Decoded expert IDs (or stored weights) for each request, layer-major ``[layers, rows, topk]`` in the
     storage dtype.
@@ -408,7 +412,7 @@ def fetch_blocks(
         else []
         for r in requests
     ]
-    pieces = _read_pieces(storage, requests, plans)
+    pieces = _read_pieces(storage, requests, plans, max_gap)
     blocks = []
     for request, chunks in zip(requests, plans, strict=True):
         array, layout_ = request.array, shard_layout(request.array)
@@ -440,7 +444,7 @@ def fetch_blocks(
 
 
 def _read_pieces(
-    storage: Storage, requests: Sequence[BlockRequest], plans: list[list[ChunkRead]]
+    storage: Storage, requests: Sequence[BlockRequest], plans: list[list[ChunkRead]], max_gap: int
 ) -> dict[tuple[str, int], memoryview]:
     """The stored bytes of every planned chunk, keyed by (array, offset); nearby chunks share one ranged read."""
     wanted: dict[str, set[tuple[int, int]]] = {}
@@ -451,7 +455,7 @@ def _read_pieces(
             wanted.setdefault(request.array_key, set()).add((chunk.start, chunk.stop))
             samples.setdefault(request.array_key, set()).update(request.samples)
             shards[request.array_key] = request.shard_key
-    ranges = [(key, lo, hi) for key, spans in wanted.items() for lo, hi in coalesce(list(spans), MAX_GAP)]
+    ranges = [(key, lo, hi) for key, spans in wanted.items() for lo, hi in coalesce(list(spans), max_gap)]
     datas = _read_ranges(
         storage,
         [(shards[key], lo, hi) for key, lo, hi in ranges],

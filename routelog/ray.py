@@ -15,11 +15,11 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from routelog.format import INDEX_SCHEMA, Segment
+from routelog.format import INDEX_SCHEMA
 from routelog.part import PartOptions
-from routelog.record import Record
 from routelog.spec import ModelSpec
 from routelog.store import Store, create_store, open_store
+from routelog.transport import record_from_payload
 
 
 def ray_writer_id(prefix: str = "ray") -> str:
@@ -29,47 +29,6 @@ def ray_writer_id(prefix: str = "ray") -> str:
     context = ray.get_runtime_context()
     ident = context.get_actor_id() or context.get_task_id() or context.get_worker_id()
     return f"{prefix}-{str(ident)[-16:]}"
-
-
-def record_payload(record: Record) -> dict[str, Any]:
-    """A record as plain arrays and a JSON string, for shipping through Ray."""
-    meta = {
-        "sample_id": record.sample_id,
-        "prompt_len": record.prompt_len,
-        "response_len": record.response_len,
-        "token_hash": record.token_hash,
-        "group_id": record.group_id,
-        "policy_version": record.policy_version,
-        "engine": record.engine,
-        "engine_version": record.engine_version,
-        "segments": [s.model_dump() for s in record.segments],
-        "extra": dict(record.extra or {}),
-    }
-    return {
-        "expert_ids": np.asarray(record.expert_ids),
-        "valid": None if record.valid is None else np.asarray(record.valid),
-        "token_ids": None if record.token_ids is None else np.asarray(record.token_ids),
-        "meta": json.dumps(meta),
-    }
-
-
-def record_from_payload(payload: Mapping[str, Any]) -> Record:
-    meta = json.loads(payload["meta"])
-    return Record(
-        sample_id=meta["sample_id"],
-        expert_ids=payload["expert_ids"],
-        prompt_len=meta["prompt_len"],
-        response_len=meta["response_len"],
-        valid=payload.get("valid"),
-        token_ids=payload.get("token_ids"),
-        token_hash=meta["token_hash"],
-        group_id=meta["group_id"],
-        policy_version=meta["policy_version"],
-        engine=meta["engine"],
-        engine_version=meta["engine_version"],
-        segments=[Segment.model_validate(s) for s in meta["segments"]],
-        extra=meta["extra"] or None,
-    )
 
 
 class RoutingWriter:
@@ -119,7 +78,7 @@ def remote_writer(
     num_cpus: float = 0.5,
     **kwargs: Any,
 ) -> Any:
-    """Start a :class:`RoutingWriter` actor; feed it ``record_payload(record)`` dicts."""
+    """Start a :class:`RoutingWriter` actor; feed it :func:`routelog.transport.record_payload` dicts."""
     import ray
 
     actor = ray.remote(num_cpus=num_cpus)(RoutingWriter)

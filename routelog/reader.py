@@ -39,7 +39,7 @@ from routelog.format import (
     parse_document,
     validate_document,
 )
-from routelog.part import BlockRequest, ShardIndexCache, fetch_blocks, index_from_parquet, shard_layout
+from routelog.part import MAX_GAP, BlockRequest, ShardIndexCache, fetch_blocks, index_from_parquet, shard_layout
 from routelog.root import StoreRoot
 from routelog.routing import ROUTING_TABLE_SCHEMA, RecordRouting
 from routelog.spec import ModelSpec
@@ -323,6 +323,7 @@ class StepSnapshot:
         stream: str | None = None,
         weights: bool = False,
         tokens: Mapping[str, npt.NDArray[np.bool_]] | None = None,
+        max_gap: int = MAX_GAP,
     ) -> list[RecordRouting]:
         """Routing of several records, fetched concurrently; results follow the order of ``sample_ids``.
 
@@ -331,7 +332,7 @@ class StepSnapshot:
         With ``weights``, also the routing weights (:attr:`RecordRouting.weights`; never fetched otherwise).
         ``tokens[sample_id]`` (``[n_tokens]`` bool) restricts a record to those tokens: only the chunks holding
         them are fetched (a context-parallel rank needs a fraction of each sequence); the other rows read as
-        missing.
+        missing. Chunks less than ``max_gap`` bytes apart are fetched in one request, gap included.
         """
         if weights and stream is not None:
             raise ValueError("routing weights are stored for the decoder routing only, not for a stream")
@@ -376,7 +377,7 @@ class StepSnapshot:
             (read, info) for read in reads if weights and (info := commits[read.part_key].weights) is not None
         ]
         requests += [read.request(commits[read.part_key], None, weights=True) for read, _ in with_weights]
-        blocks = fetch_blocks(self.store.storage, requests, self._index_cache)
+        blocks = fetch_blocks(self.store.storage, requests, self._index_cache, max_gap)
         for read, block in zip(reads, blocks[: len(reads)], strict=True):
             for sid, span in read.members:
                 src = block[:, span.row - read.row_start : span.row - read.row_start + span.n_rows]

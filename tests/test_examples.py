@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -56,3 +58,42 @@ def test_r3_on_cpu(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "with R3: router diff 0.00%" in result.stdout
+
+
+@pytest.mark.verl
+def test_verl_r3() -> None:
+    pytest.importorskip("verl")
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", str(EXAMPLES / "verl_r3.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the batch now carries ['routelog_sample_id', 'uid'] and no routed_experts" in result.stdout
+    assert result.stdout.count("every routed token took its rollout experts") == 2
+
+
+def test_slime_r3() -> None:
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", str(EXAMPLES / "slime_r3.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "every rank's replayed rows are the rollout's routes at its tokens" in result.stdout
+
+
+def test_nemo_rl_r3() -> None:
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", str(EXAMPLES / "nemo_rl_r3.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "routers selected the recorded experts on every replayed row" in result.stdout

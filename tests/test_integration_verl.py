@@ -83,7 +83,7 @@ def test_the_rollout_side_writes_the_routes_and_carries_only_sample_ids() -> Non
     from routelog.integrations.verl import SAMPLE_ID_KEY, STEP_KEY
 
     url, batch, routes = _write(np.random.default_rng(0))
-    assert "routed_experts" not in batch.batch.keys()
+    assert batch.batch.get("routed_experts", None) is None
     assert batch.meta_info[STEP_KEY] == 7
     snapshot = routelog.open_store(url).step(7)
     mask = batch.batch["attention_mask"].numpy().astype(bool)
@@ -170,7 +170,9 @@ def test_each_micro_batch_installs_the_rows_the_model_computes_on(
         seen: dict[int, np.ndarray] = {}
         for layer in moe_layers(chunk):
             handle = layer.mlp.router.register_forward_hook(
-                lambda module, args, out: seen.__setitem__(int(module.layer_number), selected(out[1].detach()))
+                lambda module, args, out, seen=seen: seen.__setitem__(
+                    int(module.layer_number), selected(out[1].detach())
+                )
             )
             layer.mlp(torch.randn(rows, 1, HIDDEN))
             handle.remove()

@@ -20,7 +20,8 @@ def make_records(prefix: str, n: int, seed: int) -> list[Record]:
 
 
 def test_writer_actors_commit_to_s3(s3_bucket: str) -> None:
-    from routelog.ray import record_payload, remote_writer
+    from routelog.ray import remote_writer
+    from routelog.transport import record_payload
 
     url = f"s3://{s3_bucket}/ray-writers"
     actors = [remote_writer(url, 3, f"actor-{i}", model_spec=SPEC, flush_bytes=500) for i in range(2)]

@@ -4,7 +4,16 @@ server), peak RSS per writer and objects per flush, next to ``np.save`` of the s
 Each writer is its own process (as rollout workers are); routing is generated before the clock starts. MB/s count
 raw-equivalent routing bytes (one byte per expert ID) over the wall time from the first append to the last commit.
 
+``--scheduler`` measures instead what a writer costs the inference engine it runs in: the engine's scheduler is
+GIL-bound Python, so a loop of small pure-Python steps stands in for it, appending a record at a realistic rate
+(default 4 records/s of 4096 tokens x 48 layers, top-8 of 128: 6 MB/s of routing per engine). Each trial is a fresh
+process running the loop for a fixed time without a writer, with the writer in the engine's process, and with the
+writer's validation and encoding in a separate process (:class:`routelog.ProcessWriter`: the engine copies each
+record into shared memory); the three alternate, and the medians of steps per second give the overhead. Goal (issue
+#15): <= 1.01 x.
+
     python tools/bench_writers.py [--json] [--quick] [--records N --tokens T --layers L]
+    python tools/bench_writers.py --scheduler [--json] [--rate R --trials N --seconds S]
 """
 
 from __future__ import annotations
@@ -80,6 +89,72 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+SCHEDULER_MODES = ("no writer", "writer in the engine process", "writer process")
+
+
+def scheduler_child(args: argparse.Namespace) -> dict[str, Any]:
+    """The stand-in scheduler for ``args.seconds``: steps of pure-Python work, a record appended at ``args.rate``."""
+    spec = synthetic_spec(args.layers, 128, 8)
+    arrays = _routing(args, seed=1)[:8]
+    mode = SCHEDULER_MODES[args.mode]
+    writer: Any = None
+    if mode == "writer in the engine process":
+        writer = routelog.open_writer(args.url, 0, model_spec=spec, writer_id="engine", flush_bytes=16 << 20)
+    elif mode == "writer process":
+        writer = routelog.ProcessWriter(args.url, 0, model_spec=spec, writer_id="engine", flush_bytes=16 << 20)
+    if writer is not None:  # warm up outside the clock (imports, the first part)
+        writer.append(Record(sample_id="warmup", expert_ids=arrays[0], prompt_len=16, response_len=args.tokens - 16))
+        writer.flush()
+    steps = appended = 0
+    start = time.perf_counter()
+    end = start + args.seconds
+    due = start
+    while True:
+        now = time.perf_counter()
+        if now >= end:
+            break
+        if writer is not None and now >= due:
+            ids = arrays[appended % len(arrays)]
+            writer.append(
+                Record(sample_id=f"r{appended}", expert_ids=ids, prompt_len=16, response_len=args.tokens - 16)
+            )
+            appended += 1
+            due += 1.0 / args.rate
+        total = 0
+        for k in range(400):  # one scheduler step: ~20 us of bytecode holding the GIL
+            total += k * k
+        steps += 1
+    elapsed = time.perf_counter() - start
+    if writer is not None:
+        writer.close()
+    return {"mode": mode, "steps_per_second": steps / elapsed, "records": appended}
+
+
+def scheduler_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    runs: dict[str, list[float]] = {mode: [] for mode in SCHEDULER_MODES}
+    for trial in range(args.trials):
+        for mode in range(len(SCHEDULER_MODES)):
+            command = [sys.executable, __file__, "--scheduler-child", "--mode", str(mode), "--url"]
+            command += [str(root / f"store-{trial}-{mode}"), "--seconds", str(args.seconds), "--rate", str(args.rate)]
+            command += ["--tokens", str(args.tokens), "--layers", str(args.layers), "--records", "8"]
+            out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            runs[SCHEDULER_MODES[mode]].append(json.loads(out.strip().splitlines()[-1])["steps_per_second"])
+    medians = {mode: float(np.median(values)) for mode, values in runs.items()}
+    base = medians["no writer"]
+    return {
+        "config": {
+            "rate_records_per_s": args.rate,
+            "tokens": args.tokens,
+            "layers": args.layers,
+            "trials": args.trials,
+        },
+        "steps_per_second": runs,
+        "median_steps_per_second": medians,
+        "overhead": {mode: base / medians[mode] for mode in SCHEDULER_MODES[1:]},
+        "goal": "<= 1.01 x",
+    }
+
+
 def baseline(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """np.save of the same arrays to local disk, one file per record, no compression."""
     arrays = _routing(args, seed=0)
@@ -151,11 +226,36 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--writer", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--scheduler", action="store_true", help="measure the overhead a writer adds to an engine")
+    parser.add_argument("--rate", type=float, default=4.0, help="--scheduler: records per second")
+    parser.add_argument("--seconds", type=float, default=10.0, help="--scheduler: seconds per trial")
+    parser.add_argument("--trials", type=int, default=5, help="--scheduler: trials per mode")
+    parser.add_argument("--scheduler-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.records, args.tokens, args.layers, args.flush_mb, args.writers = 4, 256, 8, 1, "1,2"
+        args.seconds, args.trials = 1.0, 1
     if args.child:
         print(json.dumps(child(args)))
+        return
+    if args.scheduler_child:
+        print(json.dumps(scheduler_child(args)))
+        return
+    if args.scheduler:
+        if not args.quick:
+            args.tokens = 4096
+        with tempfile.TemporaryDirectory(prefix="routelog-bench-scheduler-") as tmp:
+            report = scheduler_overhead(args, Path(tmp))
+        if args.json:
+            print(json.dumps(report, indent=1))
+            return
+        shape = f"{args.tokens} tokens x {args.layers} layers"
+        print(f"a GIL-bound scheduler loop appending {args.rate:g} records/s of {shape}:")
+        for mode, value in report["median_steps_per_second"].items():
+            overhead = report["overhead"].get(mode)
+            print(f"{mode:30s} {value:12.0f} steps/s" + (f"  overhead {overhead:.4f} x" if overhead else ""))
+        print(f"goal: {report['goal']}")
         return
 
     from moto.server import ThreadedMotoServer

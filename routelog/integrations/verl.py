@@ -83,7 +83,7 @@ def write_batch(
     """
     spec = spec or writer.store.model_spec
     tensors = batch.batch
-    if ROUTES_KEY not in tensors.keys():
+    if tensors.get(ROUTES_KEY, None) is None:
         raise AlignmentError(
             f"the batch has no {ROUTES_KEY!r}: enable actor_rollout_ref.rollout.enable_rollout_routing_replay "
             "so the agent loop returns the engine's routing"
@@ -271,12 +271,15 @@ def _micro_batch(armed: _Armed, args: tuple[Any, ...], kwargs: dict[str, Any]) -
             import torch.distributed as dist
 
             cp_rank = dist.get_rank(group=group)
-        return MicroBatch(ids, cu_seqlens_padded=tuple(int(x) for x in cu.tolist()), cp=armed.local_cp_size, cp_rank=cp_rank)
+        bounds = tuple(int(x) for x in cu.tolist())
+        return MicroBatch(ids, cu_seqlens_padded=bounds, cp=armed.local_cp_size, cp_rank=cp_rank)
     dense = kwargs.get("input_ids", args[0] if args else None)
     if dense is None:
         dense = kwargs.get("attention_mask")
     if dense is None or dense.dim() < 2:
-        raise AlignmentError("the model chunk was called without packed_seq_params or a [batch, seq] input: cannot align")
+        raise AlignmentError(
+            "the model chunk was called without packed_seq_params or a [batch, seq] input: cannot align the routes"
+        )
     return MicroBatch(ids, seq_len=int(dense.shape[1]))
 
 

@@ -1,0 +1,133 @@
+"""Rollout Routing Replay in veRL 0.9 with routelog, on CPU: what the two added lines do, end to end.
+
+Driver side, after the rollout: ``write_batch(writer, batch)`` writes the agent loop's ``routed_experts`` to the store
+and leaves only ``routelog_sample_id`` in the batch. Worker side, before the engine is built:
+``routelog.integrations.verl.install(url)`` patches veRL's Megatron engine so each micro-batch's rows are read
+(only this rank's) and installed into the routers when the model chunk runs, aligned to the packing veRL gives it.
+
+This script runs veRL's own batch and split code (``DataProto``, ``left_right_2_no_padding``,
+``rearrange_micro_batches``, ``preprocess_thd_engine``, its ``RouterReplay`` patch) with a tiny megatron-core model
+on CPU (gloo, one process) and checks every routed token. Needs the veRL test dependencies (see the README).
+
+    python examples/verl_r3.py
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")  # veRL and megatron-core warn about every optional package missing on CPU
+torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
+from verl import DataProto  # noqa: E402
+from verl.models.mcore.util import preprocess_thd_engine  # noqa: E402
+from verl.utils.megatron.router_replay_patch import RouterReplayAction, apply_router_replay_patch  # noqa: E402
+from verl.utils.megatron.router_replay_utils import set_model_router_replay_action  # noqa: E402
+from verl.utils.model import compute_position_id_with_mask  # noqa: E402
+from verl.utils.seqlen_balancing import rearrange_micro_batches  # noqa: E402
+from verl.workers.engine.megatron import transformer_impl  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
+
+import routelog  # noqa: E402
+from routelog.integrations import verl as integration  # noqa: E402
+
+moe_utils.te_general_gemm = None
+parallel_state.initialize_model_parallel()
+apply_router_replay_patch()  # what veRL's engine does before building the model: its RouterReplay in every router
+
+freq = [0, 1, 1, 1]
+spec = routelog.ModelSpec.from_megatron(num_layers=4, num_moe_experts=8, moe_router_topk=2, moe_layer_freq=freq)
+config = TransformerConfig(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_moe_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=16,
+    ffn_hidden_size=64,
+    moe_layer_freq=freq,
+    moe_enable_routing_replay=True,
+    moe_token_dispatcher_type="allgather",
+    use_cpu_initialization=True,
+    params_dtype=torch.float32,
+    add_bias_linear=False,
+)
+model = GPTModel(
+    config=config,
+    transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
+    vocab_size=64,
+    max_sequence_length=128,
+    pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+)
+
+# -- the rollout: a batch as veRL's agent loop returns it (left-padded prompts, right-padded responses) ----------
+rng = np.random.default_rng(0)
+P, R, lengths = 8, 8, [(3, 8), (8, 2), (5, 6), (2, 7)]
+prompts, responses = torch.zeros((4, P), dtype=torch.long), torch.zeros((4, R), dtype=torch.long)
+mask = torch.zeros((4, P + R), dtype=torch.long)
+routes = np.zeros((4, P + R, 4, 2), np.int16)  # the engine's full layer axis; the dense layer 0 holds zeros
+for i, (p, r) in enumerate(lengths):
+    prompts[i, P - p :] = torch.from_numpy(rng.integers(1, 64, p))
+    responses[i, :r] = torch.from_numpy(rng.integers(1, 64, r))
+    mask[i, P - p : P + r] = 1
+    routes[i, P - p : P + r - 1, 1:] = np.argsort(rng.random((p + r - 1, 3, 8)), axis=-1)[..., :2]
+batch = DataProto.from_dict(
+    tensors={
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": mask,
+        "position_ids": compute_position_id_with_mask(mask),
+        "response_mask": mask[:, P:].clone(),
+        "routed_experts": torch.from_numpy(routes),
+    },
+    non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)},
+)
+url = tempfile.mkdtemp(prefix="routelog-verl-")
+with routelog.open_writer(url, step=1, model_spec=spec, writer_id="driver") as writer:
+    ids = integration.write_batch(writer, batch)  # line 1: routing to the store, sample ids into the batch
+print(f"rollout: wrote {ids}; the batch now carries {sorted(batch.non_tensor_batch)} and no routed_experts")
+
+# -- the training worker ----------------------------------------------------------------------------------------
+replay = integration.install(url, fidelity_writer="train-dp0")  # line 2: in every worker, before the engine
+data = left_right_2_no_padding(batch.to_tensordict())
+micro_batches, order = rearrange_micro_batches(data, max_token_len=24)  # veRL's dynamic micro-batches
+for mb, samples in zip(micro_batches, order, strict=True):
+    # What veRL's forward_step does per micro-batch, then the model's forward on the packing veRL gives it.
+    inputs = transformer_impl.MegatronEngineWithLMHead.prepare_model_inputs(None, mb)
+    set_model_router_replay_action(model, RouterReplayAction.REPLAY_FORWARD)
+    transformer_impl.set_router_replay_data(inputs["routed_experts"], None, config, vp_rank=0, model=model)
+    _, packed, _ = preprocess_thd_engine(mb["input_ids"], pre_process=True)
+    replay._pre_forward(model, (), {"packed_seq_params": packed})  # the hook the chunk's forward triggers
+    rows = int(packed.cu_seqlens_q_padded[-1])
+    starts = packed.cu_seqlens_q_padded.tolist()
+    for layer in model.decoder.layers:
+        if not hasattr(layer.mlp, "router"):
+            continue
+        _, routing_map = layer.mlp.router(torch.randn(rows, 1, 32))
+        chosen = np.sort(np.nonzero(routing_map.numpy())[1].reshape(rows, 2), axis=-1)
+        for j, i in enumerate(samples):
+            n = int(mask[i].sum()) - 1  # routed tokens of sample i (the last one has no route)
+            want = np.sort(routes[i][mask[i].bool().numpy()][:n, int(layer.layer_number) - 1], axis=-1)
+            assert (chosen[starts[j] : starts[j] + n] == want).all()
+    set_model_router_replay_action(model, RouterReplayAction.REPLAY_BACKWARD)
+    print(f"micro-batch {[ids[i] for i in samples]}: {rows} packed rows, every routed token took its rollout experts")
+counts = replay.end_step(phase="train")
+print(f"router diff published for step 1: {counts.router_diff()}")
+dist.destroy_process_group()

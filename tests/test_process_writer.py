@@ -1,0 +1,82 @@
+"""The writer process: records cross into it through shared memory and JSON (no pickle) and read back exactly;
+a record it refuses is reported at the caller's next call, naming the sample; no shared memory is left behind."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import routelog
+from routelog import ProcessWriter, Record, Segment
+from routelog.writer import WriterError
+from routelog.synth import synthetic_spec
+from tests.records import random_routing
+
+SPEC = synthetic_spec(layers=4, experts=32, topk=4)
+
+
+def _record(rng: np.random.Generator, sid: str, n: int) -> Record:
+    valid = np.ones(n, bool)
+    valid[-1] = False
+    return Record(
+        sample_id=sid,
+        expert_ids=random_routing(rng, n, SPEC.num_moe_layers, SPEC.num_experts, SPEC.topk),
+        prompt_len=3,
+        response_len=n - 3,
+        valid=valid,
+        token_ids=rng.integers(0, 1000, n),
+        group_id="g",
+        policy_version=2,
+        segments=[Segment(start=0, end=3, source="prompt"), Segment(start=3, end=n, source="response")],
+        extra={"reward": 0.5},
+        token_values={"logprob_infer": rng.normal(size=n).astype(np.float32)},
+        weights=rng.random((n, SPEC.num_moe_layers, SPEC.topk)).astype(np.float32),
+    )
+
+
+def _segments() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_records_written_through_the_process_read_back_exactly(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    records = [_record(rng, f"r{i}", int(rng.integers(5, 300))) for i in range(12)]
+    before = _segments()
+    url = str(tmp_path / "store")
+    with ProcessWriter(url, 0, model_spec=SPEC, writer_id="engine", segments=2) as writer:
+        for record in records:
+            writer.append(record)
+    assert _segments() == before, "the shared memory is freed"
+    snapshot = routelog.open_store(url).step(0)
+    got = {r.sample_id: r for r in snapshot.read_many([r.sample_id for r in records], weights=True)}
+    values = snapshot.token_values([r.sample_id for r in records], ["logprob_infer"])
+    for record in records:
+        back = got[record.sample_id]
+        valid = np.asarray(record.valid)
+        np.testing.assert_array_equal(back.expert_ids[valid], np.sort(np.asarray(record.expert_ids), -1)[valid])
+        assert back.info.segments == list(record.segments) and back.info.extra == '{"reward": 0.5}'
+        assert back.info.token_hash == routelog.token_hash(np.asarray(record.token_ids))
+        np.testing.assert_array_equal(
+            values[record.sample_id]["logprob_infer"], np.asarray(record.token_values["logprob_infer"])
+        )  # type: ignore[index]
+        assert back.weights is not None and not np.isnan(back.weights[:, valid]).any()
+
+
+def test_a_refused_record_is_reported_at_the_next_call_naming_it(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    good, bad = _record(rng, "good", 20), _record(rng, "bad", 20)
+    ids = np.asarray(bad.expert_ids).copy()
+    ids[4, 1] = [0, 0, 1, 2]  # a repeated expert
+    bad = Record(**{**bad.__dict__, "expert_ids": ids})
+    url = str(tmp_path / "store")
+    writer = ProcessWriter(url, 0, model_spec=SPEC, writer_id="engine")
+    writer.append(bad)
+    writer.append(good)
+    with pytest.raises(WriterError, match=r"'bad'.*repeats an expert") as caught:
+        writer.flush()
+    assert caught.value.sample_ids == ["bad"]
+    writer.close()
+    assert routelog.open_store(url).step(0).sample_ids == ["good"], "the good record is committed"
