@@ -26,7 +26,6 @@ are patched exactly as in a worker, and a tiny megatron-core 0.16 GPT model's ro
 
 from __future__ import annotations
 
-import socket
 import tempfile
 import types
 from collections import UserDict
@@ -39,23 +38,15 @@ import torch.distributed as dist
 
 import routelog
 from routelog.integrations import nemo_rl as routelog_nemo_rl
+from routelog.testing import megatron_on_cpu
 
-# megatron-core on CPU: gloo with one process, and the two shims its CPU path needs.
-torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+# megatron-core on CPU: one gloo process, its parallel state, and the two shims its CPU path needs.
+megatron_on_cpu()
 
-from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
-from megatron.core.transformer.moe import moe_utils  # noqa: E402
-
-moe_utils.te_general_gemm = None
-parallel_state.initialize_model_parallel()
 
 FREQ, E, K, DIVISIBLE_BY = [0, 1, 1, 1], 8, 2, 4
 spec = routelog.ModelSpec.from_megatron(num_layers=4, num_moe_experts=E, moe_router_topk=K, moe_layer_freq=FREQ)

@@ -14,7 +14,6 @@ on CPU (gloo, one process) and checks every routed token. Needs the veRL test de
 
 from __future__ import annotations
 
-import socket
 import tempfile
 import warnings
 
@@ -22,19 +21,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-warnings.filterwarnings("ignore")  # veRL and megatron-core warn about every optional package missing on CPU
-torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from routelog.testing import megatron_on_cpu
 
-from megatron.core import parallel_state  # noqa: E402
+warnings.filterwarnings("ignore")  # veRL and megatron-core warn about every optional package missing on CPU
+# megatron-core on CPU: one gloo process, its parallel state, and the two shims its CPU path needs.
+megatron_on_cpu()
+
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
-from megatron.core.transformer.moe import moe_utils  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.models.mcore.util import preprocess_thd_engine  # noqa: E402
 from verl.utils.megatron.router_replay_patch import RouterReplayAction, apply_router_replay_patch  # noqa: E402
@@ -47,8 +43,6 @@ from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 import routelog  # noqa: E402
 from routelog.integrations import verl as integration  # noqa: E402
 
-moe_utils.te_general_gemm = None
-parallel_state.initialize_model_parallel()
 apply_router_replay_patch()  # what veRL's engine does before building the model: its RouterReplay in every router
 
 freq = [0, 1, 1, 1]

@@ -109,13 +109,6 @@ def sort_and_check(rows: npt.NDArray[Any], num_experts: int) -> tuple[IdArray, R
     return out, RowProblem(row, kind, values)
 
 
-def sort_rows(rows: IdArray, out: IdArray | None = None) -> IdArray:
-    """Each row of ``rows`` ``[N, K]`` sorted ascending, without checks (into ``out``, default a new array)."""
-    target = np.empty_like(rows) if out is None else out
-    _network_sort(np.ascontiguousarray(rows), target, None)
-    return target
-
-
 def _network_sort(src: IdArray, out: IdArray, limit: Any) -> int | None:
     """Sort the rows of ``src`` into ``out`` with the sorting network, block by block; with ``limit`` (the largest
     valid ID) stop at the first row holding a larger or a repeated ID and return its index."""

@@ -225,14 +225,7 @@ class RoutingArrayInfo(_Document):
             raise ValueError(f"topk {self.topk} exceeds num_experts {self.num_experts}")
         if (self.dtype == "uint8") != (self.num_experts <= 256):
             raise ValueError(f"dtype {self.dtype} does not fit num_experts {self.num_experts}")
-        if self.chunk_layers > self.num_moe_layers:
-            raise ValueError(f"chunk_layers {self.chunk_layers} exceeds num_moe_layers {self.num_moe_layers}")
-        itemsize = 1 if self.dtype == "uint8" else 2
-        if self.chunk_layers * self.chunk_rows * self.topk * itemsize > MAX_CHUNK_BYTES:
-            raise ValueError(f"an inner chunk would decode to more than {MAX_CHUNK_BYTES} bytes")
-        grid = math.ceil(self.num_moe_layers / self.chunk_layers) * max(1, math.ceil(self.n_rows / self.chunk_rows))
-        if grid > MAX_CHUNKS:
-            raise ValueError(f"the shard would hold {grid} inner chunks (at most {MAX_CHUNKS})")
+        _check_chunking(self, 1 if self.dtype == "uint8" else 2)
         return self
 
 
@@ -254,15 +247,19 @@ class WeightsArrayInfo(_Document):
 
     @model_validator(mode="after")
     def _bounded(self) -> WeightsArrayInfo:
-        if self.chunk_layers > self.num_moe_layers:
-            raise ValueError(f"chunk_layers {self.chunk_layers} exceeds num_moe_layers {self.num_moe_layers}")
-        itemsize = 2 if self.dtype == "bfloat16" else 4
-        if self.chunk_layers * self.chunk_rows * self.topk * itemsize > MAX_CHUNK_BYTES:
-            raise ValueError(f"an inner chunk would decode to more than {MAX_CHUNK_BYTES} bytes")
-        grid = math.ceil(self.num_moe_layers / self.chunk_layers) * max(1, math.ceil(self.n_rows / self.chunk_rows))
-        if grid > MAX_CHUNKS:
-            raise ValueError(f"the shard would hold {grid} inner chunks (at most {MAX_CHUNKS})")
+        _check_chunking(self, 2 if self.dtype == "bfloat16" else 4)
         return self
+
+
+def _check_chunking(array: RoutingArrayInfo | WeightsArrayInfo, itemsize: int) -> None:
+    """An array's chunking is within the format's limits (chunk size, number of chunks)."""
+    if array.chunk_layers > array.num_moe_layers:
+        raise ValueError(f"chunk_layers {array.chunk_layers} exceeds num_moe_layers {array.num_moe_layers}")
+    if array.chunk_layers * array.chunk_rows * array.topk * itemsize > MAX_CHUNK_BYTES:
+        raise ValueError(f"an inner chunk would decode to more than {MAX_CHUNK_BYTES} bytes")
+    grid = math.ceil(array.num_moe_layers / array.chunk_layers) * max(1, math.ceil(array.n_rows / array.chunk_rows))
+    if grid > MAX_CHUNKS:
+        raise ValueError(f"the shard would hold {grid} inner chunks (at most {MAX_CHUNKS})")
 
 
 class ValueColumn(_Document):

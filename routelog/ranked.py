@@ -9,7 +9,8 @@ codec (an array -> bytes codec that compresses its own output; crc32c follows it
    expert becomes 0) and sorts each row's ranks, so the gaps between consecutive members shrink and zstd's
    entropy coder sees a peaked alphabet; the rank -> ID table travels in the chunk (self-contained: any chunk
    decodes alone, and a ranged read needs nothing else). A layer keeps plain ID gaps (the format-1 transform,
-   the fastest to decode) unless ranking shrinks the entropy of its gaps by :data:`MIN_GAIN`;
+   the fastest to decode) unless ranking shrinks an estimate of its compressed gaps by ``MIN_GAIN`` (5 %; the
+   estimate, in :mod:`routelog._kernels`, stands in for trial compressions that cost more than the codec);
 3. stores any row that is not a valid top-k set (the fill value of zarr's edge padding, or data written by
    other tools) verbatim as an exception, so the codec is lossless for every array zarr hands it.
 
@@ -22,9 +23,16 @@ Stored chunk (little-endian): ``u32 n | zstd frame (n bytes) of the gaps section
 
 The codec compresses its own two sections: the gaps alone fill at most zstd's 128 KiB block class, and a byte more
 in one frame switches zstd to larger tables and another parse (measured: 11 % larger and 3x slower for E = 64).
+Each frame is compressed once: the gaps at the configured level where rows repeat earlier ones (zstd then finds
+matches; :data:`MATCHING`) and at level 1 elsewhere, the rest at level 1.
 
-Decoding undoes each step with whole-array numpy passes: the gap prefix sums of :mod:`routelog.codec`, one table
-lookup and the sorting network for ranked layers, and one gather that re-expands the repeats.
+The per-row work of both directions runs in compiled kernels (:mod:`routelog._kernels`, numba): for each layer a
+pass finds the repeats, checks each row and takes its gaps, and, for skewed layers, counts the load, estimates
+both transforms and relabels; the sections are assembled there too. Decoding is one pass per layer that takes the
+prefix sums, maps and sorts ranked rows, applies exceptions and expands repeats straight into the output; it
+checks every count and index the sections give before using them. Python here compresses and decompresses the
+two frames, refusing a frame that declares more than a chunk can hold before decoding it. A process's first chunk
+imports numba and loads the compiled kernels (about 0.5 s; the very first, in a fresh environment, compiles them).
 """
 
 from __future__ import annotations
@@ -37,8 +45,6 @@ import numpy as np
 import numpy.typing as npt
 from numcodecs import Zstd
 
-from routelog.codec import IdArray, gaps_from_sorted, sort_rows, sorted_from_gaps
-
 RANKED_CODEC = "routelog.ranked_gaps"
 """The codec's name in ``zarr.json`` and its ``zarr.codecs`` entry point."""
 VERSION = 1
@@ -47,92 +53,58 @@ MODE_RANKED = 1
 """Layer mode bit: experts relabelled by popularity rank (a table follows); clear: plain ID gaps."""
 HAS_REPEATS = 2
 """Layer mode bit: some rows repeat the previous one (the layer's bitmap follows)."""
-RANK_BELOW = 0.99
-"""A layer is considered for relabelling only when the entropy of its expert load is below this fraction of
-log2(E): above it the gaps cannot shrink."""
-MIN_GAIN = 0.05
-"""...and relabelled only when that makes its gaps this much smaller (compressed): decoding a ranked layer costs a
-table lookup and a sort per row (several times the plain gaps' time), worth it only for a real gain."""
+MATCHING = 0.7
+"""The gaps frame takes the configured zstd level when more than this share of the chunk's unique rows repeat an
+earlier row of their layer, else level 1 (measured at level 3: chunks of the Qwen3-MoE-style corpus, at 0.73 to
+0.92, are 2 to 6 % smaller than at level 1, the DeepSeek-V3-style one's, at 0.5 to 0.73, within 1.5 %; without
+such rows level 1 is up to 7 % smaller, and 2 to 5 times as fast)."""
 
 
 class RankedFormatError(ValueError):
     """Payload bytes that do not decode to the chunk's shape (wrapped as corrupt data by callers)."""
 
 
-def encode(ids: npt.NDArray[Any], num_experts: int, *, level: int = 3, validate: bool = True) -> bytes:
+def encode(ids: npt.NDArray[Any], num_experts: int, *, level: int = 3) -> bytes:
     """The stored bytes of one chunk of IDs ``[layers, rows, K]`` (uint8 or uint16): two zstd frames.
 
-    ``validate=False`` promises that every row is a valid top-k set (routelog's writers checked them, and pad edge
-    chunks with repeats), skipping the search for exceptions.
+    Every row is checked (in the pass that takes its gaps, at no measurable cost) and a row that is no valid top-k
+    set is kept as an exception.
     """
-    gaps, tail = _transform(ids, num_experts, validate)
-    modes = tail[-(ids.shape[0] + 9) : -9]
-    # Without repeats or ranked layers the gaps are near-uniform: zstd's matches cost more than they find there,
-    # and level 1 codes them smallest and fastest. Otherwise the better of both levels.
-    first = _smaller_frame(gaps, level) if modes.any() else bytes(_zstd(1).encode(gaps))
-    return b"".join([len(first).to_bytes(4, "little"), first, bytes(_zstd(level).encode(tail))])
+    gaps, rest, matching = _sections(ids, num_experts)
+    # On near-uniform gaps zstd's match finder costs more than it finds, erratically across levels (measured for
+    # E = 64: level 3 +1.5 %, level 5 +11 % over level 1); where rows repeat earlier ones, the configured level's
+    # larger tables find the matches level 1 forgets (corpus: 4 % smaller at level 3). The rest, mostly repeat
+    # bitmaps, is smaller and faster at level 1 (corpus: 1.7 % smaller than at level 3).
+    first = _zstd(level if matching else 1).encode(gaps)
+    return b"".join([len(first).to_bytes(4, "little"), first, _zstd(1).encode(rest)])
 
 
-def _transform(ids: npt.NDArray[Any], num_experts: int, validate: bool) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-    """The two sections of a chunk before compression: the unique rows' gaps, and everything else."""
-    layers, rows, k = ids.shape
-    dtype = ids.dtype.newbyteorder("<")
-    if not validate and dtype.itemsize == 1 and _plain(ids, num_experts):
-        # The common case of near-uniform routing: no repeats, no skew: format 1's gaps, one pass for the chunk.
-        rest = _trailer(np.zeros(layers, np.uint8), layers * rows, 0)  # every mode 0, all rows unique
-        return gaps_from_sorted(np.array(ids, dtype=dtype, order="C")).reshape(-1), rest
-    modes = np.zeros(layers, np.uint8)
-    bitmaps: list[npt.NDArray[np.uint8]] = []
-    tables: list[npt.NDArray[Any]] = []
-    exceptions: list[tuple[int, npt.NDArray[Any]]] = []
-    streams: list[IdArray] = []
-    unique_base = 0
-    for j in range(layers):
-        layer = np.ascontiguousarray(ids[j], dtype=dtype)
-        words = _row_words(layer)
-        repeat = np.zeros(rows, dtype=bool)
-        if rows > 1:
-            repeat[1:] = _rows_equal(layer[1:], layer[:-1]) if words is None else words[1:] == words[:-1]
-        if repeat.any():
-            modes[j] |= HAS_REPEATS
-            bitmaps.append(np.packbits(repeat))
-            unique = layer[~repeat] if words is None else words[~repeat].view(dtype).reshape(-1, k)
-        else:
-            unique = layer.copy() if validate else layer  # only validation writes into it
-        if validate:
-            bad = _invalid_rows(unique, num_experts)
-            if bad.any():
-                for i in np.flatnonzero(bad):
-                    exceptions.append((unique_base + int(i), unique[i].copy()))
-                unique[bad] = np.arange(k, dtype=dtype)  # a valid placeholder; the exception overwrites it
-        unique_base += unique.shape[0]
-        load = np.bincount(unique[:: max(1, unique.shape[0] // 1024)].ravel(), minlength=num_experts)
-        gaps = gaps_from_sorted(unique.copy())
-        if unique.shape[0] and _skewed(load):
-            order = np.argsort(-np.bincount(unique.ravel(), minlength=num_experts), kind="stable")
-            rank_of = np.empty(num_experts, dtype=dtype)
-            rank_of[order] = np.arange(num_experts, dtype=dtype)
-            ranked_gaps = gaps_from_sorted(sort_rows(rank_of[unique]))
-            if _trial_size(ranked_gaps) < (1 - MIN_GAIN) * _trial_size(gaps):
-                modes[j] |= MODE_RANKED
-                tables.append(order.astype(dtype))
-                gaps = ranked_gaps
-        streams.append(gaps)
-    gaps = np.concatenate(streams) if streams else np.zeros((0, k), dtype)
-    if dtype.itemsize == 2:  # byte planes: zstd fits one entropy table per plane
-        gaps = np.moveaxis(gaps.view(np.uint8).reshape(*gaps.shape, 2), 2, 0)
-    listed = np.zeros((len(exceptions), 4 + k * dtype.itemsize), np.uint8)
-    for n, (unique_row, row) in enumerate(exceptions):
-        listed[n, :4] = np.frombuffer(np.uint32(unique_row).tobytes(), np.uint8)
-        listed[n, 4:] = row.astype(dtype).view(np.uint8)
-    tail = [*bitmaps, *(t.view(np.uint8) for t in tables), listed.ravel()]
-    return gaps.reshape(-1).view(np.uint8), np.concatenate([*tail, _trailer(modes, unique_base, len(exceptions))])
+def _sections(ids: npt.NDArray[Any], num_experts: int) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], bool]:
+    """The two sections of a chunk before compression (the unique rows' gaps, and everything else), and whether
+    enough of its unique rows repeat earlier ones for zstd's matches to pay (:data:`MATCHING`)."""
+    from routelog import _kernels  # numba loads on the first chunk, not on ``import routelog``
+
+    dtype = _native(ids.dtype)
+    if ids.ndim != 3 or ids.shape[2] < 1:
+        raise ValueError(f"{RANKED_CODEC} encodes [layers, rows, K >= 1] arrays, not shape {ids.shape}")
+    ids = np.ascontiguousarray(ids, dtype=dtype)
+    gaps, rest, unique, matched = _kernels.encode_chunk(ids, _words(ids), num_experts)
+    return gaps, rest, matched > MATCHING * unique
 
 
-def _trailer(modes: npt.NDArray[np.uint8], unique: int, exceptions: int) -> npt.NDArray[np.uint8]:
-    """The rest section's last bytes: the layer modes, U, the exception count and the version."""
-    counts = np.array([unique, exceptions], "<u4").view(np.uint8)
-    return np.concatenate([modes, counts, np.array([VERSION], np.uint8)])
+def _words(ids: npt.NDArray[Any]) -> npt.NDArray[np.uint64] | None:
+    """A C-contiguous chunk of eight uint8 IDs per row as one uint64 per row (the kernels' fast path: the same
+    bytes), else None."""
+    if ids.dtype.itemsize != 1 or ids.shape[2] != 8:
+        return None
+    return ids.reshape(-1).view(np.uint64)
+
+
+def _native(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """The machine's uint8 or uint16 for chunks of ``dtype`` (the compiled kernels take native integers)."""
+    if dtype.kind != "u" or dtype.itemsize > 2:
+        raise TypeError(f"{RANKED_CODEC} stores uint8 or uint16 IDs, not {dtype}")
+    return np.dtype(np.uint8 if dtype.itemsize == 1 else np.uint16)
 
 
 def max_stored_nbytes(shape: tuple[int, int, int], itemsize: int, num_experts: int) -> int:
@@ -159,97 +131,32 @@ def decode(
 ) -> npt.NDArray[Any]:
     """IDs ``shape`` = ``[layers, rows, K]`` from :func:`encode`'s payload, into ``out`` (C-contiguous) when given;
     raises :class:`RankedFormatError`."""
+    from routelog import _kernels  # numba loads on the first chunk, not on ``import routelog``
+
     layers, rows, k = shape
-    dtype = np.dtype(dtype).newbyteorder("<")
+    dtype = _native(np.dtype(dtype))
     stored = np.frombuffer(payload, dtype=np.uint8)
     if stored.size < 4:
         raise RankedFormatError(f"a chunk of {stored.size} bytes")
-    first = int(stored[:4].view("<u4")[0])
+    first = int.from_bytes(stored[:4].tobytes(), "little")
     if first > stored.size - 4:
         raise RankedFormatError(f"the gaps frame claims {first} bytes of the chunk's {stored.size - 4}")
-    data = _decompress(stored[4 + first :], _max_rest_nbytes(shape, dtype.itemsize, num_experts), "tail")
-    if data.size < layers + 9 or data[-1] != VERSION:
-        raise RankedFormatError(f"unknown chunk payload version {int(data[-1]) if data.size else None}")
-    modes = data[-(layers + 9) : -9]
-    if (modes & ~np.uint8(MODE_RANKED | HAS_REPEATS)).any():
-        raise RankedFormatError(f"unknown layer modes {sorted(set(modes.tolist()))}")
-    total, n_exceptions = (int(n) for n in data[-9:-1].view("<u4"))
+    rest = _decompress(stored[4 + first :], _max_rest_nbytes(shape, dtype.itemsize, num_experts), "tail")
+    if rest.size < layers + 9 or rest[-1] != VERSION:
+        raise RankedFormatError(f"unknown chunk payload version {int(rest[-1]) if rest.size else None}")
+    total = int.from_bytes(rest[-9:-5].tobytes(), "little")
     if total > layers * rows:
         raise RankedFormatError(f"{total} unique rows in a chunk of {layers} x {rows}")
-    reader = _Reader(data[: -(layers + 9)])
-    with_repeats = np.flatnonzero(modes & HAS_REPEATS)
-    per_layer = math.ceil(rows / 8)
-    bitmaps = reader.take(with_repeats.size * per_layer).reshape(with_repeats.size, per_layer)
-    repeat = None
-    unique_counts = np.full(layers, rows)
-    if with_repeats.size:
-        repeat = np.zeros((layers, rows), dtype=bool)
-        repeat[with_repeats] = np.unpackbits(bitmaps, axis=1, count=rows).astype(bool)
-        if rows and repeat[:, 0].any():
-            raise RankedFormatError("the first row of a layer is flagged as a repeat")
-        unique_counts = rows - repeat.sum(axis=1)
-    if int(unique_counts.sum()) != total:
-        raise RankedFormatError(f"the repeat bitmaps leave {int(unique_counts.sum())} unique rows, not {total}")
-    ranked_layers = np.flatnonzero(modes & MODE_RANKED)
-    tables = reader.take(ranked_layers.size * num_experts * dtype.itemsize).view(dtype)
-    entry = 4 + k * dtype.itemsize
-    listed = reader.take(n_exceptions * entry).reshape(n_exceptions, entry)
-    reader.finish()
+    gaps = _decompress(stored[4 : 4 + first], total * k * dtype.itemsize, "gaps", exact=True)
     target = np.empty(shape, dtype=dtype) if out is None else out
-    # Without repeats the unique rows are the chunk: decode straight into the output.
-    unique = target.reshape(layers * rows, k) if repeat is None else np.empty((total, k), dtype)
-    gap_frame = stored[4 : 4 + first]
-    if dtype.itemsize == 2:  # interleave the low and high byte planes back into IDs
-        gap_bytes = _decompress(gap_frame, total * k * 2, "gaps", exact=True)
-        unique.view(np.uint8).reshape(total, k, 2)[...] = np.moveaxis(gap_bytes.reshape(2, total, k), 0, 2)
-    else:
-        _decompress(gap_frame, total * k, "gaps", exact=True, out=unique.reshape(-1))
-    sorted_from_gaps(unique)
-    starts = np.concatenate([[0], np.cumsum(unique_counts)])
-    for n, layer in enumerate(ranked_layers):
-        table = tables[n * num_experts : (n + 1) * num_experts]
-        block = unique[starts[layer] : starts[layer + 1]]
-        if block.size and block.max() >= num_experts:
-            raise RankedFormatError(f"layer {layer}: a rank outside [0, {num_experts})")
-        sort_rows(table[block], out=block)
-    if n_exceptions:
-        where = listed[:, :4].copy().view("<u4")[:, 0]
-        if (where >= total).any():
-            raise RankedFormatError("an exception names a row outside the chunk")
-        unique[where] = listed[:, 4:].copy().view(dtype).reshape(n_exceptions, k)
-    if repeat is None:
-        return target
-    words = _row_words(unique)
-    for j in range(layers):
-        index = np.cumsum(~repeat[j]) - 1 + int(starts[j])
-        if words is None:
-            target[j] = unique[index]
-        else:
-            target[j] = words[index].view(dtype).reshape(rows, k)
+    if target.shape != shape or target.dtype != dtype or not target.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous {dtype} array of shape {shape}")
+    status, detail = _kernels.decode_chunk(gaps, rest, num_experts, target, _words(target))
+    if status != _kernels.OK:
+        raise RankedFormatError(
+            _kernels.PROBLEMS[status].format(detail=detail, size=rest.size, total=total, E=num_experts)
+        )
     return target
-
-
-def _row_words(rows: npt.NDArray[Any]) -> npt.NDArray[Any] | None:
-    """A contiguous ``[N, K]`` array as one machine word per row (fast compares and gathers), when one fits."""
-    row_bytes = rows.shape[1] * rows.dtype.itemsize
-    if row_bytes not in (1, 2, 4, 8) or not rows.flags.c_contiguous:
-        return None
-    return rows.view(f"<u{row_bytes}").reshape(-1)
-
-
-def _rows_equal(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
-    equal: npt.NDArray[np.bool_] = a[:, 0] == b[:, 0]
-    for c in range(1, a.shape[1]):
-        equal &= a[:, c] == b[:, c]
-    return equal
-
-
-def _invalid_rows(rows: npt.NDArray[Any], num_experts: int) -> npt.NDArray[np.bool_]:
-    """Rows that are not K distinct ascending IDs below ``num_experts``."""
-    bad = rows[:, -1] >= num_experts  # the last is the largest once the rows ascend
-    for c in range(1, rows.shape[1]):
-        bad |= rows[:, c] <= rows[:, c - 1]
-    return bad
 
 
 @cache
@@ -257,32 +164,14 @@ def _zstd(level: int) -> Zstd:
     return Zstd(level=level)
 
 
-def _smaller_frame(data: npt.NDArray[np.uint8], level: int) -> bytes:
-    """The smaller of ``level``'s frame and level 1's (a reader decodes either). On near-uniform gaps zstd's match
-    finder costs more than it finds, erratically across levels and sizes (measured for E = 64: level 3 +1.5 %,
-    level 5 +11 % over level 1); on repetitive routing the higher level's matches win."""
-    chosen = bytes(_zstd(level).encode(data))
-    if level != 1:
-        fast = bytes(_zstd(1).encode(data))
-        chosen = fast if len(fast) < len(chosen) else chosen
-    return chosen
-
-
-def _decompress(
-    frame: npt.NDArray[np.uint8],
-    limit: int,
-    what: str,
-    *,
-    exact: bool = False,
-    out: npt.NDArray[Any] | None = None,
-) -> npt.NDArray[np.uint8]:
-    """One zstd frame (into ``out`` when given), refused before decoding when it declares more than ``limit``
-    bytes (or, ``exact``, any other size)."""
+def _decompress(frame: npt.NDArray[np.uint8], limit: int, what: str, *, exact: bool = False) -> npt.NDArray[np.uint8]:
+    """One zstd frame, refused before decoding when it declares more than ``limit`` bytes (or, ``exact``, any other
+    size)."""
     size = frame_content_size(frame)
     if size is None or size > limit or (exact and size != limit):
         expected = f"exactly {limit}" if exact else f"at most {limit}"
         raise RankedFormatError(f"the {what} frame declares {size} bytes, more than a chunk holds ({expected})")
-    out = np.empty(size, dtype=np.uint8) if out is None else out.view(np.uint8)
+    out = np.empty(size, dtype=np.uint8)
     if size == 0:
         return out
     try:
@@ -307,49 +196,3 @@ def frame_content_size(frame: npt.NDArray[np.uint8] | memoryview) -> int | None:
         return None
     value = int.from_bytes(head[at : at + width], "little")
     return value + 256 if width == 2 else value
-
-
-def _trial_size(gaps: npt.NDArray[Any]) -> int:
-    """Compressed size of a layer's gaps at zstd's fastest level: the measure that decides its transform (an
-    order-0 entropy estimate misleads on real routing, where long repeated runs leave few bytes to the entropy
-    coder: measured on the corpus, ranking cut the gaps' order-0 entropy by half and their zstd size by 2 %)."""
-    return len(_zstd(1).encode(np.ascontiguousarray(gaps)))
-
-
-def _plain(ids: npt.NDArray[Any], num_experts: int) -> bool:
-    """No layer of the chunk has a repeated row or a skewed load (checked on a sample of rows): every layer would
-    keep plain gaps without repeats."""
-    layers, rows, k = ids.shape
-    words = _row_words(np.ascontiguousarray(ids).reshape(layers * rows, k))
-    if words is None or rows < 2:
-        return False
-    by_layer = words.reshape(layers, rows)
-    if (by_layer[:, 1:] == by_layer[:, :-1]).any():
-        return False
-    sample = ids[:, :: max(1, rows // 1024)].astype(np.int64) + (np.arange(layers) * num_experts)[:, None, None]
-    loads = np.bincount(sample.ravel(), minlength=layers * num_experts).reshape(layers, num_experts)
-    return not any(_skewed(load) for load in loads)
-
-
-def _skewed(load: npt.NDArray[np.int64]) -> bool:
-    p = load[load > 0] / load.sum()
-    return float(-(p * np.log2(p)).sum()) < RANK_BELOW * math.log2(load.size)
-
-
-class _Reader:
-    """Consumes a payload front to back; every take is bounded by what is left."""
-
-    def __init__(self, data: npt.NDArray[np.uint8]) -> None:
-        self.data = data
-        self.at = 0
-
-    def take(self, n: int) -> npt.NDArray[np.uint8]:
-        if n < 0 or self.at + n > self.data.size:
-            raise RankedFormatError(f"chunk payload ends after {self.data.size} bytes; {self.at + n} needed")
-        piece = self.data[self.at : self.at + n]
-        self.at += n
-        return piece
-
-    def finish(self) -> None:
-        if self.at != self.data.size:
-            raise RankedFormatError(f"chunk payload has {self.data.size - self.at} trailing bytes")

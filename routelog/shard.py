@@ -154,8 +154,8 @@ def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int)
             if block.shape != layout.chunk_shape:  # edge chunks are padded to the chunk shape (readers never see it)
                 block = _padded(block, layout)
             block = np.ascontiguousarray(block, dtype=dtype)
-            if layout.ranked:  # rows were validated on append, and the padding repeats valid rows
-                payload = ranked.encode(block, layout.num_experts, level=zstd_level, validate=False)
+            if layout.ranked:
+                payload = ranked.encode(block, layout.num_experts, level=zstd_level)
             else:
                 if layout.planes > 1:
                     block = np.ascontiguousarray(

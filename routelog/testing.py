@@ -1,4 +1,5 @@
-"""Test helpers shipped with routelog: a fault-injecting filesystem to exercise retries and failure paths.
+"""Test helpers shipped with routelog: a fault-injecting filesystem to exercise retries and failure paths, and
+megatron-core on CPU (:func:`megatron_on_cpu`) for tests and examples.
 
 ``FaultyFileSystem`` wraps any fsspec filesystem and makes a seeded fraction of calls fail the way object stores
 fail: timeouts, dropped connections, throttling (``SlowDown``) and 500s, either before the operation or after it
@@ -142,3 +143,25 @@ def faulty_storage(
         retry=RetryPolicy(attempts=12, base_delay=0.001, max_delay=0.01),
     )
     return storage, faulty
+
+
+def megatron_on_cpu() -> None:
+    """Make megatron-core 0.16+ run on CPU in this process, as tests and examples use it: a one-process gloo group,
+    megatron's model-parallel state, and the two shims its CPU path needs (``torch.cuda.current_device`` and the
+    Transformer Engine GEMM it would otherwise call). Idempotent."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    moe_utils.te_general_gemm = None
+    if not dist.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()

@@ -104,25 +104,11 @@ def make_routing() -> Callable[..., np.ndarray]:
 
 @pytest.fixture(scope="session")
 def megatron_env() -> None:
-    """megatron-core 0.16 on CPU: gloo with world size 1, model parallel state initialised, and the two shims
-    its CPU path needs (``torch.cuda.current_device`` and the Transformer-Engine GEMM it would otherwise use)."""
+    """megatron-core 0.16 on CPU (:func:`routelog.testing.megatron_on_cpu`)."""
     pytest.importorskip("megatron.core")
-    import socket
+    from routelog.testing import megatron_on_cpu
 
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe import moe_utils
-
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-    moe_utils.te_general_gemm = None
-    if not dist.is_initialized():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
+    megatron_on_cpu()
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,8 @@ import pytest
 
 import routelog
 from routelog import ProcessWriter, Record, Segment
-from routelog.writer import WriterError
 from routelog.synth import synthetic_spec
+from routelog.writer import WriterError
 from tests.records import random_routing
 
 SPEC = synthetic_spec(layers=4, experts=32, topk=4)

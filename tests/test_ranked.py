@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numcodecs import Zstd
 
-from routelog import ranked
+from routelog import _kernels, ranked
 from routelog.codec import gaps_from_sorted, storage_dtype
 from routelog.synth import random_topk
 from routelog.zarr_codec import RankedGapsCodec
@@ -81,8 +82,8 @@ def test_uniform_layers_keep_plain_gaps_and_skewed_ones_are_ranked() -> None:
     rng = np.random.default_rng(5)
     uniform = _routing(rng, 1, 4096, 128, 8, skew=0.0, repeat=0.0)
     skewed = _routing(rng, 1, 4096, 128, 8, skew=3.0, repeat=0.0)
-    _gaps, tail = ranked._transform(np.concatenate([uniform, skewed]), 128, validate=True)
-    assert list(tail[-11:-9]) == [ranked.MODE_GAPS, ranked.MODE_RANKED]  # the trailer's layer modes
+    _gaps, rest, _matching = ranked._sections(np.concatenate([uniform, skewed]), 128)
+    assert list(rest[-11:-9]) == [ranked.MODE_GAPS, ranked.MODE_RANKED]  # the trailer's layer modes
 
 
 @pytest.mark.parametrize(
@@ -112,15 +113,20 @@ def test_a_section_that_declares_more_than_a_chunk_holds_is_refused_before_decod
         ranked.decode(forged, ids.shape, ids.dtype, 64)
 
 
+@pytest.mark.parametrize(("experts", "k"), [(300, 4), (64, 8)])  # IDs one at a time, and rows as words
 @settings(max_examples=200, deadline=None)
 @given(position=st.integers(0, 10_000), value=st.integers(0, 255), seed=st.integers(0, 3))
-def test_any_flipped_byte_decodes_or_raises_the_typed_error(position: int, value: int, seed: int) -> None:
+def test_any_flipped_byte_decodes_or_raises_the_typed_error(
+    experts: int, k: int, position: int, value: int, seed: int
+) -> None:
     """A damaged payload (crc32c catches it first in a store) never escapes as another exception type."""
-    ids = _routing(np.random.default_rng(seed), 2, 64, 300, 4, skew=3.0, repeat=0.5)
-    payload = bytearray(ranked.encode(ids, 300))
+    ids = _with_bad_rows(
+        np.random.default_rng(seed), _routing(np.random.default_rng(seed), 2, 64, experts, k, 3.0, 0.5), 1
+    )
+    payload = bytearray(ranked.encode(ids, experts))
     payload[position % len(payload)] = value
     try:
-        out = ranked.decode(bytes(payload), ids.shape, ids.dtype, 300)
+        out = ranked.decode(bytes(payload), ids.shape, ids.dtype, experts)
     except ranked.RankedFormatError:
         return
     assert out.shape == ids.shape
@@ -151,8 +157,123 @@ def test_zarr_python_writes_and_reads_through_the_registered_codec(tmp_path: Pat
     np.testing.assert_array_equal(reopened[1:4, 300:700], ids[1:4, 300:700])
 
 
-@pytest.mark.parametrize("skew", [0.0, 3.0])
-def test_the_writers_fast_path_stores_what_the_general_path_stores(skew: float) -> None:
-    """Writers skip validation and take a one-pass path for plain chunks; it must give the same bytes."""
-    ids = _routing(np.random.default_rng(9), 4, 4096, 128, 8, skew=skew, repeat=0.0)
-    assert ranked.encode(ids, 128, validate=False) == ranked.encode(ids, 128, validate=True)
+def _with_bad_rows(rng: np.random.Generator, ids: np.ndarray, n_bad: int) -> np.ndarray:
+    """``ids`` with ``n_bad`` rows replaced by random values (no valid set, mostly: the codec lists them)."""
+    ids = ids.copy()
+    layers, rows, k = ids.shape
+    for _ in range(n_bad if rows else 0):
+        ids[rng.integers(layers), rng.integers(rows)] = rng.integers(0, np.iinfo(ids.dtype).max + 1, size=k)
+    return ids
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.integers(1, 600),
+    experts=st.sampled_from([8, 9, 64, 65, 128, 256]),
+    skew=st.sampled_from([0.0, 0.3, 3.0]),
+    repeat=st.sampled_from([0.0, 0.5, 0.95]),
+    n_bad=st.integers(0, 4),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_rows_as_words_store_what_rows_one_id_at_a_time_store(
+    rows: int, experts: int, skew: float, repeat: float, n_bad: int, seed: int
+) -> None:
+    """Eight uint8 IDs per row take the kernels' 64-bit word path; the per-ID path must write the same sections,
+    and each path must decode the other's output."""
+    rng = np.random.default_rng(seed)
+    ids = _with_bad_rows(rng, _routing(rng, 3, rows, experts, 8, skew, repeat), n_bad)
+    words = _kernels.encode_chunk(ids, ids.reshape(-1).view(np.uint64), experts)
+    one_at_a_time = _kernels.encode_chunk(ids, None, experts)
+    np.testing.assert_array_equal(words[0], one_at_a_time[0])
+    np.testing.assert_array_equal(words[1], one_at_a_time[1])
+    assert words[2:] == one_at_a_time[2:]
+    for as_words in (True, False):
+        out = np.empty_like(ids)
+        gaps, rest = words[0].copy(), words[1]
+        out_words = out.reshape(-1).view(np.uint64) if as_words else None
+        assert _kernels.decode_chunk(gaps, rest, experts, out, out_words) == (_kernels.OK, 0)
+        np.testing.assert_array_equal(out, ids)
+
+
+@pytest.mark.parametrize(("experts", "k"), [(64, 8), (300, 4), (4, 8)])
+def test_chunks_of_fill_values_round_trip(experts: int, k: int) -> None:
+    """Zarr's edge padding (all zeros: no valid set) and K above the universe are exceptions, not crashes."""
+    ids = np.zeros((2, 37, k), storage_dtype(experts))
+    np.testing.assert_array_equal(ranked.decode(ranked.encode(ids, experts), ids.shape, ids.dtype, experts), ids)
+
+
+def test_the_gaps_frame_takes_the_configured_level_only_where_rows_repeat_earlier_ones() -> None:
+    """Near-uniform chunks compress their gaps at level 1 (smaller and faster there); chunks whose rows repeat
+    earlier ones at the configured level (its larger tables find the matches)."""
+    rng = np.random.default_rng(11)
+    uniform = _routing(rng, 4, 4096, 64, 8, skew=0.0, repeat=0.0)
+    motifs = _routing(rng, 4, 64, 64, 8, skew=3.0, repeat=0.0)
+    recurring = motifs[:, rng.integers(0, 64, size=4096)]  # a few sets, recurring out of order
+    assert not ranked._sections(uniform, 64)[2]
+    assert ranked._sections(recurring, 64)[2]
+
+
+def _forged(gaps: bytes, rest: bytes) -> bytes:
+    """A chunk payload from raw sections (either may break the format)."""
+    zstd = Zstd(level=1)
+    first = bytes(zstd.encode(gaps))
+    return len(first).to_bytes(4, "little") + first + bytes(zstd.encode(rest))
+
+
+def _trailer(modes: list[int], unique: int, exceptions: int, version: int = 1) -> bytes:
+    return bytes(modes) + unique.to_bytes(4, "little") + exceptions.to_bytes(4, "little") + bytes([version])
+
+
+@pytest.mark.parametrize(
+    ("gaps", "rest", "message"),
+    [
+        (bytes(16), _trailer([4], 2, 0), "unknown layer mode"),
+        (bytes(16), _trailer([0], 2, 0, version=2), "version"),
+        (bytes(16), b"\0" + _trailer([0], 2, 0), "sections take"),  # a byte no section owns
+        (bytes(24), _trailer([0], 3, 0), "unique rows in a chunk"),
+        (bytes(8), bytes([0x80]) + _trailer([2], 1, 0), "first row"),
+        (bytes(8), bytes([0x00]) + _trailer([2], 1, 0), "leave 2 unique rows"),
+        (bytes(16), (5).to_bytes(4, "little") + bytes(8) + _trailer([0], 2, 1), "outside the chunk"),
+        (bytes(7) + bytes([60]) + bytes(8), bytes(range(64)) + _trailer([1], 2, 0), "rank outside"),
+    ],
+)
+@pytest.mark.parametrize("as_words", [True, False])
+def test_forged_sections_raise_the_typed_error(
+    gaps: bytes, rest: bytes, message: str, as_words: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every count and index the sections give is checked before it is used, on both kernel paths (rows of eight
+    uint8 IDs as 64-bit words, and one ID at a time). The chunk: 1 layer, 2 rows, K = 8, E = 64."""
+    if not as_words:
+        monkeypatch.setattr(ranked, "_words", lambda ids: None)
+    with pytest.raises(ranked.RankedFormatError, match=message):
+        ranked.decode(_forged(gaps, rest), (1, 2, 8), np.dtype(np.uint8), 64)
+
+
+@pytest.mark.parametrize(("experts", "k"), [(300, 4), (64, 8), (64, 5)])
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), seed=st.integers(0, 3))
+def test_damaged_sections_decode_or_raise_the_typed_error(experts: int, k: int, data: st.DataObject, seed: int) -> None:
+    """The kernels see whatever the frames decompress to: sections with damaged bytes (counts, bitmaps, tables,
+    exception indices, gaps) decode to something or raise the typed error, never crash or write outside ``out``."""
+    ids = _with_bad_rows(
+        np.random.default_rng(seed), _routing(np.random.default_rng(seed), 3, 50, experts, k, 3.0, 0.5), 2
+    )
+    gaps, rest, _ = ranked._sections(ids, experts)
+    gaps, rest = bytearray(gaps.tobytes()), bytearray(rest.tobytes())
+    for _ in range(data.draw(st.integers(1, 4))):
+        section = data.draw(st.sampled_from([gaps, rest]))
+        if section:
+            section[data.draw(st.integers(0, len(section) - 1))] = data.draw(st.integers(0, 255))
+    buffer = np.full(ids.size + 64, 7, ids.dtype)  # guard values past the chunk
+    with contextlib.suppress(ranked.RankedFormatError):
+        ranked.decode(
+            _forged(bytes(gaps), bytes(rest)), ids.shape, ids.dtype, experts, out=buffer[: ids.size].reshape(ids.shape)
+        )
+    assert (buffer[ids.size :] == 7).all()
+
+
+def test_uint8_ids_of_a_larger_universe_round_trip() -> None:
+    """No store writes uint8 IDs for more than 256 experts, but zarr may hand the codec such an array: ranks still
+    fit the IDs' width (experts no row names rank last, by ID)."""
+    ids = _routing(np.random.default_rng(12), 2, 500, 256, 8, skew=3.0, repeat=0.3)
+    np.testing.assert_array_equal(ranked.decode(ranked.encode(ids, 300), ids.shape, ids.dtype, 300), ids)

@@ -14,6 +14,16 @@ is measured in the same run, and the corpus is also written again by routelog's 
 Goals (issue #14): on the corpus v2 >= 1.3 x smaller than v1 and <= 1.1 x the estimate; on uniform routing
 <= 1.05 x the bound; encode >= 0.5 x and decode >= 0.7 x the speed of zstd-3 alone on the same raw bytes.
 
+What bounds routelog's format-2 speed (one core; the corpus, and uniform routing of its shape): zstd-3 alone
+runs once over the whole array and finds matches across records, while routelog compresses each 128 KiB inner
+chunk on its own, as two frames through numcodecs (a fresh zstd context per call, about 8 us). Measured against
+zstd-3's own time on the same bytes: decoding the gaps frames alone takes 1.4 to 1.5 x on the corpus (0.8 x on
+uniform routing) and the rest frames 0.15 to 0.35 x more; encoding the gaps frames takes 1.2 to 1.5 x (1.0 x), and
+the encode includes the writer's sort and checks (``sort_and_check``, 0.4 to 0.8 x). The codec's compiled kernels
+(``routelog._kernels``) add 0.6 to 1.1 x to the corpus encode (0.3 x uniform) and 0.7 to 1.6 x to its decode (0.1
+x uniform; ranked layers cost a table lookup and a sort per row), and the reader's chunk fetcher 0.5 to 0.75 x to
+the decode. Every layout runs once untimed first (routelog's kernels load, or compile, on their first chunk).
+
     python tools/bench_codec.py [--json] [--quick] [--corpus tests/fixtures/corpus/qwen3moe ...]
                                 [--tokens T --layers L --experts E --topk K --skew S --locality P]
 """
@@ -155,6 +165,7 @@ def measure_routing(ids: np.ndarray, num_experts: int, args: argparse.Namespace)
     results: dict[str, dict[str, float]] = {}
 
     def measure(name: str, encode: Callable[[], Any], decode: Callable[[Any], Any], size: Callable[[Any], int]) -> None:
+        decode(encode())  # untimed warm-up: routelog's compiled kernels load (or compile) on their first chunk
         t_enc, encoded = best_time(encode, args.repeats)
         t_dec, decoded = best_time(lambda: decode(encoded), args.repeats)
         # Every layout must give back the routing (as a set per row: routelog canonicalises the order).
@@ -255,7 +266,7 @@ def writer_sizes(url: str) -> dict[str, float]:
     store = routelog.open_store(url)
     sizes = {}
     for name, options in (
-        ("format 1 writer", PartOptions(transform="sorted_gaps", dedup=False)),
+        ("format 1 writer", PartOptions(transform="sorted_gaps", dedup="off")),
         ("format 2 writer", PartOptions()),
     ):
         target = f"memory://bench-codec-writer/{uuid.uuid4().hex}"

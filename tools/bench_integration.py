@@ -31,12 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchlib import peak_rss_mb
+from benchlib import count_reads, dense_routing, peak_rss_mb
 
 import routelog
 from routelog import PartOptions, Record
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords, gather
-from routelog.routing import RecordRouting
 from routelog.synth import synth_routing, synthetic_spec
 
 DP = 4
@@ -89,18 +88,7 @@ def run_routelog(store: str, records: int) -> dict[str, Any]:
 
     start = time.perf_counter()
     opened = routelog.open_store(store)
-    storage = opened.storage
-    read = {"routing": 0, "metadata": 0, "requests": 0}
-    ranges, whole, many = storage.read_ranges, storage.read, storage.read_many
-
-    def count(key: str, data: bytes) -> bytes:
-        read["routing" if "/routing/c/" in key else "metadata"] += len(data)
-        read["requests"] += 1
-        return data
-
-    storage.read_ranges = lambda r: [count(k, d) for (k, _, _), d in zip(r, ranges(r), strict=True)]  # type: ignore[method-assign,assignment]
-    storage.read = lambda k: count(k, whole(k))  # type: ignore[method-assign,assignment]
-    storage.read_many = lambda ks: {k: count(k, v) for k, v in many(ks).items()}  # type: ignore[method-assign,assignment]
+    read = count_reads(opened.storage)
     plan = plan_for(opened.model_spec, records)
     rows = checksum = 0
     with ReplayLoader(opened, 0, plan) as loader:
@@ -132,30 +120,7 @@ def run_verl_path(npy: str, records: int, layers: int) -> dict[str, Any]:
     received = chunk.nbytes
     rows = checksum = 0
     for m, batch in enumerate(plan.micro_batches):
-        routings = {}
-        for sid in batch.sample_ids:
-            ids = chunk[int(sid[1:])]
-            by_layer = np.ascontiguousarray(np.sort(ids[:, plan.moe_layers], axis=-1).transpose(1, 0, 2), np.uint8)
-            valid = np.ones(ids.shape[0], bool)
-            valid[-1] = False
-            info = routelog.IndexRow(
-                sample_id=sid,
-                step=0,
-                prompt_len=ids.shape[0] // 4,
-                response_len=ids.shape[0] - ids.shape[0] // 4,
-                n_tokens=ids.shape[0],
-                spans=[],
-                segments=[],
-            )
-            routings[sid] = RecordRouting(
-                info=info,
-                by_layer=by_layer,
-                valid=valid,
-                moe_layers=tuple(plan.moe_layers),
-                layers=tuple(plan.moe_layers),
-                topk_order="sorted",
-                num_moe_layers=layers,
-            )
+        routings = {sid: dense_routing(sid, chunk[int(sid[1:])], plan.moe_layers, layers) for sid in batch.sample_ids}
         mb = gather(plan, m, routings)
         rows += int(mb.mask.sum())
         checksum += int(mb.ids[:, mb.mask].sum())

@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchlib import peak_rss_mb
+from benchlib import count_reads, dense_routing, peak_rss_mb
 
 import routelog
 from routelog import PartOptions, Record
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords, gather
-from routelog.routing import RecordRouting
 from routelog.synth import synth_routing, synthetic_spec
 
 RANK = RankCoords(tp=1, cp=1, pp=2)
@@ -68,24 +67,13 @@ def run_routelog(store: str, records: int) -> dict[str, Any]:
 
     start = time.perf_counter()
     opened = routelog.open_store(store)
-    storage = opened.storage
-    read = {"bytes": 0, "requests": 0}
-    ranges, whole, many = storage.read_ranges, storage.read, storage.read_many
-
-    def count(data: bytes) -> bytes:
-        read["bytes"] += len(data)
-        read["requests"] += 1
-        return data
-
-    storage.read_ranges = lambda r: [count(d) for d in ranges(r)]  # type: ignore[method-assign,assignment]
-    storage.read = lambda k: count(whole(k))  # type: ignore[method-assign,assignment]
-    storage.read_many = lambda ks: {k: count(v) for k, v in many(ks).items()}  # type: ignore[method-assign,assignment]
+    read = count_reads(opened.storage)
     plan = plan_for(opened.model_spec, records)
     replay = ReplayLoader(opened, 0, plan, prefetch=0).load(0)
     seconds = time.perf_counter() - start
     return {
         "seconds": seconds,
-        "bytes_read": read["bytes"],
+        "bytes_read": read["routing"] + read["metadata"],
         "requests": read["requests"],
         "rows": int(replay.ids.shape[1]),
         "routers": len(replay.routers),
@@ -101,28 +89,10 @@ def run_baseline(npy: str, records: int, layers: int) -> dict[str, Any]:
     plan = plan_for(spec, records)
     batch = plan.micro_batches[0]
     wanted = plan.moe_layers
-    routings = {}
-    for sid in batch.sample_ids:
-        ids = step[int(sid[1:])]
-        by_layer = np.ascontiguousarray(np.sort(ids[:, wanted], axis=-1).transpose(1, 0, 2).astype(np.uint8))
-        info = routelog.IndexRow(
-            sample_id=sid,
-            step=0,
-            prompt_len=ids.shape[0] // 4,
-            response_len=ids.shape[0] - ids.shape[0] // 4,
-            n_tokens=ids.shape[0],
-            spans=[],
-            segments=[],
-        )
-        routings[sid] = RecordRouting(
-            info=info,
-            by_layer=by_layer,
-            valid=np.ones(ids.shape[0], bool),
-            moe_layers=tuple(wanted),
-            layers=tuple(wanted),
-            topk_order="sorted",
-            num_moe_layers=layers,
-        )
+    # The baseline's rows are all routed (the writer above marks none missing): its last row is routed too.
+    routings = {sid: dense_routing(sid, step[int(sid[1:])], wanted, layers) for sid in batch.sample_ids}
+    for routing in routings.values():
+        routing.valid[-1] = True
     replay = gather(plan, 0, routings)
     seconds = time.perf_counter() - start
     return {

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import resource
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 
 def peak_rss_mb() -> float:
@@ -15,3 +18,49 @@ def peak_rss_mb() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def count_reads(storage: Any) -> dict[str, int]:
+    """Count what ``storage`` (a routelog Storage) reads from now on: ``routing`` (chunks of routing arrays),
+    ``metadata`` (everything else) and ``requests``; returns the live counters."""
+    read = {"routing": 0, "metadata": 0, "requests": 0}
+    ranges, whole, many = storage.read_ranges, storage.read, storage.read_many
+
+    def count(key: str, data: bytes) -> bytes:
+        read["routing" if "/routing/c/" in key else "metadata"] += len(data)
+        read["requests"] += 1
+        return data
+
+    storage.read_ranges = lambda r: [count(k, d) for (k, _, _), d in zip(r, ranges(r), strict=True)]
+    storage.read = lambda k: count(k, whole(k))
+    storage.read_many = lambda ks: {k: count(k, v) for k, v in many(ks).items()}
+    return read
+
+
+def dense_routing(sid: str, ids: np.ndarray, moe_layers: list[int], num_layers: int) -> Any:
+    """A RecordRouting built from a dense ``[tokens, layers, K]`` array (every row routed but the last), as a
+    trainer holding the whole tensor would hand it to the alignment."""
+    import routelog
+    from routelog.routing import RecordRouting
+
+    tokens = ids.shape[0]
+    valid = np.ones(tokens, bool)
+    valid[-1] = False
+    info = routelog.IndexRow(
+        sample_id=sid,
+        step=0,
+        prompt_len=tokens // 4,
+        response_len=tokens - tokens // 4,
+        n_tokens=tokens,
+        spans=[],
+        segments=[],
+    )
+    return RecordRouting(
+        info=info,
+        by_layer=np.ascontiguousarray(np.sort(ids[:, moe_layers], axis=-1).transpose(1, 0, 2), np.uint8),
+        valid=valid,
+        moe_layers=tuple(moe_layers),
+        layers=tuple(moe_layers),
+        topk_order="sorted",
+        num_moe_layers=num_layers,
+    )

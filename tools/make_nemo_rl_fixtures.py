@@ -472,26 +472,16 @@ def capture_config(
 def mtp_outcome(nrl: dict[str, types.ModuleType]) -> dict[str, Any]:
     """NeMo-RL's ``build_router_replay_assignments`` on a real megatron-core GPT model with one MTP layer (CPU,
     gloo, world size 1): which routers it hands decoder routes to, or what it raises."""
-    import socket
 
     import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.moe import moe_utils
 
-    torch.cuda.current_device = lambda: "cpu"  # megatron-core's CPU path, as tests/conftest.py's megatron_env
-    moe_utils.te_general_gemm = None
-    if not dist.is_initialized():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
+    from routelog.testing import megatron_on_cpu
+
+    megatron_on_cpu()
     config = TransformerConfig(
         num_layers=NUM_LAYERS,
         hidden_size=32,

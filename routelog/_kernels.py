@@ -1,0 +1,820 @@
+"""Compiled per-chunk passes of the format-2 codec (:mod:`routelog.ranked`).
+
+Why compiled: the codec's work is per row (compare a row with the one before it, check it, take its gaps, find
+whether it occurred earlier in its layer, relabel and sort its IDs), and numpy can only do that as a dozen
+whole-array passes with a temporary per step: several times slower than zstd itself. Here each step is one loop
+over a layer's rows that stays in cache.
+
+Rows of eight uint8 IDs (top-8 of at most 256 experts, the common case) are handled as one 64-bit word: equality
+is one compare, the gaps are one subtraction (``x - (x << 8) - 0x0101..00``: no lane borrows when the row
+ascends, and a borrow shows in the gaps' byte sum, which then differs from the last ID), the inverse prefix sum is
+one multiplication by ``0x0101..01`` (lane j of the product is the sum of lanes 0..j), and sorting mapped IDs is
+eight bit sets and a bit scan. Other rows take the same steps one ID at a time (several times slower per row);
+both paths write the same bytes (``tests/test_ranked.py`` checks it).
+
+Every kernel is ``nopython`` (no Python objects inside), ``nogil`` (readers and writers may run chunks on several
+threads) and ``cache=True``. The first call in a fresh environment compiles (measured on the 2-core development
+machine: about 15 s for chunks of eight uint8 IDs per row, 9 s more for uint16 IDs; once per machine, numba
+version and source of this file, cached beside it in ``__pycache__``); a later process pays about 0.5 s on its
+first chunk, mostly numba's import and start-up, then loads the cached code. :mod:`routelog.ranked` imports this
+module on its first chunk, so ``import routelog`` never pays for numba. A kernel compiles only the side of an
+``x is None`` test that its argument's type allows (the fast path for words, or the one-ID-at-a-time path), and
+hot loops index arrays directly: a slice or row view per row costs reference counting that measured several times
+the row's own work.
+
+Kernels report a damaged payload with a status code instead of raising, and check every index read from a payload
+before using it: a forged chunk makes :func:`decode_chunk` return an error, never read or write out of bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _compiled(*, inline: bool = False) -> Callable[[_F], _F]:
+    """numba's ``njit`` with the options of every kernel here (``inline``: numba inlines a small helper into its
+    callers, so no per-row call passes arrays). Typed for mypy, which cannot see through numba's decorator."""
+    options: dict[str, Any] = {"cache": True, "nogil": True}
+    if inline:
+        options["inline"] = "always"
+    return cast(Callable[[_F], _F], njit(**options))
+
+
+def _instruction(typer: Callable[..., Any]) -> Callable[..., Any]:
+    """numba's ``intrinsic``: ``typer`` gives a call's signature and the code that emits its LLVM instruction."""
+    return cast(Callable[..., Any], intrinsic(typer))
+
+
+RANK_BELOW = 0.99
+"""A layer is considered for relabelling only when the entropy of its expert load (on a sample of at most
+:data:`LOAD_SAMPLE` rows, which also gives the popularity order) is below this fraction of log2(E): above it the
+gaps cannot shrink."""
+LOAD_SAMPLE = 512
+MIN_GAIN = 0.05
+"""...and relabelled only when that makes its estimated compressed gaps this much smaller: decoding a ranked
+layer costs a table lookup and a sort per row, worth it only for a real gain."""
+RUN_BYTES = 3.0
+"""What the estimate charges for each run of rows zstd copies from earlier in the layer (a match: its offset and
+lengths), in bytes. The estimate of a transform's compressed gaps is the order-0 entropy of the gaps of the rows
+seen for the first time in their layer (zstd's literals, on a sample of them) plus this per run. It replaces trial
+compressions, which cost more than the rest of the codec; the order-0 entropy of all rows misleads where most rows
+repeat earlier ones (measured on the corpus: ranking halves that entropy but shrinks the compressed gaps by 2 to
+5 %). With 3 bytes the estimate ranks the corpus' layers about as trial compressions did (90 of 416 layers where
+they ranked 89; the corpus' sizes within 0.5 %)."""
+MAX_MASK_EXPERTS = 1024
+"""IDs below this sort as a bit set (set K bits, scan the words: no comparisons); larger IDs sort by insertion."""
+
+OK = 0
+UNKNOWN_MODE = 1
+SECTION_SIZES = 2
+FIRST_ROW_REPEATS = 3
+UNIQUE_COUNT = 4
+EXCEPTION_RANGE = 5
+RANK_RANGE = 6
+PROBLEMS = {
+    UNKNOWN_MODE: "unknown layer mode {detail}",
+    SECTION_SIZES: "the tail's sections take {detail} bytes, not {size}",
+    FIRST_ROW_REPEATS: "a repeat bitmap flags the first row of its layer",
+    UNIQUE_COUNT: "the repeat bitmaps leave {detail} unique rows, not {total}",
+    EXCEPTION_RANGE: "exception {detail} names a row outside the chunk",
+    RANK_RANGE: "layer {detail}: a rank outside [0, {E})",
+}
+"""What :func:`decode_chunk`'s status codes mean (``detail``: its second result; ``size``: the rest section's bytes;
+``total``: the trailer's unique rows; ``E``: the universe), for :class:`routelog.ranked.RankedFormatError`."""
+
+_ONES = np.uint64(0x0101010101010101)
+_FIRST_ONES = np.uint64(0x0101010101010100)  # +1 in every lane but lane 0
+_EVEN_LANES = np.uint64(0x00FF00FF00FF00FF)
+_SUM_16 = np.uint64(0x0001000100010001)
+_HASH = np.uint64(0x9E3779B97F4A7C15)
+
+
+@_instruction
+def _popcount(typingctx: Any, word: Any) -> Any:
+    """Set bits of a uint64 (one instruction)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.ctpop(args[0])
+
+    return types.uint64(types.uint64), codegen
+
+
+@_instruction
+def _lowest_bit(typingctx: Any, word: Any) -> Any:
+    """Index of the lowest set bit of a uint64, 64 for 0 (one instruction)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
+
+    return types.uint64(types.uint64), codegen
+
+
+# -- rows as words (eight uint8 IDs) ----------------------------------------------------------------------------
+@_compiled(inline=True)
+def _word_gaps(word: Any) -> Any:
+    """The gaps of a row of eight ascending uint8 IDs packed little-endian in a uint64."""
+    return word - ((word << np.uint64(8)) + _FIRST_ONES)
+
+
+@_compiled(inline=True)
+def _word_valid(word: Any, gaps: Any, num_experts: int) -> Any:
+    """Whether ``word`` holds eight strictly ascending IDs below ``num_experts``, given its :func:`_word_gaps`.
+
+    Without lane borrows the gaps' bytes sum to the last ID minus 7; a borrow (a lane that does not ascend) adds 255
+    or 256 to that sum."""
+    pairs = (gaps & _EVEN_LANES) + ((gaps >> np.uint64(8)) & _EVEN_LANES)
+    total = ((pairs * _SUM_16) >> np.uint64(48)) + np.uint64(7)
+    last = word >> np.uint64(56)
+    return (total == last) & (last < num_experts)
+
+
+@_compiled(inline=True)
+def _word_ids(gaps: Any) -> Any:
+    """Inverse of :func:`_word_gaps`: lane j of the product is lane 0 plus (lane i + 1) for i = 1..j."""
+    return (gaps + _FIRST_ONES) * _ONES
+
+
+@_compiled(inline=True)
+def _lane_lookup(lookup: Any, mapped: Any, bit_of: Any) -> None:
+    """The tables :func:`_sorted_lanes` maps byte values ``v`` through: ``mapped[v] = lookup[v]`` (256, past any
+    ID, where ``v`` is past ``lookup``), and ``bit_of[v]``, that bit of a 64-bit set (0 where it is past 63)."""
+    for v in range(256):
+        target = int(lookup[v]) if v < lookup.size else 256
+        mapped[v] = target
+        bit_of[v] = np.uint64(1) << np.uint64(target & 63) if target < 64 else np.uint64(0)
+
+
+@_compiled(inline=True)
+def _sorted_lanes(word: Any, mapped: Any, bit_of: Any, small: bool) -> tuple[bool, Any]:
+    """The eight byte lanes of ``word`` mapped through :func:`_lane_lookup`'s tables and sorted ascending, packed,
+    and whether they are eight distinct IDs (below 256; below 64 when ``small``).
+
+    ``small``: eight bit sets and eight bit scans, no comparisons. Otherwise Batcher's sorting network for eight
+    (19 compare-exchanges, :func:`routelog.codec.sorting_network`) on values held in registers."""
+    if small:
+        bits = np.uint64(0)
+        for c in range(8):
+            bits |= bit_of[(word >> np.uint64(8 * c)) & np.uint64(255)]
+        distinct = _popcount(bits) == 8
+        packed = np.uint64(0)
+        for c in range(8):  # a fixed eight scans: no branch on where the set ends
+            packed |= _lowest_bit(bits) << np.uint64(8 * c)
+            bits &= bits - np.uint64(1)
+        return distinct, packed
+    a0 = mapped[word & np.uint64(255)]
+    a1 = mapped[(word >> np.uint64(8)) & np.uint64(255)]
+    a2 = mapped[(word >> np.uint64(16)) & np.uint64(255)]
+    a3 = mapped[(word >> np.uint64(24)) & np.uint64(255)]
+    a4 = mapped[(word >> np.uint64(32)) & np.uint64(255)]
+    a5 = mapped[(word >> np.uint64(40)) & np.uint64(255)]
+    a6 = mapped[(word >> np.uint64(48)) & np.uint64(255)]
+    a7 = mapped[(word >> np.uint64(56)) & np.uint64(255)]
+    a0, a1 = min(a0, a1), max(a0, a1)
+    a2, a3 = min(a2, a3), max(a2, a3)
+    a4, a5 = min(a4, a5), max(a4, a5)
+    a6, a7 = min(a6, a7), max(a6, a7)
+    a0, a2 = min(a0, a2), max(a0, a2)
+    a1, a3 = min(a1, a3), max(a1, a3)
+    a4, a6 = min(a4, a6), max(a4, a6)
+    a5, a7 = min(a5, a7), max(a5, a7)
+    a1, a2 = min(a1, a2), max(a1, a2)
+    a5, a6 = min(a5, a6), max(a5, a6)
+    a0, a4 = min(a0, a4), max(a0, a4)
+    a1, a5 = min(a1, a5), max(a1, a5)
+    a2, a6 = min(a2, a6), max(a2, a6)
+    a3, a7 = min(a3, a7), max(a3, a7)
+    a2, a4 = min(a2, a4), max(a2, a4)
+    a3, a5 = min(a3, a5), max(a3, a5)
+    a1, a2 = min(a1, a2), max(a1, a2)
+    a3, a4 = min(a3, a4), max(a3, a4)
+    a5, a6 = min(a5, a6), max(a5, a6)
+    distinct = (a0 < a1) & (a1 < a2) & (a2 < a3) & (a3 < a4) & (a4 < a5) & (a5 < a6) & (a6 < a7) & (a7 < 256)
+    packed = np.uint64(0)
+    for c, value in enumerate((a0, a1, a2, a3, a4, a5, a6, a7)):
+        packed |= np.uint64(value & 255) << np.uint64(8 * c)
+    return distinct, packed
+
+
+@_compiled(inline=True)
+def _pack(values: Any) -> Any:
+    """Eight values below 256 as one little-endian word."""
+    word = np.uint64(0)
+    for c in range(8):
+        word |= np.uint64(values[c]) << np.uint64(8 * c)
+    return word
+
+
+@_compiled(inline=True)
+def _count_word(word: Any, histogram: Any, offset: int) -> None:
+    for c in range(8):
+        histogram[offset + int((word >> np.uint64(8 * c)) & np.uint64(255))] += 1
+
+
+# -- rows one ID at a time --------------------------------------------------------------------------------------
+@_compiled(inline=True)
+def _mask_bits(num_experts: int) -> int:
+    """The width of the bit set :func:`_sort_row` sorts IDs below ``num_experts`` in (0: by insertion)."""
+    return 64 * ((num_experts + 63) // 64) if num_experts <= MAX_MASK_EXPERTS else 0
+
+
+@_compiled(inline=True)
+def _sort_row(values: Any, num_bits: int, masks: Any) -> bool:
+    """Sort ``values`` (int64) ascending in place; False when two are equal (``values`` is sorted anyway).
+
+    With every value below ``num_bits`` (:func:`_mask_bits`) through the bit sets ``masks`` (zeroed, left zeroed):
+    K bit sets and a scan of the words, no data-dependent comparisons; otherwise by insertion."""
+    k = values.size
+    fits = num_bits > 0
+    for c in range(k):
+        fits &= values[c] < num_bits
+    if fits:
+        distinct = True
+        for c in range(k):
+            v = values[c]
+            bit = np.uint64(1) << np.uint64(v & 63)
+            distinct &= (masks[v >> 6] & bit) == 0
+            masks[v >> 6] |= bit
+        if distinct:
+            c = 0
+            for w in range(num_bits >> 6):
+                bits = masks[w]
+                masks[w] = 0
+                while bits:
+                    values[c] = (w << 6) + int(_lowest_bit(bits))
+                    c += 1
+                    bits &= bits - np.uint64(1)
+            return True
+        for c in range(k):  # clean the bit sets, then sort the repeated values by insertion
+            masks[values[c] >> 6] = 0
+    distinct = True
+    for c in range(1, k):
+        v = values[c]
+        i = c
+        while i > 0 and values[i - 1] > v:
+            values[i] = values[i - 1]
+            i -= 1
+        values[i] = v
+        distinct &= i == 0 or values[i - 1] != v
+    return distinct
+
+
+@_compiled(inline=True)
+def _rows_equal(a: Any, i: int, b: Any, j: int) -> bool:
+    """Row ``i`` of the 2-D ``a`` equals row ``j`` of ``b``."""
+    for c in range(a.shape[1]):  # noqa: SIM110 (a plain loop with an early exit compiles best)
+        if a[i, c] != b[j, c]:
+            return False
+    return True
+
+
+@_compiled(inline=True)
+def _row_hash(rows: Any, i: int, bits: int) -> int:
+    """Top ``bits`` of a multiplicative hash of row ``i``, its IDs packed little-endian in 64-bit words (for eight
+    uint8 IDs exactly the hash of the row's word, so both paths fill :func:`encode_chunk`'s table alike)."""
+    width = 8 * rows.itemsize
+    h = np.uint64(0)
+    word = np.uint64(0)
+    filled = 0
+    for c in range(rows.shape[1]):
+        word |= np.uint64(rows[i, c]) << np.uint64(filled)
+        filled += width
+        if filled == 64:
+            h = (h ^ word) * _HASH
+            word = np.uint64(0)
+            filled = 0
+    if filled:
+        h = (h ^ word) * _HASH
+    return int(h >> np.uint64(64 - bits))
+
+
+@_compiled(inline=True)
+def _count_row(rows: Any, i: int, histogram: Any, offset: int) -> None:
+    """Histogram of the bytes row ``i`` is stored as: low bytes at ``offset + [0, 256)``, high bytes 256 on."""
+    for c in range(rows.shape[1]):
+        v = int(rows[i, c])
+        histogram[offset + (v & 255)] += 1
+        histogram[offset + 256 + ((v >> 8) & 255)] += 1
+
+
+@_compiled(inline=True)
+def _entropy_bits(counts: Any, start: int, stop: int) -> float:
+    """Shannon entropy (bits per draw) of the histogram ``counts[start:stop]``, times its total."""
+    total = 0
+    for b in range(start, stop):
+        total += counts[b]
+    bits = 0.0
+    for b in range(start, stop):
+        if counts[b]:
+            bits -= counts[b] * math.log2(counts[b] / total)
+    return bits
+
+
+# -- encoding ---------------------------------------------------------------------------------------------------
+@_compiled()
+def encode_chunk(ids: Any, id_words: Any, num_experts: int) -> tuple[Any, Any, int, int]:
+    """The two sections of one chunk ``ids`` ``[L, R, K]`` (uint8 or uint16, C-contiguous), as uint8 arrays: the
+    gaps section and the rest (:mod:`routelog.ranked` has their layout); then U, and how many of the unique rows
+    repeat an earlier row of their layer (what zstd's matches can find).
+
+    ``id_words``: ``ids`` as one uint64 word per row (rows of eight uint8 IDs; the same bytes come out), or None.
+    """
+    layers, rows, k = ids.shape
+    gaps = np.empty((layers * rows, k), ids.dtype)
+    bitmaps = np.zeros((layers, (rows + 7) // 8), np.uint8)
+    modes = np.zeros(layers, np.uint8)
+    tables = np.empty((layers, num_experts), ids.dtype)
+    exceptions = np.empty((layers * rows, 2), np.int64)
+    unique, n_exceptions, matched = _transform(ids, id_words, num_experts, gaps, bitmaps, modes, tables, exceptions)
+    if ids.itemsize == 1:
+        section = gaps[:unique].reshape(unique * k).view(np.uint8)
+    else:  # byte planes: zstd fits one entropy table per plane
+        section = np.empty(2 * unique * k, np.uint8)
+        flat = gaps[:unique].reshape(unique * k)
+        for i in range(flat.size):
+            section[i] = flat[i] & 255
+            section[flat.size + i] = flat[i] >> 8
+    size = layers + 9 + n_exceptions * (4 + k * ids.itemsize)
+    for j in range(layers):
+        size += bitmaps.shape[1] * ((modes[j] >> 1) & 1) + num_experts * ids.itemsize * (modes[j] & 1)
+    rest = np.empty(size, np.uint8)
+    at = 0
+    for j in range(layers):
+        if modes[j] & 2:
+            rest[at : at + bitmaps.shape[1]] = bitmaps[j]
+            at += bitmaps.shape[1]
+    for j in range(layers):
+        if modes[j] & 1:
+            for e in range(num_experts):
+                at = _put(rest, at, tables[j, e], ids.itemsize)
+    for n in range(n_exceptions):
+        at = _put(rest, at, exceptions[n, 0], 4)
+        row = exceptions[n, 1]
+        for c in range(k):
+            at = _put(rest, at, ids[row // rows, row % rows, c], ids.itemsize)
+    rest[at : at + layers] = modes
+    at = _put(rest, at + layers, unique, 4)
+    at = _put(rest, at, n_exceptions, 4)
+    rest[at] = 1  # the payload version
+    return section, rest, unique, matched
+
+
+@_compiled(inline=True)
+def _put(buffer: Any, at: int, value: Any, nbytes: int) -> int:
+    """Write ``value`` little-endian in ``nbytes`` at ``buffer[at]``; return the next position."""
+    v = int(value)
+    for b in range(nbytes):
+        buffer[at + b] = (v >> (8 * b)) & 255
+    return at + nbytes
+
+
+@_compiled(inline=True)
+def _get(buffer: Any, at: int, nbytes: int) -> int:
+    """The little-endian unsigned integer of ``nbytes`` at ``buffer[at]``."""
+    v = 0
+    for b in range(nbytes):
+        v |= int(buffer[at + b]) << (8 * b)
+    return v
+
+
+@_compiled()
+def _transform(
+    ids: Any,
+    id_words: Any,
+    num_experts: int,
+    gaps: Any,
+    bitmaps: Any,
+    modes: Any,
+    tables: Any,
+    exceptions: Any,
+) -> tuple[int, int, int]:
+    """The work of :func:`encode_chunk`, into its arrays:
+
+    * ``gaps`` ``[L * R, K]`` (ids' dtype): its first U rows are the gaps section, layer after layer;
+    * ``bitmaps`` ``[L, ceil(R / 8)]`` uint8, zeroed: the repeat bits (most significant first);
+    * ``modes`` ``[L]`` uint8, zeroed: each layer's mode bits (1 ranked, 2 has repeats);
+    * ``tables`` ``[L, E]`` (ids' dtype): rank -> ID of the ranked layers (row j for layer j);
+    * ``exceptions`` ``[L * R, 2]`` int64: (unique row, flat row of ``ids``) of each row that is no valid set. Its
+      plain gaps are zeros (IDs 0..K-1, relabelled like any row in a ranked layer): a valid placeholder that the
+      exception overwrites.
+
+    Returns U, the number of exceptions, and how many unique rows repeat an earlier row of their layer.
+    """
+    layers, rows, k = ids.shape
+    hash_bits = 10
+    while (1 << hash_bits) < 2 * rows and hash_bits < 16:
+        hash_bits += 1
+    seen = np.full(1 << hash_bits, -1, np.int64)  # row hash -> its latest unique row (direct mapped)
+    if id_words is not None:  # (numba compiles only one side of each such test: its argument's type decides)
+        gap_words = gaps.reshape(gaps.size).view(np.uint64)
+        seen_words = np.empty(1 << hash_bits, np.uint64)
+    counts = np.zeros(num_experts, np.int64)
+    rank_of = np.empty(num_experts, np.int64)
+    order = np.empty(num_experts, np.int64)
+    literals = np.zeros(1024, np.int64)  # byte histograms of first-seen rows' gaps: plain [0, 512), ranked after
+    values = np.empty(k, np.int64)
+    num_bits = _mask_bits(num_experts)
+    masks = np.zeros(max(1, num_bits >> 6), np.uint64)
+    mapped = np.empty(256, np.int64)
+    bit_of = np.empty(256, np.uint64)
+    unique = 0
+    n_exceptions = 0
+    matched = 0
+    for j in range(layers):
+        base = unique
+        # 1. Repeats, the other rows' gaps, and rows that are no valid set.
+        if id_words is not None:
+            unique, n_exceptions = _layer_words(
+                id_words, j, rows, num_experts, gap_words, unique, bitmaps, exceptions, n_exceptions
+            )
+        else:
+            unique, n_exceptions = _layer_rows(ids, j, num_experts, gaps, unique, bitmaps, exceptions, n_exceptions)
+        n_unique = unique - base
+        if n_unique < rows:
+            modes[j] |= 2
+        if k > num_experts:
+            continue  # no valid set exists: every row is an exception
+        # 2. The expert load on a sample of the rows: is it skewed, and which experts are most popular?
+        counts[:] = 0
+        for i in range(base, unique, max(1, n_unique // LOAD_SAMPLE)):
+            if id_words is not None:
+                word = _word_ids(gap_words[i])
+                for c in range(8):
+                    counts[int((word >> np.uint64(8 * c)) & np.uint64(255))] += 1
+            else:
+                _row_ids(gaps, i, values)
+                for c in range(k):
+                    counts[values[c]] += 1
+        total = counts.sum()
+        skewed = total > 0 and _entropy_bits(counts, 0, num_experts) < RANK_BELOW * math.log2(num_experts) * total
+        if not skewed and n_unique == rows:
+            continue  # near-uniform sets, no repeats: plain gaps, and nothing for zstd to match
+        if skewed:
+            _popularity(counts, rank_of, order)
+            if id_words is not None:
+                _lane_lookup(rank_of, mapped, bit_of)
+            literals[:] = 0
+        # 3. Rows seen earlier in the layer (zstd matches them), and for a skewed layer both transforms' literals
+        # (the gaps of the rows seen first, on a sample of them).
+        runs = 0
+        novel = 0
+        previous_match = -2
+        step = max(1, n_unique // LOAD_SAMPLE)
+        for i in range(base, unique):
+            if id_words is not None:  # the table keeps each entry's word too: one lookup, no second load to compare
+                h = int((gap_words[i] * _HASH) >> np.uint64(64 - hash_bits))
+                earlier = seen[h]
+                repeated = earlier >= base and seen_words[h] == gap_words[i]
+                seen_words[h] = gap_words[i]
+            else:
+                h = _row_hash(gaps, i, hash_bits)
+                earlier = seen[h]
+                repeated = earlier >= base and _rows_equal(gaps, earlier, gaps, i)
+            seen[h] = i
+            if repeated:
+                matched += 1
+                runs += earlier != previous_match + 1
+                previous_match = earlier
+                continue
+            previous_match = -2
+            novel += 1
+            if not skewed or novel % step:
+                continue
+            if id_words is not None:
+                _count_word(gap_words[i], literals, 0)
+                _count_word(_ranked_word(gap_words[i], mapped, bit_of, num_experts <= 64), literals, 512)
+            else:
+                _count_row(gaps, i, literals, 0)
+                _ranked_row(gaps, i, rank_of, num_bits, masks, values)
+                for c in range(k):
+                    literals[512 + (values[c] & 255)] += 1
+                    literals[768 + ((values[c] >> 8) & 255)] += 1
+        if not skewed:
+            continue
+        plain = (_entropy_bits(literals, 0, 256) + _entropy_bits(literals, 256, 512)) * step / 8 + RUN_BYTES * runs
+        ranked = (_entropy_bits(literals, 512, 768) + _entropy_bits(literals, 768, 1024)) * step / 8 + RUN_BYTES * runs
+        if ranked >= (1 - MIN_GAIN) * plain:
+            continue
+        # 4. Relabel by popularity rank: the ranked gaps replace the plain ones, in place.
+        modes[j] |= 1
+        for e in range(num_experts):
+            tables[j, e] = order[e]
+        for i in range(base, unique):
+            if id_words is not None:
+                gap_words[i] = _ranked_word(gap_words[i], mapped, bit_of, num_experts <= 64)
+            else:
+                _ranked_row(gaps, i, rank_of, num_bits, masks, values)
+                for c in range(k):
+                    gaps[i, c] = values[c]
+    return unique, n_exceptions, matched
+
+
+@_compiled()
+def _layer_words(
+    id_words: Any,
+    j: int,
+    rows: int,
+    num_experts: int,
+    gap_words: Any,
+    unique: int,
+    bitmaps: Any,
+    exceptions: Any,
+    n_exceptions: int,
+) -> tuple[int, int]:
+    """Step 1 of :func:`encode_chunk` for rows as words: gaps of every row at its own position (a loop the compiler
+    vectorises), then, only where needed, the repeats squeezed out and the invalid rows listed."""
+    offset = j * rows
+    layer = id_words[offset : offset + rows]  # views: plain indices let the compiler vectorise the loops
+    out = gap_words[unique : unique + rows]
+    invalid = 0
+    for r in range(rows):
+        out[r] = _word_gaps(layer[r])
+        invalid += not _word_valid(layer[r], out[r], num_experts)
+    repeats = 0
+    for r in range(1, rows):
+        repeats += layer[r] == layer[r - 1]
+    if repeats:
+        u = 0
+        for byte in range(bitmaps.shape[1]):
+            bits = 0
+            for r in range(byte * 8, min(rows, byte * 8 + 8)):
+                repeat = r > 0 and layer[r] == layer[r - 1]
+                out[u] = out[r]
+                u += not repeat
+                bits |= repeat << (7 - (r & 7))
+            bitmaps[j, byte] = bits
+    if invalid:
+        u = 0
+        for r in range(rows):
+            if r > 0 and layer[r] == layer[r - 1]:
+                continue
+            if not _word_valid(layer[r], _word_gaps(layer[r]), num_experts):
+                out[u] = 0
+                exceptions[n_exceptions, 0] = unique + u
+                exceptions[n_exceptions, 1] = offset + r
+                n_exceptions += 1
+            u += 1
+    return unique + rows - repeats, n_exceptions
+
+
+@_compiled()
+def _layer_rows(
+    ids: Any, j: int, num_experts: int, gaps: Any, unique: int, bitmaps: Any, exceptions: Any, n_exceptions: int
+) -> tuple[int, int]:
+    """Step 1 of :func:`encode_chunk` one ID at a time."""
+    rows, k = ids.shape[1], ids.shape[2]
+    layer = ids[j]
+    for r in range(rows):
+        if r > 0 and _rows_equal(layer, r, layer, r - 1):
+            bitmaps[j, r >> 3] |= np.uint8(0x80 >> (r & 7))
+            continue
+        valid = int(layer[r, k - 1]) < num_experts
+        gaps[unique, 0] = layer[r, 0]
+        for c in range(1, k):
+            step = int(layer[r, c]) - int(layer[r, c - 1]) - 1
+            valid &= step >= 0
+            gaps[unique, c] = step
+        if not valid:
+            for c in range(k):
+                gaps[unique, c] = 0
+            exceptions[n_exceptions, 0] = unique
+            exceptions[n_exceptions, 1] = j * rows + r
+            n_exceptions += 1
+        unique += 1
+    return unique, n_exceptions
+
+
+@_compiled()
+def _popularity(counts: Any, rank_of: Any, order: Any) -> None:
+    """Experts by descending count, ties by ID (a counting sort: counts are at most the sample's draws): ``order``
+    rank -> expert and ``rank_of`` its inverse."""
+    most = counts.max()
+    starts = np.zeros(most + 2, np.int64)
+    for n in counts:
+        starts[most - n + 1] += 1
+    for i in range(1, most + 2):
+        starts[i] += starts[i - 1]
+    for e in range(counts.size):
+        rank = starts[most - counts[e]]
+        starts[most - counts[e]] += 1
+        order[rank] = e
+        rank_of[e] = rank
+
+
+@_compiled(inline=True)
+def _ranked_word(gaps: Any, mapped: Any, bit_of: Any, small: bool) -> Any:
+    """The gaps of the sorted popularity ranks of the row whose plain gaps are ``gaps`` (``mapped`` and ``bit_of``
+    from :func:`_lane_lookup` of the ranks; ``small``: fewer than 65 experts)."""
+    _, ranks = _sorted_lanes(_word_ids(gaps), mapped, bit_of, small)
+    return _word_gaps(ranks)
+
+
+@_compiled(inline=True)
+def _row_ids(gaps: Any, i: int, values: Any) -> None:
+    """The IDs whose gaps are row ``i`` of ``gaps``, into ``values``."""
+    x = -1
+    for c in range(values.size):
+        x += int(gaps[i, c]) + 1
+        values[c] = x
+
+
+@_compiled(inline=True)
+def _ranked_row(gaps: Any, i: int, rank_of: Any, num_bits: int, masks: Any, values: Any) -> None:
+    """The gaps of the sorted popularity ranks of the row whose plain gaps are row ``i`` of ``gaps``, into
+    ``values``."""
+    k = values.size
+    _row_ids(gaps, i, values)
+    for c in range(k):
+        values[c] = rank_of[values[c]]
+    _sort_row(values, num_bits, masks)
+    for c in range(k - 1, 0, -1):
+        values[c] -= values[c - 1] + 1
+
+
+# -- decoding ---------------------------------------------------------------------------------------------------
+@_compiled()
+def decode_chunk(gap_bytes: Any, rest: Any, num_experts: int, out: Any, out_words: Any) -> tuple[int, int]:
+    """IDs into ``out`` ``[L, R, K]`` (uint8 or uint16, C-contiguous) from a chunk's decompressed sections:
+    ``gap_bytes`` (``U * K`` IDs' worth, U from the trailer: the caller checked that) and ``rest``.
+
+    ``out_words``: ``out`` as one uint64 word per row (rows of eight uint8 IDs), or None. Returns (status,
+    detail): :data:`OK`, or what is wrong with the payload.
+    """
+    layers, rows, k = out.shape
+    itemsize = out.itemsize
+    # The rest section: its parts must add up to its size, and its indices stay inside the chunk.
+    trailer = rest.size - layers - 9
+    n_bitmaps = 0
+    n_tables = 0
+    for j in range(layers):
+        mode = rest[trailer + j]
+        if mode & ~3:
+            return UNKNOWN_MODE, mode
+        n_bitmaps += (mode >> 1) & 1
+        n_tables += mode & 1
+    total = _get(rest, rest.size - 9, 4)
+    n_exceptions = _get(rest, rest.size - 5, 4)
+    per_bitmap = (rows + 7) // 8
+    tables = n_bitmaps * per_bitmap  # where each part starts
+    listed = tables + n_tables * num_experts * itemsize
+    entry = 4 + k * itemsize
+    if listed + n_exceptions * entry != trailer:
+        return SECTION_SIZES, listed + n_exceptions * entry + layers + 9
+    layer_unique = np.full(layers, rows, np.int64)
+    bitmap = 0
+    for j in range(layers):
+        if rest[trailer + j] & 2:
+            if rows and rest[bitmap] & 0x80:
+                return FIRST_ROW_REPEATS, j
+            for byte in range(per_bitmap):
+                bits = np.uint64(rest[bitmap + byte])
+                if byte == rows >> 3:  # the last, partial byte: only its first rows % 8 bits are rows
+                    bits &= np.uint64((0xFF00 >> (rows & 7)) & 0xFF)
+                layer_unique[j] -= int(_popcount(bits))
+            bitmap += per_bitmap
+    unique = layer_unique.sum()
+    if unique != total:
+        return UNIQUE_COUNT, unique
+    for n in range(n_exceptions):
+        if _get(rest, listed + n * entry, 4) >= total:
+            return EXCEPTION_RANGE, n
+    # The rows, layer by layer.
+    if out_words is not None:
+        gap_words = gap_bytes.view(np.uint64)
+        decoded = np.empty(rows, np.uint64)  # a layer's unique rows, before repeats expand them
+    num_bits = _mask_bits(num_experts)
+    masks = np.zeros(max(1, num_bits >> 6), np.uint64)
+    mapped = np.empty(256, np.int64)
+    bit_of = np.empty(256, np.uint64)
+    table = np.empty(num_experts, np.int64)
+    values = np.empty(k, np.int64)
+    high = total * k if itemsize == 2 else 0  # where the high-byte plane starts
+    wrap = (1 << (8 * itemsize)) - 1
+    u = 0
+    bitmap = -per_bitmap
+    ranked = tables - num_experts * itemsize
+    for j in range(layers):
+        mode = rest[trailer + j]
+        bitmap += per_bitmap if mode & 2 else 0
+        bits = rest[bitmap : bitmap + per_bitmap] if mode & 2 else rest[0:0]
+        if mode & 1:
+            ranked += num_experts * itemsize
+            for e in range(num_experts):
+                table[e] = _get(rest, ranked + e * itemsize, itemsize)
+        offset = j * rows
+        if out_words is not None:
+            layer = out_words[offset : offset + rows]  # views: plain indices let the compiler vectorise
+            source = gap_words[u : u + layer_unique[j]]
+            u += layer_unique[j]
+            if mode == 0:  # plain, no repeats: straight into the output
+                for r in range(rows):
+                    layer[r] = _word_ids(source[r])
+                continue
+            unique_rows = decoded[: source.size]
+            if mode & 1:  # ranked: map and sort each unique row; one the bit sets cannot sort goes one ID at a time
+                _lane_lookup(table, mapped, bit_of)
+                for i in range(source.size):
+                    distinct, word = _sorted_lanes(_word_ids(source[i]), mapped, bit_of, num_experts <= 64)
+                    if not distinct:
+                        if _decode_row(
+                            gap_bytes, u - source.size + i, 0, 255, table, True, num_experts, num_bits, masks, values
+                        ):
+                            return RANK_RANGE, j
+                        word = _pack(values)
+                    unique_rows[i] = word
+            else:
+                for i in range(source.size):
+                    unique_rows[i] = _word_ids(source[i])
+            if not mode & 2:
+                layer[:] = unique_rows
+                continue
+            word = np.uint64(0)  # branch-free: keep the row before, or take the next unique one
+            i = 0
+            for r in range(rows):
+                repeat = (int(bits[r >> 3]) >> (7 - (r & 7))) & 1
+                word = word if repeat else unique_rows[min(i, source.size - 1)]
+                layer[r] = word
+                i += 1 - repeat
+            continue
+        for r in range(rows):
+            if bits.size and (bits[r >> 3] >> (7 - (r & 7))) & 1:
+                for c in range(k):
+                    out[j, r, c] = out[j, r - 1, c]
+                continue
+            if _decode_row(gap_bytes, u, high, wrap, table, mode & 1, num_experts, num_bits, masks, values):
+                return RANK_RANGE, j
+            for c in range(k):
+                out[j, r, c] = values[c]
+            u += 1
+    if n_exceptions:
+        _apply_exceptions(rest, trailer, per_bitmap, listed, n_exceptions, out)
+    return OK, 0
+
+
+@_compiled(inline=True)
+def _decode_row(
+    gap_bytes: Any,
+    u: int,
+    high: int,
+    wrap: int,
+    table: Any,
+    ranked: bool,
+    num_experts: int,
+    num_bits: int,
+    masks: Any,
+    values: Any,
+) -> bool:
+    """Unique row ``u``'s IDs into ``values``, one at a time: the gaps' prefix sums (wrapping in the IDs' width;
+    ``high``: where the high-byte plane starts, 0 for uint8), and in a ranked layer the ``table``'s IDs sorted.
+    False, or True for a rank past the table."""
+    k = values.size
+    x = 0
+    for c in range(k):
+        g = int(gap_bytes[u * k + c])
+        if high:
+            g |= int(gap_bytes[high + u * k + c]) << 8
+        x = (x + g + (c > 0)) & wrap
+        values[c] = x
+    if ranked:
+        for c in range(k):
+            if values[c] >= num_experts:
+                return True
+            values[c] = table[values[c]]
+        _sort_row(values, num_bits, masks)
+    return False
+
+
+@_compiled()
+def _apply_exceptions(rest: Any, trailer: int, per_bitmap: int, listed: int, n_exceptions: int, out: Any) -> None:
+    """Overwrite the exceptions' unique rows (the last listing of a row wins) and the repeats that follow them."""
+    layers, rows, k = out.shape
+    itemsize = out.itemsize
+    entry = 4 + k * itemsize
+    exception_of = np.full(rows * layers, -1, np.int64)
+    for n in range(n_exceptions):
+        exception_of[_get(rest, listed + n * entry, 4)] = n
+    u = 0
+    bitmap = -per_bitmap
+    for j in range(layers):
+        repeats = rest[trailer + j] & 2
+        bitmap += per_bitmap if repeats else 0
+        listed_row = -1
+        for r in range(rows):
+            if repeats and (rest[bitmap + (r >> 3)] >> (7 - (r & 7))) & 1:
+                if listed_row >= 0:
+                    for c in range(k):
+                        out[j, r, c] = out[j, r - 1, c]
+                continue
+            listed_row = exception_of[u]
+            if listed_row >= 0:
+                for c in range(k):
+                    out[j, r, c] = _get(rest, listed + listed_row * entry + 4 + c * itemsize, itemsize)
+            u += 1
