@@ -139,3 +139,23 @@ def test_virtual_pipeline_chunks_interleave_each_with_its_own_cursor(store_url: 
     assert sorted(seen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     _check(hook, seen)
     hook.end_step()
+
+
+def test_the_trainers_logprobs_become_an_annotation_next_to_the_engines(store_url: str) -> None:  # noqa: F811
+    from routelog import audit
+
+    config = megatron_config()
+    (chunk,) = build_chunks(config)
+    hook = ReplayHook(
+        store_url, [chunk], layout=ParallelLayout(), rank=RankCoords(), packing=Packing("verl"), fidelity_writer="t0"
+    )
+    hook.begin_step(0, MICRO_BATCHES)
+    _drive(hook, [chunk], [0, 0], {})
+    rng = np.random.default_rng(0)
+    for i, n in enumerate(LENGTHS):
+        hook.record_logprobs(f"s{i}", np.log(rng.uniform(0.2, 1.0, n)))
+    hook.end_step()
+    snapshot = routelog.open_store(store_url).step(0)
+    assert snapshot.value_columns() == ["logprob_train"]
+    result = audit.mismatch(store_url, [0])
+    assert [d.step for d in result.router_diff] == [0], "the router diff of the step is published beside them"

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
@@ -31,6 +32,7 @@ from routelog.loader import ReplayLoader
 from routelog.megatron import MegatronReplay
 from routelog.spec import ModelSpec
 from routelog.store import Store, open_store
+from routelog.values import LOGPROB_TRAIN
 
 TokensOf = Callable[[MicroBatchReplay], Sequence[npt.ArrayLike]]
 
@@ -65,6 +67,7 @@ class ReplayHook:
             gate = _MEASURE_ONLY  # measure the router diff to publish it, judge nothing
         self.replay = MegatronReplay(self.model_chunks, self._plan(()), config=config, gate=gate)
         self.step: int | None = None
+        self._logprobs: dict[str, npt.NDArray[Any]] = {}
         self._loader: ReplayLoader | None = None
         self._loaded: list[MicroBatchReplay] = []
         self._iterator: Any = None
@@ -121,14 +124,27 @@ class ReplayHook:
             return 0
         raise AlignmentError("forward_step was called with a model that is not one of the hook's model chunks")
 
+    def record_logprobs(self, sample_id: str, logprobs: npt.ArrayLike) -> None:
+        """The trainer's per-token log-probs of a record of this step (``[n_tokens]``, NaN where none, e.g. the
+        prompt): published at :meth:`end_step` as the ``logprob_train`` column, which ``routelog mismatch`` compares
+        with the engine's ``logprob_infer``."""
+        self._logprobs[sample_id] = np.asarray(logprobs, dtype=np.float32)
+
     def end_step(self, *, trainer_step: int | None = None, phase: str | None = None) -> StepFidelity:
-        """Clear the routes after the optimizer step, check and publish the step's router diff; returns it."""
+        """Clear the routes after the optimizer step, check and publish the step's router diff (and the log-probs
+        recorded for it); returns the router diff counts."""
         if self._loader is not None:
             self._loader.close()
         step, self.step, self._loader, self._iterator, self._loaded = self.step, None, None, None, []
+        logprobs, self._logprobs = self._logprobs, {}
         counts = self.replay.end_step()
-        if self.fidelity_writer is not None and step is not None and counts.replayed:
-            write_fidelity(self.store, step, self.fidelity_writer, counts, trainer_step=trainer_step, phase=phase)
+        writer = self.fidelity_writer
+        if writer is not None and step is not None and counts.replayed:
+            write_fidelity(self.store, step, writer, counts, trainer_step=trainer_step, phase=phase)
+        if logprobs and step is not None:
+            with self.store.annotate(step, writer or "trainer") as annotator:
+                for sid, values in logprobs.items():
+                    annotator.add(sid, {LOGPROB_TRAIN: values})
         return counts
 
     def remove(self) -> None:
