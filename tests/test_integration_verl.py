@@ -98,6 +98,22 @@ def test_the_rollout_side_writes_the_routes_and_carries_only_sample_ids() -> Non
     assert list(part.non_tensor_batch[SAMPLE_ID_KEY]) == ["p2/1", "p0/0", "p1/1"]
 
 
+def _gpt(config: Any) -> Any:
+    """A one-chunk megatron-core GPT model (its routers carry veRL's RouterReplay once the patch is applied)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    torch.manual_seed(0)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
+        vocab_size=64,
+        max_sequence_length=256,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+
+
 @pytest.fixture
 def verl_patched(monkeypatch: pytest.MonkeyPatch) -> None:
     """veRL's own RouterReplay patch of megatron-core (undone after the test)."""
@@ -125,9 +141,6 @@ def verl_patched(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_each_micro_batch_installs_the_rows_the_model_computes_on(
     verl_patched: None, monkeypatch: pytest.MonkeyPatch, fp8: str | None, max_token_len: int
 ) -> None:
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from verl.models.mcore.util import preprocess_thd_engine
     from verl.utils.megatron import router_replay_patch as verl_replay
     from verl.utils.megatron.router_replay_utils import set_model_router_replay_action
@@ -145,14 +158,7 @@ def test_each_micro_batch_installs_the_rows_the_model_computes_on(
     url, batch, routes = _write(np.random.default_rng(1))
     config = megatron_config()
     config.fp8 = fp8  # only veRL's packing reads it here: FP8 pads each sequence to 16 and the total to 128
-    torch.manual_seed(0)
-    chunk = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
-        vocab_size=64,
-        max_sequence_length=256,
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-    )
+    chunk = _gpt(config)
     assert all(isinstance(layer.mlp.router.router_replay, verl_replay.RouterReplay) for layer in moe_layers(chunk))
     replay = integration.install(url, fidelity_writer="train-dp0")
 
@@ -210,3 +216,64 @@ def test_a_micro_batch_without_sample_ids_is_refused() -> None:
     data = left_right_2_no_padding(batch.to_tensordict())
     with pytest.raises(AlignmentError, match="write_batch"):
         VerlReplay(url).note_inputs(data)
+
+
+def test_bshd_without_remove_padding_replays_where_the_model_computes(
+    verl_patched: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``use_remove_padding=False``: veRL's model runs on a padded ``[B, S]`` batch (its ``preprocess_bshd_engine``)
+    while veRL's own ``set_router_replay_data`` still packs the routes as THD, so its rows do not match the tokens
+    the routers see. routelog aligns to the input the model is given: row ``s * B + b`` is token ``s`` of sample
+    ``b``."""
+    from verl.models.mcore.util import preprocess_bshd_engine
+    from verl.utils.megatron import router_replay_patch as verl_replay
+    from verl.utils.megatron import router_replay_utils
+    from verl.utils.megatron.router_replay_utils import set_model_router_replay_action
+    from verl.workers.engine.megatron import transformer_impl as impl
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from routelog.integrations import verl as integration
+
+    monkeypatch.setattr(
+        impl.MegatronEngineWithLMHead, "prepare_model_inputs", impl.MegatronEngineWithLMHead.prepare_model_inputs
+    )
+    monkeypatch.setattr(impl, "set_router_replay_data", impl.set_router_replay_data)
+    monkeypatch.setattr(impl.MegatronEngine, "forward_backward_batch", impl.MegatronEngine.forward_backward_batch)
+    url, batch, routes = _write(np.random.default_rng(3))
+    config = megatron_config()
+    config.fp8 = None
+    chunk = _gpt(config)
+    mb = left_right_2_no_padding(batch.select_idxs([0, 1, 2]).to_tensordict())  # one micro-batch of three samples
+    order = [0, 1, 2]
+    bshd, _, _ = preprocess_bshd_engine(mb["input_ids"], pre_process=True)  # what the model is given
+    width = int(bshd.shape[1])
+    rows = width * len(order)
+    mask = batch.batch["attention_mask"].bool().numpy()
+    truth = [torch.from_numpy(routes[i][mask[i]]) for i in order]
+
+    # veRL's own installation: THD-packed rows, not the B x S rows the routers see (on CPU: its device is "cuda").
+    monkeypatch.setattr(router_replay_utils, "device_name", "cpu")
+    router_replay_utils.set_router_replay_data(
+        torch.nested.as_nested_tensor(truth, layout=torch.jagged), None, config, vp_rank=0, model=chunk
+    )
+    first = next(moe_layers(chunk)).mlp.router.router_replay
+    assert int(first.target_topk_idx.shape[0]) == sum(int(m.sum()) for m in mask[:3]) != rows
+    for layer in moe_layers(chunk):
+        layer.mlp.router.router_replay.clear_indices()
+
+    replay = integration.install(url)
+    inputs = impl.MegatronEngineWithLMHead.prepare_model_inputs(None, mb)
+    set_model_router_replay_action(chunk, verl_replay.RouterReplayAction.REPLAY_FORWARD)
+    impl.set_router_replay_data(inputs["routed_experts"], None, config, vp_rank=0, model=chunk)
+    replay._pre_forward(chunk, (), {"input_ids": bshd})
+    for layer in moe_layers(chunk):
+        _, routing_map = layer.mlp.router(torch.randn(width, len(order), HIDDEN))  # [S, B, H], as Megatron runs it
+        chosen = selected(routing_map.detach())
+        number = int(layer.layer_number)
+        for b, i in enumerate(order):
+            n = int(mask[i].sum()) - 1
+            want = np.sort(routes[i][mask[i]][:n, number - 1].astype(np.int64), axis=-1)
+            np.testing.assert_array_equal(chosen[np.arange(n) * len(order) + b], want)
+    set_model_router_replay_action(chunk, verl_replay.RouterReplayAction.REPLAY_BACKWARD)
+    replay.end_step()
+    replay.remove()

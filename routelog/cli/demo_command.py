@@ -25,7 +25,7 @@ def demo(
         ),
     ] = None,
     quick: Annotated[
-        bool, typer.Option(help="Smaller models and batch (about 8 s instead of 17 s on 2 cores).")
+        bool, typer.Option(help="Smaller models and batch (about 10 s instead of 23 s on 2 cores).")
     ] = False,
     json_out: JsonFlag = False,
 ) -> None:

@@ -280,7 +280,9 @@ def _micro_batch(armed: _Armed, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         raise AlignmentError(
             "the model chunk was called without packed_seq_params or a [batch, seq] input: cannot align the routes"
         )
-    return MicroBatch(ids, seq_len=int(dense.shape[1]))
+    # With context parallelism the model gets each rank's share of the width: the packing splits the whole one.
+    cp = armed.local_cp_size or int(getattr(armed.config, "context_parallel_size", 1) or 1)
+    return MicroBatch(ids, seq_len=int(dense.shape[1]) * cp)
 
 
 def install(
