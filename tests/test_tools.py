@@ -110,3 +110,13 @@ def test_bench_dedup_compares_format_1_and_2_on_the_corpus() -> None:
             assert both["stored_rows"] < in_part["stored_rows"], f"{name}: shared across parts and writers"
         else:
             assert both["stored_rows"] == in_part["stored_rows"], f"{name}: one part holds everything"
+
+
+def test_bench_writers_measures_what_a_writer_costs_an_engine_loop() -> None:
+    result = _tool(str(TOOLS / "bench_writers.py"), "--scheduler", "--quick", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    modes = ["writer in the engine process", "writer process"]
+    assert list(report["overhead"]) == modes
+    assert all(report["median_steps_per_second"][m] > 0 for m in ["no writer", *modes])
+    assert all(0 < report["append_share"][m] < 1 for m in modes), "some time is spent appending, not all"

@@ -9,8 +9,9 @@ GIL-bound Python, so a loop of small pure-Python steps stands in for it, appendi
 (default 4 records/s of 4096 tokens x 48 layers, top-8 of 128: 6 MB/s of routing per engine). Each trial is a fresh
 process running the loop for a fixed time without a writer, with the writer in the engine's process, and with the
 writer's validation and encoding in a separate process (:class:`routelog.ProcessWriter`: the engine copies each
-record into shared memory); the three alternate, and the medians of steps per second give the overhead. Goal (issue
-#15): <= 1.01 x.
+record into shared memory); the three alternate, and the medians of steps per second give the overhead, next to the
+share of the loop's time spent inside ``append`` (the cost on the engine's own thread, which the noise of a shared
+machine does not blur). Goal (issue #15): <= 1.01 x.
 
     python tools/bench_writers.py [--json] [--quick] [--records N --tokens T --layers L]
     python tools/bench_writers.py --scheduler [--json] [--rate R --trials N --seconds S]
@@ -106,6 +107,7 @@ def scheduler_child(args: argparse.Namespace) -> dict[str, Any]:
         writer.append(Record(sample_id="warmup", expert_ids=arrays[0], prompt_len=16, response_len=args.tokens - 16))
         writer.flush()
     steps = appended = 0
+    in_append = 0.0
     start = time.perf_counter()
     end = start + args.seconds
     due = start
@@ -115,9 +117,11 @@ def scheduler_child(args: argparse.Namespace) -> dict[str, Any]:
             break
         if writer is not None and now >= due:
             ids = arrays[appended % len(arrays)]
+            called = time.perf_counter()
             writer.append(
                 Record(sample_id=f"r{appended}", expert_ids=ids, prompt_len=16, response_len=args.tokens - 16)
             )
+            in_append += time.perf_counter() - called
             appended += 1
             due += 1.0 / args.rate
         total = 0
@@ -127,18 +131,26 @@ def scheduler_child(args: argparse.Namespace) -> dict[str, Any]:
     elapsed = time.perf_counter() - start
     if writer is not None:
         writer.close()
-    return {"mode": mode, "steps_per_second": steps / elapsed, "records": appended}
+    return {
+        "mode": mode,
+        "steps_per_second": steps / elapsed,
+        "records": appended,
+        "append_share": in_append / elapsed,
+    }
 
 
 def scheduler_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     runs: dict[str, list[float]] = {mode: [] for mode in SCHEDULER_MODES}
+    append_share: dict[str, list[float]] = {mode: [] for mode in SCHEDULER_MODES}
     for trial in range(args.trials):
         for mode in range(len(SCHEDULER_MODES)):
             command = [sys.executable, __file__, "--scheduler-child", "--mode", str(mode), "--url"]
             command += [str(root / f"store-{trial}-{mode}"), "--seconds", str(args.seconds), "--rate", str(args.rate)]
             command += ["--tokens", str(args.tokens), "--layers", str(args.layers), "--records", "8"]
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            runs[SCHEDULER_MODES[mode]].append(json.loads(out.strip().splitlines()[-1])["steps_per_second"])
+            result = json.loads(out.strip().splitlines()[-1])
+            runs[SCHEDULER_MODES[mode]].append(result["steps_per_second"])
+            append_share[SCHEDULER_MODES[mode]].append(result["append_share"])
     medians = {mode: float(np.median(values)) for mode, values in runs.items()}
     base = medians["no writer"]
     return {
@@ -151,6 +163,7 @@ def scheduler_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "steps_per_second": runs,
         "median_steps_per_second": medians,
         "overhead": {mode: base / medians[mode] for mode in SCHEDULER_MODES[1:]},
+        "append_share": {mode: float(np.median(append_share[mode])) for mode in SCHEDULER_MODES[1:]},
         "goal": "<= 1.01 x",
     }
 
@@ -253,8 +266,11 @@ def main() -> None:
         shape = f"{args.tokens} tokens x {args.layers} layers"
         print(f"a GIL-bound scheduler loop appending {args.rate:g} records/s of {shape}:")
         for mode, value in report["median_steps_per_second"].items():
-            overhead = report["overhead"].get(mode)
-            print(f"{mode:30s} {value:12.0f} steps/s" + (f"  overhead {overhead:.4f} x" if overhead else ""))
+            line = f"{mode:30s} {value:12.0f} steps/s"
+            if mode in report["overhead"]:
+                share = 100 * report["append_share"][mode]
+                line += f"  overhead {report['overhead'][mode]:.4f} x; append() holds the loop {share:.2f} %"
+            print(line)
         print(f"goal: {report['goal']}")
         return
 
