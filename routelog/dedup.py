@@ -150,13 +150,17 @@ class PrefixIndex:
     _parts: OrderedDict[int, _Part] = field(default_factory=OrderedDict)
     _by_probe: dict[bytes, list[_Placed]] = field(default_factory=dict)
     _ids: dict[str, int] = field(default_factory=dict)
+    _building: dict[int, PartRows] = field(default_factory=dict)
+    """Parts being built (not committed yet), whose rows grow as records are placed."""
     _next_id: int = 0
     _token_bytes: int = 0
 
     # -- parts --------------------------------------------------------------------------------------------------
     def begin_part(self, rows: PartRows) -> int:
         """Register the part being built; its records are placed with :meth:`place`."""
-        return self._add(rows, None)
+        part = self._add(rows, None)
+        self._building[part] = rows
+        return part
 
     def part_id(self, key: str) -> int | None:
         """The id of the committed part ``key``, if it is registered (and not forgotten)."""
@@ -170,6 +174,7 @@ class PrefixIndex:
         """The part being built was committed as ``key``: later parts may point at it."""
         self._parts[part].key = key
         self._ids[key] = part
+        self._building.pop(part, None)
         self._evict()
 
     def abandon(self, part: int) -> None:
@@ -202,8 +207,7 @@ class PrefixIndex:
     ) -> Placement:
         """Place a record of the part being built (its spans relative to its own stored rows ``own_rows``) and
         return where its rows go; the caller appends ``own_rows[:, first_own_row:]`` to the part afterwards."""
-        current = self._parts[part].source
-        assert isinstance(current, PartRows)
+        current = self._building[part]
         base_row = current.n
         if token_ids is None or len(token_ids) < MIN_SHARED_TOKENS:  # nothing to compare: stored whole
             return Placement(
@@ -293,6 +297,7 @@ class PrefixIndex:
 
     def _forget(self, parts: set[int]) -> None:
         for part in parts:
+            self._building.pop(part, None)
             entry = self._parts.pop(part, None)
             if entry is not None and entry.key is not None:
                 self._ids.pop(entry.key, None)
@@ -318,14 +323,16 @@ def _same_weights(theirs: WeightRows | None, mine: WeightRows | None) -> npt.NDA
     """Per row: both carry the same stored weights (bit for bit), or neither carries any."""
     if theirs is None and mine is None:
         return np.array(True)
-    if theirs is None or mine is None:
-        present = mine if theirs is None else theirs
-        assert present is not None
-        return np.asarray(np.isnan(_as_float(present)).all(axis=(0, 2)))
+    if theirs is None or mine is None:  # one side carries none: equal only where the other's are all missing
+        return _all_missing(theirs if mine is None else mine)
     if theirs.dtype != mine.dtype:
         return np.asarray((_as_float(theirs) == _as_float(mine)).all(axis=(0, 2)))
     width = np.dtype(f"u{theirs.dtype.itemsize}")
     return np.asarray((theirs.view(width) == mine.view(width)).all(axis=(0, 2)))
+
+
+def _all_missing(weights: WeightRows | None) -> npt.NDArray[np.bool_]:
+    return np.array(True) if weights is None else np.asarray(np.isnan(_as_float(weights)).all(axis=(0, 2)))
 
 
 def _as_float(stored: WeightRows) -> npt.NDArray[np.float32]:

@@ -36,12 +36,16 @@ class ReplayLoader:
         *,
         prefetch: int = 2,
         storage_options: Mapping[str, Any] | None = None,
+        snapshot: StepSnapshot | None = None,
     ) -> None:
+        """``snapshot``: the step already loaded (a caller building a loader per micro-batch reads the step's
+        commits and index once)."""
         self._store = store
         self._storage_options = storage_options
         self.step = step
         self.plan = plan
         self.prefetch = max(0, prefetch)
+        self._given = snapshot
         self._snapshot: StepSnapshot | None = None
         self._executor: ThreadPoolExecutor | None = None
 
@@ -65,7 +69,7 @@ class ReplayLoader:
                     f"does not describe the routing in {store.url} ({stored.num_moe_layers} MoE layers, "
                     f"E={stored.num_experts}, K={stored.topk})"
                 )
-            self._snapshot = store.step(self.step)
+            self._snapshot = self._given or store.step(self.step)
             self.plan = self.plan.with_lengths(
                 {sid: self._snapshot.info(sid).n_tokens for sid in self.plan.sample_ids}
                 if self.plan.packing.kind == "nemo" and self.plan.layout.pp > 1

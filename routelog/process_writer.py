@@ -76,7 +76,8 @@ class ProcessWriter:
             "storage_options": dict(storage_options or {}),
         }
         self._child = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert self._child.stdin is not None and self._child.stdout is not None
+        if self._child.stdin is None or self._child.stdout is None:  # pragma: no cover - Popen was given both pipes
+            raise StoreError("the writer process has no pipes")
         self._to_child, self._from_child = self._child.stdin, self._child.stdout
         _send(self._to_child, config)
         ready = _receive(self._from_child)
@@ -230,11 +231,11 @@ def serve(incoming: IO[bytes], outgoing: IO[bytes]) -> None:
     _send(outgoing, {"op": "ready"})
     attached: dict[str, shared_memory.SharedMemory] = {}
     while True:
-        message = _receive(incoming)
-        op = "close" if message is None else message["op"]
+        received = _receive(incoming)
+        message = received or {}
+        op = "close" if received is None else message["op"]
         try:
             if op == "append":
-                assert message is not None
                 name = message["segment"]
                 if name not in attached:
                     attached[name] = shared_memory.SharedMemory(name=name)
@@ -243,7 +244,6 @@ def serve(incoming: IO[bytes], outgoing: IO[bytes]) -> None:
                 _send(outgoing, {"op": "copied", "segment": name})
                 writer.append(record)
             elif op == "forget":
-                assert message is not None
                 segment = attached.pop(message["segment"], None)
                 if segment is not None:
                     segment.close()
@@ -252,7 +252,7 @@ def serve(incoming: IO[bytes], outgoing: IO[bytes]) -> None:
                 _send(outgoing, {"op": "flushed"})
             elif op == "close":
                 writer.close()
-                if message is not None:
+                if received is not None:
                     _send(outgoing, {"op": "closed"})
                 return
         except RoutelogError as exc:  # reported to the engine's next call, naming the samples

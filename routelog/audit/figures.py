@@ -248,7 +248,7 @@ def _router_diff_panel(ax: Any, result: MismatchResult) -> None:
     layers = sorted({int(layer) for d in result.router_diff for layer in d.by_layer})
     for layer in layers:
         values = [d.by_layer.get(str(layer), np.nan) for d in result.router_diff]
-        ax.plot(steps, values, "-", color="tab:gray", alpha=0.35, linewidth=0.8)
+        ax.plot(steps, values, ".-" if len(steps) <= 12 else "-", color="tab:gray", alpha=0.35, linewidth=0.8)
     overall = [d.router_diff for d in result.router_diff]
     ax.plot(steps, overall, "o-" if len(steps) <= 12 else "-", color="tab:red", label="all layers")
     ax.set(xlabel="training step", ylabel="replayed rows the trainer would route elsewhere", title="Router diff")

@@ -527,12 +527,10 @@ class SlimeReplay:
         meter = FidelityMeter(routers, replays) if self.measures else None
         rows = recorded = 0
         try:
-            snapshot = _snapshot(loader)
-            tokens = self._check_samples(plan, rollout_id, rollout_data, snapshot)
+            snapshot, tokens = self._check_samples(plan, rollout_id, rollout_data, _snapshot(loader))
             for replay in loader:
                 if self.check_tokens and tokens:
                     check_tokens(replay, [tokens[sid] for sid in replay.sample_ids])
-                assert snapshot is not None
                 ids = to_slime_rows(plan, replay, [snapshot.info(s).n_tokens for s in replay.sample_ids])
                 host = _host_tensor(ids)  # one pinned buffer per micro-batch; each router records its own view
                 for j, target in enumerate(replays):
@@ -570,19 +568,19 @@ class SlimeReplay:
         rollout_id: int,
         rollout_data: Mapping[str, Any],
         snapshot: StepSnapshot | None,
-    ) -> dict[str, npt.NDArray[np.int64]]:
-        """Every record present, with as many tokens as the trainer feeds; returns the fed tokens by id."""
+    ) -> tuple[StepSnapshot, dict[str, npt.NDArray[np.int64]]]:
+        """Every record present, with as many tokens as the trainer feeds; returns the step and the fed tokens by
+        id."""
         absent = [sid for sid in plan.sample_ids if snapshot is None or sid not in snapshot]
-        if absent:
+        if snapshot is None or absent:
             raise AlignmentError(
                 f"rollout {rollout_id}: no routing for samples {absent[:5]} (of {len(absent)}) in {self.store.url}. "
                 "Write it on the rollout side: --rollout-function-path routelog.integrations.slime.generate_rollout "
                 "(or write_samples(...) in your rollout function), to the same store URL"
             )
-        assert snapshot is not None
         fed = rollout_data.get("tokens")
         if fed is None:
-            return {}
+            return snapshot, {}
         local = {sample_id(rollout_id, int(p)): j for j, p in enumerate(rollout_data["partition"])}
         tokens: dict[str, npt.NDArray[np.int64]] = {}
         for sid in plan.sample_ids:
@@ -595,7 +593,7 @@ class SlimeReplay:
                     "--custom-convert-samples-to-train-data-path must keep their order and tokens)"
                 )
             tokens[sid] = ids
-        return tokens
+        return snapshot, tokens
 
     def fill_routing_replay(
         self, actor: Any, data_iterator: Sequence[Any], num_microbatches: Sequence[int], rollout_data: Any

@@ -40,6 +40,7 @@ from routelog.fidelity import FidelityGate, StepFidelity, write_fidelity
 from routelog.integrations.megatron import layout_from_config, rank_from_parallel_state
 from routelog.loader import ReplayLoader
 from routelog.megatron import MegatronReplay
+from routelog.reader import StepSnapshot
 from routelog.spec import ModelSpec
 from routelog.store import Store, open_store
 from routelog.writer import StepWriter
@@ -151,6 +152,7 @@ class VerlReplay:
         self._loaded: OrderedDict[tuple[Any, ...], MicroBatchReplay] = OrderedDict()
         self._cache = cache
         self._step: int | None = None
+        self._snapshot: StepSnapshot | None = None
 
     # -- the three patched points ------------------------------------------------------------------------------
     def note_inputs(self, batch: Any) -> None:
@@ -217,7 +219,10 @@ class VerlReplay:
         """The micro-batch's rows for this rank (every model chunk of the rank shares one read)."""
         key = (step, plan)
         if key not in self._loaded:
-            self._loaded[key] = ReplayLoader(self.store, step, plan, prefetch=0).load(0)
+            if self._snapshot is None or self._snapshot.step != step:  # the step's commits and index, read once
+                self._snapshot = self.store.step(step)
+            loader = ReplayLoader(self.store, step, plan, prefetch=0, snapshot=self._snapshot)
+            self._loaded[key] = loader.load(0)
             while len(self._loaded) > self._cache:
                 self._loaded.popitem(last=False)
         return self._loaded[key]
