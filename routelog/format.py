@@ -216,6 +216,9 @@ class RoutingArrayInfo(_Document):
     """``sorted``: rows were canonicalised ascending; ``score``: the engine's order was kept."""
     chunk_rows: int = Field(ge=1, le=MAX_PART_ROWS)
     chunk_layers: int = Field(ge=1, le=MAX_MOE_LAYERS)
+    shard_layers: int | None = Field(default=None, ge=1, le=MAX_MOE_LAYERS)
+    """Layers per shard object (a multiple of ``chunk_layers``, fewer than the array's layers): shard ``i`` holds
+    layers ``[i * shard_layers, (i + 1) * shard_layers)``. Null: one shard holds every layer."""
     zarr_metadata: dict[str, JsonValue] = {}
     """A copy of ``routing/zarr.json``, so readers open the array without fetching it."""
 
@@ -242,6 +245,9 @@ class WeightsArrayInfo(_Document):
     topk: int = Field(ge=1, le=MAX_TOPK)
     chunk_rows: int = Field(ge=1, le=MAX_PART_ROWS)
     chunk_layers: int = Field(ge=1, le=MAX_MOE_LAYERS)
+    shard_layers: int | None = Field(default=None, ge=1, le=MAX_MOE_LAYERS)
+    """Layers per shard object (a multiple of ``chunk_layers``, fewer than the array's layers): shard ``i`` holds
+    layers ``[i * shard_layers, (i + 1) * shard_layers)``. Null: one shard holds every layer."""
     zarr_metadata: dict[str, JsonValue] = {}
     """A copy of ``weights/zarr.json``."""
 
@@ -255,6 +261,13 @@ def _check_chunking(array: RoutingArrayInfo | WeightsArrayInfo, itemsize: int) -
     """An array's chunking is within the format's limits (chunk size, number of chunks)."""
     if array.chunk_layers > array.num_moe_layers:
         raise ValueError(f"chunk_layers {array.chunk_layers} exceeds num_moe_layers {array.num_moe_layers}")
+    if array.shard_layers is not None and (
+        array.shard_layers % array.chunk_layers or array.shard_layers >= array.num_moe_layers
+    ):
+        raise ValueError(
+            f"shard_layers {array.shard_layers} must be a multiple of chunk_layers {array.chunk_layers} and fewer "
+            f"than num_moe_layers {array.num_moe_layers}"
+        )
     if array.chunk_layers * array.chunk_rows * array.topk * itemsize > MAX_CHUNK_BYTES:
         raise ValueError(f"an inner chunk would decode to more than {MAX_CHUNK_BYTES} bytes")
     grid = math.ceil(array.num_moe_layers / array.chunk_layers) * max(1, math.ceil(array.n_rows / array.chunk_rows))

@@ -46,7 +46,7 @@ from routelog.shard import (
     coalesce,
     decode_chunk,
     decode_shard_index,
-    encode_shard,
+    encode_shards,
 )
 from routelog.spec import ModelSpec
 from routelog.storage import Storage
@@ -76,6 +76,10 @@ class PartOptions:
     writers' committed parts of the step; ``part`` only in the part; ``off`` stores every record whole."""
     weights_dtype: WeightsDtype = "bfloat16"
     """How records' routing weights are stored, when they carry some (:mod:`routelog.weights`)."""
+    shard_layers: int | None = None
+    """Split each array into one shard object per this many MoE layers (a multiple of ``chunk_layers``), so a
+    pipeline stage's reader fetches only its own shards' chunk indexes: set it to the trainer's layers per stage
+    (or a divisor) when ranks read a small share of each record. None: one shard per array (one object)."""
 
     def __post_init__(self) -> None:
         if self.chunk_rows < 1 or self.chunk_layers < 1:
@@ -88,6 +92,15 @@ class PartOptions:
             raise ValueError(f"dedup must be 'step', 'part' or 'off', got {self.dedup!r}")
         if self.weights_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"weights_dtype must be 'bfloat16' or 'float32', got {self.weights_dtype!r}")
+        if self.shard_layers is not None and (self.shard_layers < 1 or self.shard_layers % self.chunk_layers):
+            raise ValueError(
+                f"shard_layers must be a positive multiple of chunk_layers ({self.chunk_layers}), got "
+                f"{self.shard_layers}"
+            )
+
+    def shard_layers_for(self, layers: int) -> int | None:
+        """``shard_layers`` for an array of ``layers`` layers (None where one shard holds them all anyway)."""
+        return self.shard_layers if self.shard_layers is not None and self.shard_layers < layers else None
 
 
 @dataclass(frozen=True)
@@ -248,13 +261,15 @@ def _encode_array(
         topk_order=options.topk_order,
         chunk_rows=options.chunk_rows,
         chunk_layers=min(options.chunk_layers, layers),
+        shard_layers=options.shard_layers_for(layers),
     )
     layout_ = shard_layout(info)
     stamp = {"format_version": FORMAT_VERSION, "transform": info.transform, "topk_order": info.topk_order}
     metadata = layout_.zarr_metadata(options.zstd_level, {"routelog": {**stamp, **attributes}})
     objects[f"{path}/zarr.json"] = json.dumps(metadata, indent=1).encode()
     if info.n_rows:  # an empty array has no chunk to store
-        objects[f"{path}/{layout_.shard_key}"] = encode_shard(data, layout_, options.zstd_level)
+        for key, shard in encode_shards(data, layout_, options.zstd_level).items():
+            objects[f"{path}/{key}"] = shard
     return info.model_copy(update={"zarr_metadata": metadata})
 
 
@@ -269,13 +284,15 @@ def _encode_weights(
         topk=spec.topk,
         chunk_rows=options.chunk_rows,
         chunk_layers=min(options.chunk_layers, spec.num_moe_layers),
+        shard_layers=options.shard_layers_for(spec.num_moe_layers),
     )
     layout_ = shard_layout(info)
     attributes = {"routelog": {"format_version": FORMAT_VERSION, "weights_dtype": info.dtype}}
     metadata = layout_.zarr_metadata(options.zstd_level, attributes)
     objects[f"{info.path}/zarr.json"] = json.dumps(metadata, indent=1).encode()
     if info.n_rows:
-        objects[f"{info.path}/{layout_.shard_key}"] = encode_shard(data, layout_, options.zstd_level)
+        for key, shard in encode_shards(data, layout_, options.zstd_level).items():
+            objects[f"{info.path}/{key}"] = shard
     return info.model_copy(update={"zarr_metadata": metadata})
 
 
@@ -288,6 +305,7 @@ def shard_layout(info: RoutingArrayInfo | WeightsArrayInfo) -> ShardLayout:
             chunk_layers=info.chunk_layers,
             chunk_rows=info.chunk_rows,
             dtype=weights_storage_dtype(info.dtype),
+            shard_layers=info.shard_layers,
         )
     return ShardLayout(
         num_layers=info.num_moe_layers,
@@ -298,6 +316,7 @@ def shard_layout(info: RoutingArrayInfo | WeightsArrayInfo) -> ShardLayout:
         dtype=np.dtype(info.dtype),
         ranked=info.transform == "ranked_gaps",
         num_experts=info.num_experts,
+        shard_layers=info.shard_layers,
     )
 
 
@@ -331,8 +350,8 @@ class BlockRequest:
     """The part directory relative to the store root."""
     array: RoutingArrayInfo | WeightsArrayInfo
     """The part's decoder routing, one of its streams, or its routing weights."""
-    shard_nbytes: int
-    """The shard's size as the commit lists it (0 when unlisted: every chunk then lies outside it)."""
+    shard_nbytes: tuple[int, ...]
+    """Each shard's size as the commit lists it (0 when unlisted: every chunk then lies outside it)."""
     layers: tuple[int, int]
     rows: tuple[int, int]
     samples: tuple[str, ...] = ()
@@ -357,37 +376,61 @@ class BlockRequest:
             if commit.weights is None:
                 raise ValueError(f"part {part_key!r} holds no routing weights")
             array = commit.weights
-        key = f"{array.path}/{shard_layout(array).shard_key}"
-        nbytes = next((o.size for o in commit.objects if o.key == key), 0)
+        sizes = {o.key: o.size for o in commit.objects}
+        nbytes = tuple(sizes.get(f"{array.path}/{key}", 0) for key in shard_layout(array).shard_keys)
         return cls(part_key, array, nbytes, layers, rows, samples)
 
     @property
     def array_key(self) -> str:
-        """The array's directory relative to the store root (what the shard-index cache is keyed by)."""
+        """The array's directory relative to the store root."""
         return f"{self.part_key}/{self.array.path}"
 
-    @property
-    def shard_key(self) -> str:
-        return f"{self.array_key}/{shard_layout(self.array).shard_key}"
+    def shard_reads(self) -> list[ShardRead]:
+        """The request cut at shard boundaries: one read per shard its layers touch."""
+        layout_ = shard_layout(self.array)
+        if not self.array.n_rows or self.rows[0] >= self.rows[1] or self.layers[0] >= self.layers[1]:
+            return []
+        span = layout_.layers_per_shard
+        reads = []
+        for shard in range(layout_.shard_of(self.layers[0]), layout_.shard_of(self.layers[1] - 1) + 1):
+            first = shard * span
+            local = (max(self.layers[0], first) - first, min(self.layers[1], first + span) - first)
+            key = f"{self.array_key}/{layout_.shard_key(shard)}"
+            reads.append(ShardRead(key, self.shard_nbytes[shard], layout_, first, local))
+        return reads
+
+
+@dataclass(frozen=True)
+class ShardRead:
+    """The part of a :class:`BlockRequest` that one shard object holds."""
+
+    key: str
+    """The shard object's key relative to the store root (what the shard-index cache is keyed by)."""
+    nbytes: int
+    layout: ShardLayout
+    first_layer: int
+    """The array layer the shard starts at."""
+    layers: tuple[int, int]
+    """The requested layers, counted from the shard's first."""
 
 
 class ShardIndexCache:
-    """Shard indexes already fetched, keyed by array (a snapshot keeps one, so each index is read once)."""
+    """Shard indexes already fetched, keyed by shard object (a snapshot keeps one, so each index is read once)."""
 
     def __init__(self) -> None:
         self._indexes: dict[str, npt.NDArray[np.uint64]] = {}
 
-    def fetch(self, storage: Storage, requests: Sequence[BlockRequest]) -> dict[str, npt.NDArray[np.uint64]]:
-        arrays = {r.array_key: r for r in requests}
-        missing = [r for key, r in arrays.items() if key not in self._indexes and r.array.n_rows]
-        ranges = [(r.shard_key, 0, shard_layout(r.array).index_nbytes) for r in missing]
-        for request, data in zip(missing, _read_ranges(storage, ranges, [()] * len(missing)), strict=True):
+    def fetch(self, storage: Storage, reads: Sequence[ShardRead]) -> dict[str, npt.NDArray[np.uint64]]:
+        shards = {r.key: r for r in reads}
+        missing = [r for key, r in shards.items() if key not in self._indexes]
+        ranges = [(r.key, 0, r.layout.index_nbytes) for r in missing]
+        for read, data in zip(missing, _read_ranges(storage, ranges, [()] * len(missing)), strict=True):
             try:
-                index = decode_shard_index(data, shard_layout(request.array), request.shard_nbytes)
+                index = decode_shard_index(data, read.layout, read.nbytes)
             except ShardFormatError as exc:
-                raise CorruptDataError(f"{storage.url_of(request.shard_key)}: {exc}") from exc
-            self._indexes[request.array_key] = index
-        return {key: self._indexes[key] for key in arrays if key in self._indexes}
+                raise CorruptDataError(f"{storage.url_of(read.key)}: {exc}") from exc
+            self._indexes[read.key] = index
+        return {key: self._indexes[key] for key in shards}
 
 
 def fetch_blocks(
@@ -400,21 +443,20 @@ def fetch_blocks(
     storage dtype.
 
     Two rounds of concurrent ranged reads: the shard indexes not cached yet, then exactly the inner chunks the
-    requests touch (neighbouring chunks merged into one request). Each chunk is checksum-verified, decompressed
-    into its place in the output and un-transformed there while it is in cache.
+    requests touch (neighbouring chunks of a shard merged into one request). Each chunk is checksum-verified,
+    decompressed into its place in the output and un-transformed there while it is in cache.
     """
     if not requests:
         return []
-    indexes = (cache or ShardIndexCache()).fetch(storage, requests)
+    reads = [request.shard_reads() for request in requests]
+    indexes = (cache or ShardIndexCache()).fetch(storage, [read for shards in reads for read in shards])
     plans = [
-        chunks_for(indexes[r.array_key], shard_layout(r.array), r.layers, r.rows)
-        if r.array.n_rows and r.rows[0] < r.rows[1]
-        else []
-        for r in requests
+        [(read, chunks_for(indexes[read.key], read.layout, read.layers, request.rows)) for read in shards]
+        for request, shards in zip(requests, reads, strict=True)
     ]
     pieces = _read_pieces(storage, requests, plans, max_gap)
     blocks = []
-    for request, chunks in zip(requests, plans, strict=True):
+    for request, planned in zip(requests, plans, strict=True):
         array, layout_ = request.array, shard_layout(request.array)
         # Ranked chunks decode to IDs themselves and untransformed ones are what they store; gaps are undone below.
         direct = isinstance(array, WeightsArrayInfo) or array.transform != "sorted_gaps"
@@ -422,45 +464,45 @@ def fetch_blocks(
         ids = np.empty(layout_.chunk_shape, layout_.dtype)  # scratch: its expert IDs (or weights)
         (l0, l1), (r0, r1) = request.layers, request.rows
         block = np.empty((l1 - l0, r1 - r0, array.topk), dtype=layout_.dtype)
-        for chunk in chunks:
-            cl0, cr0 = chunk.layer_chunk * layout_.chunk_layers, chunk.row_chunk * layout_.chunk_rows
-            ls, le = max(l0, cl0), min(l1, cl0 + layout_.chunk_layers)
-            rs, re_ = max(r0, cr0), min(r1, cr0 + layout_.chunk_rows)
-            try:
-                decode_chunk(pieces[(request.array_key, chunk.start)], layout_, out=ids if direct else raw)
-            except ShardFormatError as exc:
-                raise CorruptDataError(
-                    f"{storage.url_of(request.shard_key)}: inner chunk rows [{cr0}, {cr0 + layout_.chunk_rows}) "
-                    f"layer chunk {chunk.layer_chunk} cannot be decoded ({exc}); affected samples: "
-                    f"{list(request.samples[:8])}"
-                ) from exc
-            # Un-transform the whole chunk while it is contiguous and in cache, then place the overlap: one
-            # contiguous copy per layer.
-            if not direct:
-                decode_rows(raw, "sorted_gaps", out=ids)
-            block[ls - l0 : le - l0, rs - r0 : re_ - r0] = ids[ls - cl0 : le - cl0, rs - cr0 : re_ - cr0]
+        for read, chunks in planned:
+            for chunk in chunks:
+                cl0 = read.first_layer + chunk.layer_chunk * layout_.chunk_layers
+                cr0 = chunk.row_chunk * layout_.chunk_rows
+                ls, le = max(l0, cl0), min(l1, cl0 + layout_.chunk_layers)
+                rs, re_ = max(r0, cr0), min(r1, cr0 + layout_.chunk_rows)
+                try:
+                    decode_chunk(pieces[(read.key, chunk.start)], layout_, out=ids if direct else raw)
+                except ShardFormatError as exc:
+                    raise CorruptDataError(
+                        f"{storage.url_of(read.key)}: inner chunk rows [{cr0}, {cr0 + layout_.chunk_rows}) "
+                        f"layer chunk {chunk.layer_chunk} cannot be decoded ({exc}); affected samples: "
+                        f"{list(request.samples[:8])}"
+                    ) from exc
+                # Un-transform the whole chunk while it is contiguous and in cache, then place the overlap: one
+                # contiguous copy per layer.
+                if not direct:
+                    decode_rows(raw, "sorted_gaps", out=ids)
+                block[ls - l0 : le - l0, rs - r0 : re_ - r0] = ids[ls - cl0 : le - cl0, rs - cr0 : re_ - cr0]
         blocks.append(block)
     return blocks
 
 
 def _read_pieces(
-    storage: Storage, requests: Sequence[BlockRequest], plans: list[list[ChunkRead]], max_gap: int
+    storage: Storage,
+    requests: Sequence[BlockRequest],
+    plans: list[list[tuple[ShardRead, list[ChunkRead]]]],
+    max_gap: int,
 ) -> dict[tuple[str, int], memoryview]:
-    """The stored bytes of every planned chunk, keyed by (array, offset); nearby chunks share one ranged read."""
+    """The stored bytes of every planned chunk, keyed by (shard, offset); nearby chunks share one ranged read."""
     wanted: dict[str, set[tuple[int, int]]] = {}
     samples: dict[str, set[str]] = {}
-    shards: dict[str, str] = {}
-    for request, chunks in zip(requests, plans, strict=True):
-        for chunk in chunks:
-            wanted.setdefault(request.array_key, set()).add((chunk.start, chunk.stop))
-            samples.setdefault(request.array_key, set()).update(request.samples)
-            shards[request.array_key] = request.shard_key
+    for request, planned in zip(requests, plans, strict=True):
+        for read, chunks in planned:
+            for chunk in chunks:
+                wanted.setdefault(read.key, set()).add((chunk.start, chunk.stop))
+                samples.setdefault(read.key, set()).update(request.samples)
     ranges = [(key, lo, hi) for key, spans in wanted.items() for lo, hi in coalesce(list(spans), max_gap)]
-    datas = _read_ranges(
-        storage,
-        [(shards[key], lo, hi) for key, lo, hi in ranges],
-        [tuple(samples[key]) for key, _, _ in ranges],
-    )
+    datas = _read_ranges(storage, ranges, [tuple(samples[key]) for key, _, _ in ranges])
     pieces: dict[tuple[str, int], memoryview] = {}
     for (key, lo, hi), data in zip(ranges, datas, strict=True):
         view = memoryview(data)

@@ -10,11 +10,16 @@ is length-prefixed JSON.
 
 A record the child refuses (or a part that fails) is reported at the caller's next ``append``, ``flush`` or
 ``close`` as a :class:`~routelog.writer.WriterError` naming the samples, with the child's message.
+
+The child runs at a lower CPU priority (``niceness``, 10 by default): where the engine's host has no idle core, the
+scheduler keeps its core and the writer takes what is left; a writer only falls behind, never the engine (its
+shared-memory segments bound what waits).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -66,8 +71,10 @@ class ProcessWriter:
         flush_bytes: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         segments: int = 4,
+        niceness: int = 10,
     ) -> None:
         config = {
+            "niceness": niceness,
             "url": url,
             "step": step,
             "model_spec": None if model_spec is None else model_spec.model_dump(mode="json"),
@@ -219,6 +226,8 @@ def serve(incoming: IO[bytes], outgoing: IO[bytes]) -> None:
     config = _receive(incoming)
     if config is None:
         return
+    if config.get("niceness") and hasattr(os, "nice"):  # POSIX: yield the CPU to the engine under contention
+        os.nice(int(config["niceness"]))
     spec = None if config["model_spec"] is None else ModelSpec.model_validate(config["model_spec"])
     writer = routelog.open_writer(
         config["url"],

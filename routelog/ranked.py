@@ -38,12 +38,12 @@ imports numba and loads the compiled kernels (about 0.5 s; the very first, in a 
 from __future__ import annotations
 
 import math
-from functools import cache
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from numcodecs import Zstd
+
+from routelog import zstd_frames
 
 RANKED_CODEC = "routelog.ranked_gaps"
 """The codec's name in ``zarr.json`` and its ``zarr.codecs`` entry point."""
@@ -75,8 +75,8 @@ def encode(ids: npt.NDArray[Any], num_experts: int, *, level: int = 3) -> bytes:
     # E = 64: level 3 +1.5 %, level 5 +11 % over level 1); where rows repeat earlier ones, the configured level's
     # larger tables find the matches level 1 forgets (corpus: 4 % smaller at level 3). The rest, mostly repeat
     # bitmaps, is smaller and faster at level 1 (corpus: 1.7 % smaller than at level 3).
-    first = _zstd(level if matching else 1).encode(gaps)
-    return b"".join([len(first).to_bytes(4, "little"), first, _zstd(1).encode(rest)])
+    first = zstd_frames.compress(gaps, level if matching else 1)
+    return b"".join([len(first).to_bytes(4, "little"), first, zstd_frames.compress(rest, 1)])
 
 
 def _sections(ids: npt.NDArray[Any], num_experts: int) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], bool]:
@@ -109,17 +109,14 @@ def _native(dtype: np.dtype[Any]) -> np.dtype[Any]:
 
 def max_stored_nbytes(shape: tuple[int, int, int], itemsize: int, num_experts: int) -> int:
     """The most bytes :func:`encode` can produce for a chunk: both frames at zstd's worst case."""
-    return 4 + _zstd_bound(math.prod(shape) * itemsize) + _zstd_bound(_max_rest_nbytes(shape, itemsize, num_experts))
+    bound = zstd_frames.compress_bound
+    return 4 + bound(math.prod(shape) * itemsize) + bound(_max_rest_nbytes(shape, itemsize, num_experts))
 
 
 def _max_rest_nbytes(shape: tuple[int, int, int], itemsize: int, num_experts: int) -> int:
     """The largest rest section: every layer with a bitmap and a table, every row an exception, the trailer."""
     layers, rows, k = shape
     return layers * (math.ceil(rows / 8) + num_experts * itemsize) + layers * rows * (4 + k * itemsize) + layers + 9
-
-
-def _zstd_bound(n: int) -> int:
-    return n + (n >> 8) + 64
 
 
 def decode(
@@ -159,40 +156,10 @@ def decode(
     return target
 
 
-@cache
-def _zstd(level: int) -> Zstd:
-    return Zstd(level=level)
-
-
 def _decompress(frame: npt.NDArray[np.uint8], limit: int, what: str, *, exact: bool = False) -> npt.NDArray[np.uint8]:
-    """One zstd frame, refused before decoding when it declares more than ``limit`` bytes (or, ``exact``, any other
-    size)."""
-    size = frame_content_size(frame)
-    if size is None or size > limit or (exact and size != limit):
-        expected = f"exactly {limit}" if exact else f"at most {limit}"
-        raise RankedFormatError(f"the {what} frame declares {size} bytes, more than a chunk holds ({expected})")
-    out = np.empty(size, dtype=np.uint8)
-    if size == 0:
-        return out
+    if zstd_frames.declared_size(frame) is None:  # FORMAT.md section 5: both frames declare their size
+        raise RankedFormatError(f"the {what} frame declares no content size")
     try:
-        written = _zstd(1).decode(frame, out=out)
-    except (RuntimeError, ValueError) as exc:
-        raise RankedFormatError(f"the {what} frame cannot be decoded ({exc})") from exc
-    if np.asarray(written).nbytes != size:
-        raise RankedFormatError(f"the {what} frame decodes to {np.asarray(written).nbytes} bytes, not {size}")
-    return out
-
-
-def frame_content_size(frame: npt.NDArray[np.uint8] | memoryview) -> int | None:
-    """The decompressed size a zstd frame header declares (RFC 8878 3.1.1.1), or None when it declares none."""
-    head = bytes(frame[:18])
-    if len(head) < 6 or head[:4] != b"\x28\xb5\x2f\xfd":
-        return None
-    descriptor = head[4]
-    size_flag, single_segment, dict_flag = descriptor >> 6, (descriptor >> 5) & 1, descriptor & 3
-    at = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[dict_flag]
-    width = (1 if single_segment else 0, 2, 4, 8)[size_flag]
-    if width == 0 or len(head) < at + width:
-        return None
-    value = int.from_bytes(head[at : at + width], "little")
-    return value + 256 if width == 2 else value
+        return zstd_frames.decompress(frame, limit, what, exact=exact)
+    except zstd_frames.FrameError as exc:
+        raise RankedFormatError(str(exc)) from exc

@@ -762,10 +762,10 @@ def check_commit(commit: CommitRecord | AnnotationCommit, name: str, step: int, 
             f"{where}: the part was written for MoE layers {moe_layers}, the run's model spec has "
             f"{list(spec.moe_layers)}"
         )
-    if info.n_rows and object_info(commit, f"{info.path}/{shard_layout(info).shard_key}", where).size < (
-        shard_layout(info).index_nbytes
-    ):
-        raise CorruptDataError(f"{where}: the routing shard is smaller than its own chunk index")
+    layout = shard_layout(info)
+    for key in layout.shard_keys if info.n_rows else []:
+        if object_info(commit, f"{info.path}/{key}", where).size < layout.index_nbytes:
+            raise CorruptDataError(f"{where}: the routing shard {key!r} is smaller than its own chunk index")
 
 
 def object_info(commit: CommitRecord | AnnotationCommit, key: str, where: str) -> ObjectInfo:

@@ -1,4 +1,4 @@
-"""The bytes of a part's routing array: one zarr v3 ``sharding_indexed`` shard, written and read directly.
+"""The bytes of a part's routing array: zarr v3 ``sharding_indexed`` shards, written and read directly.
 
 The array is **layer-major**, ``[num_moe_layers, n_rows, K]``: a pipeline stage is a range of the first axis, a
 record a range of the second, and a decoded chunk lands in a layer-major output with one contiguous copy per
@@ -10,6 +10,12 @@ bit-exactly and routelog reads zarr-python's): inner chunks of ``[chunk_layers, 
 ``bytes -> zstd -> crc32c``, and an index of ``(offset, nbytes)`` uint64 pairs (``bytes -> crc32c``) at the
 **start** of the shard, so one ranged read fetches it without knowing the object size. Inner chunks follow the
 grid's C order (layer chunk, then row chunk): one stage's chunks over consecutive rows are adjacent bytes.
+
+An array is one shard (every layer, every row: key ``c/0/0/0``) unless the part was written with
+``shard_layers``: then shard ``i`` holds layers ``[i * shard_layers, (i + 1) * shard_layers)`` (key ``c/i/0/0``,
+the last one padded like any edge chunk), so a pipeline stage reads only its own shards' indexes. A shard's index
+has an entry per inner chunk of all its layers, and the reader fetches it whole (its crc32c covers it whole): with
+one shard a stage's reader fetches every stage's entries.
 
 Two chunk codecs, named by the array's transform:
 
@@ -35,9 +41,8 @@ from typing import Any
 import google_crc32c
 import numpy as np
 import numpy.typing as npt
-from numcodecs import Zstd
 
-from routelog import ranked
+from routelog import ranked, zstd_frames
 from routelog.ranked import RANKED_CODEC
 
 EMPTY = np.uint64(2**64 - 1)
@@ -51,7 +56,8 @@ class ShardFormatError(ValueError):
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Geometry of a part's array ``[num_layers, n_rows, topk]`` and its single shard."""
+    """Geometry of a part's array ``[num_layers, n_rows, topk]`` and of its shards (one, or one per
+    ``shard_layers`` layers)."""
 
     num_layers: int
     n_rows: int
@@ -63,14 +69,31 @@ class ShardLayout:
     """Chunks use the format-2 codec (:mod:`routelog.ranked`) over expert IDs; else format 1's plain bytes."""
     num_experts: int = 0
     """The ID universe (the ranked codec's tables have this many entries)."""
+    shard_layers: int | None = None
+    """Layers per shard (a multiple of ``chunk_layers``); None: one shard holds every layer."""
+
+    @property
+    def layers_per_shard(self) -> int:
+        """The layers one shard spans (its last layer chunk padded)."""
+        whole = math.ceil(self.num_layers / self.chunk_layers) * self.chunk_layers
+        return whole if self.shard_layers is None else self.shard_layers
+
+    @property
+    def n_shards(self) -> int:
+        return math.ceil(self.num_layers / self.layers_per_shard)
+
+    def shard_of(self, layer: int) -> int:
+        """The shard holding layer ``layer``."""
+        return layer // self.layers_per_shard
 
     @property
     def grid(self) -> tuple[int, int]:
-        """Inner chunks per shard along layers and rows (the shard is padded to whole chunks)."""
-        return math.ceil(self.num_layers / self.chunk_layers), max(1, math.ceil(self.n_rows / self.chunk_rows))
+        """Inner chunks per shard along layers and rows (each shard is padded to whole chunks)."""
+        return self.layers_per_shard // self.chunk_layers, max(1, math.ceil(self.n_rows / self.chunk_rows))
 
     @property
     def index_nbytes(self) -> int:
+        """Bytes of one shard's index."""
         return math.prod(self.grid) * 16 + 4
 
     @property
@@ -83,17 +106,18 @@ class ShardLayout:
         splits its own)."""
         return 1 if self.ranked else self.dtype.itemsize
 
+    def shard_key(self, shard: int = 0) -> str:
+        """Key of shard ``shard``: ``c/<shard>/0/0`` (``c/<shard>/0/0/0`` with the byte axis of uint16 IDs)."""
+        return f"c/{shard}" + "/0" * (2 if self.planes == 1 else 3)
+
     @property
-    def shard_key(self) -> str:
-        """Key of the array's only shard (its shard shape covers the whole array): ``c/0/0/0`` (``c/0/0/0/0``
-        with the byte axis of uint16 IDs)."""
-        return "c" + "/0" * (3 if self.planes == 1 else 4)
+    def shard_keys(self) -> list[str]:
+        return [self.shard_key(i) for i in range(self.n_shards)]
 
     def zarr_metadata(self, zstd_level: int, attributes: dict[str, Any]) -> dict[str, Any]:
         """The array's ``zarr.json``, describing exactly the bytes :func:`encode_shard` produces."""
-        layers, rows = self.grid
         shape = [self.num_layers, self.n_rows, self.topk]
-        shard = [layers * self.chunk_layers, rows * self.chunk_rows, self.topk]
+        shard = [self.layers_per_shard, self.grid[1] * self.chunk_rows, self.topk]
         chunk = list(self.chunk_shape)
         names = ["layer", "row", "slot"]
         inner: list[dict[str, Any]] = [{"name": "bytes"}]
@@ -139,9 +163,17 @@ def _crc(data: bytes | memoryview) -> bytes:
     return int(google_crc32c.value(buffer)).to_bytes(4, "little")
 
 
+def encode_shards(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int) -> dict[str, bytes]:
+    """The shard objects for ``stored`` (``[num_layers, n_rows, topk]``, already in stored form), by key."""
+    span = layout.layers_per_shard
+    return {
+        layout.shard_key(i): encode_shard(stored[i * span : (i + 1) * span], layout, zstd_level)
+        for i in range(layout.n_shards)
+    }
+
+
 def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int) -> bytes:
-    """The shard object for ``stored`` (``[num_layers, n_rows, topk]``, already in stored form)."""
-    codec = Zstd(level=zstd_level)
+    """One shard object for ``stored`` (its layers, at most ``layout.layers_per_shard``, in stored form)."""
     grid = layout.grid
     index = np.zeros((*grid, 2), dtype="<u8")
     pieces: list[bytes] = []
@@ -161,7 +193,7 @@ def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int)
                     block = np.ascontiguousarray(
                         np.moveaxis(block.view(np.uint8).reshape(*layout.chunk_shape, layout.planes), 3, 0)
                     )
-                payload = codec.encode(block)
+                payload = zstd_frames.compress(block, zstd_level)
             piece = bytes(payload) + _crc(payload)
             index[lc, rc] = (offset, len(piece))
             pieces.append(piece)
@@ -186,8 +218,7 @@ def max_payload_nbytes(layout: ShardLayout) -> int:
     """The most bytes one inner chunk's compressed payload can take (before its crc32c)."""
     if layout.ranked:
         return ranked.max_stored_nbytes(layout.chunk_shape, layout.dtype.itemsize, layout.num_experts)
-    raw = math.prod(layout.chunk_shape) * layout.planes
-    return raw + (raw >> 8) + 64
+    return zstd_frames.compress_bound(math.prod(layout.chunk_shape) * layout.planes)
 
 
 def max_piece_nbytes(layout: ShardLayout) -> int:
@@ -222,9 +253,6 @@ def decode_shard_index(data: bytes, layout: ShardLayout, shard_nbytes: int) -> n
     return index
 
 
-_ZSTD = Zstd()
-
-
 def decode_chunk(
     piece: bytes | memoryview, layout: ShardLayout, out: npt.NDArray[Any] | None = None
 ) -> npt.NDArray[Any]:
@@ -255,14 +283,11 @@ def decode_chunk(
 
 
 def _decompress(payload: memoryview, out: npt.NDArray[np.uint8], size: int) -> None:
-    # Decoding into the chunk-sized ``out`` bounds the work: a frame that claims (or streams) more than one chunk
-    # fails ("destination buffer too small") instead of allocating what it claims.
+    # The frame must declare exactly one chunk's bytes: one that claims more is refused before it is decoded.
     try:
-        written = _ZSTD.decode(np.frombuffer(payload, dtype=np.uint8), out=out)
-    except (RuntimeError, ValueError) as exc:
+        out[...] = zstd_frames.decompress(payload, size, "inner chunk", exact=True)
+    except zstd_frames.FrameError as exc:
         raise ShardFormatError(f"zstd cannot decode the inner chunk ({exc})") from exc
-    if np.asarray(written).nbytes != size:
-        raise ShardFormatError(f"inner chunk decodes to {np.asarray(written).nbytes} bytes, expected {size}")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ veRL's own packing of the true routes at every token (with and without FP8 paddi
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -35,37 +36,56 @@ L_FULL = SPEC.num_layers
 
 def rollout_batch(rng: np.random.Generator) -> tuple[Any, np.ndarray]:
     """A batch laid out as veRL's agent loop returns it, and the full-axis routes ``[B, P+R, layers, K]``."""
+    routes = []
+    for p, r in zip(PROMPTS, RESPONSES, strict=True):
+        rows = p + r - 1  # the engine routes every fed token; the last sampled one never is
+        chosen = np.zeros((p + r, L_FULL, SPEC.topk), np.int16)
+        chosen[:rows] = np.argsort(rng.random((rows, L_FULL, SPEC.num_experts)), axis=-1)[..., : SPEC.topk]
+        chosen[:, [i for i in range(L_FULL) if i not in SPEC.moe_layers]] = 0  # dense layers: zeros, as SGLang
+        routes.append(chosen)
+    uids = [f"p{i // 2}" for i in range(len(PROMPTS))]
+    batch = agent_loop_batch(rng, PROMPTS, RESPONSES, routes, uids, widths=(PROMPT, RESPONSE))
+    return batch, batch.batch["routed_experts"].numpy().copy()
+
+
+def agent_loop_batch(
+    rng: np.random.Generator,
+    prompts: Sequence[int],
+    responses: Sequence[int],
+    routes: Sequence[np.ndarray],
+    uids: Sequence[str],
+    *,
+    widths: tuple[int, int] | None = None,
+) -> Any:
+    """A ``DataProto`` as veRL's agent loop returns it: left-padded prompts and right-padded responses (``widths``,
+    default the longest), random token ids, and each sample's full-axis routes ``[n, layers, K]`` at its tokens."""
     from verl import DataProto
     from verl.utils.model import compute_position_id_with_mask
 
-    b = len(PROMPTS)
-    prompts = torch.zeros((b, PROMPT), dtype=torch.long)
-    responses = torch.zeros((b, RESPONSE), dtype=torch.long)
-    mask = torch.zeros((b, PROMPT + RESPONSE), dtype=torch.long)
-    routes = np.zeros((b, PROMPT + RESPONSE, L_FULL, SPEC.topk), np.int16)
-    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
-        prompts[i, PROMPT - p :] = torch.from_numpy(rng.integers(1, 64, p))
-        responses[i, :r] = torch.from_numpy(rng.integers(1, 64, r))
-        mask[i, PROMPT - p : PROMPT + r] = 1
-        rows = p + r - 1  # the engine routes every fed token; the last sampled one never is
-        chosen = np.argsort(rng.random((rows, L_FULL, SPEC.num_experts)), axis=-1)[..., : SPEC.topk]
-        chosen[:, [i for i in range(L_FULL) if i not in SPEC.moe_layers]] = 0  # dense layers: zeros, as SGLang
-        routes[i, PROMPT - p : PROMPT - p + rows] = chosen
-    input_ids = torch.cat([prompts, responses], dim=1)
-    batch = DataProto.from_dict(
+    width_p, width_r = widths or (max(prompts), max(responses))
+    b = len(prompts)
+    prompt_ids = torch.zeros((b, width_p), dtype=torch.long)
+    response_ids = torch.zeros((b, width_r), dtype=torch.long)
+    mask = torch.zeros((b, width_p + width_r), dtype=torch.long)
+    dense = np.zeros((b, width_p + width_r, L_FULL, SPEC.topk), np.int16)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        prompt_ids[i, width_p - p :] = torch.from_numpy(rng.integers(1, 64, p))
+        response_ids[i, :r] = torch.from_numpy(rng.integers(1, 64, r))
+        mask[i, width_p - p : width_p + r] = 1
+        dense[i, width_p - p : width_p + r] = routes[i]
+    return DataProto.from_dict(
         tensors={
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": input_ids,
+            "prompts": prompt_ids,
+            "responses": response_ids,
+            "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
             "attention_mask": mask,
             "position_ids": compute_position_id_with_mask(mask),
-            "response_mask": mask[:, PROMPT:].clone(),
-            "routed_experts": torch.from_numpy(routes),
+            "response_mask": mask[:, width_p:].clone(),
+            "routed_experts": torch.from_numpy(dense),
         },
-        non_tensors={"uid": np.array([f"p{i // 2}" for i in range(b)], dtype=object)},
+        non_tensors={"uid": np.array(list(uids), dtype=object)},
         meta_info={"temperature": 1.0},
     )
-    return batch, routes
 
 
 def _write(rng: np.random.Generator) -> tuple[str, Any, np.ndarray]:

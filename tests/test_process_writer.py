@@ -80,3 +80,13 @@ def test_a_refused_record_is_reported_at_the_next_call_naming_it(tmp_path: Path)
     assert caught.value.sample_ids == ["bad"]
     writer.close()
     assert routelog.open_store(url).step(0).sample_ids == ["good"], "the good record is committed"
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="POSIX process priorities")
+def test_the_writer_process_runs_at_a_lower_priority_than_the_engine(tmp_path: Path) -> None:
+    spec = synthetic_spec(2, 16, 2)
+    with ProcessWriter(str(tmp_path / "store"), 0, model_spec=spec, niceness=7) as writer:
+        engine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, writer._child.pid) == min(19, engine + 7)
+    with ProcessWriter(str(tmp_path / "store2"), 0, model_spec=spec, niceness=0) as writer:
+        assert os.getpriority(os.PRIO_PROCESS, writer._child.pid) == os.getpriority(os.PRIO_PROCESS, 0)

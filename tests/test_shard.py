@@ -54,7 +54,7 @@ def test_zarr_python_reads_routelog_shards(layers: int, rows: int, k: int, cl: i
     data = rng.integers(0, np.iinfo(dtype).max, size=(layers, rows, k), dtype=dtype)
     layout = ShardLayout(layers, rows, k, cl, cr, np.dtype(dtype))
     metadata = layout.zarr_metadata(3, {"test": True})
-    objects = {"zarr.json": json.dumps(metadata).encode(), layout.shard_key: encode_shard(data, layout, 3)}
+    objects = {"zarr.json": json.dumps(metadata).encode(), layout.shard_key(): encode_shard(data, layout, 3)}
     array = _zarr_view(objects)
     assert array.attrs["test"] is True
     np.testing.assert_array_equal(_logical(array, layout), data)
@@ -84,7 +84,7 @@ def _zarr_python_shard(data: np.ndarray, layout: ShardLayout, *, write_empty_chu
         zarr.core.sync.sync(array._save_metadata(array.metadata))
         view = zarr.Array(array)
         view[...] = data if layout.planes == 1 else data.view(np.uint8).reshape(layers, rows, k, 2)
-    return bytes(buffers[layout.shard_key].to_bytes())  # type: ignore[attr-defined]
+    return bytes(buffers[layout.shard_key()].to_bytes())  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(("layers", "rows", "k", "cl", "cr", "dtype"), CASES)
@@ -159,7 +159,7 @@ def test_format_2_shards_read_both_ways_with_zarr_python(
     layout = ShardLayout(layers, rows, k, cl, cr, np.dtype(dtype), ranked=True, num_experts=experts)
     objects = {
         "zarr.json": json.dumps(layout.zarr_metadata(3, {})).encode(),
-        layout.shard_key: encode_shard(data, layout, 3),
+        layout.shard_key(): encode_shard(data, layout, 3),
     }
     np.testing.assert_array_equal(_zarr_view(objects)[...], data)
     shard = _zarr_python_shard(data, layout, write_empty_chunks=True)

@@ -24,6 +24,7 @@ def test_bench_codec_reports_every_layout() -> None:
             "routelog",
             "routelog v1 (sorted_gaps)",
             "zstd-3 raw uint8",
+            "zstd-3 per inner chunk",
             "raw int16 .npy (veRL)",
             "vLLM base64 .npy",
             "SGLang base64 int32",
@@ -37,6 +38,8 @@ def test_bench_codec_reports_every_layout() -> None:
             "v1_size_vs_v2",
             "routelog_encode_vs_zstd3",
             "routelog_decode_vs_zstd3",
+            "routelog_encode_vs_zstd3_per_chunk",
+            "routelog_decode_vs_zstd3_per_chunk",
             "score_order_size_vs_sorted",
         }
         assert data["ratios"]["score_order_size_vs_sorted"] > 1, "keeping the engine's order costs bytes"
@@ -120,3 +123,23 @@ def test_bench_writers_measures_what_a_writer_costs_an_engine_loop() -> None:
     assert list(report["overhead"]) == modes
     assert all(report["median_steps_per_second"][m] > 0 for m in ["no writer", *modes])
     assert all(0 < report["append_share"][m] < 1 for m in modes), "some time is spent appending, not all"
+    assert list(report["paired_overhead"]) == modes and all(report["paired_overhead"][m] > 0 for m in modes)
+    assert report["paired_null_test"]["median"] > 0
+
+
+def test_bench_integration_installs_what_the_dense_path_installs_reading_less() -> None:
+    result = _tool(str(TOOLS / "bench_integration.py"), "--quick", "--json")
+    assert result.returncode == 0, result.stderr
+    full = json.loads(result.stdout)["full_step"]
+    dense = full["veRL dense tensor"]
+    ours = {name: side for name, side in full.items() if name.startswith("routelog")}
+    assert list(ours) == [
+        "routelog chunk_rows=4096",
+        "routelog chunk_rows=256",
+        "routelog chunk_rows=128, shard_layers=4",
+    ]
+    for name, side in ours.items():
+        assert (side["checksum"], side["installed_rows"]) == (dense["checksum"], dense["installed_rows"]), name
+    received = [side["bytes_received"] for side in ours.values()]
+    assert received == sorted(received, reverse=True), "smaller chunks and per-stage shards read less"
+    assert received[-1] < dense["bytes_received"] / 10

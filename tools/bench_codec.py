@@ -14,15 +14,13 @@ is measured in the same run, and the corpus is also written again by routelog's 
 Goals (issue #14): on the corpus v2 >= 1.3 x smaller than v1 and <= 1.1 x the estimate; on uniform routing
 <= 1.05 x the bound; encode >= 0.5 x and decode >= 0.7 x the speed of zstd-3 alone on the same raw bytes.
 
-What bounds routelog's format-2 speed (one core; the corpus, and uniform routing of its shape): zstd-3 alone
-runs once over the whole array and finds matches across records, while routelog compresses each 128 KiB inner
-chunk on its own, as two frames through numcodecs (a fresh zstd context per call, about 8 us). Measured against
-zstd-3's own time on the same bytes: decoding the gaps frames alone takes 1.4 to 1.5 x on the corpus (0.8 x on
-uniform routing) and the rest frames 0.15 to 0.35 x more; encoding the gaps frames takes 1.2 to 1.5 x (1.0 x), and
-the encode includes the writer's sort and checks (``sort_and_check``, 0.4 to 0.8 x). The codec's compiled kernels
-(``routelog._kernels``) add 0.6 to 1.1 x to the corpus encode (0.3 x uniform) and 0.7 to 1.6 x to its decode (0.1
-x uniform; ranked layers cost a table lookup and a sort per row), and the reader's chunk fetcher 0.5 to 0.75 x to
-the decode. Every layout runs once untimed first (routelog's kernels load, or compile, on their first chunk).
+Two zstd-3 references for speed: on the whole array at once (one frame), and on the same inner chunks routelog
+stores (one frame per chunk through a reused context: what a plain zarr array of the IDs with a zstd codec costs).
+What bounds routelog's format-2 speed (one core): the whole-array frame finds matches across records (the corpus'
+GRPO prompts repeat in record order; a real store keeps them once through shared prefixes) that per-chunk frames
+cannot, so on the corpus zstd on routelog's gaps frames alone decodes slower than that reference; the compiled
+kernels (``routelog._kernels``) and, on encode, the writer's sort and checks (``sort_and_check``) come on top.
+Every layout runs once untimed first (routelog's kernels load, or compile, on their first chunk).
 
     python tools/bench_codec.py [--json] [--quick] [--corpus tests/fixtures/corpus/qwen3moe ...]
                                 [--tokens T --layers L --experts E --topk K --skew S --locality P]
@@ -46,6 +44,7 @@ import pyarrow.parquet as pq
 from numcodecs import Zstd
 
 import routelog
+from routelog import zstd_frames
 from routelog.codec import Transform, encode_rows, layer_major, sort_and_check
 from routelog.format import CommitRecord, ObjectInfo, RoutingArrayInfo, utc_now
 from routelog.part import BlockRequest, PartOptions, fetch_blocks, shard_layout
@@ -111,7 +110,9 @@ def routelog_codec(
             n_tokens=t,
             routing=info,
             objects=[
-                ObjectInfo(key=f"routing/{layout.shard_key}", size=len(shard), sha256=hashlib.sha256(shard).hexdigest())
+                ObjectInfo(
+                    key=f"routing/{layout.shard_key()}", size=len(shard), sha256=hashlib.sha256(shard).hexdigest()
+                )
             ],
         )
 
@@ -119,12 +120,37 @@ def routelog_codec(
 
     def decode(shard: bytes) -> np.ndarray:
         if not written or written[0][0] is not shard:  # upload once, outside the timed decodes that follow
-            storage.write(f"part/routing/{layout.shard_key}", shard)
+            storage.write(f"part/routing/{layout.shard_key()}", shard)
             written[:] = [(shard, commit_for(shard))]
         (block,) = fetch_blocks(storage, [BlockRequest.of("part", written[0][1], (0, layers), (0, t))])
         return block.transpose(1, 0, 2)  # the [T, L, K] view readers hand out
 
     return {"encode": encode, "decode": decode, "size": len}
+
+
+def zstd_per_chunk(ids: np.ndarray, chunk_rows: int, chunk_layers: int) -> dict[str, Any]:
+    """zstd-3 alone on the same inner chunks routelog stores (layer-major ``[layers, rows, K]`` blocks of the raw
+    IDs, as a plain zarr array of them with a zstd codec would hold): what any chunked store pays, one frame per
+    chunk through a reused context, decoded into ``[T, L, K]``."""
+    t, layers, k = ids.shape
+    chunk_layers = min(chunk_layers, layers)
+    grid = [(l0, r0) for l0 in range(0, layers, chunk_layers) for r0 in range(0, t, chunk_rows)]
+
+    def encode() -> list[bytes]:
+        by_layer = layer_major(ids)
+        return [
+            zstd_frames.compress(np.ascontiguousarray(by_layer[l0 : l0 + chunk_layers, r0 : r0 + chunk_rows]), 3)
+            for l0, r0 in grid
+        ]
+
+    def decode(frames: list[bytes]) -> np.ndarray:
+        out = np.empty((layers, t, k), ids.dtype)
+        for (l0, r0), frame in zip(grid, frames, strict=True):
+            block = out[l0 : l0 + chunk_layers, r0 : r0 + chunk_rows]
+            block[...] = zstd_frames.decompress(frame, block.nbytes, "chunk").view(ids.dtype).reshape(block.shape)
+        return out.transpose(1, 0, 2)
+
+    return {"encode": encode, "decode": decode, "size": lambda frames: sum(len(f) for f in frames)}
 
 
 def entropy_estimate(ids: np.ndarray, num_experts: int) -> float:
@@ -185,6 +211,8 @@ def measure_routing(ids: np.ndarray, num_experts: int, args: argparse.Namespace)
         return buffer.getvalue()
 
     measure("zstd-3 raw uint8", lambda: zstd.encode(raw), zstd.decode, len)
+    chunked = zstd_per_chunk(raw, args.chunk_rows, args.chunk_layers)
+    measure("zstd-3 per inner chunk", chunked["encode"], chunked["decode"], chunked["size"])
     for name, transform in (
         ("routelog", "ranked_gaps"),
         ("routelog v1 (sorted_gaps)", "sorted_gaps"),
@@ -228,7 +256,7 @@ def measure_routing(ids: np.ndarray, num_experts: int, args: argparse.Namespace)
 
     bound = entropy_bound_bytes(num_experts, topk)
     estimate = entropy_estimate(raw, num_experts)
-    base = results["zstd-3 raw uint8"]
+    base, per_chunk = results["zstd-3 raw uint8"], results["zstd-3 per inner chunk"]
     ours = results["routelog"]
     return {
         "shape": {"tokens": tokens, "layers": layers, "experts": num_experts, "topk": topk},
@@ -242,6 +270,8 @@ def measure_routing(ids: np.ndarray, num_experts: int, args: argparse.Namespace)
             / ours["bytes_per_token_layer"],
             "routelog_encode_vs_zstd3": ours["encode_MBps"] / base["encode_MBps"],
             "routelog_decode_vs_zstd3": ours["decode_MBps"] / base["decode_MBps"],
+            "routelog_encode_vs_zstd3_per_chunk": ours["encode_MBps"] / per_chunk["encode_MBps"],
+            "routelog_decode_vs_zstd3_per_chunk": ours["decode_MBps"] / per_chunk["decode_MBps"],
             "score_order_size_vs_sorted": results["routelog --topk-order score"]["bytes_per_token_layer"]
             / ours["bytes_per_token_layer"],
         },

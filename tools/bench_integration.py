@@ -14,9 +14,16 @@ Reported per side: routing bytes received (routelog also reads the step's index 
 reported apart as ``metadata_bytes``), peak RSS, and, as the goal's yardstick, the rank's **own share**: the stored
 bytes of exactly the rows and layers it installs (the step's routing bytes times its share of routed
 token-layers; raw uint8 for veRL's tensor). Goal (issue #15): routelog's bytes <= 1.1 x the own share, and peak
-memory independent of the step's size (``--scale`` runs the step at 1/2 and full size in the same run).
+memory independent of the step's size (the step runs at 1/2 and full size in the same run).
 
-    python tools/bench_integration.py [--json] [--quick] [--chunk-rows N ...] [--records N --tokens T --layers L]
+What a rank reads beyond its share: the inner chunks at the edges of each of its token ranges (a CP rank's share of
+a sequence is a few ranges; on average one chunk per range more, so ``chunk_rows`` small next to the ranges), and
+the chunk indexes of the shards it touches, read whole (16 bytes per inner chunk of every layer a shard holds: with
+one shard per part array a stage reads every stage's entries; ``PartOptions(shard_layers=...)`` gives each stage
+its own). Stores compared (``--variants``): 4096-row chunks (the default), 256, and 128 with one shard per stage.
+
+    python tools/bench_integration.py [--json] [--quick] [--variants ROWS[:stage] ...]
+                                      [--records N --tokens T --layers L]
 """
 
 from __future__ import annotations
@@ -44,16 +51,16 @@ RANK = RankCoords(tp=1, cp=1, pp=2)
 MICRO_BATCH = 4
 
 
-def prepare(root: Path, records: int, tokens: int, layers: int, chunk_rows: list[int]) -> dict[str, Any]:
+def prepare(root: Path, records: int, tokens: int, layers: int, variants: list[str]) -> dict[str, Any]:
     """The step as stores (one per chunk size) and as veRL's dense int16 tensor (a memory map)."""
     spec = synthetic_spec(layers, 128, 8)
     rng = np.random.default_rng(0)
     npy = np.lib.format.open_memmap(root / "step.npy", mode="w+", dtype=np.int16, shape=(records, tokens, layers, 8))
     writers = [
         routelog.open_writer(
-            str(root / f"store-{rows}"), 0, model_spec=spec, writer_id="rollout", options=PartOptions(chunk_rows=rows)
+            str(root / f"store-{name}"), 0, model_spec=spec, writer_id="rollout", options=options_of(name, layers)
         )
-        for rows in chunk_rows
+        for name in variants
     ]
     for i in range(records):
         ids = synth_routing(rng, tokens, spec, None, 0.0)
@@ -73,7 +80,19 @@ def prepare(root: Path, records: int, tokens: int, layers: int, chunk_rows: list
         writer.close()
     npy.flush()
     del npy
-    return {"stores": {rows: str(root / f"store-{rows}") for rows in chunk_rows}, "npy": str(root / "step.npy")}
+    return {"stores": {name: str(root / f"store-{name}") for name in variants}, "npy": str(root / "step.npy")}
+
+
+def options_of(variant: str, layers: int) -> PartOptions:
+    """``ROWS`` (one shard per part array) or ``ROWS:stage`` (one shard per pipeline stage's layers)."""
+    rows, _, shards = variant.partition(":")
+    return PartOptions(chunk_rows=int(rows), shard_layers=layers // LAYOUT.pp if shards == "stage" else None)
+
+
+def describe(variant: str, layers: int) -> str:
+    options = options_of(variant, layers)
+    shards = f", shard_layers={options.shard_layers}" if options.shard_layers else ""
+    return f"routelog chunk_rows={options.chunk_rows}{shards}"
 
 
 def plan_for(spec: Any, records: int) -> AlignmentPlan:
@@ -141,10 +160,10 @@ def _child(side: str, path: str, args: argparse.Namespace, records: int) -> dict
 
 def measure(args: argparse.Namespace, records: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="routelog-bench-integration-") as tmp:
-        paths = prepare(Path(tmp), records, args.tokens, args.layers, args.chunk_rows)
+        paths = prepare(Path(tmp), records, args.tokens, args.layers, args.variants)
         verl = _child("verl", paths["npy"], args, records)
         sides: dict[str, Any] = {}
-        for rows, store in paths["stores"].items():
+        for variant, store in paths["stores"].items():
             ours = _child("routelog", store, args, records)
             if (ours["installed_rows"], ours["checksum"]) != (verl["installed_rows"], verl["checksum"]):
                 raise SystemExit("routelog and veRL's path installed different rows")
@@ -152,7 +171,7 @@ def measure(args: argparse.Namespace, records: int) -> dict[str, Any]:
             own_stored = ours["step_routing_bytes"] * share / ours["step_routed_token_layers"]
             ours["own_share_bytes"] = own_stored
             ours["bytes_vs_own_share"] = ours["bytes_received"] / own_stored
-            sides[f"routelog chunk_rows={rows}"] = ours
+            sides[describe(variant, args.layers)] = ours
     own_raw = verl["installed_rows"] * sides[next(iter(sides))]["stage_layers"] * 8
     verl["own_share_bytes"] = own_raw
     verl["bytes_vs_own_share"] = verl["bytes_received"] / own_raw
@@ -166,7 +185,12 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--chunk-rows", type=int, nargs="+", default=[4096, 512])
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["4096", "256", "128:stage"],
+        help="stores to compare: ROWS per inner chunk, ':stage' for one shard per pipeline stage's layers",
+    )
     parser.add_argument("--child", choices=["routelog", "verl"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -9,9 +9,12 @@ GIL-bound Python, so a loop of small pure-Python steps stands in for it, appendi
 (default 4 records/s of 4096 tokens x 48 layers, top-8 of 128: 6 MB/s of routing per engine). Each trial is a fresh
 process running the loop for a fixed time without a writer, with the writer in the engine's process, and with the
 writer's validation and encoding in a separate process (:class:`routelog.ProcessWriter`: the engine copies each
-record into shared memory); the three alternate, and the medians of steps per second give the overhead, next to the
-share of the loop's time spent inside ``append`` (the cost on the engine's own thread, which the noise of a shared
-machine does not blur). Goal (issue #15): <= 1.01 x.
+record into shared memory); the three alternate, and the medians of steps per second give the overhead. Fresh
+processes differ by more than the goal on a shared machine, so each writer run also alternates 1-second windows with
+and without appends in the same process (the paired overhead: steps per second without over with, median over
+trials; the same windows without a writer give the measurement's own noise, an A/A test), and the share of the
+loop's time spent inside ``append`` (the cost on the engine's own thread) is reported too. Goal (issue #15):
+<= 1.01 x.
 
     python tools/bench_writers.py [--json] [--quick] [--records N --tokens T --layers L]
     python tools/bench_writers.py --scheduler [--json] [--rate R --trials N --seconds S]
@@ -93,8 +96,17 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 SCHEDULER_MODES = ("no writer", "writer in the engine process", "writer process")
 
 
+WINDOW_SECONDS = 1.0
+SETTLE_SECONDS = 0.25
+
+
 def scheduler_child(args: argparse.Namespace) -> dict[str, Any]:
-    """The stand-in scheduler for ``args.seconds``: steps of pure-Python work, a record appended at ``args.rate``."""
+    """The stand-in scheduler for ``args.seconds``: steps of pure-Python work, a record appended at ``args.rate``.
+
+    With a writer the run alternates windows of :data:`WINDOW_SECONDS` with and without appends (``args.mode``'s
+    parity picks which comes first), separated by an untimed :data:`SETTLE_SECONDS` in which the writer finishes
+    the records already given (without a writer every window runs the same way): the paired windows of one process
+    share its core, its placement and the machine's load at that moment, which separate fresh processes do not."""
     spec = synthetic_spec(args.layers, 128, 8)
     arrays = _routing(args, seed=1)[:8]
     mode = SCHEDULER_MODES[args.mode]
@@ -106,41 +118,58 @@ def scheduler_child(args: argparse.Namespace) -> dict[str, Any]:
     if writer is not None:  # warm up outside the clock (imports, the first part)
         writer.append(Record(sample_id="warmup", expert_ids=arrays[0], prompt_len=16, response_len=args.tokens - 16))
         writer.flush()
-    steps = appended = 0
+    appended = 0
     in_append = 0.0
-    start = time.perf_counter()
-    end = start + args.seconds
-    due = start
-    while True:
-        now = time.perf_counter()
-        if now >= end:
-            break
-        if writer is not None and now >= due:
-            ids = arrays[appended % len(arrays)]
-            called = time.perf_counter()
-            writer.append(
-                Record(sample_id=f"r{appended}", expert_ids=ids, prompt_len=16, response_len=args.tokens - 16)
-            )
-            in_append += time.perf_counter() - called
-            appended += 1
-            due += 1.0 / args.rate
-        total = 0
-        for k in range(400):  # one scheduler step: ~20 us of bytecode holding the GIL
-            total += k * k
-        steps += 1
-    elapsed = time.perf_counter() - start
+    timed = {"with": [0, 0.0], "without": [0, 0.0]}  # steps, seconds
+
+    def run(window: float, appending: bool, paired: bool) -> None:
+        nonlocal appended, in_append
+        steps = 0
+        start = time.perf_counter()
+        end = start + window
+        due = start
+        while True:
+            now = time.perf_counter()
+            if now >= end:
+                break
+            if appending and now >= due:
+                ids = arrays[appended % len(arrays)]
+                called = time.perf_counter()
+                writer.append(
+                    Record(sample_id=f"r{appended}", expert_ids=ids, prompt_len=16, response_len=args.tokens - 16)
+                )
+                in_append += time.perf_counter() - called
+                appended += 1
+                due += 1.0 / args.rate
+            total = 0
+            for k in range(400):  # one scheduler step: ~20 us of bytecode holding the GIL
+                total += k * k
+            steps += 1
+        tally = timed["with" if paired else "without"]
+        tally[0] += steps
+        tally[1] += time.perf_counter() - start
+
+    for window in range(max(2, round(args.seconds / WINDOW_SECONDS))):  # every mode runs the same windows
+        paired = (window + args.mode) % 2 == 0  # without a writer: an A/A test, the measurement's own noise
+        run(WINDOW_SECONDS, writer is not None and paired, paired)
+        time.sleep(SETTLE_SECONDS)
     if writer is not None:
         writer.close()
+    rate = {name: steps / seconds for name, (steps, seconds) in timed.items()}
     return {
         "mode": mode,
-        "steps_per_second": steps / elapsed,
+        "steps_per_second": rate["with"]
+        if writer is not None
+        else (sum(s for s, _ in timed.values())) / sum(t for _, t in timed.values()),
+        "paired_overhead": rate["without"] / rate["with"],
         "records": appended,
-        "append_share": in_append / elapsed,
+        "append_share": in_append / timed["with"][1] if timed["with"][1] else 0.0,
     }
 
 
 def scheduler_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     runs: dict[str, list[float]] = {mode: [] for mode in SCHEDULER_MODES}
+    paired: dict[str, list[float]] = {mode: [] for mode in SCHEDULER_MODES}
     append_share: dict[str, list[float]] = {mode: [] for mode in SCHEDULER_MODES}
     for trial in range(args.trials):
         for mode in range(len(SCHEDULER_MODES)):
@@ -151,6 +180,7 @@ def scheduler_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             result = json.loads(out.strip().splitlines()[-1])
             runs[SCHEDULER_MODES[mode]].append(result["steps_per_second"])
             append_share[SCHEDULER_MODES[mode]].append(result["append_share"])
+            paired[SCHEDULER_MODES[mode]].append(result["paired_overhead"])
     medians = {mode: float(np.median(values)) for mode, values in runs.items()}
     base = medians["no writer"]
     return {
@@ -159,10 +189,17 @@ def scheduler_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "tokens": args.tokens,
             "layers": args.layers,
             "trials": args.trials,
+            "window_seconds": WINDOW_SECONDS,
         },
         "steps_per_second": runs,
         "median_steps_per_second": medians,
         "overhead": {mode: base / medians[mode] for mode in SCHEDULER_MODES[1:]},
+        "paired_overhead": {mode: float(np.median(values)) for mode, values in paired.items() if mode != "no writer"},
+        "paired_overhead_trials": paired,
+        "paired_null_test": {
+            "median": float(np.median(paired["no writer"])),
+            "spread": [float(min(paired["no writer"])), float(max(paired["no writer"]))],
+        },
         "append_share": {mode: float(np.median(append_share[mode])) for mode in SCHEDULER_MODES[1:]},
         "goal": "<= 1.01 x",
     }
@@ -269,8 +306,14 @@ def main() -> None:
             line = f"{mode:30s} {value:12.0f} steps/s"
             if mode in report["overhead"]:
                 share = 100 * report["append_share"][mode]
-                line += f"  overhead {report['overhead'][mode]:.4f} x; append() holds the loop {share:.2f} %"
+                line += f"  overhead {report['overhead'][mode]:.4f} x (paired windows "
+                line += f"{report['paired_overhead'][mode]:.4f} x); append() holds the loop {share:.2f} %"
             print(line)
+        null = report["paired_null_test"]
+        low, high = null["spread"]
+        print(
+            f"paired windows without a writer (A/A: the noise): {null['median']:.4f} x, trials {low:.4f}-{high:.4f} x"
+        )
         print(f"goal: {report['goal']}")
         return
 

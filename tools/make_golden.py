@@ -207,6 +207,40 @@ def write_shared_weights(root: Path, expected: dict[str, np.ndarray]) -> None:
                     expected[f"{name}/{record.sample_id}/weights"] = stored
 
 
+def write_layer_shards(root: Path, expected: dict[str, np.ndarray]) -> None:
+    """Format 2 with ``shard_layers``: each array split into shards along its layers (7 MoE layers in shards of 4,
+    the last one padded), uint16 IDs (E = 300), float32 weights, and a prompt shared within the part."""
+    spec = ModelSpec(name="golden/layer-shards", num_layers=8, moe_layers=tuple(range(1, 8)), num_experts=300, topk=4)
+    rng = np.random.default_rng(7)
+    name = "layer-shards"
+    options = PartOptions(chunk_rows=16, chunk_layers=2, shard_layers=4, weights_dtype="float32")
+    prompt, prompt_routing = rng.integers(0, 50000, 20), _routing(rng, 20, 7, 300, 4)
+    with routelog.open_writer(
+        str(root / name), 0, model_spec=spec, writer_id="w", options=options, run_id=f"golden-{name}"
+    ) as writer:
+        for sample in range(3):
+            tokens = 20 + int(rng.integers(3, 30))
+            ids = _routing(rng, tokens, 7, 300, 4)
+            ids[:20] = prompt_routing
+            weights = rng.random((tokens, 7, 4)).astype(np.float32)
+            valid = np.ones(tokens, bool)
+            valid[-1] = False
+            record = Record(
+                sample_id=f"s{sample}",
+                expert_ids=ids,
+                prompt_len=20,
+                response_len=tokens - 20,
+                valid=valid,
+                token_ids=np.concatenate([prompt, rng.integers(0, 50000, tokens - 20)]),
+                weights=weights,
+            )
+            writer.append(record)
+            _expect_sorted(expected, name, record)
+            stored = np.take_along_axis(weights, np.argsort(ids, axis=-1), -1)
+            stored[~valid] = np.nan
+            expected[f"{name}/{record.sample_id}/weights"] = stored
+
+
 def _bf16(values: np.ndarray) -> np.ndarray:
     """float32 values rounded to bf16 (nearest even), as float32: what a bf16 store gives back."""
     bits = values.view(np.uint32)
@@ -218,6 +252,7 @@ WRITERS: dict[str, Callable[[Path, dict[str, np.ndarray]], None]] = {
     "wide": write_wide,
     "grpo-96,grpo-384": write_grpo_groups,
     "shared-weights": write_shared_weights,
+    "layer-shards": write_layer_shards,
 }
 """Fixture stores of this version by name, in the order they were added."""
 

@@ -18,6 +18,7 @@ judge the router diff it measured, and publishes it to the store::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -154,8 +155,10 @@ class ReplayHook:
 
 def layout_from_config(config: Any, *, cp: int | None = None, cp_layout: CpLayout = "zigzag") -> ParallelLayout:
     """The parallel layout a megatron-core ``TransformerConfig`` describes (``cp``: a trainer's per-micro-batch
-    context-parallel size, e.g. veRL's dynamic CP)."""
-    return ParallelLayout(
+    context-parallel size, e.g. veRL's dynamic CP). With ``pipeline_model_parallel_layout`` the model is built from
+    that explicit layout, not from the uniform or uneven split: each (pipeline rank, virtual stage)'s decoder
+    layers are read from it."""
+    layout = ParallelLayout(
         tp=int(getattr(config, "tensor_model_parallel_size", 1) or 1),
         cp=int(cp or getattr(config, "context_parallel_size", 1) or 1),
         pp=int(getattr(config, "pipeline_model_parallel_size", 1) or 1),
@@ -167,6 +170,20 @@ def layout_from_config(config: Any, *, cp: int | None = None, cp_layout: CpLayou
         account_for_embedding=bool(getattr(config, "account_for_embedding_in_pipeline_split", False)),
         account_for_loss=bool(getattr(config, "account_for_loss_in_pipeline_split", False)),
     )
+    custom = getattr(config, "pipeline_model_parallel_layout", None)
+    if custom is None:
+        return layout
+    from megatron.core.transformer.enums import LayerType
+
+    rows = custom.layout  # [pp_rank][vp_stage] -> the LayerTypes of that model chunk
+    stages = [[range(0)] * len(row) for row in rows]
+    first = 0
+    for v in range(len(rows[0])):  # decoder layer ids run virtual stage by virtual stage, pipeline rank by rank
+        for p, row in enumerate(rows):
+            count = sum(1 for kind in row[v] if kind == LayerType.decoder)
+            stages[p][v] = range(first, first + count)
+            first += count
+    return replace(layout, stage_layers=tuple(tuple(tuple(chunk) for chunk in row) for row in stages))
 
 
 def rank_from_parallel_state(*, cp_rank: int | None = None) -> RankCoords:

@@ -116,7 +116,7 @@ def test_a_zstd_frame_expanding_to_a_gibibyte_is_refused(memory_url: str) -> Non
     key, commit = _first_commit(storage)
     info = RoutingArrayInfo.model_validate(commit["routing"])
     layout_ = shard_layout(info)
-    name = f"{info.path}/{layout_.shard_key}"
+    name = f"{info.path}/{layout_.shard_key()}"
     shard = storage.read(f"{keys.part_dir(0, commit['part'])}/{name}")
     bomb = bytes(Zstd(level=1).encode(np.zeros(1 << 30, dtype=np.uint8)))
     piece = bomb + _crc(bomb)

@@ -41,7 +41,7 @@ def test_a_chunk_marked_never_written_is_corruption_not_expert_zero(memory_url: 
     store = routelog.open_store(memory_url)
     key, commit = _commits(store.storage)[0]
     info = routelog.format.RoutingArrayInfo.model_validate(commit["routing"])
-    shard_key = f"{keys.part_dir(0, commit['part'])}/{info.path}/{shard_layout(info).shard_key}"
+    shard_key = f"{keys.part_dir(0, commit['part'])}/{info.path}/{shard_layout(info).shard_key()}"
     shard = bytearray(store.storage.read(shard_key))
     n = shard_layout(info).index_nbytes
     index = np.frombuffer(bytes(shard[: n - 4]), dtype="<u8").copy()
