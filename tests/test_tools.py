@@ -125,6 +125,7 @@ def test_bench_writers_measures_what_a_writer_costs_an_engine_loop() -> None:
     assert all(0 < report["append_share"][m] < 1 for m in modes), "some time is spent appending, not all"
     assert list(report["paired_overhead"]) == modes and all(report["paired_overhead"][m] > 0 for m in modes)
     assert report["paired_null_test"]["median"] > 0
+    assert all(0 < report["engine_cpu_share"][m] < 1 for m in modes), "the writer costs the engine some CPU"
 
 
 def test_bench_integration_installs_what_the_dense_path_installs_reading_less() -> None:
