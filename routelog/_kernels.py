@@ -642,11 +642,12 @@ def _ranked_row(gaps: Any, i: int, rank_of: Any, num_bits: int, masks: Any, valu
 # -- decoding ---------------------------------------------------------------------------------------------------
 @_compiled()
 def decode_chunk(gap_bytes: Any, rest: Any, num_experts: int, out: Any, out_words: Any) -> tuple[int, int]:
-    """IDs into ``out`` ``[L, R, K]`` (uint8 or uint16, C-contiguous) from a chunk's decompressed sections:
-    ``gap_bytes`` (``U * K`` IDs' worth, U from the trailer: the caller checked that) and ``rest``.
+    """IDs into ``out`` ``[L, R, K]`` (uint8 or uint16; each layer's rows contiguous, the layers anywhere: a
+    reader's block takes a chunk in place) from a chunk's decompressed sections: ``gap_bytes`` (``U * K`` IDs'
+    worth, U from the trailer: the caller checked that) and ``rest``.
 
-    ``out_words``: ``out`` as one uint64 word per row (rows of eight uint8 IDs), or None. Returns (status,
-    detail): :data:`OK`, or what is wrong with the payload.
+    ``out_words``: ``out`` as one uint64 word per row, ``[L, R]`` (rows of eight uint8 IDs), or None. Returns
+    (status, detail): :data:`OK`, or what is wrong with the payload.
     """
     layers, rows, k = out.shape
     itemsize = out.itemsize
@@ -709,9 +710,8 @@ def decode_chunk(gap_bytes: Any, rest: Any, num_experts: int, out: Any, out_word
             ranked += num_experts * itemsize
             for e in range(num_experts):
                 table[e] = _get(rest, ranked + e * itemsize, itemsize)
-        offset = j * rows
         if out_words is not None:
-            layer = out_words[offset : offset + rows]  # views: plain indices let the compiler vectorise
+            layer = out_words[j]  # views: plain indices let the compiler vectorise
             source = gap_words[u : u + layer_unique[j]]
             u += layer_unique[j]
             if mode == 0:  # plain, no repeats: straight into the output

@@ -470,14 +470,21 @@ def fetch_blocks(
                 cr0 = chunk.row_chunk * layout_.chunk_rows
                 ls, le = max(l0, cl0), min(l1, cl0 + layout_.chunk_layers)
                 rs, re_ = max(r0, cr0), min(r1, cr0 + layout_.chunk_rows)
+                # A ranked chunk the request covers whole decodes straight into the block (each layer's rows are
+                # contiguous there): no copy.
+                whole = (ls, le, rs, re_) == (cl0, cl0 + layout_.chunk_layers, cr0, cr0 + layout_.chunk_rows)
+                in_place = layout_.ranked and whole
+                target = block[ls - l0 : le - l0, rs - r0 : re_ - r0] if in_place else ids if direct else raw
                 try:
-                    decode_chunk(pieces[(read.key, chunk.start)], layout_, out=ids if direct else raw)
+                    decode_chunk(pieces[(read.key, chunk.start)], layout_, out=target)
                 except ShardFormatError as exc:
                     raise CorruptDataError(
                         f"{storage.url_of(read.key)}: inner chunk rows [{cr0}, {cr0 + layout_.chunk_rows}) "
                         f"layer chunk {chunk.layer_chunk} cannot be decoded ({exc}); affected samples: "
                         f"{list(request.samples[:8])}"
                     ) from exc
+                if in_place:
+                    continue
                 # Un-transform the whole chunk while it is contiguous and in cache, then place the overlap: one
                 # contiguous copy per layer.
                 if not direct:

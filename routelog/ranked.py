@@ -100,6 +100,15 @@ def _words(ids: npt.NDArray[Any]) -> npt.NDArray[np.uint64] | None:
     return ids.reshape(-1).view(np.uint64)
 
 
+def _layer_words(out: npt.NDArray[Any]) -> npt.NDArray[np.uint64] | None:
+    """``out`` ``[layers, rows, 8]`` of uint8 IDs as ``[layers, rows]`` uint64 words (the same bytes; the layers
+    may lie apart), else None."""
+    if out.dtype.itemsize != 1 or out.shape[2] != 8:
+        return None
+    words: npt.NDArray[np.uint64] = out.view(np.uint64)[:, :, 0]
+    return words
+
+
 def _native(dtype: np.dtype[Any]) -> np.dtype[Any]:
     """The machine's uint8 or uint16 for chunks of ``dtype`` (the compiled kernels take native integers)."""
     if dtype.kind != "u" or dtype.itemsize > 2:
@@ -126,8 +135,8 @@ def decode(
     num_experts: int,
     out: npt.NDArray[Any] | None = None,
 ) -> npt.NDArray[Any]:
-    """IDs ``shape`` = ``[layers, rows, K]`` from :func:`encode`'s payload, into ``out`` (C-contiguous) when given;
-    raises :class:`RankedFormatError`."""
+    """IDs ``shape`` = ``[layers, rows, K]`` from :func:`encode`'s payload, into ``out`` when given (each layer's
+    rows contiguous: a reader's block may take the chunk in place); raises :class:`RankedFormatError`."""
     from routelog import _kernels  # numba loads on the first chunk, not on ``import routelog``
 
     layers, rows, k = shape
@@ -146,9 +155,9 @@ def decode(
         raise RankedFormatError(f"{total} unique rows in a chunk of {layers} x {rows}")
     gaps = _decompress(stored[4 : 4 + first], total * k * dtype.itemsize, "gaps", exact=True)
     target = np.empty(shape, dtype=dtype) if out is None else out
-    if target.shape != shape or target.dtype != dtype or not target.flags.c_contiguous:
-        raise ValueError(f"out must be a C-contiguous {dtype} array of shape {shape}")
-    status, detail = _kernels.decode_chunk(gaps, rest, num_experts, target, _words(target))
+    if target.shape != shape or target.dtype != dtype or not (target.size == 0 or target[0].flags.c_contiguous):
+        raise ValueError(f"out must be a {dtype} array of shape {shape} whose layers' rows are contiguous")
+    status, detail = _kernels.decode_chunk(gaps, rest, num_experts, target, _layer_words(target))
     if status != _kernels.OK:
         raise RankedFormatError(
             _kernels.PROBLEMS[status].format(detail=detail, size=rest.size, total=total, E=num_experts)

@@ -258,7 +258,8 @@ def decode_chunk(
 ) -> npt.NDArray[Any]:
     """One inner chunk ``[chunk_layers, chunk_rows, topk]`` in the native dtype, checksum verified.
 
-    ``out`` (C-contiguous, of the chunk's shape and dtype) receives the values without an allocation.
+    ``out`` (of the chunk's shape and dtype; C-contiguous, or for ranked arrays each layer's rows contiguous, such
+    as a chunk-sized window of a reader's block) receives the values without an allocation.
     """
     view = memoryview(piece)
     if len(view) < 5 or _crc(view[:-4]) != bytes(view[-4:]):

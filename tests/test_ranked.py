@@ -190,9 +190,25 @@ def test_rows_as_words_store_what_rows_one_id_at_a_time_store(
     for as_words in (True, False):
         out = np.empty_like(ids)
         gaps, rest = words[0].copy(), words[1]
-        out_words = out.reshape(-1).view(np.uint64) if as_words else None
+        out_words = ranked._layer_words(out) if as_words else None
         assert _kernels.decode_chunk(gaps, rest, experts, out, out_words) == (_kernels.OK, 0)
         np.testing.assert_array_equal(out, ids)
+
+
+@pytest.mark.parametrize(("experts", "k"), [(64, 8), (300, 4)])  # rows as words, and IDs one at a time
+def test_a_chunk_decodes_in_place_into_a_window_of_a_larger_block(experts: int, k: int) -> None:
+    """A reader's block takes a whole chunk where it lies: each layer's rows are contiguous, the layers are not."""
+    ids = _with_bad_rows(np.random.default_rng(3), _routing(np.random.default_rng(3), 3, 50, experts, k, 3.0, 0.4), 2)
+    block = np.full((5, 80, k), 7, ids.dtype)
+    window = block[1:4, 20:70]
+    assert not window.flags.c_contiguous
+    ranked.decode(ranked.encode(ids, experts), ids.shape, ids.dtype, experts, out=window)
+    np.testing.assert_array_equal(window, ids)
+    untouched = np.ones(block.shape[:2], bool)
+    untouched[1:4, 20:70] = False
+    assert (block[untouched] == 7).all(), "nothing outside the window is written"
+    with pytest.raises(ValueError, match="rows are contiguous"):
+        ranked.decode(ranked.encode(ids, experts), ids.shape, ids.dtype, experts, out=block[1:4, 20:70:1, ::-1])
 
 
 @pytest.mark.parametrize(("experts", "k"), [(64, 8), (300, 4), (4, 8)])
