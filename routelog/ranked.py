@@ -93,11 +93,10 @@ def _sections(ids: npt.NDArray[Any], num_experts: int) -> tuple[npt.NDArray[np.u
 
 
 def _words(ids: npt.NDArray[Any]) -> npt.NDArray[np.uint64] | None:
-    """A C-contiguous chunk of eight uint8 IDs per row as one uint64 per row (the kernels' fast path: the same
-    bytes), else None."""
-    if ids.dtype.itemsize != 1 or ids.shape[2] != 8:
-        return None
-    return ids.reshape(-1).view(np.uint64)
+    """A C-contiguous chunk of eight uint8 IDs per row as one uint64 per row, flat (the kernels' fast path: the
+    same bytes), else None."""
+    words = _layer_words(ids)
+    return None if words is None else words.reshape(-1)
 
 
 def _layer_words(out: npt.NDArray[Any]) -> npt.NDArray[np.uint64] | None:
@@ -166,9 +165,7 @@ def decode(
 
 
 def _decompress(frame: npt.NDArray[np.uint8], limit: int, what: str, *, exact: bool = False) -> npt.NDArray[np.uint8]:
-    if zstd_frames.declared_size(frame) is None:  # FORMAT.md section 5: both frames declare their size
-        raise RankedFormatError(f"the {what} frame declares no content size")
-    try:
-        return zstd_frames.decompress(frame, limit, what, exact=exact)
+    try:  # FORMAT.md section 5: both frames declare their size
+        return zstd_frames.decompress(frame, limit, what, exact=exact, sized=True)
     except zstd_frames.FrameError as exc:
         raise RankedFormatError(str(exc)) from exc

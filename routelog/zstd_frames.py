@@ -60,12 +60,20 @@ def compress_bound(n: int) -> int:
 
 
 def decompress(
-    frame: bytes | memoryview | npt.NDArray[np.uint8], limit: int, what: str, *, exact: bool = False
+    frame: bytes | memoryview | npt.NDArray[np.uint8],
+    limit: int,
+    what: str,
+    *,
+    exact: bool = False,
+    sized: bool = False,
 ) -> npt.NDArray[np.uint8]:
     """The bytes of one zstd frame (read-only), at most ``limit`` of them (with ``exact``, exactly ``limit``);
-    raises :class:`FrameError`, before decoding when the header declares a size out of bounds."""
+    raises :class:`FrameError`, before decoding when the header declares a size out of bounds (or, ``sized``,
+    none)."""
     expected = f"exactly {limit}" if exact else f"at most {limit}"
     size = declared_size(frame)
+    if size is None and sized:
+        raise FrameError(f"the {what} frame declares no content size")
     if size is not None and (size > limit or (exact and size != limit)):
         raise FrameError(f"the {what} frame declares {size} bytes; a chunk holds {expected}")
     if size == 0:

@@ -167,9 +167,7 @@ def scheduler_child(args: argparse.Namespace) -> dict[str, Any]:
     rate = {name: steps / seconds for name, (steps, seconds) in timed.items()}
     return {
         "mode": mode,
-        "steps_per_second": rate["with"]
-        if writer is not None
-        else (sum(s for s, _ in timed.values())) / sum(t for _, t in timed.values()),
+        "steps_per_second": rate["with"] if writer is not None else sum(rate.values()) / 2,
         "paired_overhead": rate["without"] / rate["with"],
         "records": appended,
         "append_share": in_append / timed["with"][1] if timed["with"][1] else 0.0,

@@ -469,20 +469,12 @@ def capture_config(
     return {"policy": cfg, **config, "ranks": ranks}, arrays
 
 
-def mtp_outcome(nrl: dict[str, types.ModuleType]) -> dict[str, Any]:
-    """NeMo-RL's ``build_router_replay_assignments`` on a real megatron-core GPT model with one MTP layer (CPU,
-    gloo, world size 1): which routers it hands decoder routes to, or what it raises."""
-
+def tiny_config(**extra: Any) -> Any:
+    """The small megatron-core MoE config both checks build their model from (``extra``: e.g. an MTP layer)."""
     import torch
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
 
-    from routelog.testing import megatron_on_cpu
-
-    megatron_on_cpu()
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=NUM_LAYERS,
         hidden_size=32,
         num_attention_heads=4,
@@ -496,8 +488,23 @@ def mtp_outcome(nrl: dict[str, types.ModuleType]) -> dict[str, Any]:
         use_cpu_initialization=True,
         params_dtype=torch.float32,
         add_bias_linear=False,
-        mtp_num_layers=1,
+        **extra,
     )
+
+
+def mtp_outcome(nrl: dict[str, types.ModuleType]) -> dict[str, Any]:
+    """NeMo-RL's ``build_router_replay_assignments`` on a real megatron-core GPT model with one MTP layer (CPU,
+    gloo, world size 1): which routers it hands decoder routes to, or what it raises."""
+
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from routelog.testing import megatron_on_cpu
+
+    megatron_on_cpu()
+    config = tiny_config(mtp_num_layers=1)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     model = GPTModel(
         config=config,
@@ -537,7 +544,6 @@ def check_routelog(nrl: dict[str, types.ModuleType], logs: list[Any]) -> None:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer import TransformerConfig
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import routelog
@@ -545,21 +551,7 @@ def check_routelog(nrl: dict[str, types.ModuleType], logs: list[Any]) -> None:
     from routelog.integrations import nemo_rl as integration
 
     mtp_outcome(nrl)  # gloo, parallel_state and megatron-core's CPU shims
-    config = TransformerConfig(
-        num_layers=NUM_LAYERS,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_moe_experts=NUM_EXPERTS,
-        moe_router_topk=TOPK,
-        moe_ffn_hidden_size=16,
-        ffn_hidden_size=64,
-        moe_layer_freq=MOE_LAYER_FREQ,
-        moe_enable_routing_replay=True,
-        moe_token_dispatcher_type="allgather",
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        add_bias_linear=False,
-    )
+    config = tiny_config()
     torch.manual_seed(0)
     model = GPTModel(
         config=config,
