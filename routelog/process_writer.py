@@ -13,7 +13,8 @@ A record the child refuses (or a part that fails) is reported at the caller's ne
 
 The child runs at a lower CPU priority (``niceness``, 10 by default): where the engine's host has no idle core, the
 scheduler keeps its core and the writer takes what is left; a writer only falls behind, never the engine (its
-shared-memory segments bound what waits).
+shared-memory segments bound what waits). ``cpus`` pins the child to those CPUs (Linux), for hosts that keep
+cores free beside the engine's: the writer then never runs on the scheduler's core.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from multiprocessing import resource_tracker, shared_memory
 from types import TracebackType
 from typing import IO, Any
@@ -72,9 +73,13 @@ class ProcessWriter:
         storage_options: Mapping[str, Any] | None = None,
         segments: int = 4,
         niceness: int = 10,
+        cpus: Collection[int] | None = None,
     ) -> None:
+        if cpus is not None and not hasattr(os, "sched_setaffinity"):
+            raise ValueError("cpus: this platform cannot pin a process to CPUs (no os.sched_setaffinity)")
         config = {
             "niceness": niceness,
+            "cpus": None if cpus is None else sorted(int(cpu) for cpu in cpus),
             "url": url,
             "step": step,
             "model_spec": None if model_spec is None else model_spec.model_dump(mode="json"),
@@ -228,6 +233,8 @@ def serve(incoming: IO[bytes], outgoing: IO[bytes]) -> None:
         return
     if config.get("niceness") and hasattr(os, "nice"):  # POSIX: yield the CPU to the engine under contention
         os.nice(int(config["niceness"]))
+    if config.get("cpus") is not None:  # keep the writer off the engine's cores (it inherited the engine's mask)
+        os.sched_setaffinity(0, config["cpus"])
     spec = None if config["model_spec"] is None else ModelSpec.model_validate(config["model_spec"])
     writer = routelog.open_writer(
         config["url"],

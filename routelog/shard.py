@@ -194,10 +194,9 @@ def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int)
                         np.moveaxis(block.view(np.uint8).reshape(*layout.chunk_shape, layout.planes), 3, 0)
                     )
                 payload = zstd_frames.compress(block, zstd_level)
-            piece = bytes(payload) + _crc(payload)
-            index[lc, rc] = (offset, len(piece))
-            pieces.append(piece)
-            offset += len(piece)
+            pieces += [payload, _crc(payload)]  # joined once, below: no copy per chunk
+            index[lc, rc] = (offset, len(payload) + 4)
+            offset += len(payload) + 4
     index_bytes = index.tobytes()
     return b"".join([index_bytes, _crc(index_bytes), *pieces])
 

@@ -20,8 +20,6 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-MAGIC = b"\x28\xb5\x2f\xfd"
-
 
 class FrameError(ValueError):
     """A zstd frame that is damaged or larger than its caller allows (callers wrap it as corrupt data)."""
@@ -48,10 +46,12 @@ def compress(data: bytes | memoryview | npt.NDArray[Any], level: int) -> bytes:
 
 
 def _buffer(data: bytes | memoryview | npt.NDArray[Any]) -> bytes | memoryview:
-    """``data``'s bytes without a copy (an array as a flat byte view)."""
-    if isinstance(data, np.ndarray):
-        return np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
-    return data
+    """``data``'s bytes without a copy (an array as a flat byte view; a flat uint8 array takes the short way)."""
+    if not isinstance(data, np.ndarray):
+        return data
+    if data.ndim == 1 and data.dtype == np.uint8 and data.flags.c_contiguous:
+        return data.data
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
 
 
 def compress_bound(n: int) -> int:
@@ -70,35 +70,34 @@ def decompress(
     """The bytes of one zstd frame (read-only), at most ``limit`` of them (with ``exact``, exactly ``limit``);
     raises :class:`FrameError`, before decoding when the header declares a size out of bounds (or, ``sized``,
     none)."""
-    expected = f"exactly {limit}" if exact else f"at most {limit}"
+    frame = _buffer(frame)
     size = declared_size(frame)
     if size is None and sized:
         raise FrameError(f"the {what} frame declares no content size")
     if size is not None and (size > limit or (exact and size != limit)):
-        raise FrameError(f"the {what} frame declares {size} bytes; a chunk holds {expected}")
+        raise FrameError(f"the {what} frame declares {size} bytes; a chunk holds {_allowed(limit, exact)}")
     if size == 0:
         return np.empty(0, dtype=np.uint8)
     try:
         data = _CONTEXTS.decompressor.decompress(
-            _buffer(frame), max_output_size=0 if size is not None else limit, allow_extra_data=False
+            frame, max_output_size=0 if size is not None else limit, allow_extra_data=False
         )
     except zstandard.ZstdError as exc:
         raise FrameError(f"the {what} frame cannot be decoded ({exc})") from exc
     if len(data) > limit or (exact and len(data) != limit) or (size is not None and len(data) != size):
-        raise FrameError(f"the {what} frame decodes to {len(data)} bytes ({expected} allowed)")
+        raise FrameError(f"the {what} frame decodes to {len(data)} bytes ({_allowed(limit, exact)} allowed)")
     return np.frombuffer(data, dtype=np.uint8)
 
 
+def _allowed(limit: int, exact: bool) -> str:
+    return f"exactly {limit}" if exact else f"at most {limit}"
+
+
 def declared_size(frame: bytes | memoryview | npt.NDArray[np.uint8]) -> int | None:
-    """The decompressed size a zstd frame header declares (RFC 8878 3.1.1.1), or None when it declares none."""
-    head = bytes(_buffer(frame)[:18])
-    if len(head) < 6 or head[:4] != MAGIC:
+    """The decompressed size a zstd frame header declares (RFC 8878 3.1.1.1), or None when it declares none or is
+    no zstd frame header."""
+    try:
+        size: int = zstandard.frame_content_size(_buffer(frame))
+    except zstandard.ZstdError:
         return None
-    descriptor = head[4]
-    size_flag, single_segment, dict_flag = descriptor >> 6, (descriptor >> 5) & 1, descriptor & 3
-    at = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[dict_flag]
-    width = (1 if single_segment else 0, 2, 4, 8)[size_flag]
-    if width == 0 or len(head) < at + width:
-        return None
-    value = int.from_bytes(head[at : at + width], "little")
-    return value + 256 if width == 2 else value
+    return None if size < 0 else size

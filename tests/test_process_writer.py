@@ -90,3 +90,19 @@ def test_the_writer_process_runs_at_a_lower_priority_than_the_engine(tmp_path: P
         assert os.getpriority(os.PRIO_PROCESS, writer._child.pid) == min(19, engine + 7)
     with ProcessWriter(str(tmp_path / "store2"), 0, model_spec=spec, niceness=0) as writer:
         assert os.getpriority(os.PRIO_PROCESS, writer._child.pid) == os.getpriority(os.PRIO_PROCESS, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity (Linux)")
+def test_the_writer_process_keeps_to_the_cpus_it_is_given(tmp_path: Path) -> None:
+    spec = synthetic_spec(2, 16, 2)
+    engine = os.sched_getaffinity(0)
+    writer_cpus = {max(engine)}
+    with ProcessWriter(str(tmp_path / "store"), 0, model_spec=spec, cpus=writer_cpus) as writer:
+        assert os.sched_getaffinity(writer._child.pid) == writer_cpus
+        writer.append(
+            Record(sample_id="a", expert_ids=np.array([[[0, 1], [2, 3]]], np.uint8), prompt_len=0, response_len=1)
+        )
+    assert os.sched_getaffinity(0) == engine  # the engine's own mask is untouched
+    assert routelog.open_store(str(tmp_path / "store")).step(0).read("a").expert_ids.tolist() == [[[0, 1], [2, 3]]]
+    with ProcessWriter(str(tmp_path / "store2"), 0, model_spec=spec) as writer:
+        assert os.sched_getaffinity(writer._child.pid) == engine  # by default the child inherits the engine's

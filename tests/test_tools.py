@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -116,15 +117,18 @@ def test_bench_dedup_compares_format_1_and_2_on_the_corpus() -> None:
 
 
 def test_bench_writers_measures_what_a_writer_costs_an_engine_loop() -> None:
-    result = _tool(str(TOOLS / "bench_writers.py"), "--scheduler", "--quick", "--json")
+    pin = ["--pin"] if len(getattr(os, "sched_getaffinity", lambda _: ())(0)) >= 2 else []
+    result = _tool(str(TOOLS / "bench_writers.py"), "--scheduler", "--quick", "--json", *pin)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
+    assert report["pinned"] == bool(pin)
     modes = ["writer in the engine process", "writer process"]
     assert list(report["overhead"]) == modes
     assert all(report["median_steps_per_second"][m] > 0 for m in ["no writer", *modes])
     assert all(0 < report["append_share"][m] < 1 for m in modes), "some time is spent appending, not all"
-    assert list(report["paired_overhead"]) == modes and all(report["paired_overhead"][m] > 0 for m in modes)
-    assert report["paired_null_test"]["median"] > 0
+    for paired in ("paired_overhead", "paired_cpu_overhead"):
+        assert list(report[paired]) == modes and all(report[paired][m] > 0 for m in modes)
+    assert report["paired_null_test"]["median"] > 0 and report["paired_cpu_null_test"]["median"] > 0
     assert all(0 < report["engine_cpu_share"][m] < 1 for m in modes), "the writer costs the engine some CPU"
 
 

@@ -15,11 +15,14 @@ and without appends in the same process (the paired overhead: steps per second w
 trials; the same windows without a writer give the measurement's own noise, an A/A test). Next to it, what the
 writer costs the engine's process in CPU time, which other load barely blurs: the share of the loop's time spent
 inside ``append`` (on the engine's own thread) plus the CPU of the process's other threads during appending windows
-over that in the others (the in-process writer's encoding; the writer process's reply reader). Goal (issue #15):
-<= 1.01 x.
+over that in the others (the in-process writer's encoding; the writer process's reply reader). The paired CPU
+overhead divides steps by the loop thread's own CPU time instead of wall time: it leaves out every moment the loop
+was not running (preempted, or waiting for the GIL) and keeps only slower instructions (caches and memory shared
+with the writer). ``--pin`` puts the loop on the first CPU and the writer process on the others
+(``ProcessWriter(cpus=...)``), as on a host that keeps cores free beside the engine's. Goal (issue #15): <= 1.01 x.
 
     python tools/bench_writers.py [--json] [--quick] [--records N --tokens T --layers L]
-    python tools/bench_writers.py --scheduler [--json] [--rate R --trials N --seconds S]
+    python tools/bench_writers.py --scheduler [--pin] [--json] [--rate R --trials N --seconds S]
 """
 
 from __future__ import annotations
@@ -113,21 +116,30 @@ def scheduler_child(args: argparse.Namespace) -> dict[str, Any]:
     arrays = _routing(args, seed=1)[:8]
     mode = SCHEDULER_MODES[args.mode]
     writer: Any = None
+    writer_cpus = None
+    if args.pin:  # the engine's loop on the first CPU, the writer process on the others
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("--pin needs two CPUs: one for the loop, one for the writer process")
+        os.sched_setaffinity(0, cpus[:1])
+        writer_cpus = cpus[1:]
     if mode == "writer in the engine process":
         writer = routelog.open_writer(args.url, 0, model_spec=spec, writer_id="engine", flush_bytes=16 << 20)
     elif mode == "writer process":
-        writer = routelog.ProcessWriter(args.url, 0, model_spec=spec, writer_id="engine", flush_bytes=16 << 20)
+        writer = routelog.ProcessWriter(
+            args.url, 0, model_spec=spec, writer_id="engine", flush_bytes=16 << 20, cpus=writer_cpus
+        )
     if writer is not None:  # warm up outside the clock (imports, the first part)
         writer.append(Record(sample_id="warmup", expert_ids=arrays[0], prompt_len=16, response_len=args.tokens - 16))
         writer.flush()
     appended = 0
     in_append = 0.0
-    timed = {"with": [0, 0.0], "without": [0, 0.0]}  # steps, seconds
+    timed = {"with": [0, 0.0, 0.0], "without": [0, 0.0, 0.0]}  # steps, seconds, the loop thread's CPU seconds
 
     def run(window: float, appending: bool, paired: bool) -> None:
         nonlocal appended, in_append
         steps = 0
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         end = start + window
         due = start
         while True:
@@ -150,6 +162,7 @@ def scheduler_child(args: argparse.Namespace) -> dict[str, Any]:
         tally = timed["with" if paired else "without"]
         tally[0] += steps
         tally[1] += time.perf_counter() - start
+        tally[2] += time.thread_time() - cpu
 
     # CPU the engine process spends outside its loop's thread (a writer's threads, the writer process's reply
     # reader), per window and the settle after it: unlike throughput, CPU time is barely blurred by other load.
@@ -164,11 +177,13 @@ def scheduler_child(args: argparse.Namespace) -> dict[str, Any]:
         used[1] += time.perf_counter() - wall
     if writer is not None:
         writer.close()
-    rate = {name: steps / seconds for name, (steps, seconds) in timed.items()}
+    rate = {name: steps / seconds for name, (steps, seconds, _) in timed.items()}
+    per_cpu = {name: steps / cpu for name, (steps, _, cpu) in timed.items()}
     return {
         "mode": mode,
         "steps_per_second": rate["with"] if writer is not None else sum(rate.values()) / 2,
         "paired_overhead": rate["without"] / rate["with"],
+        "paired_cpu_overhead": per_cpu["without"] / per_cpu["with"],
         "records": appended,
         "append_share": in_append / timed["with"][1] if timed["with"][1] else 0.0,
         "other_threads_cpu_share": other_cpu["with"][0] / other_cpu["with"][1]
@@ -179,6 +194,7 @@ def scheduler_child(args: argparse.Namespace) -> dict[str, Any]:
 def scheduler_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     runs: dict[str, list[float]] = {mode: [] for mode in SCHEDULER_MODES}
     paired: dict[str, list[float]] = {mode: [] for mode in SCHEDULER_MODES}
+    paired_cpu: dict[str, list[float]] = {mode: [] for mode in SCHEDULER_MODES}
     append_share: dict[str, list[float]] = {mode: [] for mode in SCHEDULER_MODES}
     other_cpu: dict[str, list[float]] = {mode: [] for mode in SCHEDULER_MODES}
     for trial in range(args.trials):
@@ -186,12 +202,14 @@ def scheduler_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             command = [sys.executable, __file__, "--scheduler-child", "--mode", str(mode), "--url"]
             command += [str(root / f"store-{trial}-{mode}"), "--seconds", str(args.seconds), "--rate", str(args.rate)]
             command += ["--tokens", str(args.tokens), "--layers", str(args.layers), "--records", "8"]
+            command += ["--pin"] if args.pin else []
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
             result = json.loads(out.strip().splitlines()[-1])
             runs[SCHEDULER_MODES[mode]].append(result["steps_per_second"])
             append_share[SCHEDULER_MODES[mode]].append(result["append_share"])
             other_cpu[SCHEDULER_MODES[mode]].append(result["other_threads_cpu_share"])
             paired[SCHEDULER_MODES[mode]].append(result["paired_overhead"])
+            paired_cpu[SCHEDULER_MODES[mode]].append(result["paired_cpu_overhead"])
     medians = {mode: float(np.median(values)) for mode, values in runs.items()}
     base = medians["no writer"]
     return {
@@ -205,18 +223,29 @@ def scheduler_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "steps_per_second": runs,
         "median_steps_per_second": medians,
         "overhead": {mode: base / medians[mode] for mode in SCHEDULER_MODES[1:]},
-        "paired_overhead": {mode: float(np.median(values)) for mode, values in paired.items() if mode != "no writer"},
+        "pinned": args.pin,
+        "paired_overhead": _writer_medians(paired),
         "paired_overhead_trials": paired,
-        "paired_null_test": {
-            "median": float(np.median(paired["no writer"])),
-            "spread": [float(min(paired["no writer"])), float(max(paired["no writer"]))],
-        },
+        "paired_null_test": _null_test(paired["no writer"]),
+        "paired_cpu_overhead": _writer_medians(paired_cpu),
+        "paired_cpu_overhead_trials": paired_cpu,
+        "paired_cpu_null_test": _null_test(paired_cpu["no writer"]),
         "append_share": {mode: float(np.median(append_share[mode])) for mode in SCHEDULER_MODES[1:]},
         "engine_cpu_share": {
             mode: float(np.median(append_share[mode]) + np.median(other_cpu[mode])) for mode in SCHEDULER_MODES
         },
         "goal": "<= 1.01 x",
     }
+
+
+def _writer_medians(trials: dict[str, list[float]]) -> dict[str, float]:
+    return {mode: float(np.median(values)) for mode, values in trials.items() if mode != "no writer"}
+
+
+def _null_test(trials: list[float]) -> dict[str, Any]:
+    """The paired ratio of windows without a writer on either side: what the measurement reads when nothing
+    differs."""
+    return {"median": float(np.median(trials)), "spread": [float(min(trials)), float(max(trials))]}
 
 
 def baseline(args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -294,6 +323,9 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=4.0, help="--scheduler: records per second")
     parser.add_argument("--seconds", type=float, default=10.0, help="--scheduler: seconds per trial")
     parser.add_argument("--trials", type=int, default=5, help="--scheduler: trials per mode")
+    parser.add_argument(
+        "--pin", action="store_true", help="--scheduler: the engine on one CPU, the writer process on the rest"
+    )
     parser.add_argument("--scheduler-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -321,14 +353,19 @@ def main() -> None:
             if mode in report["overhead"]:
                 share = 100 * report["append_share"][mode]
                 line += f"  overhead {report['overhead'][mode]:.4f} x (paired windows "
-                line += f"{report['paired_overhead'][mode]:.4f} x); append() holds the loop {share:.2f} %, the "
+                line += f"{report['paired_overhead'][mode]:.4f} x, per CPU second of the loop "
+                line += f"{report['paired_cpu_overhead'][mode]:.4f} x); append() holds the loop {share:.2f} %, the "
                 line += f"engine process's CPU for the writer {100 * report['engine_cpu_share'][mode]:.2f} %"
             print(line)
-        null = report["paired_null_test"]
-        low, high = null["spread"]
-        print(
-            f"paired windows without a writer (A/A: the noise): {null['median']:.4f} x, trials {low:.4f}-{high:.4f} x"
-        )
+        for name, key in (("", "paired_null_test"), (", per CPU second", "paired_cpu_null_test")):
+            null = report[key]
+            low, high = null["spread"]
+            print(
+                f"paired windows without a writer (A/A: the noise){name}: {null['median']:.4f} x, "
+                f"trials {low:.4f}-{high:.4f} x"
+            )
+        if report["pinned"]:
+            print("the loop on CPU 0, the writer process on the others (--pin)")
         print(f"goal: {report['goal']}")
         return
 

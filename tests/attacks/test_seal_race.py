@@ -177,6 +177,9 @@ def _stress(url: str, *, writers: int, records_each: int, seed: int) -> None:
     for thread in threads:
         thread.start()
     started.wait(_WAIT)
+    deadline = time.monotonic() + _WAIT  # seal while writers commit: after the first commit (an empty step is
+    while not confirmed and time.monotonic() < deadline:  # refused), at a random moment among the others
+        time.sleep(0.005)
     time.sleep(rng.uniform(0.0, 0.4))
     seal = routelog.open_store(url).seal(0)
     for thread in threads:
