@@ -75,8 +75,14 @@ class ProcessWriter:
         niceness: int = 10,
         cpus: Collection[int] | None = None,
     ) -> None:
-        if cpus is not None and not hasattr(os, "sched_setaffinity"):
-            raise ValueError("cpus: this platform cannot pin a process to CPUs (no os.sched_setaffinity)")
+        if cpus is not None:
+            if not hasattr(os, "sched_setaffinity"):
+                raise ValueError("cpus: this platform cannot pin a process to CPUs (no os.sched_setaffinity)")
+            known = range(os.cpu_count() or 1)
+            if not cpus or any(cpu not in known for cpu in cpus):
+                raise ValueError(
+                    f"cpus={sorted(cpus)}: give one or more of this machine's CPUs, {known.start}..{known.stop - 1}"
+                )
         config = {
             "niceness": niceness,
             "cpus": None if cpus is None else sorted(int(cpu) for cpu in cpus),

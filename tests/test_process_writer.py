@@ -106,3 +106,6 @@ def test_the_writer_process_keeps_to_the_cpus_it_is_given(tmp_path: Path) -> Non
     assert routelog.open_store(str(tmp_path / "store")).step(0).read("a").expert_ids.tolist() == [[[0, 1], [2, 3]]]
     with ProcessWriter(str(tmp_path / "store2"), 0, model_spec=spec) as writer:
         assert os.sched_getaffinity(writer._child.pid) == engine  # by default the child inherits the engine's
+    for wrong in (set(), {os.cpu_count() or 1}, {-1}):
+        with pytest.raises(ValueError, match="cpus="):
+            ProcessWriter(str(tmp_path / "store3"), 0, model_spec=spec, cpus=wrong)
