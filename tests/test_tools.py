@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 
@@ -129,6 +131,9 @@ def test_bench_writers_measures_what_a_writer_costs_an_engine_loop() -> None:
     for paired in ("paired_overhead", "paired_cpu_overhead"):
         assert list(report[paired]) == modes and all(report[paired][m] > 0 for m in modes)
     assert report["paired_null_test"]["median"] > 0 and report["paired_cpu_null_test"]["median"] > 0
+    shares = report["writer_process_cpu_share"]  # where the writer process's CPU fell, as fractions
+    assert list(shares) == ["with windows", "settles after them", "without windows and their settles"]
+    assert sum(shares.values()) == pytest.approx(1.0) or not any(shares.values())
     assert all(0 < report["engine_cpu_share"][m] < 1 for m in modes), "the writer costs the engine some CPU"
 
 

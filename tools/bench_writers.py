@@ -10,9 +10,11 @@ GIL-bound Python, so a loop of small pure-Python steps stands in for it, appendi
 process running the loop for a fixed time without a writer, with the writer in the engine's process, and with the
 writer's validation and encoding in a separate process (:class:`routelog.ProcessWriter`: the engine copies each
 record into shared memory); the three alternate, and the medians of steps per second give the overhead. Fresh
-processes differ by more than the goal on a shared machine, so each writer run also alternates 1-second windows with
-and without appends in the same process (the paired overhead: steps per second without over with, median over
-trials; the same windows without a writer give the measurement's own noise, an A/A test). Next to it, what the
+processes differ by more than the goal on a shared machine, so each writer run also alternates half-second windows
+with and without appends in the same process, in the order with, without, without, with (the paired overhead: steps
+per second without over with, median over trials; the same windows without a writer give the measurement's own
+noise, an A/A test), and reports where the writer process's CPU fell: in the windows with appends, in the settles
+after them, or in the others (which would hide its cost). Next to it, what the
 writer costs the engine's process in CPU time, which other load barely blurs: the share of the loop's time spent
 inside ``append`` (on the engine's own thread) plus the CPU of the process's other threads during appending windows
 over that in the others (the in-process writer's encoding; the writer process's reply reader). The paired CPU
@@ -101,17 +103,33 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 SCHEDULER_MODES = ("no writer", "writer in the engine process", "writer process")
 
 
-WINDOW_SECONDS = 1.0
+WINDOW_SECONDS = 0.5
 SETTLE_SECONDS = 0.25
+ORDER = (True, False, False, True)
+"""Windows with appends (True) and without, repeating in this order (mirrored for every other mode): a drift
+over time and any cost of coming first after a pause fall on both sides alike."""
+
+
+def _writer_cpu(writer: Any) -> float:
+    """CPU seconds the writer process has used so far (Linux ``/proc``; 0 for another writer, whose CPU shows
+    in its engine's process)."""
+    child = getattr(writer, "_child", None)
+    if child is None or not os.path.exists(f"/proc/{child.pid}/stat"):
+        return 0.0
+    with open(f"/proc/{child.pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def scheduler_child(args: argparse.Namespace) -> dict[str, Any]:
     """The stand-in scheduler for ``args.seconds``: steps of pure-Python work, a record appended at ``args.rate``.
 
-    With a writer the run alternates windows of :data:`WINDOW_SECONDS` with and without appends (``args.mode``'s
-    parity picks which comes first), separated by an untimed :data:`SETTLE_SECONDS` in which the writer finishes
-    the records already given (without a writer every window runs the same way): the paired windows of one process
-    share its core, its placement and the machine's load at that moment, which separate fresh processes do not."""
+    With a writer the run alternates windows of :data:`WINDOW_SECONDS` with and without appends in the order of
+    :data:`ORDER` (mirrored when ``args.mode`` is odd), each followed by an untimed :data:`SETTLE_SECONDS` in which
+    the writer finishes the records already given (without a writer every window runs the same way): the paired
+    windows of one process share its core, its placement and the machine's load at that moment, which separate
+    fresh processes do not. The writer process's CPU is counted per window and settle: its work must fall in the
+    windows with appends, or the paired ratio would not see it."""
     spec = synthetic_spec(args.layers, 128, 8)
     arrays = _routing(args, seed=1)[:8]
     mode = SCHEDULER_MODES[args.mode]
@@ -167,11 +185,21 @@ def scheduler_child(args: argparse.Namespace) -> dict[str, Any]:
     # CPU the engine process spends outside its loop's thread (a writer's threads, the writer process's reply
     # reader), per window and the settle after it: unlike throughput, CPU time is barely blurred by other load.
     other_cpu = {"with": [0.0, 0.0], "without": [0.0, 0.0]}  # CPU seconds, wall seconds
-    for window in range(max(2, round(args.seconds / WINDOW_SECONDS))):  # every mode runs the same windows
-        paired = (window + args.mode) % 2 == 0  # without a writer: an A/A test, the measurement's own noise
+    writer_cpu = {"with windows": 0.0, "settles after them": 0.0, "without windows and their settles": 0.0}
+    for window in range(max(4, round(args.seconds / WINDOW_SECONDS))):  # every mode runs the same windows
+        # Without a writer: an A/A test, the measurement's own noise.
+        paired = ORDER[window % len(ORDER)] != (args.mode % 2 == 1)
         wall, process, loop = time.perf_counter(), time.process_time(), time.thread_time()
+        child = _writer_cpu(writer)
         run(WINDOW_SECONDS, writer is not None and paired, paired)
+        settle = _writer_cpu(writer)
         time.sleep(SETTLE_SECONDS)
+        done = _writer_cpu(writer)
+        if paired:
+            writer_cpu["with windows"] += settle - child
+            writer_cpu["settles after them"] += done - settle
+        else:
+            writer_cpu["without windows and their settles"] += done - child
         used = other_cpu["with" if paired else "without"]
         used[0] += (time.process_time() - process) - (time.thread_time() - loop)
         used[1] += time.perf_counter() - wall
@@ -188,6 +216,7 @@ def scheduler_child(args: argparse.Namespace) -> dict[str, Any]:
         "append_share": in_append / timed["with"][1] if timed["with"][1] else 0.0,
         "other_threads_cpu_share": other_cpu["with"][0] / other_cpu["with"][1]
         - other_cpu["without"][0] / other_cpu["without"][1],
+        "writer_process_cpu_seconds": writer_cpu,
     }
 
 
@@ -197,6 +226,7 @@ def scheduler_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     paired_cpu: dict[str, list[float]] = {mode: [] for mode in SCHEDULER_MODES}
     append_share: dict[str, list[float]] = {mode: [] for mode in SCHEDULER_MODES}
     other_cpu: dict[str, list[float]] = {mode: [] for mode in SCHEDULER_MODES}
+    child_cpu: dict[str, float] = {}
     for trial in range(args.trials):
         for mode in range(len(SCHEDULER_MODES)):
             command = [sys.executable, __file__, "--scheduler-child", "--mode", str(mode), "--url"]
@@ -208,6 +238,9 @@ def scheduler_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             runs[SCHEDULER_MODES[mode]].append(result["steps_per_second"])
             append_share[SCHEDULER_MODES[mode]].append(result["append_share"])
             other_cpu[SCHEDULER_MODES[mode]].append(result["other_threads_cpu_share"])
+            if SCHEDULER_MODES[mode] == "writer process":
+                for where, seconds in result["writer_process_cpu_seconds"].items():
+                    child_cpu[where] = child_cpu.get(where, 0.0) + seconds
             paired[SCHEDULER_MODES[mode]].append(result["paired_overhead"])
             paired_cpu[SCHEDULER_MODES[mode]].append(result["paired_cpu_overhead"])
     medians = {mode: float(np.median(values)) for mode, values in runs.items()}
@@ -230,6 +263,9 @@ def scheduler_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "paired_cpu_overhead": _writer_medians(paired_cpu),
         "paired_cpu_overhead_trials": paired_cpu,
         "paired_cpu_null_test": _null_test(paired_cpu["no writer"]),
+        "writer_process_cpu_share": {
+            where: seconds / (sum(child_cpu.values()) or 1.0) for where, seconds in child_cpu.items()
+        },
         "append_share": {mode: float(np.median(append_share[mode])) for mode in SCHEDULER_MODES[1:]},
         "engine_cpu_share": {
             mode: float(np.median(append_share[mode]) + np.median(other_cpu[mode])) for mode in SCHEDULER_MODES
@@ -364,6 +400,8 @@ def main() -> None:
                 f"paired windows without a writer (A/A: the noise){name}: {null['median']:.4f} x, "
                 f"trials {low:.4f}-{high:.4f} x"
             )
+        where = ", ".join(f"{100 * share:.0f} % {name}" for name, share in report["writer_process_cpu_share"].items())
+        print(f"the writer process's CPU fell in: {where}")
         if report["pinned"]:
             print("the loop on CPU 0, the writer process on the others (--pin)")
         print(f"goal: {report['goal']}")
