@@ -114,10 +114,13 @@ def _writer_cpu(writer: Any) -> float:
     """CPU seconds the writer process has used so far (Linux ``/proc``; 0 for another writer, whose CPU shows
     in its engine's process)."""
     child = getattr(writer, "_child", None)
-    if child is None or not os.path.exists(f"/proc/{child.pid}/stat"):
+    if child is None:
         return 0.0
-    with open(f"/proc/{child.pid}/stat") as handle:
-        fields = handle.read().rsplit(")", 1)[1].split()
+    try:
+        with open(f"/proc/{child.pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:  # not Linux
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
@@ -235,14 +238,15 @@ def scheduler_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             command += ["--pin"] if args.pin else []
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
             result = json.loads(out.strip().splitlines()[-1])
-            runs[SCHEDULER_MODES[mode]].append(result["steps_per_second"])
-            append_share[SCHEDULER_MODES[mode]].append(result["append_share"])
-            other_cpu[SCHEDULER_MODES[mode]].append(result["other_threads_cpu_share"])
-            if SCHEDULER_MODES[mode] == "writer process":
+            name = SCHEDULER_MODES[mode]
+            runs[name].append(result["steps_per_second"])
+            append_share[name].append(result["append_share"])
+            other_cpu[name].append(result["other_threads_cpu_share"])
+            paired[name].append(result["paired_overhead"])
+            paired_cpu[name].append(result["paired_cpu_overhead"])
+            if name == "writer process":
                 for where, seconds in result["writer_process_cpu_seconds"].items():
                     child_cpu[where] = child_cpu.get(where, 0.0) + seconds
-            paired[SCHEDULER_MODES[mode]].append(result["paired_overhead"])
-            paired_cpu[SCHEDULER_MODES[mode]].append(result["paired_cpu_overhead"])
     medians = {mode: float(np.median(values)) for mode, values in runs.items()}
     base = medians["no writer"]
     return {
