@@ -14,10 +14,11 @@ both paths write the same bytes (``tests/test_ranked.py`` checks it).
 
 Every kernel is ``nopython`` (no Python objects inside), ``nogil`` (readers and writers may run chunks on several
 threads) and ``cache=True``. The first call in a fresh environment compiles (measured on the 2-core development
-machine: about 15 s for chunks of eight uint8 IDs per row, 9 s more for uint16 IDs; once per machine, numba
-version and source of this file, cached beside it in ``__pycache__``); a later process pays about 0.5 s on its
-first chunk, mostly numba's import and start-up, then loads the cached code. :mod:`routelog.ranked` imports this
-module on its first chunk, so ``import routelog`` never pays for numba. A kernel compiles only the side of an
+machine: about 23 s for rows of eight uint8 IDs, the writer's sort, encoding and decoding together, 11 s more for
+uint16 IDs; once per machine, numba version and source of this file, cached beside it in ``__pycache__``); a
+later process pays about 0.5 s on its first chunk, mostly numba's import and start-up, then loads the cached code.
+:mod:`routelog.ranked` imports this module on its first chunk, and :func:`routelog.codec.sort_and_check` on its
+first rows it sorts as bit sets, so ``import routelog`` never pays for numba. A kernel compiles only the side of an
 ``x is None`` test that its argument's type allows (the fast path for words, or the one-ID-at-a-time path), and
 hot loops index arrays directly: a slice or row view per row costs reference counting that measured several times
 the row's own work.
@@ -318,6 +319,24 @@ def _entropy_bits(counts: Any, start: int, stop: int) -> float:
     return bits
 
 
+# -- sorting ----------------------------------------------------------------------------------------------------
+@_compiled()
+def sort_words(words: Any, out: Any, num_experts: int) -> int:
+    """Each row of eight uint8 IDs (one little-endian word of ``words``) sorted ascending into ``out``, for
+    ``num_experts`` <= 64: eight bit sets and eight bit scans per row (:func:`_sorted_lanes`), no comparisons.
+    Stops at the first row holding an ID >= ``num_experts`` or a repeated ID (its bit set then has fewer than
+    eight bits) and returns its index; -1 when every row is a valid set."""
+    mapped = np.empty(256, np.int64)
+    bit_of = np.empty(256, np.uint64)
+    _lane_lookup(np.arange(num_experts), mapped, bit_of)
+    for r in range(words.size):
+        distinct, packed = _sorted_lanes(words[r], mapped, bit_of, True)
+        if not distinct:
+            return r
+        out[r] = packed
+    return -1
+
+
 # -- encoding ---------------------------------------------------------------------------------------------------
 @_compiled()
 def encode_chunk(ids: Any, id_words: Any, num_experts: int) -> tuple[Any, Any, int, int]:
@@ -412,7 +431,7 @@ def _transform(
     hash_bits = 10
     while (1 << hash_bits) < 2 * rows and hash_bits < 16:
         hash_bits += 1
-    seen = np.full(1 << hash_bits, -1, np.int64)  # row hash -> its latest unique row (direct mapped)
+    seen = np.empty(0, np.int64)  # row hash -> its latest unique row (direct mapped), filled when first needed
     if id_words is not None:  # (numba compiles only one side of each such test: its argument's type decides)
         gap_words = gaps.reshape(gaps.size).view(np.uint64)
         seen_words = np.empty(1 << hash_bits, np.uint64)
@@ -464,6 +483,8 @@ def _transform(
             literals[:] = 0
         # 3. Rows seen earlier in the layer (zstd matches them), and for a skewed layer both transforms' literals
         # (the gaps of the rows seen first, on a sample of them).
+        if seen.size == 0:  # near-uniform chunks never get here: they skip filling the table
+            seen = np.full(1 << hash_bits, -1, np.int64)
         runs = 0
         novel = 0
         previous_match = -2
@@ -641,15 +662,28 @@ def _ranked_row(gaps: Any, i: int, rank_of: Any, num_bits: int, masks: Any, valu
 
 # -- decoding ---------------------------------------------------------------------------------------------------
 @_compiled()
-def decode_chunk(gap_bytes: Any, rest: Any, num_experts: int, out: Any, out_words: Any) -> tuple[int, int]:
-    """IDs into ``out`` ``[L, R, K]`` (uint8 or uint16; each layer's rows contiguous, the layers anywhere: a
-    reader's block takes a chunk in place) from a chunk's decompressed sections: ``gap_bytes`` (``U * K`` IDs'
-    worth, U from the trailer: the caller checked that) and ``rest``.
+def decode_chunk(
+    gap_bytes: Any,
+    rest: Any,
+    num_experts: int,
+    layers: int,
+    rows: int,
+    out: Any,
+    out_words: Any,
+    first_layer: int,
+    first_row: int,
+) -> tuple[int, int]:
+    """IDs of a window of a ``layers x rows`` chunk into ``out`` ``[Lw, Rw, K]``: the chunk's layers from
+    ``first_layer`` and rows from ``first_row`` (the caller checked the window lies inside the chunk; uint8 or
+    uint16; each layer's rows contiguous, the layers anywhere: a reader's block takes its overlap with a chunk in
+    place). From a chunk's decompressed sections: ``gap_bytes`` (``U * K`` IDs' worth, U from the trailer: the
+    caller checked that) and ``rest``. Layers outside the window are skipped, and only the unique rows the
+    window's rows expand from are decoded.
 
-    ``out_words``: ``out`` as one uint64 word per row, ``[L, R]`` (rows of eight uint8 IDs), or None. Returns
+    ``out_words``: ``out`` as one uint64 word per row, ``[Lw, Rw]`` (rows of eight uint8 IDs), or None. Returns
     (status, detail): :data:`OK`, or what is wrong with the payload.
     """
-    layers, rows, k = out.shape
+    window_layers, window_rows, k = out.shape
     itemsize = out.itemsize
     # The rest section: its parts must add up to its size, and its indices stay inside the chunk.
     trailer = rest.size - layers - 9
@@ -687,10 +721,10 @@ def decode_chunk(gap_bytes: Any, rest: Any, num_experts: int, out: Any, out_word
     for n in range(n_exceptions):
         if _get(rest, listed + n * entry, 4) >= total:
             return EXCEPTION_RANGE, n
-    # The rows, layer by layer.
+    # The window's rows, layer by layer.
     if out_words is not None:
         gap_words = gap_bytes.view(np.uint64)
-        decoded = np.empty(rows, np.uint64)  # a layer's unique rows, before repeats expand them
+        decoded = np.empty(window_rows + 1, np.uint64)  # the unique rows the window expands from
     num_bits = _mask_bits(num_experts)
     masks = np.zeros(max(1, num_bits >> 6), np.uint64)
     mapped = np.empty(256, np.int64)
@@ -699,23 +733,33 @@ def decode_chunk(gap_bytes: Any, rest: Any, num_experts: int, out: Any, out_word
     values = np.empty(k, np.int64)
     high = total * k if itemsize == 2 else 0  # where the high-byte plane starts
     wrap = (1 << (8 * itemsize)) - 1
-    u = 0
+    stop_row = first_row + window_rows
+    u = 0  # the layer's first unique row
     bitmap = -per_bitmap
     ranked = tables - num_experts * itemsize
     for j in range(layers):
         mode = rest[trailer + j]
         bitmap += per_bitmap if mode & 2 else 0
+        ranked += num_experts * itemsize if mode & 1 else 0
+        start = u
+        u += layer_unique[j]
+        jw = j - first_layer
+        if jw < 0 or jw >= window_layers or window_rows == 0:
+            continue
         bits = rest[bitmap : bitmap + per_bitmap] if mode & 2 else rest[0:0]
         if mode & 1:
-            ranked += num_experts * itemsize
             for e in range(num_experts):
                 table[e] = _get(rest, ranked + e * itemsize, itemsize)
+        # The layer's unique rows [lo, hi) that rows [first_row, stop_row) expand from: from the one the first row
+        # repeats (when it is a repeat) to the last one at or before the last row.
+        starts_repeat = _repeat_bit(bits, first_row)
+        lo = first_row - _repeats_before(bits, first_row) - starts_repeat
+        hi = stop_row - _repeats_before(bits, stop_row)
         if out_words is not None:
-            layer = out_words[j]  # views: plain indices let the compiler vectorise
-            source = gap_words[u : u + layer_unique[j]]
-            u += layer_unique[j]
+            layer = out_words[jw]  # views: plain indices let the compiler vectorise
+            source = gap_words[start + lo : start + hi]
             if mode == 0:  # plain, no repeats: straight into the output
-                for r in range(rows):
+                for r in range(window_rows):
                     layer[r] = _word_ids(source[r])
                 continue
             unique_rows = decoded[: source.size]
@@ -724,9 +768,8 @@ def decode_chunk(gap_bytes: Any, rest: Any, num_experts: int, out: Any, out_word
                 for i in range(source.size):
                     distinct, word = _sorted_lanes(_word_ids(source[i]), mapped, bit_of, num_experts <= 64)
                     if not distinct:
-                        if _decode_row(
-                            gap_bytes, u - source.size + i, 0, 255, table, True, num_experts, num_bits, masks, values
-                        ):
+                        row = start + lo + i
+                        if _decode_row(gap_bytes, row, 0, 255, table, True, num_experts, num_bits, masks, values):
                             return RANK_RANGE, j
                         word = _pack(values)
                     unique_rows[i] = word
@@ -736,27 +779,53 @@ def decode_chunk(gap_bytes: Any, rest: Any, num_experts: int, out: Any, out_word
             if not mode & 2:
                 layer[:] = unique_rows
                 continue
-            word = np.uint64(0)  # branch-free: keep the row before, or take the next unique one
-            i = 0
-            for r in range(rows):
-                repeat = (int(bits[r >> 3]) >> (7 - (r & 7))) & 1
+            word = unique_rows[0]  # branch-free: keep the row before, or take the next unique one
+            i = starts_repeat
+            for r in range(window_rows):
+                row = first_row + r
+                repeat = (int(bits[row >> 3]) >> (7 - (row & 7))) & 1
                 word = word if repeat else unique_rows[min(i, source.size - 1)]
                 layer[r] = word
                 i += 1 - repeat
             continue
-        for r in range(rows):
-            if bits.size and (bits[r >> 3] >> (7 - (r & 7))) & 1:
-                for c in range(k):
-                    out[j, r, c] = out[j, r - 1, c]
-                continue
-            if _decode_row(gap_bytes, u, high, wrap, table, mode & 1, num_experts, num_bits, masks, values):
+        next_unique = start + lo  # one ID at a time: ``values`` holds the row a repeat keeps
+        if starts_repeat:
+            if _decode_row(gap_bytes, next_unique, high, wrap, table, mode & 1, num_experts, num_bits, masks, values):
                 return RANK_RANGE, j
+            next_unique += 1
+        for r in range(window_rows):
+            if not _repeat_bit(bits, first_row + r):
+                if _decode_row(
+                    gap_bytes, next_unique, high, wrap, table, mode & 1, num_experts, num_bits, masks, values
+                ):
+                    return RANK_RANGE, j
+                next_unique += 1
             for c in range(k):
-                out[j, r, c] = values[c]
-            u += 1
+                out[jw, r, c] = values[c]
     if n_exceptions:
-        _apply_exceptions(rest, trailer, per_bitmap, listed, n_exceptions, out)
+        _apply_exceptions(rest, trailer, per_bitmap, listed, n_exceptions, layers, rows, out, first_layer, first_row)
     return OK, 0
+
+
+@_compiled(inline=True)
+def _repeat_bit(bits: Any, row: int) -> int:
+    """1 when ``row`` repeats the row before it (its bit in a layer's repeat bitmap ``bits``; none when empty)."""
+    if bits.size == 0 or row >> 3 >= bits.size:
+        return 0
+    return (int(bits[row >> 3]) >> (7 - (row & 7))) & 1
+
+
+@_compiled(inline=True)
+def _repeats_before(bits: Any, row: int) -> int:
+    """How many of the rows before ``row`` repeat the row before them (set bits of the bitmap before ``row``'s)."""
+    if bits.size == 0:
+        return 0
+    count = 0
+    for byte in range(row >> 3):
+        count += int(_popcount(np.uint64(bits[byte])))
+    if row & 7 and row >> 3 < bits.size:
+        count += int(_popcount(np.uint64(int(bits[row >> 3]) & ((0xFF00 >> (row & 7)) & 0xFF))))
+    return count
 
 
 @_compiled(inline=True)
@@ -793,9 +862,21 @@ def _decode_row(
 
 
 @_compiled()
-def _apply_exceptions(rest: Any, trailer: int, per_bitmap: int, listed: int, n_exceptions: int, out: Any) -> None:
-    """Overwrite the exceptions' unique rows (the last listing of a row wins) and the repeats that follow them."""
-    layers, rows, k = out.shape
+def _apply_exceptions(
+    rest: Any,
+    trailer: int,
+    per_bitmap: int,
+    listed: int,
+    n_exceptions: int,
+    layers: int,
+    rows: int,
+    out: Any,
+    first_layer: int,
+    first_row: int,
+) -> None:
+    """Overwrite the exceptions' unique rows (the last listing of a row wins) and the repeats that follow them,
+    where they fall in the window ``out`` of the chunk (see :func:`decode_chunk`)."""
+    window_layers, window_rows, k = out.shape
     itemsize = out.itemsize
     entry = 4 + k * itemsize
     exception_of = np.full(rows * layers, -1, np.int64)
@@ -806,15 +887,13 @@ def _apply_exceptions(rest: Any, trailer: int, per_bitmap: int, listed: int, n_e
     for j in range(layers):
         repeats = rest[trailer + j] & 2
         bitmap += per_bitmap if repeats else 0
+        jw = j - first_layer
+        inside = 0 <= jw < window_layers
         listed_row = -1
         for r in range(rows):
-            if repeats and (rest[bitmap + (r >> 3)] >> (7 - (r & 7))) & 1:
-                if listed_row >= 0:
-                    for c in range(k):
-                        out[j, r, c] = out[j, r - 1, c]
-                continue
-            listed_row = exception_of[u]
-            if listed_row >= 0:
+            if not (repeats and (rest[bitmap + (r >> 3)] >> (7 - (r & 7))) & 1):
+                listed_row = exception_of[u]  # a unique row; a repeat keeps the listing of the row before
+                u += 1
+            if listed_row >= 0 and inside and first_row <= r < first_row + window_rows:
                 for c in range(k):
-                    out[j, r, c] = _get(rest, listed + listed_row * entry + 4 + c * itemsize, itemsize)
-            u += 1
+                    out[jw, r - first_row, c] = _get(rest, listed + listed_row * entry + 4 + c * itemsize, itemsize)

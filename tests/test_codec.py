@@ -116,6 +116,51 @@ def test_sort_and_check_names_the_first_bad_row(row: list[int], experts: int, ki
     assert problem.values == tuple(row)
 
 
+@pytest.mark.parametrize("experts", [8, 9, 63, 64])
+def test_bit_set_sort_agrees_with_the_network(experts: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rows of eight uint8 IDs below 65 sort in the compiled bit-set kernel; every answer must be the network's:
+    # the sorted rows, and the first bad row (a repeat, or an ID past the universe) at any lane.
+    from routelog import codec
+
+    rng = np.random.default_rng(experts)
+    rows = np.stack([rng.choice(experts, size=8, replace=False) for _ in range(3000)]).astype(np.uint8)
+    cases: list[tuple[np.ndarray, int | None]] = [(rows, None)]
+    for lane in range(8):
+        repeated = rows.copy()
+        repeated[1700 + lane, lane] = repeated[1700 + lane, (lane + 3) % 8]
+        repeated[2500] = repeated[2500, 0]  # a later bad row: the first one is named
+        past = rows.copy()
+        past[900 + lane, lane] = experts + lane
+        cases += [(repeated, 1700 + lane), (past, 900 + lane)]
+    for case, first_bad in cases:
+        assert codec._sorts_as_bit_sets(case, experts)
+        fast, fast_problem = sort_and_check(case, experts)
+        with monkeypatch.context() as patch:
+            patch.setattr(codec, "_BIT_SET_EXPERTS", 0)
+            slow, slow_problem = sort_and_check(case, experts)
+        assert fast_problem == slow_problem
+        assert (slow_problem.row if slow_problem else None) == first_bad
+        if first_bad is None:
+            np.testing.assert_array_equal(fast, slow)
+
+
+def test_bit_set_sort_takes_only_aligned_rows_of_eight_small_ids() -> None:
+    from routelog import codec
+
+    rows = np.tile(np.arange(8, dtype=np.uint8), (16, 1))
+    assert codec._sorts_as_bit_sets(rows, 64)
+    assert not codec._sorts_as_bit_sets(rows, 65)
+    assert not codec._sorts_as_bit_sets(rows[:, :6], 64)
+    assert not codec._sorts_as_bit_sets(rows.astype(np.uint16), 64)
+    buffer = np.zeros(16 * 8 + 8, np.uint8)
+    unaligned = buffer[1 : 1 + 16 * 8].reshape(16, 8)
+    unaligned[...] = rows
+    assert not codec._sorts_as_bit_sets(unaligned, 64)
+    ordered, problem = sort_and_check(unaligned, 64)  # the network takes it
+    assert problem is None
+    np.testing.assert_array_equal(ordered, rows)
+
+
 def test_layer_major_is_the_transpose() -> None:
     rng = np.random.default_rng(1)
     for dtype, k in [(np.uint8, 8), (np.uint16, 8), (np.uint8, 6), (np.int64, 4), (np.uint8, 1)]:
