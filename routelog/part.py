@@ -470,13 +470,13 @@ def fetch_blocks(
                 cr0 = chunk.row_chunk * layout_.chunk_rows
                 ls, le = max(l0, cl0), min(l1, cl0 + layout_.chunk_layers)
                 rs, re_ = max(r0, cr0), min(r1, cr0 + layout_.chunk_rows)
-                # A ranked chunk the request covers whole decodes straight into the block (each layer's rows are
-                # contiguous there): no copy.
-                whole = (ls, le, rs, re_) == (cl0, cl0 + layout_.chunk_layers, cr0, cr0 + layout_.chunk_rows)
-                in_place = layout_.ranked and whole
+                # A ranked chunk decodes its overlap with the request straight into the block (each layer's rows
+                # are contiguous there): no copy, and no work for its layers and rows outside the request.
+                in_place = layout_.ranked
                 target = block[ls - l0 : le - l0, rs - r0 : re_ - r0] if in_place else ids if direct else raw
+                window = ((ls - cl0, le - cl0), (rs - cr0, re_ - cr0)) if in_place else None
                 try:
-                    decode_chunk(pieces[(read.key, chunk.start)], layout_, out=target)
+                    decode_chunk(pieces[(read.key, chunk.start)], layout_, out=target, window=window)
                 except ShardFormatError as exc:
                     raise CorruptDataError(
                         f"{storage.url_of(read.key)}: inner chunk rows [{cr0}, {cr0 + layout_.chunk_rows}) "

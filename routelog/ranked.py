@@ -30,9 +30,11 @@ The per-row work of both directions runs in compiled kernels (:mod:`routelog._ke
 pass finds the repeats, checks each row and takes its gaps, and, for skewed layers, counts the load, estimates
 both transforms and relabels; the sections are assembled there too. Decoding is one pass per layer that takes the
 prefix sums, maps and sorts ranked rows, applies exceptions and expands repeats straight into the output; it
-checks every count and index the sections give before using them. Python here compresses and decompresses the
-two frames, refusing a frame that declares more than a chunk can hold before decoding it. A process's first chunk
-imports numba and loads the compiled kernels (about 0.5 s; the very first, in a fresh environment, compiles them).
+checks every count and index the sections give before using them. A reader may ask for a window of the chunk (its
+overlap with a request): layers outside it are skipped and only the unique rows its rows expand from are decoded.
+Python here compresses and decompresses the two frames, refusing a frame that declares more than a chunk can hold
+before decoding it. A process's first chunk imports numba and loads the compiled kernels (about 0.5 s; the very
+first, in a fresh environment, compiles them).
 """
 
 from __future__ import annotations
@@ -70,13 +72,19 @@ def encode(ids: npt.NDArray[Any], num_experts: int, *, level: int = 3) -> bytes:
     Every row is checked (in the pass that takes its gaps, at no measurable cost) and a row that is no valid top-k
     set is kept as an exception.
     """
+    return b"".join(encode_pieces(ids, num_experts, level=level))
+
+
+def encode_pieces(ids: npt.NDArray[Any], num_experts: int, *, level: int = 3) -> list[bytes]:
+    """:func:`encode`'s bytes in the pieces they join from (the gaps frame's size, both frames), for a caller that
+    joins them into a larger object once."""
     gaps, rest, matching = _sections(ids, num_experts)
     # On near-uniform gaps zstd's match finder costs more than it finds, erratically across levels (measured for
     # E = 64: level 3 +1.5 %, level 5 +11 % over level 1); where rows repeat earlier ones, the configured level's
     # larger tables find the matches level 1 forgets (corpus: 4 % smaller at level 3). The rest, mostly repeat
     # bitmaps, is smaller and faster at level 1 (corpus: 1.7 % smaller than at level 3).
     first = zstd_frames.compress(gaps, level if matching else 1)
-    return b"".join([len(first).to_bytes(4, "little"), first, zstd_frames.compress(rest, 1)])
+    return [len(first).to_bytes(4, "little"), first, zstd_frames.compress(rest, 1)]
 
 
 def _sections(ids: npt.NDArray[Any], num_experts: int) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], bool]:
@@ -127,19 +135,33 @@ def _max_rest_nbytes(shape: tuple[int, int, int], itemsize: int, num_experts: in
     return layers * (math.ceil(rows / 8) + num_experts * itemsize) + layers * rows * (4 + k * itemsize) + layers + 9
 
 
+Window = tuple[tuple[int, int], tuple[int, int]]
+"""``((first_layer, stop_layer), (first_row, stop_row))``: the part of a chunk to decode."""
+
+
 def decode(
     payload: bytes | memoryview | npt.NDArray[np.uint8],
     shape: tuple[int, int, int],
     dtype: np.dtype[Any],
     num_experts: int,
     out: npt.NDArray[Any] | None = None,
+    window: Window | None = None,
 ) -> npt.NDArray[Any]:
-    """IDs ``shape`` = ``[layers, rows, K]`` from :func:`encode`'s payload, into ``out`` when given (each layer's
-    rows contiguous: a reader's block may take the chunk in place); raises :class:`RankedFormatError`."""
+    """IDs of the chunk ``shape`` = ``[layers, rows, K]`` from :func:`encode`'s payload: all of them, or those of
+    ``window`` (layers and rows inside the chunk; the kernel skips the layers outside it and decodes only the
+    unique rows its rows expand from), into ``out`` when given (the window's shape, each layer's rows contiguous:
+    a reader's block takes its overlap with the chunk in place); raises :class:`RankedFormatError`."""
     from routelog import _kernels  # numba loads on the first chunk, not on ``import routelog``
 
     layers, rows, k = shape
     dtype = _native(np.dtype(dtype))
+    (l0, l1), (r0, r1) = window or ((0, layers), (0, rows))
+    if not (0 <= l0 <= l1 <= layers and 0 <= r0 <= r1 <= rows):
+        raise ValueError(f"window {window} is not inside a chunk of {layers} x {rows}")
+    wanted = (l1 - l0, r1 - r0, k)
+    target = np.empty(wanted, dtype=dtype) if out is None else out
+    if target.shape != wanted or target.dtype != dtype or not (target.size == 0 or target[0].flags.c_contiguous):
+        raise ValueError(f"out must be a {dtype} array of shape {wanted} whose layers' rows are contiguous")
     stored = np.frombuffer(payload, dtype=np.uint8)
     if stored.size < 4:
         raise RankedFormatError(f"a chunk of {stored.size} bytes")
@@ -153,10 +175,7 @@ def decode(
     if total > layers * rows:
         raise RankedFormatError(f"{total} unique rows in a chunk of {layers} x {rows}")
     gaps = _decompress(stored[4 : 4 + first], total * k * dtype.itemsize, "gaps", exact=True)
-    target = np.empty(shape, dtype=dtype) if out is None else out
-    if target.shape != shape or target.dtype != dtype or not (target.size == 0 or target[0].flags.c_contiguous):
-        raise ValueError(f"out must be a {dtype} array of shape {shape} whose layers' rows are contiguous")
-    status, detail = _kernels.decode_chunk(gaps, rest, num_experts, target, _layer_words(target))
+    status, detail = _kernels.decode_chunk(gaps, rest, num_experts, layers, rows, target, _layer_words(target), l0, r0)
     if status != _kernels.OK:
         raise RankedFormatError(
             _kernels.PROBLEMS[status].format(detail=detail, size=rest.size, total=total, E=num_experts)

@@ -157,10 +157,12 @@ class ShardLayout:
         }
 
 
-def _crc(data: bytes | memoryview) -> bytes:
-    # google_crc32c takes bytes or numpy arrays (zero-copy), not memoryviews.
-    buffer = np.frombuffer(data, dtype=np.uint8) if isinstance(data, memoryview) else data
-    return int(google_crc32c.value(buffer)).to_bytes(4, "little")
+def _crc(*pieces: bytes | memoryview) -> bytes:
+    """The crc32c of the pieces' bytes joined, as zarr stores it (little-endian)."""
+    crc = 0
+    for data in pieces:  # google_crc32c takes bytes or numpy arrays (zero-copy), not memoryviews
+        crc = google_crc32c.extend(crc, np.frombuffer(data, dtype=np.uint8) if isinstance(data, memoryview) else data)
+    return int(crc).to_bytes(4, "little")
 
 
 def encode_shards(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int) -> dict[str, bytes]:
@@ -187,16 +189,17 @@ def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int)
                 block = _padded(block, layout)
             block = np.ascontiguousarray(block, dtype=dtype)
             if layout.ranked:
-                payload = ranked.encode(block, layout.num_experts, level=zstd_level)
+                payload = ranked.encode_pieces(block, layout.num_experts, level=zstd_level)
             else:
                 if layout.planes > 1:
                     block = np.ascontiguousarray(
                         np.moveaxis(block.view(np.uint8).reshape(*layout.chunk_shape, layout.planes), 3, 0)
                     )
-                payload = zstd_frames.compress(block, zstd_level)
-            pieces += [payload, _crc(payload)]  # joined once, below: no copy per chunk
-            index[lc, rc] = (offset, len(payload) + 4)
-            offset += len(payload) + 4
+                payload = [zstd_frames.compress(block, zstd_level)]
+            pieces += [*payload, _crc(*payload)]  # joined once, below: no copy per chunk
+            nbytes = sum(len(piece) for piece in payload) + 4
+            index[lc, rc] = (offset, nbytes)
+            offset += nbytes
     index_bytes = index.tobytes()
     return b"".join([index_bytes, _crc(index_bytes), *pieces])
 
@@ -204,12 +207,19 @@ def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int)
 def _padded(block: npt.NDArray[Any], layout: ShardLayout) -> npt.NDArray[Any]:
     """An edge chunk grown to the chunk shape: with the fill value 0 in format 1 (as zarr writes it); with the last
     row repeated (and rows ``0..K-1`` in padding layers) for the ranked codec, where that costs a repeat bit."""
-    padded = np.zeros(layout.chunk_shape, dtype=block.dtype)
     layers, rows = block.shape[:2]
+    if not layout.ranked:
+        padded = np.zeros(layout.chunk_shape, dtype=block.dtype)
+        padded[:layers, :rows] = block
+        return padded
+    padded = np.empty(layout.chunk_shape, dtype=block.dtype)
     padded[:layers, :rows] = block
-    if layout.ranked:
-        padded[layers:] = np.arange(layout.topk, dtype=block.dtype)
-        padded[:layers, rows:] = block[:, -1:] if rows else np.arange(layout.topk, dtype=block.dtype)
+    # Whole rows move as one K-byte item each (a broadcast of a [K] row costs ~7x more per chunk).
+    row = np.dtype((np.void, layout.topk * block.dtype.itemsize))
+    first_ids = np.arange(layout.topk, dtype=block.dtype).view(row)[0]
+    padded.view(row)[layers:] = first_ids
+    if rows < padded.shape[1]:
+        padded.view(row)[:layers, rows:] = block.view(row)[:, -1:] if rows else first_ids
     return padded
 
 
@@ -253,23 +263,28 @@ def decode_shard_index(data: bytes, layout: ShardLayout, shard_nbytes: int) -> n
 
 
 def decode_chunk(
-    piece: bytes | memoryview, layout: ShardLayout, out: npt.NDArray[Any] | None = None
+    piece: bytes | memoryview,
+    layout: ShardLayout,
+    out: npt.NDArray[Any] | None = None,
+    window: ranked.Window | None = None,
 ) -> npt.NDArray[Any]:
-    """One inner chunk ``[chunk_layers, chunk_rows, topk]`` in the native dtype, checksum verified.
+    """One inner chunk ``[chunk_layers, chunk_rows, topk]`` in the native dtype, checksum verified; of a ranked
+    array, only the chunk's ``window`` when given (:func:`routelog.ranked.decode`).
 
-    ``out`` (of the chunk's shape and dtype; C-contiguous, or for ranked arrays each layer's rows contiguous, such
-    as a chunk-sized window of a reader's block) receives the values without an allocation.
+    ``out`` (of the chunk's, or the window's, shape and dtype; C-contiguous, or for ranked arrays each layer's rows
+    contiguous, such as a window of a reader's block) receives the values without an allocation.
     """
     view = memoryview(piece)
     if len(view) < 5 or _crc(view[:-4]) != bytes(view[-4:]):
         raise ShardFormatError("inner chunk checksum mismatch")
-    target = np.empty(layout.chunk_shape, dtype=layout.dtype) if out is None else out
     if layout.ranked:
         try:
-            ranked.decode(view[:-4], layout.chunk_shape, layout.dtype, layout.num_experts, out=target)
+            return ranked.decode(view[:-4], layout.chunk_shape, layout.dtype, layout.num_experts, out, window)
         except ranked.RankedFormatError as exc:
             raise ShardFormatError(str(exc)) from exc
-        return target
+    if window is not None:
+        raise ValueError("only ranked chunks decode a window")
+    target = np.empty(layout.chunk_shape, dtype=layout.dtype) if out is None else out
     size = math.prod(layout.chunk_shape) * layout.planes
     if layout.planes == 1:
         _decompress(view[:-4], target.reshape(-1), size)

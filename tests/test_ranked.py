@@ -191,7 +191,7 @@ def test_rows_as_words_store_what_rows_one_id_at_a_time_store(
         out = np.empty_like(ids)
         gaps, rest = words[0].copy(), words[1]
         out_words = ranked._layer_words(out) if as_words else None
-        assert _kernels.decode_chunk(gaps, rest, experts, out, out_words) == (_kernels.OK, 0)
+        assert _kernels.decode_chunk(gaps, rest, experts, *ids.shape[:2], out, out_words, 0, 0) == (_kernels.OK, 0)
         np.testing.assert_array_equal(out, ids)
 
 
@@ -209,6 +209,63 @@ def test_a_chunk_decodes_in_place_into_a_window_of_a_larger_block(experts: int, 
     assert (block[untouched] == 7).all(), "nothing outside the window is written"
     with pytest.raises(ValueError, match="rows are contiguous"):
         ranked.decode(ranked.encode(ids, experts), ids.shape, ids.dtype, experts, out=block[1:4, 20:70:1, ::-1])
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layers=st.integers(1, 4),
+    rows=st.integers(1, 200),
+    shape=st.sampled_from([(64, 8), (256, 8), (300, 4), (1024, 8)]),
+    skew=st.sampled_from([0.0, 3.0]),
+    repeat=st.sampled_from([0.0, 0.6, 0.97]),
+    n_bad=st.integers(0, 4),
+    as_words=st.booleans(),
+    data=st.data(),
+)
+def test_a_window_decodes_to_that_part_of_the_chunk(
+    layers: int,
+    rows: int,
+    shape: tuple[int, int],
+    skew: float,
+    repeat: float,
+    n_bad: int,
+    as_words: bool,
+    data: st.DataObject,
+) -> None:
+    """Any window of layers and rows (one starting or ending on a repeat, in a ranked or plain layer, over
+    exceptions and the repeats that follow them) decodes to exactly that part of the chunk, on both kernel paths,
+    and writes nothing outside ``out``."""
+    experts, k = shape
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    ids = _with_bad_rows(rng, _routing(rng, layers, rows, experts, k, skew, repeat), n_bad)
+    for j, r in rng.integers(0, [layers, rows], size=(n_bad, 2)):  # repeats of exceptions
+        ids[j, r:] = ids[j, r]
+        ids[j, min(rows - 1, r + 3) :] = ids[j, -1]
+    l0 = data.draw(st.integers(0, layers - 1))
+    l1 = data.draw(st.integers(l0 + 1, layers))
+    r0 = data.draw(st.integers(0, rows - 1))
+    r1 = data.draw(st.integers(r0, rows))
+    payload = ranked.encode(ids, experts)
+    buffer = np.full((l1 - l0 + 1, r1 - r0 + 2, k), 7, ids.dtype)
+    out = buffer[: l1 - l0, 1 : r1 - r0 + 1]
+    with pytest.MonkeyPatch.context() as patch:
+        if not as_words:
+            patch.setattr(ranked, "_layer_words", lambda out: None)
+        ranked.decode(payload, ids.shape, ids.dtype, experts, out=out, window=((l0, l1), (r0, r1)))
+    np.testing.assert_array_equal(out, ids[l0:l1, r0:r1])
+    untouched = np.ones(buffer.shape[:2], bool)
+    untouched[: l1 - l0, 1 : r1 - r0 + 1] = False
+    assert (buffer[untouched] == 7).all()
+
+
+def test_a_window_outside_the_chunk_or_a_mismatched_out_is_refused() -> None:
+    ids = _routing(np.random.default_rng(5), 2, 40, 64, 8, 3.0, 0.5)
+    payload = ranked.encode(ids, 64)
+    for window in [((0, 3), (0, 40)), ((1, 0), (0, 40)), ((0, 2), (10, 41)), ((0, 2), (-1, 5))]:
+        with pytest.raises(ValueError, match="not inside a chunk"):
+            ranked.decode(payload, ids.shape, ids.dtype, 64, window=window)
+    with pytest.raises(ValueError, match="shape"):
+        ranked.decode(payload, ids.shape, ids.dtype, 64, out=np.empty((2, 40, 8), ids.dtype), window=((0, 1), (0, 40)))
 
 
 @pytest.mark.parametrize(("experts", "k"), [(64, 8), (300, 4), (4, 8)])
