@@ -20,16 +20,20 @@ What bounds routelog's format-2 speed (one core): the whole-array frame finds ma
 GRPO prompts repeat in record order; a real store keeps them once through shared prefixes) that per-chunk frames
 cannot, so on the corpus zstd on routelog's gaps frames alone decodes slower than that reference; the compiled
 kernels (``routelog._kernels``) and, on encode, the writer's sort and checks (``sort_and_check``) come on top.
-Every layout runs once untimed first (routelog's kernels load, or compile, on their first chunk).
+Every layout runs once untimed first (routelog's kernels load, or compile, on their first chunk). The speed ratios
+are paired (:func:`paired_speed`): routelog and both references timed back to back in each of ``--rounds`` rounds,
+the median round's ratio reported with the range; the MB/s columns come from the first, unpaired pass.
 
     python tools/bench_codec.py [--json] [--quick] [--corpus tests/fixtures/corpus/qwen3moe ...]
                                 [--tokens T --layers L --experts E --topk K --skew S --locality P]
+                                [--repeats N --rounds N]
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import hashlib
 import io
 import json
@@ -189,8 +193,10 @@ def measure_routing(ids: np.ndarray, num_experts: int, args: argparse.Namespace)
     token_layers = tokens * layers
     zstd = Zstd(level=3)
     results: dict[str, dict[str, float]] = {}
+    codecs: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {}
 
     def measure(name: str, encode: Callable[[], Any], decode: Callable[[Any], Any], size: Callable[[Any], int]) -> None:
+        codecs[name] = (encode, decode)
         decode(encode())  # untimed warm-up: routelog's compiled kernels load (or compile) on their first chunk
         t_enc, encoded = best_time(encode, args.repeats)
         t_dec, decoded = best_time(lambda: decode(encoded), args.repeats)
@@ -256,7 +262,7 @@ def measure_routing(ids: np.ndarray, num_experts: int, args: argparse.Namespace)
 
     bound = entropy_bound_bytes(num_experts, topk)
     estimate = entropy_estimate(raw, num_experts)
-    base, per_chunk = results["zstd-3 raw uint8"], results["zstd-3 per inner chunk"]
+    speed = paired_speed(codecs, ("routelog", "zstd-3 raw uint8", "zstd-3 per inner chunk"), args)
     ours = results["routelog"]
     return {
         "shape": {"tokens": tokens, "layers": layers, "experts": num_experts, "topk": topk},
@@ -268,13 +274,41 @@ def measure_routing(ids: np.ndarray, num_experts: int, args: argparse.Namespace)
             "routelog_size_vs_estimate": ours["bytes_per_token_layer"] / estimate,
             "v1_size_vs_v2": results["routelog v1 (sorted_gaps)"]["bytes_per_token_layer"]
             / ours["bytes_per_token_layer"],
-            "routelog_encode_vs_zstd3": ours["encode_MBps"] / base["encode_MBps"],
-            "routelog_decode_vs_zstd3": ours["decode_MBps"] / base["decode_MBps"],
-            "routelog_encode_vs_zstd3_per_chunk": ours["encode_MBps"] / per_chunk["encode_MBps"],
-            "routelog_decode_vs_zstd3_per_chunk": ours["decode_MBps"] / per_chunk["decode_MBps"],
+            **{name: rounds["median"] for name, rounds in speed.items()},
             "score_order_size_vs_sorted": results["routelog --topk-order score"]["bytes_per_token_layer"]
             / ours["bytes_per_token_layer"],
         },
+        "paired_speed": speed,
+    }
+
+
+SPEED_RATIOS = {
+    "routelog_encode_vs_zstd3": ("encode", "zstd-3 raw uint8"),
+    "routelog_decode_vs_zstd3": ("decode", "zstd-3 raw uint8"),
+    "routelog_encode_vs_zstd3_per_chunk": ("encode", "zstd-3 per inner chunk"),
+    "routelog_decode_vs_zstd3_per_chunk": ("decode", "zstd-3 per inner chunk"),
+}
+
+
+def paired_speed(
+    codecs: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]], names: tuple[str, ...], args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """The speed ratios of routelog (``names[0]``) to each zstd-3 reference, paired: ``--rounds`` rounds, each
+    timing every layout (best of ``--repeats``) back to back, in an order that reverses every round, and taking
+    the ratios of that round. This host's speed drifts by 10 to 30 % between moments; timed seconds apart, in
+    the same round, the layouts see the same host. Reports the median round and the range."""
+    times: dict[str, list[float]] = {name: [] for name in SPEED_RATIOS}
+    for round_ in range(args.rounds):
+        seconds: dict[tuple[str, str], float] = {}
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            encode, decode = codecs[name]
+            seconds[name, "encode"], encoded = best_time(encode, args.repeats)
+            seconds[name, "decode"], _ = best_time(functools.partial(decode, encoded), args.repeats)
+        for ratio, (direction, reference) in SPEED_RATIOS.items():
+            times[ratio].append(seconds[reference, direction] / seconds[names[0], direction])
+    return {
+        ratio: {"median": float(np.median(values)), "min": min(values), "max": max(values), "rounds": values}
+        for ratio, values in times.items()
     }
 
 
@@ -360,10 +394,11 @@ def main() -> None:
     parser.add_argument("--chunk-rows", type=int, default=PartOptions.chunk_rows)
     parser.add_argument("--chunk-layers", type=int, default=PartOptions.chunk_layers)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7, help="paired rounds for the speed ratios")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.quick:
-        args.tokens, args.layers, args.repeats = 2048, 8, 1
+        args.tokens, args.layers, args.repeats, args.rounds = 2048, 8, 1, 1
     report = run(args)
     if args.json:
         print(json.dumps(report, indent=1))
@@ -379,7 +414,9 @@ def main() -> None:
         for layout, r in data["results"].items():
             print(f"{layout:30s} {r['bytes_per_token_layer']:14.3f} {r['encode_MBps']:10.0f} {r['decode_MBps']:10.0f}")
         for key, value in data["ratios"].items():
-            print(f"  {key:32s} {value:.3f}")
+            rounds = data["paired_speed"].get(key)
+            spread = f"  (paired rounds {rounds['min']:.3f} to {rounds['max']:.3f})" if rounds else ""
+            print(f"  {key:32s} {value:.3f}{spread}")
         if "writers" in data:
             w = data["writers"]
             print(
