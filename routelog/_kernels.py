@@ -14,8 +14,8 @@ both paths write the same bytes (``tests/test_ranked.py`` checks it).
 
 Every kernel is ``nopython`` (no Python objects inside), ``nogil`` (readers and writers may run chunks on several
 threads) and ``cache=True``. The first call in a fresh environment compiles (measured on the 2-core development
-machine: about 23 s for rows of eight uint8 IDs, the writer's sort, encoding and decoding together, 11 s more for
-uint16 IDs; once per machine, numba version and source of this file, cached beside it in ``__pycache__``); a
+machine: 19 to 23 s for rows of eight uint8 IDs, the writer's sort, encoding and decoding together, 9 to 11 s more
+for uint16 IDs; once per machine, numba version and source of this file, cached beside it in ``__pycache__``); a
 later process pays about 0.5 s on its first chunk, mostly numba's import and start-up, then loads the cached code.
 :mod:`routelog.ranked` imports this module on its first chunk, and :func:`routelog.codec.sort_and_check` on its
 first rows it sorts as bit sets, so ``import routelog`` never pays for numba. A kernel compiles only the side of an

@@ -9,7 +9,7 @@ Speed comes mostly from layout:
 
 * sorting runs a Batcher sorting network as whole-row ``minimum``/``maximum`` passes over a column-major block
   small enough to stay in cache (19 comparator passes for K = 8); validation (range, duplicates) rides along.
-  Rows of eight uint8 IDs below 65 (:data:`_BIT_SET_EXPERTS`) sort faster in a compiled kernel instead
+  Rows of eight uint8 IDs of at most 64 experts (:data:`_BIT_SET_EXPERTS`) sort faster in a compiled kernel instead
   (:func:`routelog._kernels.sort_words`: one 64-bit set per row, read back in order), with the same checks;
 * gaps and their inverse run on each row's K lanes packed in machine words (SWAR): the inverse prefix sum is
   three shift-and-add passes for K = 8 uint8, with no per-column loop. Lanes never overflow because every
@@ -123,7 +123,7 @@ def sort_and_check(rows: npt.NDArray[Any], num_experts: int) -> tuple[IdArray, R
 
 
 def _sorts_as_bit_sets(src: IdArray, num_experts: int) -> bool:
-    """Whether the compiled bit-set sort takes ``src``: rows of eight uint8 IDs below 65, as aligned
+    """Whether the compiled bit-set sort takes ``src``: rows of eight uint8 IDs of at most 64 experts, as aligned
     little-endian words (one row per uint64)."""
     return (
         _LITTLE_ENDIAN
