@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import numpy as np
@@ -327,7 +328,8 @@ def test_forged_sections_raise_the_typed_error(
 @given(data=st.data(), seed=st.integers(0, 3))
 def test_damaged_sections_decode_or_raise_the_typed_error(experts: int, k: int, data: st.DataObject, seed: int) -> None:
     """The kernels see whatever the frames decompress to: sections with damaged bytes (counts, bitmaps, tables,
-    exception indices, gaps) decode to something or raise the typed error, never crash or write outside ``out``."""
+    exception indices, gaps) decode to something or raise the typed error, never crash or write outside ``out``,
+    whether the whole chunk is decoded or a window of it."""
     ids = _with_bad_rows(
         np.random.default_rng(seed), _routing(np.random.default_rng(seed), 3, 50, experts, k, 3.0, 0.5), 2
     )
@@ -337,12 +339,21 @@ def test_damaged_sections_decode_or_raise_the_typed_error(experts: int, k: int, 
         section = data.draw(st.sampled_from([gaps, rest]))
         if section:
             section[data.draw(st.integers(0, len(section) - 1))] = data.draw(st.integers(0, 255))
-    buffer = np.full(ids.size + 64, 7, ids.dtype)  # guard values past the chunk
+    l0, l1 = sorted(data.draw(st.tuples(st.integers(0, ids.shape[0]), st.integers(0, ids.shape[0]))))
+    r0, r1 = sorted(data.draw(st.tuples(st.integers(0, ids.shape[1]), st.integers(0, ids.shape[1]))))
+    wanted = (l1 - l0, r1 - r0, k)
+    size = math.prod(wanted)
+    buffer = np.full(size + 64, 7, ids.dtype)  # guard values past the window
     with contextlib.suppress(ranked.RankedFormatError):
         ranked.decode(
-            _forged(bytes(gaps), bytes(rest)), ids.shape, ids.dtype, experts, out=buffer[: ids.size].reshape(ids.shape)
+            _forged(bytes(gaps), bytes(rest)),
+            ids.shape,
+            ids.dtype,
+            experts,
+            out=buffer[:size].reshape(wanted),
+            window=((l0, l1), (r0, r1)),
         )
-    assert (buffer[ids.size :] == 7).all()
+    assert (buffer[size:] == 7).all()
 
 
 def test_uint8_ids_of_a_larger_universe_round_trip() -> None:
