@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -196,19 +197,33 @@ def _decompress(frame: npt.NDArray[np.uint8], limit: int, what: str, *, exact: b
         raise RankedFormatError(str(exc)) from exc
 
 
-def warm_up() -> dict[str, float]:
-    """Compile every kernel the writers and readers use, or load it from numba's cache, ahead of the first chunk.
+def kernel_path(num_experts: int, topk: int) -> str:
+    """Which of :data:`WARM_UP_PATHS` routing of ``num_experts`` experts, top-``topk``, takes."""
+    from routelog.codec import storage_dtype
+
+    if storage_dtype(num_experts).itemsize == 1:
+        return "uint8 IDs, K = 8" if topk == 8 else "uint8 IDs, other K"
+    return "uint16 IDs"
+
+
+def warm_up(paths: Collection[str] = tuple(WARM_UP_PATHS)) -> dict[str, float]:
+    """Compile the kernels that writers and readers use on ``paths`` (all by default; :func:`kernel_path` names
+    one routing's), or load them from numba's cache, ahead of the first chunk.
 
     A fresh environment otherwise compiles on its first chunk (19 to 23 s for uint8 IDs on the development machine,
     9 to 11 s more for uint16), and every writer process that starts before the cache exists compiles again. Run it
     where the package is installed (an image build, a job's setup); numba caches beside the package, or in
-    ``NUMBA_CACHE_DIR``. For each of :data:`WARM_UP_PATHS`: the writer's sort, a chunk encoded, decoded whole into
-    a new array (zarr's codec) and as a window into a reader's block. Returns the seconds each path took."""
+    ``NUMBA_CACHE_DIR``. For each path: the writer's sort, a chunk encoded, decoded whole into a new array (zarr's
+    codec) and as a window into a reader's block. Returns the seconds each path took."""
     from routelog.codec import sort_and_check
 
+    unknown = set(paths) - set(WARM_UP_PATHS)
+    if unknown:
+        raise ValueError(f"unknown kernel paths {sorted(unknown)}; the paths are {list(WARM_UP_PATHS)}")
     rng = np.random.default_rng(0)
     seconds = {}
-    for path, (experts, k) in WARM_UP_PATHS.items():
+    for path in paths:
+        experts, k = WARM_UP_PATHS[path]
         start = time.perf_counter()
         rows, _ = sort_and_check(np.argsort(rng.random((64, experts)), axis=1)[:, :k], experts)  # valid sets
         ids = rows.reshape(2, 32, k)

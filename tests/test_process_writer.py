@@ -109,3 +109,14 @@ def test_the_writer_process_keeps_to_the_cpus_it_is_given(tmp_path: Path) -> Non
     for wrong in (set(), {os.cpu_count() or 1}, {-1}):
         with pytest.raises(ValueError, match="cpus="):
             ProcessWriter(str(tmp_path / "store3"), 0, model_spec=spec, cpus=wrong)
+
+
+def test_the_writer_process_warms_its_routings_kernels_before_it_is_ready(tmp_path: Path) -> None:
+    from routelog.ranked import kernel_path
+
+    spec = synthetic_spec(2, 300, 3)  # uint16 IDs
+    with ProcessWriter(str(tmp_path / "store"), 0, model_spec=spec) as writer:
+        assert set(writer.warm_up_seconds) == {kernel_path(300, 3)} == {"uint16 IDs"}
+        assert all(seconds > 0 for seconds in writer.warm_up_seconds.values())
+    with ProcessWriter(str(tmp_path / "store2"), 0, model_spec=spec, warm_up=False) as writer:
+        assert writer.warm_up_seconds == {}

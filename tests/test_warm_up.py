@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from routelog import ranked
@@ -68,3 +69,16 @@ def test_the_command_reports_every_path() -> None:
     result = CliRunner().invoke(app, ["warm-up", "--json"])
     assert result.exit_code == 0, result.output
     assert set(json.loads(result.stdout)["seconds"]) == set(ranked.WARM_UP_PATHS)
+
+
+def test_each_routing_takes_the_path_warmed_for_it() -> None:
+    for path, (experts, k) in ranked.WARM_UP_PATHS.items():
+        assert ranked.kernel_path(experts, k) == path
+    assert ranked.kernel_path(256, 8) == "uint8 IDs, K = 8"  # IDs 0..255 still fit a byte
+    assert ranked.kernel_path(256, 2) == "uint8 IDs, other K"
+    assert ranked.kernel_path(257, 8) == ranked.kernel_path(1024, 3) == "uint16 IDs"
+
+
+def test_an_unknown_path_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="uint16 IDs"):
+        ranked.warm_up(["uint32 IDs"])
