@@ -18,7 +18,7 @@ cores free beside the engine's: the writer then never runs on the scheduler's co
 
 Before it reports ready, the child loads the codec kernels its routing takes, or compiles them where numba's cache
 is empty (``warm_up``, on by default; :func:`routelog.ranked.warm_up`). The constructor pays that: about 0.5 s, or
-about 20 s on a fresh machine. Otherwise the child pays it on its first records and part, while the engine's
+about a minute on a fresh 2-core machine. Otherwise the child pays it on its first records and part, while the engine's
 appends wait on full segments (measured on a fresh cache: one append blocked for 12 s).
 """
 

@@ -28,7 +28,7 @@ matches; :data:`MATCHING`) and at level 1 elsewhere, the rest at level 1.
 
 The per-row work of both directions runs in compiled kernels (:mod:`routelog._kernels`, numba): for each layer a
 pass finds the repeats, checks each row and takes its gaps, and, for skewed layers, counts the load, estimates
-both transforms and relabels; the sections are assembled there too. Decoding is one pass per layer that takes the
+both transforms and relabels; the sections are assembled there too. Decoding is a pass per layer that takes the
 prefix sums, maps and sorts ranked rows, applies exceptions and expands repeats straight into the output; it
 checks every count and index the sections give before using them. A reader may ask for a window of the chunk (its
 overlap with a request): layers outside it are skipped and only the unique rows its rows expand from are decoded.
@@ -210,11 +210,11 @@ def warm_up(paths: Collection[str] = tuple(WARM_UP_PATHS)) -> dict[str, float]:
     """Compile the kernels that writers and readers use on ``paths`` (all by default; :func:`kernel_path` names
     one routing's), or load them from numba's cache, ahead of the first chunk.
 
-    A fresh environment otherwise compiles on its first chunk (19 to 23 s for uint8 IDs on the development machine,
-    9 to 11 s more for uint16), and every writer process that starts before the cache exists compiles again. Run it
-    where the package is installed (an image build, a job's setup); numba caches beside the package, or in
-    ``NUMBA_CACHE_DIR``. For each path: the writer's sort, a chunk encoded, decoded whole into a new array (zarr's
-    codec) and as a window into a reader's block. Returns the seconds each path took."""
+    A fresh environment otherwise compiles on its first chunk (on the 2-core development machine: 52 to 54 s for
+    rows of eight uint8 IDs, 19 to 25 s for each other path), and every writer process that starts before the cache
+    exists compiles again. Run it where the package is installed (an image build, a job's setup); numba caches
+    beside the package, or in ``NUMBA_CACHE_DIR``. For each path: the writer's sort, a chunk encoded, decoded whole
+    into a new array (zarr's codec) and as a window into a reader's block. Returns the seconds each path took."""
     from routelog.codec import sort_and_check
 
     unknown = set(paths) - set(WARM_UP_PATHS)

@@ -116,9 +116,9 @@ def test_sort_and_check_names_the_first_bad_row(row: list[int], experts: int, ki
     assert problem.values == tuple(row)
 
 
-@pytest.mark.parametrize("experts", [8, 9, 63, 64])
-def test_bit_set_sort_agrees_with_the_network(experts: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Rows of eight uint8 IDs below 65 sort in the compiled bit-set kernel; every answer must be the network's:
+@pytest.mark.parametrize("experts", [8, 9, 63, 64, 65, 128, 255, 256])
+def test_compiled_sort_agrees_with_the_network(experts: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rows of eight uint8 IDs sort in the compiled kernel; every answer must be the numpy network's:
     # the sorted rows, and the first bad row (a repeat, or an ID past the universe) at any lane.
     from routelog import codec
 
@@ -129,14 +129,21 @@ def test_bit_set_sort_agrees_with_the_network(experts: int, monkeypatch: pytest.
         repeated = rows.copy()
         repeated[1700 + lane, lane] = repeated[1700 + lane, (lane + 3) % 8]
         repeated[2500] = repeated[2500, 0]  # a later bad row: the first one is named
-        past = rows.copy()
-        past[900 + lane, lane] = experts + lane
-        cases += [(repeated, 1700 + lane), (past, 900 + lane)]
+        cases.append((repeated, 1700 + lane))
+        for extreme in (np.argmax, np.argmin):  # a repeated largest or smallest ID: the top or bottom pair
+            ends = rows.copy()
+            at = int(extreme(ends[1200 + lane]))
+            ends[1200 + lane, lane if lane != at else (lane + 1) % 8] = ends[1200 + lane, at]
+            cases.append((ends, 1200 + lane))
+        if experts + lane < 256:  # an ID past the universe that still fits the storage dtype
+            past = rows.copy()
+            past[900 + lane, lane] = experts + lane
+            cases.append((past, 900 + lane))
     for case, first_bad in cases:
-        assert codec._sorts_as_bit_sets(case, experts)
+        assert codec._sorts_compiled(case)
         fast, fast_problem = sort_and_check(case, experts)
         with monkeypatch.context() as patch:
-            patch.setattr(codec, "_BIT_SET_EXPERTS", 0)
+            patch.setattr(codec, "_sorts_compiled", lambda src: False)
             slow, slow_problem = sort_and_check(case, experts)
         assert fast_problem == slow_problem
         assert (slow_problem.row if slow_problem else None) == first_bad
@@ -144,21 +151,20 @@ def test_bit_set_sort_agrees_with_the_network(experts: int, monkeypatch: pytest.
             np.testing.assert_array_equal(fast, slow)
 
 
-def test_bit_set_sort_takes_only_aligned_rows_of_eight_small_ids() -> None:
+def test_the_compiled_sort_takes_rows_of_eight_uint8_ids_wherever_they_lie() -> None:
     from routelog import codec
 
-    rows = np.tile(np.arange(8, dtype=np.uint8), (16, 1))
-    assert codec._sorts_as_bit_sets(rows, 64)
-    assert not codec._sorts_as_bit_sets(rows, 65)
-    assert not codec._sorts_as_bit_sets(rows[:, :6], 64)
-    assert not codec._sorts_as_bit_sets(rows.astype(np.uint16), 64)
+    rows = np.tile(np.arange(8, dtype=np.uint8)[::-1], (16, 1))
+    assert codec._sorts_compiled(rows)
+    assert not codec._sorts_compiled(rows[:, :6])
+    assert not codec._sorts_compiled(rows.astype(np.uint16))
     buffer = np.zeros(16 * 8 + 8, np.uint8)
     unaligned = buffer[1 : 1 + 16 * 8].reshape(16, 8)
     unaligned[...] = rows
-    assert not codec._sorts_as_bit_sets(unaligned, 64)
-    ordered, problem = sort_and_check(unaligned, 64)  # the network takes it
+    assert codec._sorts_compiled(unaligned)  # indexed byte by byte: no word alignment needed
+    ordered, problem = sort_and_check(unaligned, 64)
     assert problem is None
-    np.testing.assert_array_equal(ordered, rows)
+    np.testing.assert_array_equal(ordered, np.tile(np.arange(8, dtype=np.uint8), (16, 1)))
 
 
 def test_layer_major_is_the_transpose() -> None:

@@ -309,6 +309,7 @@ def _trailer(modes: list[int], unique: int, exceptions: int, version: int = 1) -
         (bytes(8), bytes([0x00]) + _trailer([2], 1, 0), "leave 2 unique rows"),
         (bytes(16), (5).to_bytes(4, "little") + bytes(8) + _trailer([0], 2, 1), "outside the chunk"),
         (bytes(7) + bytes([60]) + bytes(8), bytes(range(64)) + _trailer([1], 2, 0), "rank outside"),
+        (bytes(8) + bytes([40] * 8), bytes(range(64)) + _trailer([1], 2, 0), "rank outside"),  # past 255
     ],
 )
 @pytest.mark.parametrize("as_words", [True, False])
