@@ -15,12 +15,12 @@ times slower per row); both paths write the same bytes (``tests/test_ranked.py``
 
 Every kernel is ``nopython`` (no Python objects inside), ``nogil`` (readers and writers may run chunks on several
 threads) and ``cache=True``. The first call in a fresh environment compiles (measured on the 2-core development
-machine, AMD EPYC: 52 to 54 s for rows of eight uint8 IDs, the writer's sort, encoding and decoding together, 19 to
-21 s more for other uint8 rows, 24 to 25 s more for uint16 IDs; an earlier 2-core machine took 19 to 23 s for uint8
+machine, AMD EPYC: 52 to 56 s for rows of eight uint8 IDs, the writer's sort, encoding and decoding together, 19 to
+21 s more for other uint8 rows, 24 to 28 s more for uint16 IDs; an earlier 2-core machine took 19 to 23 s for uint8
 IDs; once per machine, numba version and source of this file, cached beside it in ``__pycache__``); a
 later process pays about 0.5 s on its first chunk, mostly numba's import and start-up, then loads the cached code.
 :mod:`routelog.ranked` imports this module on its first chunk, and :func:`routelog.codec.sort_and_check` on the
-first rows of eight uint8 IDs it sorts, so ``import routelog`` never pays for numba. A kernel compiles only the side
+first rows of eight IDs it sorts, so ``import routelog`` never pays for numba. A kernel compiles only the side
 of an ``x is None`` test that its argument's type allows (the fast path for words, or the one-ID-at-a-time path),
 and hot loops index arrays directly: a slice or row view per row costs reference counting that measured several
 times the row's own work.
@@ -333,9 +333,9 @@ def _entropy_bits(counts: Any, start: int, stop: int) -> float:
 # -- sorting ----------------------------------------------------------------------------------------------------
 @_compiled()
 def sort_rows_of_eight(ids: Any, out: Any, largest: Any) -> int:
-    """Each row of eight uint8 IDs (``ids``, flat in row order) sorted ascending into ``out`` by
-    :func:`_network_of_eight`; returns the index of the first row holding an ID above ``largest`` (uint8) or a
-    repeated ID, -1 when every row is a valid set."""
+    """Each row of eight uint8 or uint16 IDs (``ids``, flat in row order) sorted ascending into ``out`` by
+    :func:`_network_of_eight`; returns the index of the first row holding an ID above ``largest`` (of the IDs'
+    dtype) or a repeated ID, -1 when every row is a valid set."""
     if not _sort_flat_rows(ids, out, ids.size // 8, largest):
         return -1
     for r in range(ids.size // 8):  # the rare case: find the first bad row among the sorted ones
@@ -350,8 +350,8 @@ def sort_rows_of_eight(ids: Any, out: Any, largest: Any) -> int:
 
 @_compiled(inline=True)
 def _sort_flat_rows(ids: Any, out: Any, n: int, largest: Any) -> Any:
-    """The first ``n`` rows of eight uint8 values of ``ids`` (flat, in row order) sorted ascending into ``out`` (it
-    may be ``ids``); nonzero when a row holds a value above ``largest`` or a repeated one.
+    """The first ``n`` rows of eight values of ``ids`` (uint8 or uint16, flat, in row order) sorted ascending into
+    ``out`` (it may be ``ids``); nonzero when a row holds a value above ``largest`` or a repeated one.
 
     The rows are indexed flat and the network has no branch: the loop vectorizes across rows (measured on 2-core AMD
     EPYC: 3.6 ns per row with the checks; numba's 2-D indexing of the same loop kept it scalar, 15 ns)."""

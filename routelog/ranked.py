@@ -210,8 +210,8 @@ def warm_up(paths: Collection[str] = tuple(WARM_UP_PATHS)) -> dict[str, float]:
     """Compile the kernels that writers and readers use on ``paths`` (all by default; :func:`kernel_path` names
     one routing's), or load them from numba's cache, ahead of the first chunk.
 
-    A fresh environment otherwise compiles on its first chunk (on the 2-core development machine: 52 to 54 s for
-    rows of eight uint8 IDs, 19 to 25 s for each other path), and every writer process that starts before the cache
+    A fresh environment otherwise compiles on its first chunk (on the 2-core development machine: 52 to 56 s for
+    rows of eight uint8 IDs, 19 to 28 s for each other path), and every writer process that starts before the cache
     exists compiles again. Run it where the package is installed (an image build, a job's setup); numba caches
     beside the package, or in ``NUMBA_CACHE_DIR``. For each path: the writer's sort, a chunk encoded, decoded whole
     into a new array (zarr's codec) and as a window into a reader's block. Returns the seconds each path took."""

@@ -116,14 +116,16 @@ def test_sort_and_check_names_the_first_bad_row(row: list[int], experts: int, ki
     assert problem.values == tuple(row)
 
 
-@pytest.mark.parametrize("experts", [8, 9, 63, 64, 65, 128, 255, 256])
+@pytest.mark.parametrize("experts", [8, 9, 63, 64, 65, 128, 255, 256, 257, 384, 65536])
 def test_compiled_sort_agrees_with_the_network(experts: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Rows of eight uint8 IDs sort in the compiled kernel; every answer must be the numpy network's:
+    # Rows of eight IDs (uint8, or uint16 past 256 experts) sort in the compiled kernel; every answer must be the
+    # numpy network's:
     # the sorted rows, and the first bad row (a repeat, or an ID past the universe) at any lane.
     from routelog import codec
 
     rng = np.random.default_rng(experts)
-    rows = np.stack([rng.choice(experts, size=8, replace=False) for _ in range(3000)]).astype(np.uint8)
+    dtype = storage_dtype(experts)
+    rows = np.stack([rng.choice(experts, size=8, replace=False) for _ in range(3000)]).astype(dtype)
     cases: list[tuple[np.ndarray, int | None]] = [(rows, None)]
     for lane in range(8):
         repeated = rows.copy()
@@ -135,7 +137,7 @@ def test_compiled_sort_agrees_with_the_network(experts: int, monkeypatch: pytest
             at = int(extreme(ends[1200 + lane]))
             ends[1200 + lane, lane if lane != at else (lane + 1) % 8] = ends[1200 + lane, at]
             cases.append((ends, 1200 + lane))
-        if experts + lane < 256:  # an ID past the universe that still fits the storage dtype
+        if experts + lane <= np.iinfo(dtype).max:  # an ID past the universe that still fits the storage dtype
             past = rows.copy()
             past[900 + lane, lane] = experts + lane
             cases.append((past, 900 + lane))
@@ -151,13 +153,13 @@ def test_compiled_sort_agrees_with_the_network(experts: int, monkeypatch: pytest
             np.testing.assert_array_equal(fast, slow)
 
 
-def test_the_compiled_sort_takes_rows_of_eight_uint8_ids_wherever_they_lie() -> None:
+def test_the_compiled_sort_takes_rows_of_eight_ids_wherever_they_lie() -> None:
     from routelog import codec
 
     rows = np.tile(np.arange(8, dtype=np.uint8)[::-1], (16, 1))
     assert codec._sorts_compiled(rows)
     assert not codec._sorts_compiled(rows[:, :6])
-    assert not codec._sorts_compiled(rows.astype(np.uint16))
+    assert codec._sorts_compiled(rows.astype(np.uint16))  # IDs of more than 256 experts
     buffer = np.zeros(16 * 8 + 8, np.uint8)
     unaligned = buffer[1 : 1 + 16 * 8].reshape(16, 8)
     unaligned[...] = rows
