@@ -119,8 +119,7 @@ def test_sort_and_check_names_the_first_bad_row(row: list[int], experts: int, ki
 @pytest.mark.parametrize("experts", [8, 9, 63, 64, 65, 128, 255, 256, 257, 384, 65536])
 def test_compiled_sort_agrees_with_the_network(experts: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # Rows of eight IDs (uint8, or uint16 past 256 experts) sort in the compiled kernel; every answer must be the
-    # numpy network's:
-    # the sorted rows, and the first bad row (a repeat, or an ID past the universe) at any lane.
+    # numpy network's: the sorted rows, and the first bad row (a repeat, or an ID past the universe) at any lane.
     from routelog import codec
 
     rng = np.random.default_rng(experts)
