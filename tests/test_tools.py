@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+import routelog
+from routelog import Record
+from routelog.synth import synthetic_spec
+from tests.records import random_routing
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
@@ -92,6 +100,38 @@ def test_bench_audit_measures_stats_and_diff_against_a_plain_read() -> None:
         assert report[name]["tokens"] == 64 * 1024 and report[name]["tokens_per_s"] > 0
         assert report[name]["peak_rss_mb"] > 0
     assert set(report["ratios"]) == {"stats_vs_read_only", "diff_vs_read_only"}
+
+
+def test_bench_codec_measures_the_rows_a_store_holds_each_shared_prompt_once() -> None:
+    """``--corpus`` measures the codec again on what a store holds: a GRPO group's prompt once, every response."""
+    spec = importlib.util.spec_from_file_location("bench_codec", TOOLS / "bench_codec.py")
+    assert spec is not None and spec.loader is not None
+    bench_codec = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_codec)
+    model = synthetic_spec(layers=3, experts=16, topk=4)
+    rng = np.random.default_rng(0)
+    prompt_ids = rng.integers(0, 1000, 40)
+    prompt = random_routing(rng, 40, 3, 16, 4)
+    responses = [random_routing(rng, int(n), 3, 16, 4) for n in rng.integers(5, 20, 4)]
+    url = f"memory://bench-codec-tests/{uuid.uuid4().hex}"
+    with routelog.open_writer(url, step=0, model_spec=model) as writer:
+        for i, response in enumerate(responses):
+            writer.append(
+                Record(
+                    sample_id=f"group/{i}",
+                    expert_ids=np.concatenate([prompt, response]),
+                    prompt_len=40,
+                    response_len=len(response),
+                    token_ids=np.concatenate([prompt_ids, rng.integers(0, 1000, len(response))]),
+                    group_id="group",
+                )
+            )
+    stored = bench_codec.stored_routing(url)
+
+    def token_rows(routing: np.ndarray) -> list[bytes]:  # each token's sets, in a comparable order
+        return sorted(map(bytes, np.sort(routing, axis=-1).astype(np.uint8).reshape(len(routing), -1)))
+
+    assert token_rows(stored) == token_rows(np.concatenate([prompt, *responses])), "the prompt once, every response"
 
 
 def test_bench_dedup_compares_format_1_and_2_on_the_corpus() -> None:

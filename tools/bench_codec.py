@@ -9,7 +9,9 @@ Two references per routing: the bound log2(C(E, K)) / 8 (uniform sets), and an e
 estimate (see :func:`entropy_estimate`). With ``--corpus STORE...`` the routing is the corpus' (every valid row
 of every record, in record order: the codec alone, without sharing prefixes), uniform routing of the same shape
 is measured in the same run, and the corpus is also written again by routelog's writer as format 1 and as format
-2 (codec and shared prefixes: what a store of that corpus costs).
+2 (codec and shared prefixes: what a store of that corpus costs). Every layout is then measured again on the rows
+that format-2 store holds ("as stored": each shared prefix once, the rows routelog's codec really encodes), where
+record order repeats every GRPO prompt n times.
 
 Goals (issue #14): on the corpus v2 >= 1.3 x smaller than v1 and <= 1.1 x the estimate; on uniform routing
 <= 1.05 x the bound; encode >= 0.5 x and decode >= 0.7 x the speed of zstd-3 alone on the same raw bytes.
@@ -324,11 +326,13 @@ def corpus_routing(url: str) -> tuple[np.ndarray, int]:
     return np.concatenate(blocks).astype(spec.id_dtype), spec.num_experts
 
 
-def writer_sizes(url: str) -> dict[str, float]:
+def writer_sizes(url: str) -> tuple[dict[str, float], str]:
     """The corpus written again by routelog's writer, as format 1 (``sorted_gaps``, no sharing) and format 2 (the
-    default: codec and shared prefixes): routing bytes per routed token-layer, the figure ``inspect`` prints."""
+    default: codec and shared prefixes): routing bytes per routed token-layer, the figure ``inspect`` prints; and
+    the format-2 store's URL (in memory)."""
     store = routelog.open_store(url)
     sizes = {}
+    target = ""
     for name, options in (
         ("format 1 writer", PartOptions(transform="sorted_gaps", dedup="off")),
         ("format 2 writer", PartOptions()),
@@ -341,7 +345,19 @@ def writer_sizes(url: str) -> dict[str, float]:
                     writer.append(got.to_record())
         sizes[name] = routelog.open_store(target).summary()["bytes_per_token_layer"]
     sizes["v1_size_vs_v2"] = sizes["format 1 writer"] / sizes["format 2 writer"]
-    return sizes
+    return sizes, target
+
+
+def stored_routing(url: str) -> np.ndarray:
+    """The rows a store's parts hold, part after part: each shared prefix once, so what routelog's codec encodes
+    for that store (read through zarr and the registered codec), as ``[rows, L, K]``."""
+    store = routelog.open_store(url)
+    blocks = [
+        np.asarray(snapshot.open_zarr(commit.part)[:])
+        for snapshot in map(store.step, store.steps())
+        for commit in snapshot.commits
+    ]
+    return np.concatenate(blocks, axis=1).transpose(1, 0, 2)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -351,7 +367,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for url in args.corpus:
         ids, experts = corpus_routing(url)
         datasets[f"corpus {url}"] = measure_routing(ids, experts, args)
-        datasets[f"corpus {url}"]["writers"] = writer_sizes(url)
+        datasets[f"corpus {url}"]["writers"], written = writer_sizes(url)
+        # The same layouts on the rows that store holds: the codec's real input, without the copies of shared
+        # prefixes that record order repeats (zstd's matches find those, and its speed there is a match copy's).
+        datasets[f"corpus {url} as stored"] = measure_routing(stored_routing(written), experts, args)
         shapes.append((ids.shape, experts))
     if not args.corpus:
         spec = synthetic_spec(args.layers, args.experts, args.topk)
