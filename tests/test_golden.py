@@ -7,8 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zstandard
 
 import routelog
+from routelog import keys
+from routelog.part import shard_layout
+from routelog.shard import decode_shard_index
 from routelog.verify import verify_store
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -91,3 +95,41 @@ def test_a_format_1_reader_refuses_format_2(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setattr(routelog.format, "FORMAT_VERSION", 1)
     with pytest.raises(routelog.FormatVersionError, match="format version 2"):
         routelog.open_store(str(tmp_path / "store"))
+
+
+def _chunk_trailers(store: routelog.Store) -> list[tuple[int, list[int]]]:
+    """Every inner chunk of every part's routing: its payload version and layer modes (FORMAT.md section 5)."""
+    found = []
+    for step in store.steps():
+        snapshot = store.step(step)
+        for commit in snapshot.commits:
+            layout = shard_layout(commit.routing)
+            for obj in commit.objects:
+                if not obj.key.startswith(commit.routing.path + "/c/"):
+                    continue
+                data = store.storage.read(f"{keys.part_dir(step, commit.part)}/{obj.key}")
+                index = decode_shard_index(data[: layout.index_nbytes], layout, len(data))
+                for offset, nbytes in index.reshape(-1, 2):
+                    payload = data[int(offset) : int(offset + nbytes) - 4]  # the crc32c follows each chunk
+                    first = int.from_bytes(payload[:4], "little")
+                    rest = zstandard.ZstdDecompressor().decompress(payload[4 + first :])
+                    layers = commit.routing.chunk_layers
+                    found.append((rest[-1], list(rest[-9 - layers : -9])))
+    return found
+
+
+@pytest.mark.parametrize("name", ["dictionaries-64-8", "dictionaries-64-6", "dictionaries-300-8"])
+def test_golden_v2_holds_chunks_with_dictionaries(name: str) -> None:
+    """The dictionary fixtures exercise chunk payload version 2 (layers keeping a dictionary of their distinct rows,
+    ranked ones among them) on each kernel path; the other format-2 fixtures hold version-1 chunks only."""
+    modes = [
+        mode
+        for version, modes in _chunk_trailers(routelog.open_store(str(FIXTURES / "golden-v2" / name)))
+        for mode in modes
+        if version == 2
+    ]
+    assert 4 | 2 in modes and 4 | 2 | 1 in modes, "dictionaries, of plain and of ranked layers"
+    for older in ("grpo-96", "grpo-384", "dense-first"):
+        assert {
+            version for version, _ in _chunk_trailers(routelog.open_store(str(FIXTURES / "golden-v2" / older)))
+        } == {1}

@@ -19,13 +19,25 @@ from routelog.synth import random_topk
 from routelog.zarr_codec import RankedGapsCodec
 
 
-def _routing(rng: np.random.Generator, layers: int, rows: int, experts: int, k: int, skew: float, repeat: float):
-    """Sorted top-k sets ``[layers, rows, k]``: per-layer popularity (Dirichlet, ``skew`` > 0) and runs of rows
-    that keep the previous row's set with probability ``repeat``."""
+def _routing(
+    rng: np.random.Generator,
+    layers: int,
+    rows: int,
+    experts: int,
+    k: int,
+    skew: float,
+    repeat: float,
+    pool: int = 0,
+):
+    """Sorted top-k sets ``[layers, rows, k]``: per-layer popularity (Dirichlet, ``skew`` > 0), drawn from ``pool``
+    sets per layer recurring out of order (as token-determined routing does; 0: every row drawn afresh), and runs of
+    rows that keep the previous row's set with probability ``repeat``."""
     out = np.empty((layers, rows, k), storage_dtype(experts))
     for j in range(layers):
         popularity = rng.dirichlet(np.full(experts, 1.0 / skew)) if skew > 0 else None
         out[j] = random_topk(rng, rows, experts, k, popularity)
+        if pool and rows:
+            out[j] = out[j][rng.integers(0, min(pool, rows), rows)]
         keep = rng.random(rows) < repeat
         keep[:1] = False
         source = np.maximum.accumulate(np.where(keep, 0, np.arange(rows)))
@@ -41,22 +53,34 @@ def _routing(rng: np.random.Generator, layers: int, rows: int, experts: int, k: 
     k_frac=st.floats(0.0, 1.0),
     skew=st.sampled_from([0.0, 0.3, 3.0]),
     repeat=st.sampled_from([0.0, 0.5, 0.95]),
+    pool=st.sampled_from([0, 3, 40]),
     n_bad=st.integers(0, 5),
+    dictionaries=st.sampled_from(["auto", "never", "always"]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_round_trip_is_exact(
-    layers: int, rows: int, experts: int, k_frac: float, skew: float, repeat: float, n_bad: int, seed: int
+    layers: int,
+    rows: int,
+    experts: int,
+    k_frac: float,
+    skew: float,
+    repeat: float,
+    pool: int,
+    n_bad: int,
+    dictionaries: ranked.Dictionaries,
+    seed: int,
 ) -> None:
-    """Valid sets of any universe and K, skewed or not, with repeats, and rows that are no top-k set at all (the
-    codec keeps those verbatim) all decode to exactly what was encoded."""
+    """Valid sets of any universe and K, skewed or not, with repeats and recurring sets, and rows that are no top-k
+    set at all (the codec keeps those verbatim) all decode to exactly what was encoded, with or without
+    dictionaries."""
     rng = np.random.default_rng(seed)
     k = max(1, round(k_frac * experts))
-    ids = _routing(rng, layers, rows, experts, k, skew, repeat)
+    ids = _routing(rng, layers, rows, experts, k, skew, repeat, pool)
     if rows and n_bad:
         where = rng.integers(0, rows, size=(n_bad, 2))
         for j, r in where:
             ids[j % layers, r] = rng.integers(0, np.iinfo(ids.dtype).max + 1, size=k, dtype=np.int64)
-    payload = ranked.encode(ids, experts)
+    payload = ranked.encode(ids, experts, dictionaries=dictionaries)
     back = ranked.decode(payload, ids.shape, ids.dtype, experts)
     assert back.dtype == ids.dtype
     np.testing.assert_array_equal(back, ids)
@@ -173,18 +197,20 @@ def _with_bad_rows(rng: np.random.Generator, ids: np.ndarray, n_bad: int) -> np.
     experts=st.sampled_from([8, 9, 64, 65, 128, 256]),
     skew=st.sampled_from([0.0, 0.3, 3.0]),
     repeat=st.sampled_from([0.0, 0.5, 0.95]),
+    pool=st.sampled_from([0, 5, 60]),
     n_bad=st.integers(0, 4),
+    policy=st.sampled_from([_kernels.AUTO, _kernels.NEVER, _kernels.ALWAYS]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_rows_as_words_store_what_rows_one_id_at_a_time_store(
-    rows: int, experts: int, skew: float, repeat: float, n_bad: int, seed: int
+    rows: int, experts: int, skew: float, repeat: float, pool: int, n_bad: int, policy: int, seed: int
 ) -> None:
     """Eight uint8 IDs per row take the kernels' 64-bit word path; the per-ID path must write the same sections,
     and each path must decode the other's output."""
     rng = np.random.default_rng(seed)
-    ids = _with_bad_rows(rng, _routing(rng, 3, rows, experts, 8, skew, repeat), n_bad)
-    words = _kernels.encode_chunk(ids, ids.reshape(-1).view(np.uint64), experts)
-    one_at_a_time = _kernels.encode_chunk(ids, None, experts)
+    ids = _with_bad_rows(rng, _routing(rng, 3, rows, experts, 8, skew, repeat, pool), n_bad)
+    words = _kernels.encode_chunk(ids, ids.reshape(-1).view(np.uint64), experts, policy)
+    one_at_a_time = _kernels.encode_chunk(ids, None, experts, policy)
     np.testing.assert_array_equal(words[0], one_at_a_time[0])
     np.testing.assert_array_equal(words[1], one_at_a_time[1])
     assert words[2:] == one_at_a_time[2:]
@@ -278,13 +304,15 @@ def test_chunks_of_fill_values_round_trip(experts: int, k: int) -> None:
 
 def test_the_gaps_frame_takes_the_configured_level_only_where_rows_repeat_earlier_ones() -> None:
     """Near-uniform chunks compress their gaps at level 1 (smaller and faster there); chunks whose rows repeat
-    earlier ones at the configured level (its larger tables find the matches)."""
+    earlier ones at the configured level (its larger tables find the matches), unless a dictionary holds each of
+    those sets once."""
     rng = np.random.default_rng(11)
     uniform = _routing(rng, 4, 4096, 64, 8, skew=0.0, repeat=0.0)
     motifs = _routing(rng, 4, 64, 64, 8, skew=3.0, repeat=0.0)
     recurring = motifs[:, rng.integers(0, 64, size=4096)]  # a few sets, recurring out of order
     assert not ranked._sections(uniform, 64)[2]
-    assert ranked._sections(recurring, 64)[2]
+    assert ranked._sections(recurring, 64, "never")[2]
+    assert not ranked._sections(recurring, 64)[2], "recurring sets take a dictionary: no repeats left to match"
 
 
 def _forged(gaps: bytes, rest: bytes) -> bytes:
@@ -302,11 +330,19 @@ def _trailer(modes: list[int], unique: int, exceptions: int, version: int = 1) -
     ("gaps", "rest", "message"),
     [
         (bytes(16), _trailer([4], 2, 0), "unknown layer mode"),
-        (bytes(16), _trailer([0], 2, 0, version=2), "version"),
+        (bytes(16), _trailer([0], 2, 0, version=3), "version"),
+        (bytes(16), _trailer([8], 2, 0, version=2), "unknown layer mode"),
         (bytes(16), b"\0" + _trailer([0], 2, 0), "sections take"),  # a byte no section owns
         (bytes(24), _trailer([0], 3, 0), "unique rows in a chunk"),
         (bytes(8), bytes([0x80]) + _trailer([2], 1, 0), "first row"),
-        (bytes(8), bytes([0x00]) + _trailer([2], 1, 0), "leave 2 unique rows"),
+        (bytes(8), bytes([0x00]) + _trailer([2], 1, 0), "leave 2 rows of gaps"),
+        # a dictionary (payload version 2): its size, then an entry index per unique row (one byte up to 256)
+        (bytes(16), (3).to_bytes(4, "little") + bytes([0, 1]) + _trailer([4], 2, 0, 2), "more entries than unique"),
+        (bytes(0), (0).to_bytes(4, "little") + bytes([0, 0]) + _trailer([4], 0, 0, 2), "more entries than unique"),
+        (bytes(8), (1).to_bytes(4, "little") + bytes([0, 1]) + _trailer([4], 1, 0, 2), "past the end of its dict"),
+        (bytes(8), (1).to_bytes(4, "little") + bytes([0]) + _trailer([4], 1, 0, 2), "sections take"),
+        (bytes(8), bytes(2) + _trailer([4], 1, 0, 2), "sections take"),  # no room for the dictionary's size
+        (bytes(16), (1).to_bytes(4, "little") + bytes([0, 0]) + _trailer([4], 2, 0, 2), "leave 1 rows of gaps"),
         (bytes(16), (5).to_bytes(4, "little") + bytes(8) + _trailer([0], 2, 1), "outside the chunk"),
         (bytes(7) + bytes([60]) + bytes(8), bytes(range(64)) + _trailer([1], 2, 0), "rank outside"),
         (bytes(8) + bytes([40] * 8), bytes(range(64)) + _trailer([1], 2, 0), "rank outside"),  # past 255
@@ -332,9 +368,9 @@ def test_damaged_sections_decode_or_raise_the_typed_error(experts: int, k: int, 
     exception indices, gaps) decode to something or raise the typed error, never crash or write outside ``out``,
     whether the whole chunk is decoded or a window of it."""
     ids = _with_bad_rows(
-        np.random.default_rng(seed), _routing(np.random.default_rng(seed), 3, 50, experts, k, 3.0, 0.5), 2
+        np.random.default_rng(seed), _routing(np.random.default_rng(seed), 3, 50, experts, k, 3.0, 0.5, pool=8), 2
     )
-    gaps, rest, _ = ranked._sections(ids, experts)
+    gaps, rest, _ = ranked._sections(ids, experts, data.draw(st.sampled_from(["never", "always"])))
     gaps, rest = bytearray(gaps.tobytes()), bytearray(rest.tobytes())
     for _ in range(data.draw(st.integers(1, 4))):
         section = data.draw(st.sampled_from([gaps, rest]))
@@ -362,3 +398,55 @@ def test_uint8_ids_of_a_larger_universe_round_trip() -> None:
     fit the IDs' width (experts no row names rank last, by ID)."""
     ids = _routing(np.random.default_rng(12), 2, 500, 256, 8, skew=3.0, repeat=0.3)
     np.testing.assert_array_equal(ranked.decode(ranked.encode(ids, 300), ids.shape, ids.dtype, 300), ids)
+
+
+def _payload_version_and_modes(payload: bytes, layers: int) -> tuple[int, list[int]]:
+    """The trailer's payload version and layer modes."""
+    first = int.from_bytes(payload[:4], "little")
+    rest = Zstd().decode(payload[4 + first :])
+    return rest[-1], list(rest[-9 - layers : -9])
+
+
+def test_recurring_sets_take_a_dictionary_and_other_chunks_keep_payload_version_1() -> None:
+    """Sets that recur out of order (token-determined routing) are stored once per layer with an index per row:
+    smaller than zstd's matches of them. A chunk with no dictionary writes the version-1 payload byte for byte, so
+    readers that predate dictionaries still read it."""
+    rng = np.random.default_rng(21)
+    recurring = _routing(rng, 4, 4096, 64, 8, skew=1.0, repeat=0.2, pool=300)
+    version, modes = _payload_version_and_modes(ranked.encode(recurring, 64), 4)
+    assert version == 2 and all(mode & _kernels.DICTIONARY for mode in modes)
+    assert len(ranked.encode(recurring, 64)) < 0.8 * len(ranked.encode(recurring, 64, dictionaries="never"))
+    uniform = _routing(rng, 4, 4096, 64, 8, skew=0.0, repeat=0.1)
+    assert ranked.encode(uniform, 64) == ranked.encode(uniform, 64, dictionaries="never")
+    assert _payload_version_and_modes(ranked.encode(uniform, 64), 4)[0] == 1
+
+
+@pytest.mark.parametrize(("experts", "k"), [(64, 8), (64, 6), (300, 8)])  # words, one ID at a time, uint16
+def test_a_dictionary_of_more_than_256_entries_takes_two_byte_indices(experts: int, k: int) -> None:
+    rng = np.random.default_rng(experts + k)
+    ids = _routing(rng, 2, 3000, experts, k, skew=0.5, repeat=0.3, pool=700)
+    payload = ranked.encode(ids, experts, dictionaries="always")
+    first = int.from_bytes(payload[:4], "little")
+    rest = Zstd().decode(payload[4 + first :])
+    modes = list(rest[-11:-9])
+    assert all(mode & _kernels.DICTIONARY for mode in modes)
+    at = math.ceil(3000 / 8) * sum(1 for mode in modes if mode & 2) + experts * ids.itemsize * sum(m & 1 for m in modes)
+    entries = int.from_bytes(rest[at : at + 4], "little")  # the first layer's, after bitmaps and tables
+    assert entries > 256, "the first layer's dictionary needs a high byte"
+    np.testing.assert_array_equal(ranked.decode(payload, ids.shape, ids.dtype, experts), ids)
+    for l0, r0, r1 in [(0, 0, 1), (1, 1500, 3000), (0, 17, 2222), (1, 2999, 3000)]:
+        window = ranked.decode(payload, ids.shape, ids.dtype, experts, window=((l0, l0 + 1), (r0, r1)))
+        np.testing.assert_array_equal(window, ids[l0 : l0 + 1, r0:r1])
+
+
+@pytest.mark.parametrize("as_words", [True, False])
+def test_a_hand_written_dictionary_decodes_as_the_format_says(as_words: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FORMAT.md section 5, written out: one layer of rows A, B, A, A (the last a repeat of the one before): three
+    unique rows naming two entries, A (used twice) first."""
+    if not as_words:
+        monkeypatch.setattr(ranked, "_words", lambda ids: None)
+    a, b = np.arange(8), np.arange(1, 17, 2)
+    gaps = bytes(gaps_from_sorted(np.stack([a, b]).astype(np.uint8)).tobytes())
+    rest = bytes([0b0001_0000]) + (2).to_bytes(4, "little") + bytes([0, 1, 0]) + _trailer([6], 2, 0, version=2)
+    out = ranked.decode(_forged(gaps, rest), (1, 4, 8), np.dtype(np.uint8), 64)
+    np.testing.assert_array_equal(out[0], np.stack([a, b, a, a]))

@@ -241,6 +241,43 @@ def write_layer_shards(root: Path, expected: dict[str, np.ndarray]) -> None:
             expected[f"{name}/{record.sample_id}/weights"] = stored
 
 
+def write_dictionaries(root: Path, expected: dict[str, np.ndarray]) -> None:
+    """Chunk payload version 2: routing decided by the token (each token id of a small, skewed vocabulary takes its
+    own set per layer, a tenth of the tokens routed afresh), so sets recur out of order and layers keep
+    dictionaries; rows of eight uint8 IDs, of six, and uint16 IDs, in three stores."""
+    for experts, k in ((64, 8), (64, 6), (300, 8)):
+        spec = ModelSpec(
+            name=f"golden/dict-{experts}-{k}", num_layers=3, moe_layers=(0, 1, 2), num_experts=experts, topk=k
+        )
+        rng = np.random.default_rng(experts * 10 + k)
+        name = f"dictionaries-{experts}-{k}"
+        vocabulary = _routing(rng, 700, 3, experts, k)
+        with routelog.open_writer(
+            str(root / name),
+            0,
+            model_spec=spec,
+            writer_id="rollout",
+            options=PartOptions(chunk_rows=1024, chunk_layers=2),
+            run_id=f"golden-{name}",
+        ) as writer:
+            for sample in range(4):
+                tokens = int(rng.integers(600, 900))
+                token_ids = np.minimum(rng.zipf(1.2, tokens) - 1, len(vocabulary) - 1)
+                ids = vocabulary[token_ids]
+                fresh = rng.random(tokens) < 0.1
+                ids[fresh] = _routing(rng, int(fresh.sum()), 3, experts, k)
+                record = Record(
+                    sample_id=f"s{sample}",
+                    expert_ids=ids,
+                    prompt_len=100,
+                    response_len=tokens - 100,
+                    valid=np.ones(tokens, bool),
+                    token_ids=token_ids,
+                )
+                writer.append(record)
+                _expect_sorted(expected, name, record)
+
+
 def _bf16(values: np.ndarray) -> np.ndarray:
     """float32 values rounded to bf16 (nearest even), as float32: what a bf16 store gives back."""
     bits = values.view(np.uint32)
@@ -253,6 +290,7 @@ WRITERS: dict[str, Callable[[Path, dict[str, np.ndarray]], None]] = {
     "grpo-96,grpo-384": write_grpo_groups,
     "shared-weights": write_shared_weights,
     "layer-shards": write_layer_shards,
+    "dictionaries-64-8,dictionaries-64-6,dictionaries-300-8": write_dictionaries,
 }
 """Fixture stores of this version by name, in the order they were added."""
 
