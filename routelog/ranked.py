@@ -10,7 +10,7 @@ its own output; crc32c follows it in the shard):
    index per unique row, when a cost model (in :mod:`routelog._kernels`, fitted to trial compressions) says the
    indices cost less than zstd's matches of the repeated rows would. Decoding then maps and sorts each distinct
    row once and gathers the rest (on the Qwen3-MoE-style corpus, where 84 % of the unique rows repeat an earlier
-   one: 19 % smaller chunks, decoding 1.3 x faster);
+   one: 19 % smaller chunks, decoding 1.35 x faster);
 3. when the layer's expert load is skewed, relabels experts by their popularity rank in the chunk (the most used
    expert becomes 0) and sorts each row's ranks, so the gaps between consecutive members shrink and zstd's
    entropy coder sees a peaked alphabet; the rank -> ID table travels in the chunk (self-contained: any chunk
@@ -238,7 +238,7 @@ def warm_up(paths: Collection[str] = tuple(WARM_UP_PATHS)) -> dict[str, float]:
     one routing's), or load them from numba's cache, ahead of the first chunk.
 
     A fresh environment otherwise compiles on its first chunk (on the 2-core development machine: 52 to 56 s for
-    rows of eight uint8 IDs, 19 to 28 s for each other path), and every writer process that starts before the cache
+    rows of eight uint8 IDs, 17 to 28 s for each other path), and every writer process that starts before the cache
     exists compiles again. Run it where the package is installed (an image build, a job's setup); numba caches
     beside the package, or in ``NUMBA_CACHE_DIR``. For each path: the writer's sort, a chunk encoded, decoded whole
     into a new array (zarr's codec) and as a window into a reader's block. Returns the seconds each path took."""
