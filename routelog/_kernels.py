@@ -86,10 +86,10 @@ INDEX_WEIGHT = 0.7
 LONG_RUN_BYTES = 4.4
 """The dictionary's cost model (:func:`_dictionary_pays`), fitted by least squares to trial compressions
 (``tools/fit_dictionary_model.py``): every chunk layer of the corpus in record order (286, both models) with and
-without a dictionary. Choosing by it, the
-corpus is within 0.05 % of the better of the two per layer (97 % of the choices agree), and the rows the corpus'
-store holds (not in the fit) within 0.01 % (99 %). zstd matches a repeated row for about 1.4 bytes, and it also
-matches repeated runs of indices, which the weight below 1 stands for."""
+without a dictionary. Choosing by it, the corpus is within 0.05 % of the better of the two per layer (97 % of the
+choices agree), and the rows the corpus' store holds (not in the fit) within 0.01 % (99 %). zstd matches a
+repeated row for about 1.4 bytes, and it also matches repeated runs of indices, which the weight below 1 stands
+for."""
 AUTO, NEVER, ALWAYS = 0, 1, 2
 """Whether :func:`encode_chunk` gives layers dictionaries: where they pay, never, or wherever a row repeats."""
 
@@ -929,6 +929,7 @@ def decode_chunk(
             bitmap += per_bitmap
     layer_stored = layer_unique.copy()  # rows of the gaps section: unique rows, or a dictionary's entries
     index_at = np.zeros(layers, np.int64)
+    largest_dictionary = 0
     for j in range(layers):
         if rest[trailer + j] & DICTIONARY:
             if listed + 4 > trailer:
@@ -938,6 +939,7 @@ def decode_chunk(
                 return DICTIONARY_SIZE, j
             index_at[j] = listed + 4
             listed += 4 + layer_unique[j] * (1 + (layer_stored[j] > 256))
+            largest_dictionary = max(largest_dictionary, layer_stored[j])
     entry = 4 + k * itemsize
     if listed + n_exceptions * entry != trailer:
         return SECTION_SIZES, listed + n_exceptions * entry + layers + 9
@@ -952,7 +954,7 @@ def decode_chunk(
     if out_words is not None:
         gap_words = gap_bytes.view(np.uint64)
         decoded = np.empty(window_rows + 1, np.uint64)  # the unique rows the window expands from
-        entry_words = np.empty(max(layer_stored.max(), 1) if layers else 1, np.uint64)  # a dictionary's entries
+        entry_words = np.empty(largest_dictionary, np.uint64)  # a dictionary's entries
     num_bits = _mask_bits(num_experts)
     masks = np.zeros(max(1, num_bits >> 6), np.uint64)
     table = np.empty(num_experts, np.int64)
@@ -1068,21 +1070,18 @@ def _decode_words(
 @_compiled(inline=True)
 def _gather_entries(rest: Any, at: int, n_unique: int, lo: int, entries: Any, out: Any) -> bool:
     """``out[i]`` = the entry of unique row ``lo + i`` (:func:`_entry_index`), for all of ``out``; True when an index
-    is past ``entries``."""
+    is past ``entries``. Branch-free, so the loop vectorizes: without a high-byte plane the low bytes stand in for it,
+    masked off."""
+    two_bytes = entries.size > 256
     low = rest[at + lo : at + lo + out.size]
+    high = rest[at + n_unique * two_bytes + lo : at + n_unique * two_bytes + lo + out.size]
+    high_mask = np.int64(0xFF00 if two_bytes else 0)
     last = np.int64(entries.size - 1)
     largest = np.int64(0)
-    if entries.size > 256:
-        high = rest[at + n_unique + lo : at + n_unique + lo + out.size]
-        for i in range(out.size):
-            e = np.int64(low[i]) | (np.int64(high[i]) << 8)
-            largest = max(largest, e)
-            out[i] = entries[min(e, last)]
-    else:
-        for i in range(out.size):
-            e = np.int64(low[i])
-            largest = max(largest, e)
-            out[i] = entries[min(e, last)]
+    for i in range(out.size):
+        e = np.int64(low[i]) | ((np.int64(high[i]) << 8) & high_mask)
+        largest = max(largest, e)
+        out[i] = entries[min(e, last)]
     return bool(largest > last)
 
 
