@@ -464,19 +464,20 @@ def fetch_blocks(
         ids = np.empty(layout_.chunk_shape, layout_.dtype)  # scratch: its expert IDs (or weights)
         (l0, l1), (r0, r1) = request.layers, request.rows
         block = np.empty((l1 - l0, r1 - r0, array.topk), dtype=layout_.dtype)
+        # A ranked chunk decodes its overlap with the request straight into the block (each layer's rows are
+        # contiguous there): no copy, and no work for its layers and rows outside the request.
+        in_place = layout_.ranked
+        chunk_layers, chunk_rows = layout_.chunk_layers, layout_.chunk_rows
         for read, chunks in planned:
             for chunk in chunks:
-                cl0 = read.first_layer + chunk.layer_chunk * layout_.chunk_layers
-                cr0 = chunk.row_chunk * layout_.chunk_rows
-                ls, le = max(l0, cl0), min(l1, cl0 + layout_.chunk_layers)
-                rs, re_ = max(r0, cr0), min(r1, cr0 + layout_.chunk_rows)
-                # A ranked chunk decodes its overlap with the request straight into the block (each layer's rows
-                # are contiguous there): no copy, and no work for its layers and rows outside the request.
-                in_place = layout_.ranked
+                cl0 = read.first_layer + chunk.layer_chunk * chunk_layers
+                cr0 = chunk.row_chunk * chunk_rows
+                ls, le = max(l0, cl0), min(l1, cl0 + chunk_layers)
+                rs, re_ = max(r0, cr0), min(r1, cr0 + chunk_rows)
                 target = block[ls - l0 : le - l0, rs - r0 : re_ - r0] if in_place else ids if direct else raw
                 window = ((ls - cl0, le - cl0), (rs - cr0, re_ - cr0)) if in_place else None
                 try:
-                    decode_chunk(pieces[(read.key, chunk.start)], layout_, out=target, window=window)
+                    decode_chunk(pieces[read.key, chunk.start], layout_, target, window)
                 except ShardFormatError as exc:
                     raise CorruptDataError(
                         f"{storage.url_of(read.key)}: inner chunk rows [{cr0}, {cr0 + layout_.chunk_rows}) "
@@ -505,9 +506,8 @@ def _read_pieces(
     samples: dict[str, set[str]] = {}
     for request, planned in zip(requests, plans, strict=True):
         for read, chunks in planned:
-            for chunk in chunks:
-                wanted.setdefault(read.key, set()).add((chunk.start, chunk.stop))
-                samples.setdefault(read.key, set()).update(request.samples)
+            wanted.setdefault(read.key, set()).update((chunk.start, chunk.stop) for chunk in chunks)
+            samples.setdefault(read.key, set()).update(request.samples)
     ranges = [(key, lo, hi) for key, spans in wanted.items() for lo, hi in coalesce(list(spans), max_gap)]
     datas = _read_ranges(storage, ranges, [tuple(samples[key]) for key, _, _ in ranges])
     pieces: dict[tuple[str, int], memoryview] = {}

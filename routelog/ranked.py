@@ -51,9 +51,11 @@ first, in a fresh environment, compiles them: :func:`warm_up` does that ahead of
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Collection
+from types import ModuleType
 from typing import Any, Literal
 
 import numpy as np
@@ -120,8 +122,7 @@ def _sections(
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], bool]:
     """The two sections of a chunk before compression (the gaps, and everything else), and whether enough of the
     gaps' rows repeat earlier ones for zstd's matches to pay (:data:`MATCHING`)."""
-    from routelog import _kernels  # numba loads on the first chunk, not on ``import routelog``
-
+    _kernels = _compiled()
     dtype = _native(ids.dtype)
     if ids.ndim != 3 or ids.shape[2] < 1:
         raise ValueError(f"{RANKED_CODEC} encodes [layers, rows, K >= 1] arrays, not shape {ids.shape}")
@@ -129,6 +130,15 @@ def _sections(
     policy = {"auto": _kernels.AUTO, "never": _kernels.NEVER, "always": _kernels.ALWAYS}[dictionaries]
     gaps, rest, placed, matched = _kernels.encode_chunk(ids, _words(ids), num_experts, policy)
     return gaps, rest, matched > MATCHING * placed
+
+
+@functools.cache
+def _compiled() -> ModuleType:
+    """:mod:`routelog._kernels`, imported on the first chunk: numba loads then, not on ``import routelog`` (and
+    once: an import statement in the per-chunk functions took 2.6 us a call)."""
+    from routelog import _kernels
+
+    return _kernels
 
 
 def _words(ids: npt.NDArray[Any]) -> npt.NDArray[np.uint64] | None:
@@ -147,11 +157,20 @@ def _layer_words(out: npt.NDArray[Any]) -> npt.NDArray[np.uint64] | None:
     return words
 
 
-def _native(dtype: np.dtype[Any]) -> np.dtype[Any]:
+def _native(dtype: npt.DTypeLike) -> np.dtype[Any]:
     """The machine's uint8 or uint16 for chunks of ``dtype`` (the compiled kernels take native integers)."""
+    found = _NATIVE.get(dtype)
+    if found is not None:
+        return found
+    dtype = np.dtype(dtype)
     if dtype.kind != "u" or dtype.itemsize > 2:
         raise TypeError(f"{RANKED_CODEC} stores uint8 or uint16 IDs, not {dtype}")
     return np.dtype(np.uint8 if dtype.itemsize == 1 else np.uint16)
+
+
+_NATIVE: dict[Any, np.dtype[Any]] = {
+    key: np.dtype(native) for native in (np.uint8, np.uint16) for key in (native, np.dtype(native))
+}
 
 
 def max_stored_nbytes(shape: tuple[int, int, int], itemsize: int, num_experts: int) -> int:
@@ -185,27 +204,32 @@ def decode(
     ``window`` (layers and rows inside the chunk; the kernel skips the layers outside it and decodes only the
     unique rows its rows expand from), into ``out`` when given (the window's shape, each layer's rows contiguous:
     a reader's block takes its overlap with the chunk in place); raises :class:`RankedFormatError`."""
-    from routelog import _kernels  # numba loads on the first chunk, not on ``import routelog``
-
+    _kernels = _compiled()
+    # Called once per stored chunk, between two zstd calls and the kernel: plain Python on bytes and ints (numpy
+    # scalars and small views cost a microsecond each, a tenth of the per-chunk work around the kernel).
     layers, rows, k = shape
-    dtype = _native(np.dtype(dtype))
-    (l0, l1), (r0, r1) = window or ((0, layers), (0, rows))
-    if not (0 <= l0 <= l1 <= layers and 0 <= r0 <= r1 <= rows):
-        raise ValueError(f"window {window} is not inside a chunk of {layers} x {rows}")
+    dtype = _native(dtype)
+    if window is None:
+        l0, l1, r0, r1 = 0, layers, 0, rows
+    else:
+        (l0, l1), (r0, r1) = window
+        if not (0 <= l0 <= l1 <= layers and 0 <= r0 <= r1 <= rows):
+            raise ValueError(f"window {window} is not inside a chunk of {layers} x {rows}")
     wanted = (l1 - l0, r1 - r0, k)
     target = np.empty(wanted, dtype=dtype) if out is None else out
-    if target.shape != wanted or target.dtype != dtype or not (target.size == 0 or target[0].flags.c_contiguous):
+    if target.shape != wanted or target.dtype != dtype or (target.size and not target[0].flags.c_contiguous):
         raise ValueError(f"out must be a {dtype} array of shape {wanted} whose layers' rows are contiguous")
-    stored = np.frombuffer(payload, dtype=np.uint8)
-    if stored.size < 4:
-        raise RankedFormatError(f"a chunk of {stored.size} bytes")
-    first = int.from_bytes(stored[:4].tobytes(), "little")
-    if first > stored.size - 4:
-        raise RankedFormatError(f"the gaps frame claims {first} bytes of the chunk's {stored.size - 4}")
+    stored = payload.data if isinstance(payload, np.ndarray) else payload  # a uint8 array's bytes, no copy
+    if len(stored) < 4:
+        raise RankedFormatError(f"a chunk of {len(stored)} bytes")
+    first = int.from_bytes(stored[:4], "little")
+    if first > len(stored) - 4:
+        raise RankedFormatError(f"the gaps frame claims {first} bytes of the chunk's {len(stored) - 4}")
     rest = _decompress(stored[4 + first :], _max_rest_nbytes(shape, dtype.itemsize, num_experts), "tail")
-    if rest.size < layers + 9 or not 1 <= rest[-1] <= VERSION:
-        raise RankedFormatError(f"unknown chunk payload version {int(rest[-1]) if rest.size else None}")
-    total = int.from_bytes(rest[-9:-5].tobytes(), "little")
+    version = int(rest[-1]) if rest.size else 0  # no version is 0, which none has
+    if rest.size < layers + 9 or not 1 <= version <= VERSION:
+        raise RankedFormatError(f"unknown chunk payload version {version}")
+    total = int.from_bytes(rest[-9:-5], "little")
     if total > layers * rows:
         raise RankedFormatError(f"{total} unique rows in a chunk of {layers} x {rows}")
     gaps = _decompress(stored[4 : 4 + first], total * k * dtype.itemsize, "gaps", exact=True)
@@ -217,7 +241,7 @@ def decode(
     return target
 
 
-def _decompress(frame: npt.NDArray[np.uint8], limit: int, what: str, *, exact: bool = False) -> npt.NDArray[np.uint8]:
+def _decompress(frame: bytes | memoryview, limit: int, what: str, *, exact: bool = False) -> npt.NDArray[np.uint8]:
     try:  # FORMAT.md section 5: both frames declare their size
         return zstd_frames.decompress(frame, limit, what, exact=exact, sized=True)
     except zstd_frames.FrameError as exc:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import google_crc32c
 import numpy as np
@@ -274,12 +274,13 @@ def decode_chunk(
     ``out`` (of the chunk's, or the window's, shape and dtype; C-contiguous, or for ranked arrays each layer's rows
     contiguous, such as a window of a reader's block) receives the values without an allocation.
     """
-    view = memoryview(piece)
-    if len(view) < 5 or _crc(view[:-4]) != bytes(view[-4:]):
+    stored = np.frombuffer(piece, dtype=np.uint8)
+    if stored.size < 5 or google_crc32c.value(stored[:-4]) != int.from_bytes(stored[-4:], "little"):
         raise ShardFormatError("inner chunk checksum mismatch")
+    payload = stored[:-4]
     if layout.ranked:
         try:
-            return ranked.decode(view[:-4], layout.chunk_shape, layout.dtype, layout.num_experts, out, window)
+            return ranked.decode(payload, layout.chunk_shape, layout.dtype, layout.num_experts, out, window)
         except ranked.RankedFormatError as exc:
             raise ShardFormatError(str(exc)) from exc
     if window is not None:
@@ -287,17 +288,17 @@ def decode_chunk(
     target = np.empty(layout.chunk_shape, dtype=layout.dtype) if out is None else out
     size = math.prod(layout.chunk_shape) * layout.planes
     if layout.planes == 1:
-        _decompress(view[:-4], target.reshape(-1), size)
+        _decompress(payload, target.reshape(-1), size)
         return target
     planes = np.empty(size, dtype=np.uint8)
-    _decompress(view[:-4], planes, size)
+    _decompress(payload, planes, size)
     target.view(np.uint8).reshape(*layout.chunk_shape, layout.planes)[...] = np.moveaxis(
         planes.reshape(layout.planes, *layout.chunk_shape), 0, 3
     )
     return target
 
 
-def _decompress(payload: memoryview, out: npt.NDArray[np.uint8], size: int) -> None:
+def _decompress(payload: npt.NDArray[np.uint8], out: npt.NDArray[np.uint8], size: int) -> None:
     # The frame must declare exactly one chunk's bytes: one that claims more is refused before it is decoded.
     try:
         out[...] = zstd_frames.decompress(payload, size, "inner chunk", exact=True)
@@ -305,9 +306,9 @@ def _decompress(payload: memoryview, out: npt.NDArray[np.uint8], size: int) -> N
         raise ShardFormatError(f"zstd cannot decode the inner chunk ({exc})") from exc
 
 
-@dataclass(frozen=True)
-class ChunkRead:
-    """One inner chunk to fetch: its grid position and byte range in the shard."""
+class ChunkRead(NamedTuple):
+    """One inner chunk to fetch: its grid position and byte range in the shard (a named tuple: a loader's fetch
+    plans one per chunk)."""
 
     layer_chunk: int
     row_chunk: int
@@ -321,12 +322,12 @@ def chunks_for(
     """The inner chunks covering layers ``[layers)`` and rows ``[rows)``, in shard byte order."""
     l0, l1 = layers[0] // layout.chunk_layers, (layers[1] - 1) // layout.chunk_layers + 1
     r0, r1 = rows[0] // layout.chunk_rows, (rows[1] - 1) // layout.chunk_rows + 1
-    reads = []
-    for lc in range(l0, l1):
-        for rc in range(r0, r1):
-            offset, nbytes = index[lc, rc]
-            reads.append(ChunkRead(lc, rc, int(offset), int(offset + nbytes)))
-    return reads
+    spans = index[l0:l1, r0:r1].tolist()  # Python ints, not a numpy scalar per value
+    return [
+        ChunkRead(lc, rc, offset, offset + nbytes)
+        for lc, row_spans in enumerate(spans, l0)
+        for rc, (offset, nbytes) in enumerate(row_spans, r0)
+    ]
 
 
 def coalesce(ranges: list[tuple[int, int]], max_gap: int) -> list[tuple[int, int]]:

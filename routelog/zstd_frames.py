@@ -70,34 +70,35 @@ def decompress(
     """The bytes of one zstd frame (read-only), at most ``limit`` of them (with ``exact``, exactly ``limit``);
     raises :class:`FrameError`, before decoding when the header declares a size out of bounds (or, ``sized``,
     none)."""
-    frame = _buffer(frame)
-    size = declared_size(frame)
-    if size is None and sized:
-        raise FrameError(f"the {what} frame declares no content size")
-    if size is not None and (size > limit or (exact and size != limit)):
-        raise FrameError(f"the {what} frame declares {size} bytes; a chunk holds {_allowed(limit, exact)}")
-    if size == 0:
-        return np.empty(0, dtype=np.uint8)
+    # Called twice per stored chunk, so kept to the checks around the decompression (per chunk, this wrapper took
+    # as long as decompressing a small section: keywords, a bytes -> array view and calls add up to microseconds).
+    if isinstance(frame, np.ndarray):
+        frame = _buffer(frame)
     try:
-        data = _CONTEXTS.decompressor.decompress(
-            frame, max_output_size=0 if size is not None else limit, allow_extra_data=False
-        )
+        size = _content_size(frame)
+    except zstandard.ZstdError:  # no frame header: the decompressor says why below
+        size = -1
+    if size < 0:
+        if sized:
+            raise FrameError(f"the {what} frame declares no content size")
+    elif size > limit or (exact and size != limit):
+        raise FrameError(f"the {what} frame declares {size} bytes; a chunk holds {_allowed(limit, exact)}")
+    elif size == 0:
+        return np.empty(0, dtype=np.uint8)
+    try:  # positional: (data, max_output_size, read_across_frames, allow_extra_data)
+        data = _CONTEXTS.decompressor.decompress(frame, limit if size < 0 else 0, False, False)
     except zstandard.ZstdError as exc:
         raise FrameError(f"the {what} frame cannot be decoded ({exc})") from exc
-    if len(data) > limit or (exact and len(data) != limit) or (size is not None and len(data) != size):
-        raise FrameError(f"the {what} frame decodes to {len(data)} bytes ({_allowed(limit, exact)} allowed)")
-    return np.frombuffer(data, dtype=np.uint8)
+    n = len(data)
+    if n > limit or (exact and n != limit) or (size >= 0 and n != size):
+        raise FrameError(f"the {what} frame decodes to {n} bytes ({_allowed(limit, exact)} allowed)")
+    return np.frombuffer(data, np.uint8)
 
 
 def _allowed(limit: int, exact: bool) -> str:
     return f"exactly {limit}" if exact else f"at most {limit}"
 
 
-def declared_size(frame: bytes | memoryview | npt.NDArray[np.uint8]) -> int | None:
-    """The decompressed size a zstd frame header declares (RFC 8878 3.1.1.1), or None when it declares none or is
-    no zstd frame header."""
-    try:
-        size: int = zstandard.frame_content_size(_buffer(frame))
-    except zstandard.ZstdError:
-        return None
-    return None if size < 0 else size
+_content_size = zstandard.frame_content_size
+"""The decompressed size a zstd frame header declares (RFC 8878 3.1.1.1): -1 when it declares none; raises
+``zstandard.ZstdError`` when the bytes are no frame header."""
