@@ -983,7 +983,7 @@ def decode_chunk(
         # repeats (when it is a repeat) to the last one at or before the last row.
         starts_repeat = _repeat_bit(bits, first_row)
         lo = first_row - _repeats_before(bits, first_row) - starts_repeat
-        hi = stop_row - _repeats_before(bits, stop_row)
+        hi = layer_unique[j] if stop_row == rows else stop_row - _repeats_before(bits, stop_row)  # counted above
         if out_words is not None:
             layer = out_words[jw]  # views: plain indices let the compiler vectorise
             if mode == 0:  # plain, no repeats: straight into the output
