@@ -15,8 +15,8 @@ times slower per row); both paths write the same bytes (``tests/test_ranked.py``
 
 Every kernel is ``nopython`` (no Python objects inside), ``nogil`` (readers and writers may run chunks on several
 threads) and ``cache=True``. The first call in a fresh environment compiles (measured on the 2-core development
-machine, AMD EPYC: 52 to 56 s for rows of eight uint8 IDs, the writer's sort, encoding and decoding together, 19 to
-21 s more for other uint8 rows, 24 to 28 s more for uint16 IDs; an earlier 2-core machine took 19 to 23 s for uint8
+machine, AMD EPYC: 42 to 56 s for rows of eight uint8 IDs, the writer's sort, encoding and decoding together, 15 to
+21 s more for other uint8 rows, 21 to 28 s more for uint16 IDs; an earlier 2-core machine took 19 to 23 s for uint8
 IDs; once per machine, numba version and source of this file, cached beside it in ``__pycache__``); a
 later process pays about 0.5 s on its first chunk, mostly numba's import and start-up, then loads the cached code.
 :mod:`routelog.ranked` imports this module on its first chunk, and :func:`routelog.codec.sort_and_check` on the

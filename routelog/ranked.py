@@ -226,7 +226,7 @@ def decode(
     if first > len(stored) - 4:
         raise RankedFormatError(f"the gaps frame claims {first} bytes of the chunk's {len(stored) - 4}")
     rest = _decompress(stored[4 + first :], _max_rest_nbytes(shape, dtype.itemsize, num_experts), "tail")
-    version = int(rest[-1]) if rest.size else 0  # no version is 0, which none has
+    version = int(rest[-1]) if rest.size else 0  # 0 for an empty section: no payload version
     if rest.size < layers + 9 or not 1 <= version <= VERSION:
         raise RankedFormatError(f"unknown chunk payload version {version}")
     total = int.from_bytes(rest[-9:-5], "little")
@@ -261,8 +261,8 @@ def warm_up(paths: Collection[str] = tuple(WARM_UP_PATHS)) -> dict[str, float]:
     """Compile the kernels that writers and readers use on ``paths`` (all by default; :func:`kernel_path` names
     one routing's), or load them from numba's cache, ahead of the first chunk.
 
-    A fresh environment otherwise compiles on its first chunk (on the 2-core development machine: 52 to 56 s for
-    rows of eight uint8 IDs, 17 to 28 s for each other path), and every writer process that starts before the cache
+    A fresh environment otherwise compiles on its first chunk (on the 2-core development machine: 42 to 56 s for
+    rows of eight uint8 IDs, 15 to 28 s for each other path), and every writer process that starts before the cache
     exists compiles again. Run it where the package is installed (an image build, a job's setup); numba caches
     beside the package, or in ``NUMBA_CACHE_DIR``. For each path: the writer's sort, a chunk encoded, decoded whole
     into a new array (zarr's codec) and as a window into a reader's block. Returns the seconds each path took."""
