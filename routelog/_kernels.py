@@ -120,6 +120,7 @@ _FIRST_ONES = np.uint64(0x0101010101010100)  # +1 in every lane but lane 0
 _EVEN_LANES = np.uint64(0x00FF00FF00FF00FF)
 _SUM_16 = np.uint64(0x0001000100010001)
 _HASH = np.uint64(0x9E3779B97F4A7C15)
+_GATHER_BITS = np.uint64(0x8040201008040201)  # times eight 0/1 lanes: lane c lands at bit 63 - c, no carries
 
 
 @_instruction
@@ -739,23 +740,35 @@ def _layer_words(
     for r in range(rows):
         out[r] = _word_gaps(layer[r])
         invalid += not _word_valid(layer[r], out[r], num_experts)
+    # Repeats: a flag byte per row (a loop that vectorises), then the bitmap a byte (eight rows) at a time, its
+    # flags gathered by one multiplication; a byte of eight repeats keeps no row, one without repeats keeps eight
+    # (row by row, a padding layer of repeats took twice as long as a layer without).
+    flags = np.zeros(bitmaps.shape[1] * 8, np.uint8)
     repeats = 0
     for r in range(1, rows):
-        repeats += layer[r] == layer[r - 1]
+        flags[r] = layer[r] == layer[r - 1]
+        repeats += flags[r]
     if repeats:
+        packed = flags.view(np.uint64)
         u = 0
         for byte in range(bitmaps.shape[1]):
-            bits = 0
-            for r in range(byte * 8, min(rows, byte * 8 + 8)):
-                repeat = r > 0 and layer[r] == layer[r - 1]
-                out[u] = out[r]
-                u += not repeat
-                bits |= repeat << (7 - (r & 7))
+            bits = (packed[byte] * _GATHER_BITS) >> np.uint64(56)
             bitmaps[j, byte] = bits
+            start = byte * 8
+            if bits == 255:  # eight repeats: nothing kept
+                continue
+            if bits == 0 and start + 8 <= rows:  # eight rows kept
+                for c in range(8):
+                    out[u + c] = out[start + c]
+                u += 8
+                continue
+            for r in range(start, min(rows, start + 8)):
+                out[u] = out[r]
+                u += 1 - flags[r]
     if invalid:
         u = 0
         for r in range(rows):
-            if r > 0 and layer[r] == layer[r - 1]:
+            if flags[r]:
                 continue
             if not _word_valid(layer[r], _word_gaps(layer[r]), num_experts):
                 out[u] = 0
