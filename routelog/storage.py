@@ -17,6 +17,7 @@ import posixpath
 import random
 import socket
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -24,6 +25,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 from zarr.storage import FsspecStore
 
@@ -131,6 +133,34 @@ class ObjectStat:
     size: int
     modified: float
     """Seconds since the epoch, from the storage service (S3 ``LastModified``) or the filesystem."""
+
+
+_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV}
+"""``link`` errors of filesystems that hold no (more) hard links: :func:`_create_file` falls back there."""
+
+
+def _create_file(path: str, data: bytes) -> None:
+    """Create the local file ``path`` holding ``data``, or raise ``FileExistsError``, so that nobody sees it
+    half-written: an exclusive open would make the name visible before its bytes, and a reader listing commits
+    then finds an empty document, and a writer killed mid-write leaves one behind for good. The bytes go to a
+    temporary file beside it (a dot name no reader parses), hard-linked to ``path`` once complete: ``link`` is
+    atomic and refuses an existing name. Filesystems without hard links take the exclusive open."""
+    directory, name = os.path.split(path)
+    os.makedirs(directory, exist_ok=True)
+    temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any file
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+        try:
+            os.link(temporary, path)
+        except OSError as exc:
+            if isinstance(exc, FileExistsError) or exc.errno not in _NO_HARD_LINKS:
+                raise
+            with open(path, "xb") as file:
+                file.write(data)
+    finally:
+        os.unlink(temporary)
 
 
 def _modified(info: Mapping[str, Any]) -> float:
@@ -321,7 +351,10 @@ class Storage:
             nonlocal attempts
             attempts += 1
             try:
-                self.fs.pipe_file(self.path(key), data, mode="create")
+                if isinstance(self.fs, LocalFileSystem):
+                    _create_file(self.path(key), data)
+                else:  # S3's conditional PUT and the memory filesystem publish the whole object at once
+                    self.fs.pipe_file(self.path(key), data, mode="create")
             except FileExistsError:
                 return attempts > 1 and self.read(key) == data
             return True

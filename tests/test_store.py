@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -110,6 +114,52 @@ def test_exclusive_create_on_every_backend(store_url: str) -> None:
     assert storage.create("x/claim.json", b"1")
     assert not storage.create("x/claim.json", b"2")
     assert storage.read("x/claim.json") == b"1"
+
+
+def test_a_local_exclusive_create_is_never_seen_half_written(tmp_path: Path) -> None:
+    # A reader polling the name while a large object is created sees it absent or whole: an exclusive open would
+    # show the name first, then the bytes as they are written (a commit a sealer or a reader finds empty).
+    storage = Storage.open(f"file://{tmp_path}/store")
+    path = tmp_path / "store" / "steps" / "big.json"
+    data = bytes(range(256)) * (1 << 18)  # 64 MiB: its write takes long enough for many polls
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def poll() -> None:
+        deadline = time.monotonic() + 30
+        while not done.is_set() and time.monotonic() < deadline:
+            try:
+                seen.add(path.stat().st_size)
+            except FileNotFoundError:
+                seen.add(-1)
+
+    reader = threading.Thread(target=poll)
+    reader.start()
+    try:
+        assert storage.create("steps/big.json", data)
+    finally:
+        done.set()
+        reader.join()
+    assert seen <= {-1, len(data)}, f"sizes seen while creating: {sorted(seen)[:5]}"
+    assert storage.read("steps/big.json") == data
+    assert sorted(p.name for p in path.parent.iterdir()) == ["big.json"], "no temporary file is left behind"
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"x")
+    assert path.stat().st_mode == plain.stat().st_mode, "created with the permissions of any new file"
+
+
+def test_a_local_filesystem_without_hard_links_still_creates_exclusively(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_links(source: str, target: str) -> None:
+        raise OSError(errno.EPERM, "hard links are not supported here", target)
+
+    monkeypatch.setattr(os, "link", no_links)
+    storage = Storage.open(f"file://{tmp_path}/store")
+    assert storage.create("x/claim.json", b"1")
+    assert not storage.create("x/claim.json", b"2")
+    assert storage.read("x/claim.json") == b"1"
+    assert sorted(p.name for p in (tmp_path / "store" / "x").iterdir()) == ["claim.json"]
 
 
 def test_missing_store_and_spec_mismatch(store_url: str, small_spec: ModelSpec) -> None:
