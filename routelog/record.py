@@ -167,7 +167,7 @@ def prepare_record(
         response_len=record.response_len,
         n_tokens=n,
         token_hash=digest,
-        token_ids=None if record.token_ids is None else [int(t) for t in np.asarray(record.token_ids)],
+        token_ids=None if record.token_ids is None else np.asarray(record.token_ids).tolist(),  # ints: checked
         spans=spans,
         segments=segments,
         extra=extra,
