@@ -11,13 +11,12 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
-import zarr
 
 from routelog import keys
 from routelog.codec import storage_dtype
@@ -46,6 +45,9 @@ from routelog.spec import ModelSpec
 from routelog.storage import check_digest
 from routelog.values import FloatArray, values_from_parquet
 from routelog.weights import from_storage
+
+if TYPE_CHECKING:
+    import zarr
 
 _VALUES_CACHE = 4
 """Values objects kept decoded per snapshot (streaming reads visit parts one after another)."""
@@ -574,6 +576,8 @@ class StepSnapshot:
         parts (through the registered ``routelog.ranked_gaps`` codec); the stored form for format-1 parts (gaps when
         sorted, uint16 as byte planes; see ``schemas/FORMAT.md``). For interoperability; :meth:`read_many` is the
         fast path."""
+        import zarr  # loaded here: the readers' own path never needs it
+
         commit = self._own[keys.part_dir(self.step, part)]
         store = self.store.storage.zarr_store(f"{keys.part_dir(self.step, part)}/{commit.routing.path}")
         return zarr.open_array(store, mode="r")

@@ -21,16 +21,18 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
-from zarr.storage import FsspecStore
 
 from routelog.errors import CorruptDataError, StoreAccessError, StoreError, StoreUnreachableError
 from routelog.keys import check_key
+
+if TYPE_CHECKING:  # zarr loads on the first zarr store (a fifth of ``import routelog`` otherwise)
+    from zarr.storage import FsspecStore
 
 T = TypeVar("T")
 
@@ -413,5 +415,7 @@ class Storage:
 
     def zarr_store(self, key: str) -> FsspecStore:
         """A read-only zarr store rooted at ``key``, for ranged reads of sharded arrays."""
+        from zarr.storage import FsspecStore
+
         options = {k: v for k, v in self.storage_options.items() if k != "auto_mkdir"}
         return FsspecStore.from_url(self.url_of(key), storage_options=options, read_only=True)
