@@ -380,7 +380,8 @@ class Storage:
                 names.append(name[len(base) + 1 :])
             elif "/" not in name:
                 names.append(name)
-        return sorted(n for n in names if n)
+        # A dot-name is a local create's temporary (:func:`_create_file`), never a routelog key: not listed.
+        return sorted(n for n in names if n and not n.startswith("."))
 
     def find(self, prefix: str) -> dict[str, ObjectStat]:
         """Every object below ``prefix`` (recursive) with its size and modification time, keyed by store key."""

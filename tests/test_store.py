@@ -148,6 +148,22 @@ def test_a_local_exclusive_create_is_never_seen_half_written(tmp_path: Path) -> 
     assert path.stat().st_mode == plain.stat().st_mode, "created with the permissions of any new file"
 
 
+def test_a_temporary_left_by_a_writer_killed_mid_create_is_not_listed_and_breaks_nothing(
+    tmp_path: Path, small_spec: ModelSpec
+) -> None:
+    url = f"file://{tmp_path}/store"
+    store = routelog.create_store(url, small_spec)
+    with store.writer(0, "w") as writer:
+        writer.append(_records(small_spec, 1, seed=3)[0])
+    commits = tmp_path / "store" / keys.commits_dir(0)
+    (commits / ".w.00000001.json.0123abcd.tmp").write_bytes(b'{"half": ')  # killed before its link
+    assert Storage.open(url).list(keys.commits_dir(0)) == ["w.00000000.json"]
+    snapshot = routelog.open_store(url).step(0)
+    assert len(snapshot.sample_ids) == 1
+    assert verify_store(routelog.open_store(url)).ok
+    assert collect_garbage(routelog.open_store(url), older_than=0.0, force=True).damaged == []
+
+
 def test_a_local_filesystem_without_hard_links_still_creates_exclusively(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
