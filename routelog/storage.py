@@ -157,7 +157,7 @@ def _create_file(path: str, data: bytes) -> None:
         try:
             os.link(temporary, path)
         except OSError as exc:
-            if isinstance(exc, FileExistsError) or exc.errno not in _NO_HARD_LINKS:
+            if exc.errno not in _NO_HARD_LINKS:  # FileExistsError among them: the name is taken
                 raise
             with open(path, "xb") as file:
                 file.write(data)
