@@ -99,7 +99,8 @@ class PartRows:
         return start
 
     def take(self, rows: npt.NDArray[np.int64]) -> tuple[IdArray, WeightRows | None]:
-        return self._data[:, rows], None if self._weights is None else self._weights[:, rows]
+        at = consecutive(rows)
+        return self._data[:, at], None if self._weights is None else self._weights[:, at]
 
     @property
     def data(self) -> IdArray:
@@ -217,13 +218,24 @@ class PrefixIndex:
         local = np.full(tokens.size, -1, dtype=np.int64)
         for span in spans:
             local[span.token_start : span.token_start + span.n_rows] = np.arange(span.row, span.row + span.n_rows)
-        shared, source = 0, None
-        for earlier in reversed(self._by_probe.get(_probe(tokens), [])[-CANDIDATES:]):
-            if not earlier.parts <= self._parts.keys():
-                continue  # points at a forgotten part
-            length = self._shared_prefix(earlier, tokens, local, own_rows, own_weights)
-            if length > shared:
-                shared, source = length, earlier
+        # The longest shared prefix wins, the most recent candidate among equals. A candidate's equal tokens bound
+        # what it can share (routing only shortens it), so routing is compared from the longest token match down
+        # and only while a candidate could still win: in a GRPO group every earlier sample shares the same prompt,
+        # and only the first of them is compared row by row.
+        candidates = [
+            earlier
+            for earlier in reversed(self._by_probe.get(_probe(tokens), [])[-CANDIDATES:])
+            if earlier.parts <= self._parts.keys()  # else it points at a forgotten part
+        ]
+        bounds = [_equal_prefix(earlier.tokens, tokens) for earlier in candidates]
+        best, source = (0, -len(candidates)), None  # (shared tokens, -recency rank)
+        for rank in sorted(range(len(candidates)), key=lambda i: -bounds[i]):
+            if (bounds[rank], -rank) <= best:
+                continue
+            length = self._shared_prefix(candidates[rank], bounds[rank], local, own_rows, own_weights)
+            if (length, -rank) > best:
+                best, source = (length, -rank), candidates[rank]
+        shared = best[0]
         if source is None or shared < MIN_SHARED_TOKENS:
             shared = 0
         first_own_row = int((local[:shared] >= 0).sum())
@@ -238,26 +250,26 @@ class PrefixIndex:
     def _shared_prefix(
         self,
         earlier: _Placed,
-        tokens: npt.NDArray[np.int64],
+        n: int,
         local: npt.NDArray[np.int64],
         own_rows: IdArray,
         own_weights: WeightRows | None,
     ) -> int:
-        """Tokens from the start that are equal, computed (or not) alike, and routed alike in both records."""
-        n = min(earlier.tokens.size, tokens.size)
-        differs = np.flatnonzero(earlier.tokens[:n] != tokens[:n])
-        n = int(differs[0]) if differs.size else n
+        """Of the first ``n`` tokens (equal in both records), those from the start that are computed (or not) alike
+        and routed alike in both."""
         mine = local[:n]
         differs = np.flatnonzero((mine >= 0) != (earlier.part[:n] >= 0))
         n = int(differs[0]) if differs.size else n
         routed = np.flatnonzero(mine[:n] >= 0)
         if not routed.size:
             return n
+        their_parts = earlier.part[routed]
         same = np.ones(routed.size, dtype=bool)
-        for part_id in np.unique(earlier.part[routed]):
-            on_part = np.flatnonzero(earlier.part[routed] == part_id)
-            their_ids, their_weights = self._parts[int(part_id)].source.take(earlier.row[routed[on_part]])
-            mine_rows = mine[routed[on_part]]
+        parts = _distinct(their_parts)
+        for part_id in parts:
+            on_part = slice(None) if len(parts) == 1 else their_parts == part_id
+            their_ids, their_weights = self._parts[part_id].source.take(earlier.row[routed[on_part]])
+            mine_rows = consecutive(mine[routed[on_part]])
             same[on_part] = (their_ids == own_rows[:, mine_rows]).all(axis=(0, 2))
             same[on_part] &= _same_weights(their_weights, None if own_weights is None else own_weights[:, mine_rows])
         if not same.all():
@@ -313,6 +325,26 @@ class PrefixIndex:
 
 def _placed(tokens: npt.NDArray[np.int64], part: npt.NDArray[np.int32], row: npt.NDArray[np.int64]) -> _Placed:
     return _Placed(tokens, part, row, frozenset(int(p) for p in np.unique(part[part >= 0])))
+
+
+def _equal_prefix(a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> int:
+    """How many tokens from the start are equal in both."""
+    n = min(a.size, b.size)
+    differs = np.flatnonzero(a[:n] != b[:n])
+    return int(differs[0]) if differs.size else n
+
+
+def _distinct(parts: npt.NDArray[np.int32]) -> list[int]:
+    """The part ids in ``parts``; one look when all rows sit in one part (the common case)."""
+    first = int(parts[0])
+    return [first] if (parts == first).all() else [int(p) for p in np.unique(parts)]
+
+
+def consecutive(rows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64] | slice:
+    """``rows`` as a slice where they are consecutive, so that taking them copies nothing."""
+    if rows[-1] - rows[0] == rows.size - 1 and (rows.size < 2 or bool((np.diff(rows) == 1).all())):
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return rows
 
 
 def _probe(tokens: npt.NDArray[np.int64]) -> bytes:

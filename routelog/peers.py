@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from routelog import keys
 from routelog.codec import IdArray
-from routelog.dedup import MIN_SHARED_TOKENS, PrefixIndex, WeightRows
+from routelog.dedup import MIN_SHARED_TOKENS, PrefixIndex, WeightRows, consecutive
 from routelog.errors import RoutelogError
 from routelog.format import CommitRecord, IndexRow, parse_document
 from routelog.part import BlockRequest, ShardIndexCache, fetch_blocks, index_from_parquet
@@ -52,7 +52,7 @@ class StoredPart:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(cached)
         ids, weights = self._cache[cached]
-        at = rows - cached[0]
+        at = consecutive(rows - cached[0])
         return ids[:, at], None if weights is None else weights[:, at]
 
     @property

@@ -7,10 +7,12 @@ from typing import Literal
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import routelog
 from routelog import ModelSpec, PartOptions, Record, keys
-from routelog.dedup import PrefixIndex
+from routelog.dedup import CANDIDATES, MIN_SHARED_TOKENS, PrefixIndex
 from routelog.part import build_part
 from routelog.record import prepare_record
 from routelog.synth import synthetic_spec
@@ -127,6 +129,75 @@ def test_a_token_computed_in_one_record_and_missing_in_the_other_ends_the_prefix
     store, stored = _write([a, b])
     assert stored == int(a.valid.sum()) + int(b.valid.sum()) - 20
     _assert_reads_back(store, [a, b])
+
+
+def _family(seed: int, n: int) -> list[Record]:
+    """``n`` records that each keep a random-length start of one sequence (tokens and routing), then go their own
+    way; some keep it with a token routed differently or not computed. Four token ids: tails often run on equal."""
+    rng = np.random.default_rng(seed)
+    base_tokens = rng.integers(0, 4, 80)
+    base_routing = random_routing(rng, 80, SPEC.num_moe_layers, SPEC.num_experts, SPEC.topk)
+    records = []
+    for i in range(n):
+        keep = int(rng.integers(8, 81))
+        length = keep + int(rng.integers(1, 30))
+        routing = random_routing(rng, length, SPEC.num_moe_layers, SPEC.num_experts, SPEC.topk)
+        routing[:keep] = base_routing[:keep]
+        if rng.random() < 0.4:  # one token of the kept start routed anew (possibly to the same set)
+            at = int(rng.integers(0, keep))
+            routing[at] = random_routing(rng, 1, SPEC.num_moe_layers, SPEC.num_experts, SPEC.topk)[0]
+        valid = rng.random(length) > 0.05
+        valid[-1] = False
+        tokens = np.concatenate([base_tokens[:keep], rng.integers(0, 4, length - keep)])
+        records.append(
+            Record(
+                sample_id=f"r{i}",
+                expert_ids=routing,
+                prompt_len=keep,
+                response_len=length - keep,
+                valid=valid,
+                token_ids=tokens,
+            )
+        )
+    return records
+
+
+def _shareable(a: Record, b: Record) -> int:
+    """Tokens from the start equal in both records, computed alike, and (where computed) routed to the same set."""
+    assert a.token_ids is not None and b.token_ids is not None
+    n = 0
+    while n < min(len(a.token_ids), len(b.token_ids)) and a.token_ids[n] == b.token_ids[n] and a.valid[n] == b.valid[n]:
+        if a.valid[n] and not np.array_equal(
+            np.sort(np.asarray(a.expert_ids)[n], -1), np.sort(np.asarray(b.expert_ids)[n], -1)
+        ):
+            break
+        n += 1
+    return n
+
+
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(2, 14))
+def test_each_record_shares_the_longest_prefix_a_recent_candidate_offers(seed: int, n: int) -> None:
+    """Against a token-by-token reference: a record shares the longest start any of the :data:`CANDIDATES` most
+    recent earlier records with its first tokens offers (none under :data:`MIN_SHARED_TOKENS`)."""
+    records = _family(seed, n)
+    want = 0
+    for i, record in enumerate(records):
+        assert record.token_ids is not None
+        probe = list(record.token_ids[:MIN_SHARED_TOKENS])
+        candidates = [
+            earlier
+            for earlier in records[:i]
+            if earlier.token_ids is not None
+            and len(earlier.token_ids) >= MIN_SHARED_TOKENS
+            and list(earlier.token_ids[:MIN_SHARED_TOKENS]) == probe
+        ][-CANDIDATES:]
+        shared = max((_shareable(record, earlier) for earlier in candidates), default=0)
+        if len(record.token_ids) < MIN_SHARED_TOKENS or shared < MIN_SHARED_TOKENS:
+            shared = 0
+        want += int(record.valid.sum()) - int(record.valid[:shared].sum())
+    store, stored = _write(records)
+    assert stored == want
+    _assert_reads_back(store, records)
 
 
 def test_records_without_token_ids_or_short_prefixes_are_stored_whole() -> None:

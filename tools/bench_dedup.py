@@ -17,18 +17,25 @@ Scenarios: GRPO groups of n = 8 and 16 samples whose prompt is a fraction 0.25, 
 turns where every turn re-sends the whole history. Sizes count the routing arrays' bytes over the routed token
 rows of the records times the MoE layers (``routelog inspect``'s bytes per token-layer).
 
-    python tools/bench_dedup.py [--json] [--quick] [--corpus tests/fixtures/corpus/qwen3moe]
+What sharing costs the writer: each configuration's writes are timed (to a memory store, the configurations
+alternating, median of ``--rounds``), and format 2's time is given over format 2 codec only's (median of the
+paired ratios).
+
+    python tools/bench_dedup.py [--json] [--quick] [--rounds 5] [--corpus tests/fixtures/corpus/qwen3moe]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 
 import routelog
@@ -119,21 +126,32 @@ def write(url: str, spec: ModelSpec, records: list[Record], options: PartOptions
         writer.close()
 
 
-def measure(spec: ModelSpec, records: list[Record], layout: tuple[int, int]) -> dict[str, Any]:
+def measure(spec: ModelSpec, records: list[Record], layout: tuple[int, int], rounds: int) -> dict[str, Any]:
+    """Sizes of each configuration, and its write time (median over ``rounds``, the configurations alternating)."""
     out: dict[str, Any] = {}
-    for name, options in CONFIGS.items():
-        url = f"memory://bench-dedup/{uuid.uuid4().hex}"
-        write(url, spec, records, options, layout)
-        summary = routelog.open_store(url).summary()
-        out[name] = {
-            "bytes_per_token_layer": summary["bytes_per_token_layer"],
-            "routed_rows": summary["routed_rows"],
-            "stored_rows": summary["stored_rows"],
-            "routing_bytes": summary["routing_bytes"],
-        }
+    seconds: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    for _ in range(rounds):
+        for name, options in CONFIGS.items():
+            url = f"memory://bench-dedup/{uuid.uuid4().hex}"
+            start = time.perf_counter()
+            write(url, spec, records, options, layout)
+            seconds[name].append(time.perf_counter() - start)
+            summary = routelog.open_store(url).summary()
+            out[name] = {
+                "bytes_per_token_layer": summary["bytes_per_token_layer"],
+                "routed_rows": summary["routed_rows"],
+                "stored_rows": summary["stored_rows"],
+                "routing_bytes": summary["routing_bytes"],
+            }
+            # The memory filesystem is one dict for the process, scanned by some lookups: keep it small.
+            fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+    for name, times in seconds.items():
+        out[name]["write_seconds"] = statistics.median(times)
     v1 = out["format 1 (sorted_gaps)"]["bytes_per_token_layer"]
     v2 = out["format 2 (codec + dedup)"]["bytes_per_token_layer"]
     out["v1_size_vs_v2"] = v1 / v2
+    paired = zip(seconds["format 2 (codec + dedup)"], seconds["format 2 codec only"], strict=True)
+    out["dedup_write_time_vs_codec_only"] = statistics.median(a / b for a, b in paired)
     return out
 
 
@@ -149,7 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cases[f"multi-turn {turns} turns"] = list(multi_turn(sequences, turns, sessions))
     for layout_name, layout in LAYOUTS.items():
         for case, records in cases.items():
-            scenarios[f"{case}, {layout_name}"] = measure(spec, records, layout)
+            scenarios[f"{case}, {layout_name}"] = measure(spec, records, layout, 1 if args.quick else args.rounds)
     return {
         "corpus": args.corpus,
         "model": spec.name,
@@ -168,6 +186,7 @@ def main() -> None:
     parser.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="routelog store whose routing to use")
     parser.add_argument("--groups", type=int, default=12, help="GRPO groups per scenario")
     parser.add_argument("--sessions", type=int, default=8, help="multi-turn sessions per scenario")
+    parser.add_argument("--rounds", type=int, default=5, help="writes of each configuration timed (median)")
     args = parser.parse_args()
     report = run(args)
     if args.json:
@@ -178,12 +197,14 @@ def main() -> None:
         f"top-{report['topk']} of {report['num_experts']}; bytes per routed token-layer"
     )
     names = list(CONFIGS)
-    print(f"{'scenario':39s}" + "".join(f"{n:>25s}" for n in names) + f"{'dedup':>8s}{'v1/v2':>8s}")
+    print(f"{'scenario':39s}" + "".join(f"{n:>25s}" for n in names) + f"{'dedup':>8s}{'v1/v2':>8s}{'time':>8s}")
     for scenario, result in report["scenarios"].items():
         dedup = result[names[-1]]["routed_rows"] / result[names[-1]]["stored_rows"]
         cells = "".join(f"{result[n]['bytes_per_token_layer']:25.3f}" for n in names)
-        print(f"{scenario:39s}{cells}{dedup:7.2f}x{result['v1_size_vs_v2']:7.2f}x")
+        time_ratio = result["dedup_write_time_vs_codec_only"]
+        print(f"{scenario:39s}{cells}{dedup:7.2f}x{result['v1_size_vs_v2']:7.2f}x{time_ratio:7.2f}x")
     print(f"goal: {report['goal']}")
+    print("time: format 2's write time over format 2 codec only's (what finding shared prefixes costs the writer)")
 
 
 if __name__ == "__main__":
