@@ -90,6 +90,10 @@ without a dictionary. Choosing by it, the corpus is within 0.05 % of the better 
 choices agree), and the rows the corpus' store holds (not in the fit) within 0.01 % (99 %). zstd matches a
 repeated row for about 1.4 bytes, and it also matches repeated runs of indices, which the weight below 1 stands
 for."""
+TRANSPOSE_ROWS = 2048
+"""Rows (of every layer) :func:`sort_rows_of_eight` sorts per block before moving them to layer order: 16 KiB of
+uint8 rows, which stay in the first-level cache (measured: blocks of 32 to 256 tokens of 6 or 48 layers within
+5 %, 1024 tokens 10 % slower)."""
 AUTO, NEVER, ALWAYS = 0, 1, 2
 """Whether :func:`encode_chunk` gives layers dictionaries: where they pay, never, or wherever a row repeats."""
 
@@ -354,19 +358,48 @@ def _entropy_bits(counts: Any, start: int, stop: int) -> float:
 
 # -- sorting ----------------------------------------------------------------------------------------------------
 @_compiled()
-def sort_rows_of_eight(ids: Any, out: Any, largest: Any) -> int:
-    """Each row of eight uint8 or uint16 IDs (``ids``, flat in row order) sorted ascending into ``out`` by
-    :func:`_network_of_eight`; returns the index of the first row holding an ID above ``largest`` (of the IDs'
-    dtype) or a repeated ID, -1 when every row is a valid set."""
-    if not _sort_flat_rows(ids, out, ids.size // 8, largest):
+def sort_rows_of_eight(ids: Any, out: Any, tokens: int, layers: int, largest: Any) -> int:
+    """Each row of eight uint8 or uint16 IDs sorted ascending by :func:`_network_of_eight`: ``ids`` flat in token
+    order ``[tokens, layers, 8]`` (as engines hand them out), ``out`` flat in layer order ``[layers, tokens, 8]``
+    (as parts store them). Returns the index of the first row, in ``ids``' order (``token * layers + layer``),
+    holding an ID above ``largest`` (of the IDs' dtype) or a repeated ID; -1 when every row is a valid set.
+
+    A block of tokens (every layer: contiguous in ``ids``, and small enough for the first-level cache) is sorted
+    into a scratch buffer by the vectorized network, then each layer's rows of the block move to their place in
+    ``out`` as whole machine words. Measured on the 2-core AMD EPYC for 634 k rows: 1.6-1.7 ms, against 2.6-3.2 ms
+    for numpy's transpose followed by the same sort."""
+    if layers == 1:
+        bad = _sort_flat_rows(ids, out, tokens, largest)
+    else:
+        block = max(16, TRANSPOSE_ROWS // layers)
+        scratch = np.empty(block * layers * 8, ids.dtype)
+        scratch_words = scratch.view(np.uint64)
+        out_words = out.view(np.uint64)
+        bad = np.uint8(0)
+        for t0 in range(0, tokens, block):
+            n = min(block, tokens - t0)
+            bad |= _sort_flat_rows(ids[t0 * layers * 8 : (t0 + n) * layers * 8], scratch, n * layers, largest)
+            for j in range(layers):  # a row is one word of eight uint8 IDs, or two of uint16 IDs
+                at = j * tokens + t0
+                if ids.itemsize == 1:  # a constant per compiled type: the compiler keeps one side
+                    row_words = out_words[at : at + n]  # a view per layer: plain indices below (measured 25 % faster)
+                    for t in range(n):
+                        row_words[t] = scratch_words[t * layers + j]
+                else:
+                    row_words = out_words[2 * at : 2 * (at + n)]
+                    for t in range(n):
+                        row_words[2 * t] = scratch_words[2 * (t * layers + j)]
+                        row_words[2 * t + 1] = scratch_words[2 * (t * layers + j) + 1]
+    if not bad:
         return -1
-    for r in range(ids.size // 8):  # the rare case: find the first bad row among the sorted ones
-        j = 8 * r
-        if out[j + 7] > largest:
-            return r
-        for c in range(j, j + 7):
-            if out[c] == out[c + 1]:
-                return r
+    for t in range(tokens):  # the rare case: find the first bad row among the sorted ones
+        for j in range(layers):
+            r = 8 * (j * tokens + t)
+            if out[r + 7] > largest:
+                return t * layers + j
+            for c in range(r, r + 7):
+                if out[c] == out[c + 1]:
+                    return t * layers + j
     return -1
 
 

@@ -11,7 +11,7 @@ Speed comes mostly from layout:
   small enough to stay in cache (19 comparator passes for K = 8); validation (range, duplicates) rides along.
   Rows of eight IDs (top-8, the common case) sort faster in a compiled kernel instead
   (:func:`routelog._kernels.sort_rows_of_eight`: the same network, in registers, vectorized across rows), with
-  the same checks;
+  the same checks, and move from the engines' token order to the parts' layer order in the same pass;
 * gaps and their inverse run on each row's K lanes packed in machine words (SWAR): the inverse prefix sum is
   three shift-and-add passes for K = 8 uint8, with no per-column loop. Lanes never overflow because every
   partial sum is itself an expert ID.
@@ -87,43 +87,54 @@ def layer_major(ids: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return moved.view(src.dtype).reshape(layers, t, k)
 
 
-def check_before_cast(rows: npt.NDArray[Any], num_experts: int) -> RowProblem | None:
-    """Range checks that must happen before narrowing to the storage dtype (negatives, values that would wrap)."""
-    return _check_before_cast(rows, num_experts, storage_dtype(num_experts))
-
-
-def sort_and_check(rows: npt.NDArray[Any], num_experts: int) -> tuple[IdArray, RowProblem | None]:
-    """Sort each row of ``rows`` ``[N, K]`` ascending, in the storage dtype, and find the first bad row.
+def sort_by_layer(ids: npt.NDArray[Any], num_experts: int) -> tuple[IdArray, RowProblem | None]:
+    """Each row of ``ids`` ``[T, L, K]`` (token order, as engines hand them out) sorted ascending, in the storage
+    dtype and layer order ``[L, T, K]`` (as parts store them), and the first bad row.
 
     Returns the sorted copy and the first problem (IDs outside ``[0, num_experts)`` or repeated in a row), or
-    ``None``. The sorted copy is meaningless when a problem is returned.
+    ``None``; the problem's ``row`` indexes ``ids.reshape(-1, K)`` (``token * L + layer``). The sorted copy is
+    meaningless when a problem is returned.
     """
     dtype = storage_dtype(num_experts)
-    n, k = rows.shape
-    problem = _check_before_cast(rows, num_experts, dtype)
+    t, layers, k = ids.shape
+    flat = ids.reshape(-1, k)
+    problem = _check_before_cast(flat, num_experts, dtype)
     if problem is not None:
-        return np.empty((0, k), dtype), problem
-    out = np.empty((n, k), dtype)
-    src = np.ascontiguousarray(rows, dtype=dtype)
+        return np.empty((layers, 0, k), dtype), problem
+    src = np.ascontiguousarray(ids, dtype=dtype)
+    largest = dtype.type(num_experts - 1)
+    out = np.empty((layers, t, k), dtype)
     if _sorts_compiled(src):
         from routelog import _kernels  # numba loads on the first such sort, not on ``import routelog``
 
-        bad = _kernels.sort_rows_of_eight(src.reshape(-1), out.reshape(-1), dtype.type(num_experts - 1))
+        bad = _kernels.sort_rows_of_eight(src.reshape(-1), out.reshape(-1), t, layers, largest)
         row = None if bad < 0 else int(bad)
-    else:
-        row = _network_sort(src, out, dtype.type(num_experts - 1))
+    else:  # (one layer: layer_major returns src itself, which is only read)
+        row = _network_sort(layer_major(src).reshape(-1, k), out.reshape(-1, k), largest)
+        if row is not None:  # the network stopped at the first bad row in layer order: name the first in token order
+            ordered = np.sort(src.reshape(-1, k), axis=1)
+            bad = (ordered[:, -1] > largest) | (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+            row = int(np.argmax(bad))
     if row is None:
         return out, None
-    values = tuple(int(v) for v in rows[row])
+    values = tuple(int(v) for v in flat[row])
     kind: Literal["out_of_range", "duplicate"] = "out_of_range" if max(values) >= num_experts else "duplicate"
     return out, RowProblem(row, kind, values)
+
+
+def sort_and_check(rows: npt.NDArray[Any], num_experts: int) -> tuple[IdArray, RowProblem | None]:
+    """Sort each row of ``rows`` ``[N, K]`` ascending, in the storage dtype, and find the first bad row (see
+    :func:`sort_by_layer`, of which this is the one-layer case)."""
+    n, k = rows.shape
+    ordered, problem = sort_by_layer(rows.reshape(n, 1, k), num_experts)
+    return ordered.reshape(-1, k), problem
 
 
 def _sorts_compiled(src: IdArray) -> bool:
     """Whether the compiled sort takes ``src`` (C-contiguous, in the storage dtype): rows of eight IDs. Measured on
     the 2-core AMD EPYC: 3.6 ns per row of uint8 IDs for any E, against the numpy network's 12 ns and a 64-bit set
     per row's 10.7 ns (E <= 64); 5.8 ns per row of uint16 IDs, against the numpy network's 17.5 ns."""
-    return bool(src.shape[1] == 8 and src.shape[0] > 0)
+    return bool(src.shape[-1] == 8 and src.size > 0)
 
 
 def _network_sort(src: IdArray, out: IdArray, limit: Any) -> int | None:

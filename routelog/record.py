@@ -16,9 +16,8 @@ from routelog.codec import (
     IdArray,
     RowProblem,
     TopkOrder,
-    check_before_cast,
     layer_major,
-    sort_and_check,
+    sort_by_layer,
     storage_dtype,
 )
 from routelog.errors import InvalidRecordError
@@ -203,25 +202,21 @@ def _stored_rows(
     starts, stops = _runs(valid)
     chosen = ids if valid.all() else ids[valid]
     flat_valid = np.flatnonzero(valid)
-    problem = check_before_cast(chosen.reshape(-1, axis.topk), axis.universe)
-    if problem is not None:  # rows of `chosen` in token-major order
+    # Stored layer-major: [layers, n_valid_rows, topk]; sorting also checks every row (range, repeats).
+    sorted_rows, problem = sort_by_layer(chosen, axis.universe)
+    if problem is not None:  # rows of `chosen` in token order
         token, layer_pos = divmod(problem.row, axis.num_layers)
         _raise_row_problem(sid, axis, problem, int(flat_valid[token]), axis.layer(layer_pos))
-    # Stored layer-major: [layers, n_valid_rows, topk].
-    by_layer = layer_major(chosen.astype(storage_dtype(axis.universe), copy=False))
-    n_valid = by_layer.shape[1]
-    sorted_rows, problem = sort_and_check(by_layer.reshape(-1, axis.topk), axis.universe)
-    if problem is not None:  # rows in layer-major order
-        layer_pos, token = divmod(problem.row, n_valid)
-        _raise_row_problem(sid, axis, problem, int(flat_valid[token]), axis.layer(layer_pos))
     # Sorted sets are stored as IDs: the part's chunk codec (routelog.ranked) transforms them.
-    stored = sorted_rows if topk_order == "sorted" else by_layer.reshape(-1, axis.topk)
+    stored = (
+        sorted_rows if topk_order == "sorted" else layer_major(chosen.astype(storage_dtype(axis.universe), copy=False))
+    )
     spans = []
     offset = 0
     for start, stop in zip(starts, stops, strict=True):
         spans.append(Span(token_start=start, n_rows=stop - start, row=offset))
         offset += stop - start
-    return stored.reshape(axis.num_layers, n_valid, axis.topk), spans
+    return stored, spans
 
 
 def _stored_weights(

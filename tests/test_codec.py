@@ -15,6 +15,7 @@ from routelog.codec import (
     gaps_from_sorted,
     layer_major,
     sort_and_check,
+    sort_by_layer,
     sorted_from_gaps,
     sorting_network,
     storage_dtype,
@@ -175,3 +176,51 @@ def test_layer_major_is_the_transpose() -> None:
         moved = layer_major(ids)
         assert moved.flags.c_contiguous
         np.testing.assert_array_equal(moved, ids.transpose(1, 0, 2))
+
+
+@given(topk_rows(), st.integers(1, 7))
+def test_sort_by_layer_is_the_sorted_transpose(case: tuple[np.ndarray, int], layers: int) -> None:
+    rows, experts = case
+    layers = min(layers, rows.shape[0])
+    tokens = rows.shape[0] // layers
+    ids = rows[: tokens * layers].reshape(tokens, layers, -1)
+    original = ids.copy()
+    ordered, problem = sort_by_layer(ids, experts)
+    assert problem is None
+    assert ordered.dtype == storage_dtype(experts) and ordered.flags.c_contiguous
+    np.testing.assert_array_equal(ordered, np.sort(ids.astype(np.int64), axis=2).transpose(1, 0, 2))
+    np.testing.assert_array_equal(ids, original)  # the caller's array is only read
+
+
+@pytest.mark.parametrize(("experts", "layers", "tokens"), [(64, 6, 1000), (128, 48, 300), (300, 5, 700), (16, 3, 5)])
+def test_sort_by_layer_names_the_first_bad_row_in_token_order(
+    experts: int, layers: int, tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled sort (rows of eight) and the numpy network both name the input's first bad row: token by token,
+    each token's layers in order (not the layer order they sort into)."""
+    from routelog import codec
+
+    rng = np.random.default_rng(experts * layers)
+    dtype = storage_dtype(experts)
+    ids = np.argsort(rng.random((tokens, layers, experts)), axis=2)[:, :, :8].astype(dtype)
+    ordered, problem = sort_by_layer(ids, experts)  # several blocks of tokens (TRANSPOSE_ROWS) where tokens allow
+    assert problem is None
+    np.testing.assert_array_equal(ordered, np.sort(ids, axis=2).transpose(1, 0, 2))
+    later_token_earlier_layer = (tokens - 1, 0)
+    first = (tokens // 2, layers - 1)
+    for token, layer in (later_token_earlier_layer, first):
+        ids[token, layer, 3] = ids[token, layer, 5]
+    for compiled in (True, False):
+        with monkeypatch.context() as patch:
+            if not compiled:
+                patch.setattr(codec, "_sorts_compiled", lambda src: False)
+            _, problem = sort_by_layer(ids, experts)
+        assert problem is not None and problem.kind == "duplicate"
+        assert problem.row == first[0] * layers + first[1]
+        assert problem.values == tuple(int(v) for v in ids[first])
+    ids[first] = np.arange(8)
+    ids[later_token_earlier_layer] = np.arange(8)
+    ids[1, 2, 7] = experts if experts <= np.iinfo(dtype).max else ids[1, 2, 7]
+    if ids[1, 2, 7] == experts:
+        _, problem = sort_by_layer(ids, experts)
+        assert problem is not None and (problem.row, problem.kind) == (layers + 2, "out_of_range")

@@ -24,7 +24,7 @@ import numpy as np
 from bench_codec import corpus_routing, stored_routing, writer_sizes
 
 from routelog import _kernels, ranked
-from routelog.codec import layer_major, sort_and_check
+from routelog.codec import sort_by_layer
 
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "corpus"
 
@@ -67,10 +67,9 @@ def trial_compressions(ids: np.ndarray, num_experts: int, chunk_rows: int, limit
     tokens, layers, k = ids.shape
     if ids.dtype != np.uint8 or k != 8:
         raise SystemExit("the model's features are computed on rows of eight uint8 IDs")
-    rows, problem = sort_and_check(layer_major(ids).reshape(-1, k), num_experts)
+    by_layer, problem = sort_by_layer(ids, num_experts)
     if problem is not None:
         raise SystemExit(f"the routing holds a row that is no set: {problem}")
-    by_layer = rows.reshape(layers, tokens, k)
     found = []
     for start in range(0, tokens, chunk_rows)[:limit]:
         for layer in range(layers):
