@@ -113,9 +113,15 @@ def test_synth_twice_and_after_ctrl_c(tmp_path: Path) -> None:
     url = str(tmp_path / "run")
     args = ["synth", url, "--records", "6000", "--tokens", "64", "--layers", "4", "--experts", "16", "--topk", "2"]
     args += ["--flush-bytes", "20000"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "routelog", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    # A session started in the background (nohup, `cmd &` in a script) ignores Ctrl-C, and so would the command it
+    # starts (an ignored signal stays ignored across exec): start it as a terminal would, with Ctrl-C's default.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "routelog", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     commits = tmp_path / "run" / keys.commits_dir(0)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None and not (commits.exists() and any(commits.iterdir())):
