@@ -9,12 +9,14 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import routelog
 from routelog import Record
+from routelog.spec import entropy_bound_bytes
 from routelog.synth import synthetic_spec
 from tests.records import random_routing
 
@@ -57,6 +59,14 @@ def test_bench_codec_reports_every_layout() -> None:
     skewed, uniform = report["datasets"].values()
     assert skewed["ratios"]["v1_size_vs_v2"] > 1.1, "format 2 learns skew and repeats"
     assert uniform["ratios"]["v1_size_vs_v2"] > 0.99, "and loses nothing on uniform routing"
+    judged = {(row["dataset"], row["goal"]): row for row in report["verdict"] if row["judged"]}
+    for name in report["datasets"]:
+        for direction in ("encode", "decode"):
+            row = judged[name, f"{direction} speed / zstd-3 per inner chunk"]
+            assert row["met"] == (row["value"] >= row["limit"]) and "whole_array" in row
+    bound = judged["uniform", "size / bound"]
+    assert bound["value"] == uniform["ratios"]["routelog_size_vs_bound"] and bound["limit"] == 1.05
+    assert 1.0 < bound["gap_huffman_floor"] < bound["format_1"], "format 1 pays zstd's tables on top of the floor"
 
 
 def test_schemas_are_current() -> None:
@@ -102,12 +112,34 @@ def test_bench_audit_measures_stats_and_diff_against_a_plain_read() -> None:
     assert set(report["ratios"]) == {"stats_vs_read_only", "diff_vs_read_only"}
 
 
-def test_bench_codec_measures_the_rows_a_store_holds_each_shared_prompt_once() -> None:
-    """``--corpus`` measures the codec again on what a store holds: a GRPO group's prompt once, every response."""
+def _bench_codec() -> Any:
     spec = importlib.util.spec_from_file_location("bench_codec", TOOLS / "bench_codec.py")
     assert spec is not None and spec.loader is not None
     bench_codec = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_codec)
+    return bench_codec
+
+
+def test_the_gap_huffman_floor_is_an_optimal_code_of_the_exact_gaps() -> None:
+    bench_codec = _bench_codec()
+    assert bench_codec.huffman_mean_length([0.5, 0.25, 0.125, 0.125]) == 1.75  # dyadic: the entropy
+    assert bench_codec.huffman_mean_length([0.4, 0.3, 0.3]) == pytest.approx(1.6)  # codes 0, 10, 11
+    rng = np.random.default_rng(0)
+    for experts, topk in ((64, 8), (128, 8), (16, 4)):
+        # The gaps of uniform sets, counted: their Huffman code's mean length is the floor's.
+        rows = np.sort(np.argsort(rng.random((40000, experts)), axis=1)[:, :topk], axis=1)
+        gaps = np.diff(rows, axis=1, prepend=-1) - 1
+        counts = np.bincount(gaps.ravel(), minlength=experts - topk + 1) / gaps.size
+        sampled = topk * bench_codec.huffman_mean_length(list(counts)) / 8
+        floor = bench_codec.gap_huffman_floor(experts, topk)
+        assert floor == pytest.approx(sampled, rel=0.01)
+        assert floor > entropy_bound_bytes(experts, topk)
+    assert bench_codec.gap_huffman_floor(300, 8) is None
+
+
+def test_bench_codec_measures_the_rows_a_store_holds_each_shared_prompt_once() -> None:
+    """``--corpus`` measures the codec again on what a store holds: a GRPO group's prompt once, every response."""
+    bench_codec = _bench_codec()
     model = synthetic_spec(layers=3, experts=16, topk=4)
     rng = np.random.default_rng(0)
     prompt_ids = rng.integers(0, 1000, 40)
