@@ -26,7 +26,8 @@ and hot loops index arrays directly: a slice or row view per row costs reference
 times the row's own work.
 
 Kernels report a damaged payload with a status code instead of raising, and check every index read from a payload
-before using it: a forged chunk makes :func:`decode_chunk` return an error, never read or write out of bounds.
+before using it: a forged chunk makes :func:`decode_chunk` return an error, never read or write out of bounds. Nor
+does it return a row that is no top-k set (:data:`INVALID_ROW`; :data:`SETS`).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ EXCEPTION_RANGE = 5
 RANK_RANGE = 6
 DICTIONARY_SIZE = 7
 DICTIONARY_INDEX = 8
+INVALID_ROW = 9
 PROBLEMS = {
     UNKNOWN_MODE: "unknown layer mode {detail}",
     SECTION_SIZES: "the tail's sections take {detail} bytes, not {size}",
@@ -115,9 +117,18 @@ PROBLEMS = {
     RANK_RANGE: "layer {detail}: a rank outside [0, {E})",
     DICTIONARY_SIZE: "layer {detail}: a dictionary with more entries than unique rows, or none for some",
     DICTIONARY_INDEX: "layer {detail}: an index past the end of its dictionary",
+    INVALID_ROW: "a row that is no set of distinct ascending IDs in [0, {E})",
 }
 """What :func:`decode_chunk`'s status codes mean (``detail``: its second result; ``size``: the rest section's bytes;
-``total``: the trailer's rows of gaps; ``E``: the universe), for :class:`routelog.ranked.RankedFormatError`."""
+``total``: the trailer's rows of gaps; ``E``: the universe), for :class:`routelog.ranked.RankedFormatError`
+(which names the row of an :data:`INVALID_ROW` itself: ``detail`` is its index in the window, layer-major)."""
+ANY_ROWS, SETS, SETS_OR_FILL = 0, 1, 2
+"""Which decoded rows :func:`decode_chunk` accepts (FORMAT.md sections 4 and 5: every stored row names K distinct
+IDs in [0, E), ascending in a ``ranked_gaps`` chunk; edge padding is unspecified): any (the codec's own lossless
+round trip of rows that are no set), only valid sets (a reader's window, which never covers padding), or also rows
+an exception fills with the fill value alone (a whole chunk that zarr-python padded with its fill value)."""
+ACCEPT = {"any": ANY_ROWS, "sets": SETS, "sets_or_fill": SETS_OR_FILL}
+"""Those rules by the names :data:`routelog.ranked.Accept` gives them."""
 
 _ONES = np.uint64(0x0101010101010101)
 _FIRST_ONES = np.uint64(0x0101010101010100)  # +1 in every lane but lane 0
@@ -164,6 +175,22 @@ def _word_valid(word: Any, gaps: Any, num_experts: int) -> Any:
     total = ((pairs * _SUM_16) >> np.uint64(48)) + np.uint64(7)
     last = word >> np.uint64(56)
     return (total == last) & (last < num_experts)
+
+
+@_compiled(inline=True)
+def _gaps_past(rows: Any, num_experts: int) -> bool:
+    """Whether some row of eight uint8 IDs whose gaps are a word of ``rows`` is no set below ``num_experts``: its last
+    ID, ``g_0 + sum (g_i + 1)`` = the gaps' byte sum + 7, is at least ``min(E, 256)`` (below 256 no lane of
+    :func:`_word_ids` carries, so the IDs ascend). A branch-free loop apart from the one decoding the rows, shifts
+    and adds only (measured on the 2-core AMD EPYC, 16 k rows: 4 us, against 6 us folded into the decoding loop and
+    8 us with a multiplication for the byte sum; the decoding loop alone takes 4.5 us)."""
+    over = np.uint64(0)
+    bias = np.uint64(2048 + 7 - min(num_experts, 256))  # bit 11 of a byte sum (at most 8 * 255) plus this: past
+    for r in range(rows.size):
+        pairs = (rows[r] & _EVEN_LANES) + ((rows[r] >> np.uint64(8)) & _EVEN_LANES)
+        quads = pairs + (pairs >> np.uint64(16))
+        over |= (((quads + (quads >> np.uint64(32))) & np.uint64(0xFFFF)) + bias) & np.uint64(2048)
+    return bool(over)
 
 
 @_compiled(inline=True)
@@ -422,6 +449,69 @@ def _sort_flat_rows(ids: Any, out: Any, n: int, largest: Any) -> Any:
         out[j], out[j + 1], out[j + 2], out[j + 3] = a0, a1, a2, a3
         out[j + 4], out[j + 5], out[j + 6], out[j + 7] = a4, a5, a6, a7
     return bad
+
+
+# -- checking decoded rows (format 1) ---------------------------------------------------------------------------
+@_compiled()
+def first_invalid_row(ids: Any, words: Any, num_experts: int, ascending: bool) -> int:
+    """The first row of ``ids`` ``[L, R, K]`` (uint8 or uint16, any strides) that is no valid stored row, as
+    ``layer * R + row``, or -1: a row names K distinct IDs below ``num_experts``, strictly ascending when
+    ``ascending`` (``sorted_gaps``; the ``none`` transform keeps the engine's score order). ``words``: ``ids`` as
+    ``[L, R]`` uint64 words (rows of eight uint8 IDs), or None.
+
+    A branch-free pass per layer counts bad rows (a loop that vectorizes: per word a borrow check of its gaps, or in
+    score order :func:`_network_of_eight` and a compare of neighbours); only a layer with some looks for which."""
+    layers, rows = ids.shape[0], ids.shape[1]
+    limit = np.uint64(min(num_experts, 256))
+    for j in range(layers):
+        invalid = 0
+        if words is not None:
+            layer = words[j]  # a view: plain indices let the compiler vectorise
+            if ascending:
+                for r in range(rows):
+                    invalid += not _word_valid(layer[r], _word_gaps(layer[r]), num_experts)
+            else:
+                for r in range(rows):
+                    invalid += not _word_set(layer[r], limit)
+        else:
+            for r in range(rows):
+                invalid += not _ids_valid(ids, j, r, num_experts, ascending)
+        if invalid:
+            for r in range(rows):
+                if not _ids_valid(ids, j, r, num_experts, ascending):
+                    return int(j * rows + r)
+    return -1
+
+
+@_compiled(inline=True)
+def _word_set(word: Any, limit: Any) -> Any:
+    """Whether the eight uint8 lanes of ``word``, in any order, are distinct and below ``limit`` (uint64)."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = _network_of_eight(
+        word & np.uint64(255),
+        (word >> np.uint64(8)) & np.uint64(255),
+        (word >> np.uint64(16)) & np.uint64(255),
+        (word >> np.uint64(24)) & np.uint64(255),
+        (word >> np.uint64(32)) & np.uint64(255),
+        (word >> np.uint64(40)) & np.uint64(255),
+        (word >> np.uint64(48)) & np.uint64(255),
+        word >> np.uint64(56),
+    )
+    return (a0 < a1) & (a1 < a2) & (a2 < a3) & (a3 < a4) & (a4 < a5) & (a5 < a6) & (a6 < a7) & (a7 < limit)
+
+
+@_compiled(inline=True)
+def _ids_valid(ids: Any, j: int, r: int, num_experts: int, ascending: bool) -> bool:
+    """Row ``r`` of layer ``j`` of ``ids`` names distinct IDs below ``num_experts`` (strictly ascending ones when
+    ``ascending``), one ID at a time."""
+    if ascending:
+        return _row_valid(ids, j, r, num_experts)
+    k = ids.shape[2]
+    valid = True
+    for c in range(k):
+        valid &= int(ids[j, r, c]) < num_experts
+        for d in range(c):
+            valid &= ids[j, r, c] != ids[j, r, d]
+    return valid
 
 
 # -- encoding ---------------------------------------------------------------------------------------------------
@@ -930,6 +1020,8 @@ def decode_chunk(
     out_words: Any,
     first_layer: int,
     first_row: int,
+    accept: int,
+    fill_value: int,
 ) -> tuple[int, int]:
     """IDs of a window of a ``layers x rows`` chunk into ``out`` ``[Lw, Rw, K]``: the chunk's layers from
     ``first_layer`` and rows from ``first_row`` (the caller checked the window lies inside the chunk; uint8 or
@@ -938,8 +1030,11 @@ def decode_chunk(
     caller checked that) and ``rest``. Layers outside the window are skipped, and only the unique rows the
     window's rows expand from are decoded.
 
-    ``out_words``: ``out`` as one uint64 word per row, ``[Lw, Rw]`` (rows of eight uint8 IDs), or None. Returns
-    (status, detail): :data:`OK`, or what is wrong with the payload.
+    ``out_words``: ``out`` as one uint64 word per row, ``[Lw, Rw]`` (rows of eight uint8 IDs), or None. ``accept``:
+    which rows the window may hold (:data:`SETS`, :data:`SETS_OR_FILL`: exception rows of ``fill_value`` alone
+    too, or :data:`ANY_ROWS`), checked once the window is written (a forged table, gaps that pass E or wrap, a
+    dictionary's entry or an exception may make any row). Returns (status, detail): :data:`OK`, or what is wrong
+    with the payload.
     """
     window_layers, window_rows, k = out.shape
     itemsize = out.itemsize
@@ -1001,6 +1096,9 @@ def decode_chunk(
         gap_words = gap_bytes.view(np.uint64)
         decoded = np.empty(window_rows + 1, np.uint64)  # the unique rows the window expands from
         entry_words = np.empty(largest_dictionary, np.uint64)  # a dictionary's entries
+    # Layers whose rows the decoding itself showed to be valid sets; the others are checked once written (below).
+    proven = np.zeros(window_layers, np.bool_)
+    seen = np.zeros(num_experts, np.uint8)  # a ranked layer's IDs in its table
     num_bits = _mask_bits(num_experts)
     masks = np.zeros(max(1, num_bits >> 6), np.uint64)
     table = np.empty(num_experts, np.int64)
@@ -1021,9 +1119,13 @@ def decode_chunk(
         if jw < 0 or jw >= window_layers or window_rows == 0:
             continue
         bits = rest[bitmap : bitmap + per_bitmap] if mode & 2 else rest[0:0]
+        permutation = True  # the table maps ranks to distinct IDs in [0, E): valid ranks give valid rows
         if mode & 1:
+            seen[:] = 0
             for e in range(num_experts):
                 table[e] = _get(rest, ranked + e * itemsize, itemsize)
+                permutation &= table[e] < num_experts and not seen[min(table[e], num_experts - 1)]
+                seen[min(table[e], num_experts - 1)] = 1
         n_entries = layer_stored[j] if mode & DICTIONARY else 0
         # The layer's unique rows [lo, hi) that rows [first_row, stop_row) expand from: from the one the first row
         # repeats (when it is a repeat) to the last one at or before the last row.
@@ -1036,14 +1138,19 @@ def decode_chunk(
                 source = gap_words[start + lo : start + hi]
                 for r in range(window_rows):
                     layer[r] = _word_ids(source[r])
+                proven[jw] = not _gaps_past(source, num_experts)
                 continue
             unique_rows = decoded[: hi - lo]
             # the rows of gaps the window needs: a dictionary's entries, every one once (then each unique row's is
             # gathered from them), or the window's unique rows
             rows_of_gaps = entry_words[:n_entries] if n_entries else unique_rows
             first = start if n_entries else start + lo
-            if _decode_words(gap_bytes, first, rows_of_gaps, mode & 1, table, num_experts, num_bits, masks, values):
+            status = _decode_words(
+                gap_bytes, first, rows_of_gaps, mode & 1, table, num_experts, num_bits, masks, values
+            )
+            if status < 0:
                 return RANK_RANGE, j
+            proven[jw] = status == 1 and permutation
             if n_entries and _gather_entries(rest, index_at[j], layer_unique[j], lo, rows_of_gaps, unique_rows):
                 return DICTIONARY_INDEX, j
             if not mode & 2:
@@ -1052,6 +1159,7 @@ def decode_chunk(
             _expand_repeats(bits, unique_rows, layer, first_row, starts_repeat)
             continue
         next_unique = lo  # one ID at a time: ``values`` holds the row a repeat keeps
+        ascending = True  # every row decoded: prefix sums that ascend below E
         for r in range(-starts_repeat, window_rows):
             if r < 0 or not _repeat_bit(bits, first_row + r):
                 row = start + next_unique
@@ -1060,15 +1168,70 @@ def decode_chunk(
                     if e >= n_entries:
                         return DICTIONARY_INDEX, j
                     row = start + e
-                if _decode_row(gap_bytes, row, high, wrap, table, mode & 1, num_experts, num_bits, masks, values):
+                status = _decode_row(gap_bytes, row, high, wrap, table, mode & 1, num_experts, num_bits, masks, values)
+                if status < 0:
                     return RANK_RANGE, j
+                ascending &= status == 1
                 next_unique += 1
             if r >= 0:
                 for c in range(k):
                     out[jw, r, c] = values[c]
+        proven[jw] = ascending and permutation
+    from_exceptions = np.zeros((0, 0), np.uint8)
     if n_exceptions:
-        _apply_exceptions(rest, trailer, per_bitmap, listed, n_exceptions, layers, rows, out, first_layer, first_row)
+        from_exceptions = _apply_exceptions(
+            rest, trailer, per_bitmap, listed, n_exceptions, layers, rows, out, first_layer, first_row
+        )
+    if accept != ANY_ROWS:
+        fill = fill_value if accept == SETS_OR_FILL else -1
+        bad = _first_invalid_row(out, out_words, num_experts, fill, from_exceptions, proven)
+        if bad >= 0:
+            return INVALID_ROW, bad
     return OK, 0
+
+
+@_compiled()
+def _first_invalid_row(out: Any, out_words: Any, num_experts: int, fill: int, from_exceptions: Any, proven: Any) -> int:
+    """The first row of ``out`` ``[Lw, Rw, K]`` (as ``jw * Rw + r``) that is no set of K strictly ascending IDs below
+    ``num_experts``, or -1. Layers ``proven`` valid while decoding are skipped unless an exception wrote some row
+    (``from_exceptions[jw, r]`` set; empty without exceptions). A row an exception wrote holding only ``fill`` is
+    accepted (``fill`` -1: none is): zarr-python's edge padding.
+
+    A branch-free pass per layer counts bad rows (a loop that vectorizes; rows of eight uint8 IDs as words, by
+    :func:`_word_valid`); only a layer with some looks for which (and for padding)."""
+    window_layers, window_rows, k = out.shape
+    for jw in range(window_layers):
+        if proven[jw] and (from_exceptions.size == 0 or not from_exceptions[jw].any()):
+            continue
+        invalid = 0
+        if out_words is not None:
+            layer = out_words[jw]  # a view: plain indices let the compiler vectorise
+            for r in range(window_rows):
+                invalid += not _word_valid(layer[r], _word_gaps(layer[r]), num_experts)
+        else:
+            for r in range(window_rows):
+                invalid += not _row_valid(out, jw, r, num_experts)
+        if not invalid:
+            continue
+        for r in range(window_rows):
+            if _row_valid(out, jw, r, num_experts):
+                continue
+            if fill < 0 or from_exceptions.size == 0 or not from_exceptions[jw, r]:
+                return int(jw * window_rows + r)
+            for c in range(k):
+                if out[jw, r, c] != fill:
+                    return int(jw * window_rows + r)
+    return -1
+
+
+@_compiled(inline=True)
+def _row_valid(out: Any, jw: int, r: int, num_experts: int) -> bool:
+    """Row ``r`` of layer ``jw`` of ``out`` holds strictly ascending IDs below ``num_experts``."""
+    k = out.shape[2]
+    valid = int(out[jw, r, k - 1]) < num_experts
+    for c in range(1, k):
+        valid &= out[jw, r, c] > out[jw, r, c - 1]
+    return valid
 
 
 @_compiled()  # called once per layer: not inlined, so the sorting network it holds compiles once
@@ -1082,16 +1245,17 @@ def _decode_words(
     num_bits: int,
     masks: Any,
     values: Any,
-) -> bool:
+) -> int:
     """Rows ``first`` onwards of the gaps section (eight uint8 IDs each) as ID words into all of ``out``: prefix
-    sums, and in a ranked layer the ``table``'s IDs sorted. True for a rank past the table."""
+    sums, and in a ranked layer the ``table``'s IDs sorted. Returns -1 for a rank past the table, 1 when every
+    row's values (IDs, or in a ranked layer ranks) are strictly ascending and below ``num_experts``, else 0."""
     source = gap_bytes.view(np.uint64)[first : first + out.size]
     if not ranked:
         for i in range(out.size):
             out[i] = _word_ids(source[i])
-        return False
+        return 0 if _gaps_past(source, num_experts) else 1
     if _map_and_sort_rows(source, table, out.view(np.uint8), num_experts):
-        return False
+        return 1
     # a row of ranks that is no set (damage): row by row, one ID at a time where needed
     mapped = np.empty(256, np.int64)
     bit_of = np.empty(256, np.uint64)
@@ -1099,11 +1263,11 @@ def _decode_words(
     for i in range(out.size):
         distinct, word = _sorted_lanes(_word_ids(source[i]), mapped, bit_of, num_experts <= 64)
         if not distinct:
-            if _decode_row(gap_bytes, first + i, 0, 255, table, True, num_experts, num_bits, masks, values):
-                return True
+            if _decode_row(gap_bytes, first + i, 0, 255, table, True, num_experts, num_bits, masks, values) < 0:
+                return -1
             word = _pack(values)
         out[i] = word
-    return False
+    return 0
 
 
 @_compiled(inline=True)
@@ -1203,25 +1367,28 @@ def _decode_row(
     num_bits: int,
     masks: Any,
     values: Any,
-) -> bool:
+) -> int:
     """Unique row ``u``'s IDs into ``values``, one at a time: the gaps' prefix sums (wrapping in the IDs' width;
     ``high``: where the high-byte plane starts, 0 for uint8), and in a ranked layer the ``table``'s IDs sorted.
-    False, or True for a rank past the table."""
+    Returns -1 for a rank past the table, 1 when the prefix sums (IDs, or ranks) ascend below ``num_experts`` without
+    wrapping (their last one, unwrapped, is below E and the IDs' width), else 0."""
     k = values.size
     x = 0
+    last = 0  # the prefix sum, unwrapped
     for c in range(k):
         g = int(gap_bytes[u * k + c])
         if high:
             g |= int(gap_bytes[high + u * k + c]) << 8
+        last += g + (c > 0)
         x = (x + g + (c > 0)) & wrap
         values[c] = x
     if ranked:
         for c in range(k):
             if values[c] >= num_experts:
-                return True
+                return -1
             values[c] = table[values[c]]
         _sort_row(values, num_bits, masks)
-    return False
+    return 1 if last < num_experts and last <= wrap else 0
 
 
 @_compiled()
@@ -1236,12 +1403,14 @@ def _apply_exceptions(
     out: Any,
     first_layer: int,
     first_row: int,
-) -> None:
+) -> Any:
     """Overwrite the exceptions' unique rows (the last listing of a row wins) and the repeats that follow them,
-    where they fall in the window ``out`` of the chunk (see :func:`decode_chunk`)."""
+    where they fall in the window ``out`` of the chunk (see :func:`decode_chunk`). Returns which rows of ``out``
+    they wrote (uint8 ``[Lw, Rw]``)."""
     window_layers, window_rows, k = out.shape
     itemsize = out.itemsize
     entry = 4 + k * itemsize
+    written = np.zeros((window_layers, window_rows), np.uint8)
     exception_of = np.full(rows * layers, -1, np.int64)
     for n in range(n_exceptions):
         exception_of[_get(rest, listed + n * entry, 4)] = n
@@ -1258,5 +1427,7 @@ def _apply_exceptions(
                 listed_row = exception_of[u]  # a unique row; a repeat keeps the listing of the row before
                 u += 1
             if listed_row >= 0 and inside and first_row <= r < first_row + window_rows:
+                written[jw, r - first_row] = 1
                 for c in range(k):
                     out[jw, r - first_row, c] = _get(rest, listed + listed_row * entry + 4 + c * itemsize, itemsize)
+    return written

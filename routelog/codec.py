@@ -49,7 +49,9 @@ class RowProblem:
 
     row: int
     """Index of the row in the flattened ``[rows, K]`` input."""
-    kind: Literal["out_of_range", "negative", "duplicate"]
+    kind: Literal["out_of_range", "negative", "duplicate", "unordered"]
+    """``unordered``: distinct IDs in range that do not ascend where the transform stores ascending sets (only
+    decoded rows, from damaged or forged data: a writer sorts them)."""
     values: tuple[int, ...]
 
 
@@ -292,6 +294,40 @@ def encode_rows(sorted_rows: IdArray, transform: Transform) -> IdArray:
     if transform == "sorted_gaps":
         return gaps_from_sorted(sorted_rows)
     return sorted_rows
+
+
+def invalid_row(ids: IdArray, num_experts: int, topk_order: TopkOrder) -> RowProblem | None:
+    """The first decoded row of ``ids`` (``[rows, K]`` or layer-major ``[layers, rows, K]``, such as a reader's
+    block; the rows' IDs contiguous) that the format forbids, or None: every stored row names K distinct IDs in
+    ``[0, num_experts)``, strictly ascending in ``sorted`` order (FORMAT.md section 5). Its ``row`` indexes
+    ``ids.reshape(-1, K)``.
+
+    Readers check the rows they hand out, never a chunk's edge padding (its content is unspecified: zarr-python
+    and format 1's writers pad with 0). One compiled pass (:func:`routelog._kernels.first_invalid_row`; numba loads
+    on the first call)."""
+    from routelog import _kernels  # numba loads on the first check, not on ``import routelog``
+
+    if ids.ndim not in (2, 3) or ids.dtype not in _CHECKED_DTYPES:
+        raise ValueError(f"expected [rows, K] or [layers, rows, K] uint8 or uint16 IDs, not {ids.dtype} {ids.shape}")
+    rows = ids if ids.ndim == 3 else ids[np.newaxis]
+    if rows.size == 0:
+        return None
+    words = None
+    if rows.dtype.itemsize == 1 and rows.shape[2] == 8 and rows.strides[2] == 1 and rows.strides[1] == 8:
+        words = rows.view(np.uint64)[:, :, 0]  # the same bytes: a compare per row, not per ID
+    bad = _kernels.first_invalid_row(rows, words, num_experts, topk_order == "sorted")
+    if bad < 0:
+        return None
+    values = tuple(int(v) for v in rows[bad // rows.shape[1], bad % rows.shape[1]])
+    kind: Literal["out_of_range", "duplicate", "unordered"] = "unordered"
+    if max(values) >= num_experts:
+        kind = "out_of_range"
+    elif len(set(values)) < len(values):
+        kind = "duplicate"
+    return RowProblem(int(bad), kind, values)
+
+
+_CHECKED_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16))
 
 
 def decode_rows(stored: IdArray, transform: Transform, out: IdArray | None = None) -> IdArray:

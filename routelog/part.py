@@ -21,12 +21,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from routelog import keys
-from routelog.codec import IdArray, TopkOrder, Transform, decode_rows, gaps_from_sorted, storage_dtype
+from routelog.codec import (
+    IdArray,
+    TopkOrder,
+    Transform,
+    decode_rows,
+    gaps_from_sorted,
+    invalid_row,
+    storage_dtype,
+)
 from routelog.dedup import PartRows, PrefixIndex
 from routelog.errors import CorruptDataError
 from routelog.format import (
     FORMAT_VERSION,
     INDEX_SCHEMA,
+    MAX_PART_ROWS,
+    MAX_RECORD_TOKENS,
     STREAMS_DIR,
     CommitRecord,
     IndexRow,
@@ -37,6 +47,7 @@ from routelog.format import (
     ValuesInfo,
     WeightsArrayInfo,
 )
+from routelog.parquet_limits import MAX_STREAMS, BoundedParquet, ParquetLeaf, decoded_budget
 from routelog.record import PreparedRecord
 from routelog.shard import (
     ChunkRead,
@@ -327,13 +338,47 @@ def index_to_parquet(rows: Sequence[IndexRow]) -> bytes:
     return sink.getvalue()
 
 
-def index_from_parquet(data: bytes) -> pa.Table:
-    # Read synchronously on the calling thread. pq.read_table goes through the dataset scanner, whose pool threads
-    # can drop the last reference to the Python-backed input while the interpreter is finalizing; the thread then
-    # needs the GIL, is killed, and the process aborts ("terminate called without an active exception",
-    # apache/arrow#34314; seen here at exit once in ~100 CLI runs).
-    with pq.ParquetFile(pa.BufferReader(data)) as parquet:
-        return parquet.read(use_threads=False)
+CONSOLIDATED_COMMIT_COLUMN = "_commit"
+"""The column a seal's consolidated index adds to the index schema: the position of each row's commit."""
+_INDEX_COLUMNS = (*INDEX_SCHEMA.names, CONSOLIDATED_COMMIT_COLUMN)
+
+
+def index_from_parquet(
+    data: bytes,
+    *,
+    max_records: int | None = None,
+    max_tokens: int | None = None,
+    max_streams: int | None = None,
+    where: str = keys.INDEX,
+) -> pa.Table:
+    """A part's (or a seal's consolidated) index: the columns of :data:`INDEX_SCHEMA` (and the consolidated
+    index's ``_commit``) that it holds, decoded only after its footer and pages are checked against what its owner
+    vouches for (:mod:`routelog.parquet_limits`): at most ``max_records`` rows, token lists, spans and segments of
+    at most ``max_tokens`` tokens in all, rows listing at most ``max_streams`` extra streams each, and a decoded size
+    linear in those. Other columns are never decoded. :class:`~routelog.errors.CorruptDataError` naming ``where``
+    otherwise.
+
+    Pass the commit's ``n_records`` and ``n_tokens`` (the seal's for a consolidated index) and the number of
+    streams the commit holds. None (until every caller passes them) means the format's absolute limits: as many
+    records as the footer declares up to ``MAX_PART_ROWS``, ``MAX_RECORD_TOKENS`` tokens each, :data:`MAX_STREAMS`
+    streams.
+    """
+    parquet = BoundedParquet(data, where, max_rows=MAX_PART_ROWS if max_records is None else max_records)
+    records = parquet.num_rows  # at most max_records: checked
+    tokens = records * MAX_RECORD_TOKENS if max_tokens is None else min(max(max_tokens, 0), records * MAX_RECORD_TOKENS)
+    streams = MAX_STREAMS if max_streams is None else max_streams
+    streams = max(streams, 1)  # a row without streams still takes one (null) entry
+
+    def max_values(leaf: ParquetLeaf) -> int:
+        # An empty or null list takes one level, a record's token_ids, spans and segments at most n_tokens each
+        # (spans and non-empty segments are disjoint); streams: at most `streams` entries per row, each with spans.
+        if leaf.repeated == 0:  # a scalar: one value per row
+            return records
+        if leaf.path[0] == "streams":
+            return streams * records if leaf.repeated == 1 else streams * (tokens + records)
+        return tokens + records
+
+    return parquet.read(_INDEX_COLUMNS, max_values=max_values, max_bytes=decoded_budget(records, tokens))
 
 
 # -- reading ------------------------------------------------------------------------------------------------------
@@ -490,9 +535,29 @@ def fetch_blocks(
                 # contiguous copy per layer.
                 if not direct:
                     decode_rows(raw, "sorted_gaps", out=ids)
-                block[ls - l0 : le - l0, rs - r0 : re_ - r0] = ids[ls - cl0 : le - cl0, rs - cr0 : re_ - cr0]
+                placed = ids[ls - cl0 : le - cl0, rs - cr0 : re_ - cr0]
+                # FORMAT.md section 5: the rows handed out (never the chunk's padding, which is unspecified) are sets
+                problem = None if isinstance(array, WeightsArrayInfo) else invalid_row(placed, *_universe(array))
+                if problem is not None:
+                    layer, row = divmod(problem.row, re_ - rs)
+                    experts, order = _universe(array)
+                    raise CorruptDataError(
+                        f"{storage.url_of(read.key)}: inner chunk rows [{cr0}, {cr0 + layout_.chunk_rows}) "
+                        f"layer chunk {chunk.layer_chunk}: layer {ls + layer} row {rs + row} decodes to "
+                        f"{list(problem.values)}, no set of distinct IDs in [0, {experts})"
+                        f"{' in ascending order' if order == 'sorted' else ''} ({problem.kind}); "
+                        f"affected samples: {list(request.samples[:8])}"
+                    )
+                block[ls - l0 : le - l0, rs - r0 : re_ - r0] = placed
         blocks.append(block)
     return blocks
+
+
+def _universe(array: RoutingArrayInfo | WeightsArrayInfo) -> tuple[int, TopkOrder]:
+    """The experts and top-k order a routing array's rows are checked against."""
+    if isinstance(array, WeightsArrayInfo):  # pragma: no cover - weights are never checked as sets
+        raise TypeError("routing weights hold no sets")
+    return array.num_experts, array.topk_order
 
 
 def _read_pieces(

@@ -9,16 +9,60 @@ from __future__ import annotations
 
 import ast
 import math
-from collections.abc import Mapping, Sequence
+import reprlib
+from collections.abc import Mapping, Sequence, Sized
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from routelog.errors import ModelSpecError
 
-MAX_EXPERTS = 65536  # uint16 IDs on disk
+# -- limits (FORMAT.md section 9): a spec the format cannot store is refused when it is built ------------------
+MAX_EXPERTS: Final = 65536
+"""Routed experts of a MoE layer, and the universe of a stream: IDs are stored as uint16."""
+MAX_TOPK: Final = 1024
+"""Experts chosen per token per layer (the routing array's last axis), for the decoder and for every stream."""
+MAX_MOE_LAYERS: Final = 4096
+"""MoE layers of a model (the routing array's layer axis), layers of a stream and MTP layers."""
+MAX_LAYERS: Final = 1 << 16
+"""Decoder layers of a model, dense and MoE (``num_layers``): far above any model's depth, and a bound on every
+per-layer list routelog builds from a spec or a config, checked before the list is built."""
+_LIMITS_FIX = "see the limits in FORMAT.md section 9"
+_HF_FIX = "correct it in the config.json"
+
+
+def _show(value: object) -> str:
+    """A short one-line rendering of a (possibly huge or hostile) value for an error message."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    return reprlib.repr(value)
+
+
+def _count(value: object, field: str, lo: int, hi: int, fix: str) -> int:
+    """``value`` as an ``int`` in ``[lo, hi]`` (bools, floats and strings refused), else a one-line
+    :class:`ModelSpecError` naming ``field``, the allowed range and ``fix``."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        number = int(value)
+        if lo <= number <= hi:
+            return number
+    raise ModelSpecError(f"{field} is {_show(value)}; it must be an integer in [{lo}, {hi}]: {fix}")
+
+
+def _check_counts(data: Any, where: str, bounds: Mapping[str, tuple[int, int, bool]]) -> Any:
+    """The raw input of a model with its integer fields checked (``field: (lo, hi, required)``) before pydantic
+    sees them, so an out-of-range value is a :class:`ModelSpecError`, never a pydantic dump."""
+    if not isinstance(data, Mapping):
+        return data
+    checked = dict(data)
+    for field, (lo, hi, required) in bounds.items():
+        value = checked.get(field)
+        if value is not None or (required and field in checked):
+            checked[field] = _count(value, f"{where}{field}", lo, hi, _LIMITS_FIX)
+        elif required:
+            raise ModelSpecError(f"{where}{field} is missing; it must be an integer in [{lo}, {hi}]")
+    return checked
 
 
 class RouterSpec(BaseModel):
@@ -42,6 +86,27 @@ class RouterSpec(BaseModel):
     scaling_factor: float | None = None
     """``routed_scaling_factor`` applied to the weights."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bounds(cls, data: Any) -> Any:
+        data = _check_counts(
+            data, "router: ", {"n_group": (1, MAX_EXPERTS, False), "topk_group": (1, MAX_EXPERTS, False)}
+        )
+        scale = data.get("scaling_factor") if isinstance(data, Mapping) else None
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf
+        ):
+            raise ModelSpecError(f"router: scaling_factor is {_show(scale)}; it must be a finite number above 0")
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> RouterSpec:
+        if self.n_group is not None and self.topk_group is not None and self.topk_group > self.n_group:
+            raise ModelSpecError(
+                f"router: topk_group {self.topk_group} exceeds n_group {self.n_group}; it keeps at most every group"
+            )
+        return self
+
 
 class StreamSpec(BaseModel):
     """An extra per-token top-k decision stored beside the decoder routing (format 1.2): a stream of ``topk``
@@ -52,11 +117,22 @@ class StreamSpec(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
 
     name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")
-    num_layers: int = Field(ge=1)
+    num_layers: int = Field(ge=1)  # at most MAX_MOE_LAYERS (checked in _bounds, the schema stays unchanged)
     """Layers of the stream (its own axis, 0-based)."""
     universe: int = Field(ge=1, le=MAX_EXPERTS)
     """Values are in ``[0, universe)`` (experts for ``mtp``)."""
-    topk: int = Field(ge=1)
+    topk: int = Field(ge=1)  # at most MAX_TOPK
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounds(cls, data: Any) -> Any:
+        name = _show(data.get("name")) if isinstance(data, Mapping) else ""
+        bounds = {
+            "num_layers": (1, MAX_MOE_LAYERS, True),
+            "universe": (1, MAX_EXPERTS, True),
+            "topk": (1, MAX_TOPK, True),
+        }
+        return _check_counts(data, f"stream {name}: ", bounds)
 
     @model_validator(mode="after")
     def _check(self) -> StreamSpec:
@@ -79,6 +155,7 @@ class ModelSpec(BaseModel):
     """Model revision or checkpoint tag."""
     architecture: str | None = None
     """HF ``model_type`` (or ``megatron``) the spec was derived from."""
+    # Upper bounds (MAX_LAYERS, MAX_MOE_LAYERS, MAX_TOPK, MAX_MOE_LAYERS for mtp_layers) are checked in _bounds.
     num_layers: int = Field(ge=1)
     """Decoder layers, dense and MoE (MTP layers excluded)."""
     moe_layers: tuple[int, ...]
@@ -96,6 +173,29 @@ class ModelSpec(BaseModel):
     recorded, is the ``mtp`` stream)."""
     streams: tuple[StreamSpec, ...] = ()
     """Extra routing streams records may carry (format 1.2), e.g. ``mtp``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounds(cls, data: Any) -> Any:
+        """Every size is bounded before pydantic converts anything: a spec the format cannot store (FORMAT.md
+        section 9) is refused when it is built, with a :class:`ModelSpecError`, never at the first commit."""
+        if not isinstance(data, Mapping):
+            return data
+        where = f"model {_show(data.get('name', 'unnamed'))}: "
+        bounds = {
+            "num_layers": (1, MAX_LAYERS, True),
+            "num_experts": (1, MAX_EXPERTS, True),
+            "topk": (1, MAX_TOPK, True),
+            "mtp_layers": (0, MAX_MOE_LAYERS, False),
+        }
+        data = _check_counts(data, where, bounds)
+        layers = data.get("moe_layers")
+        if isinstance(layers, Sized) and len(layers) > MAX_MOE_LAYERS:
+            raise ModelSpecError(
+                f"{where}moe_layers has {len(layers)} entries; the format stores at most {MAX_MOE_LAYERS} MoE "
+                f"layers: {_LIMITS_FIX}"
+            )
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -205,6 +305,12 @@ class ModelSpec(BaseModel):
         ``moe_layer_freq`` follows Megatron: an int ``f`` makes layer ``i`` MoE iff ``i % f == 0``; a list (or
         its string form such as ``"([0]*3+[1]*58)"``) gives 1 for MoE and 0 for dense per layer.
         """
+        fix = "correct the Megatron config"
+        num_layers = _count(num_layers, "num_layers", 1, MAX_LAYERS, fix)  # before the per-layer pattern is built
+        num_moe_experts = _count(num_moe_experts, "num_moe_experts", 1, MAX_EXPERTS, fix)
+        moe_router_topk = _count(moe_router_topk, "moe_router_topk", 1, MAX_TOPK, fix)
+        if mtp_num_layers is not None:
+            mtp_num_layers = _count(mtp_num_layers, "mtp_num_layers", 0, MAX_MOE_LAYERS, fix)
         pattern = _megatron_layer_pattern(moe_layer_freq, num_layers)
         return cls(
             name=name,
@@ -232,37 +338,78 @@ class ModelSpec(BaseModel):
 
 
 # -- HF configs --------------------------------------------------------------------------------------------
-def _first(config: Mapping[str, Any], *keys: str) -> Any:
+def _require(config: Mapping[str, Any], model_type: str, keys: Sequence[str], lo: int, hi: int) -> int:
+    """The first of ``keys`` the config sets, checked to be an integer in ``[lo, hi]``."""
     for key in keys:
         value = config.get(key)
         if value is not None:
-            return value
-    return None
+            return _count(value, f"HF config field {key!r}", lo, hi, _HF_FIX)
+    raise ModelSpecError(
+        f"HF config of model_type {model_type!r} has none of {list(keys)}; pass a complete config.json"
+    )
 
 
-def _require(config: Mapping[str, Any], model_type: str, *keys: str) -> int:
-    value = _first(config, *keys)
+def _hf_int(config: Mapping[str, Any], key: str, lo: int, hi: int, default: int) -> int:
+    """Optional integer field ``key`` (``default`` when absent or null), checked to be in ``[lo, hi]``."""
+    value = config.get(key)
+    return default if value is None else _count(value, f"HF config field {key!r}", lo, hi, _HF_FIX)
+
+
+def _hf_layers(config: Mapping[str, Any], key: str, num_layers: int) -> list[int] | None:
+    """Optional list field ``key`` of global layer indices, each checked to be in ``[0, num_layers)``, the list
+    to hold at most :data:`MAX_LAYERS` entries."""
+    value = config.get(key)
     if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_LAYERS:
         raise ModelSpecError(
-            f"HF config of model_type {model_type!r} has none of {list(keys)}; pass a complete config.json"
+            f"HF config field {key!r} is {_show(value)}; it must be a list of at most {MAX_LAYERS} layer "
+            f"indices: {_HF_FIX}"
         )
-    return int(value)
+    return [_count(v, f"HF config field {key!r} entry", 0, num_layers - 1, _HF_FIX) for v in value]
+
+
+def _hf_bool(config: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ModelSpecError(f"HF config field {key!r} is {_show(value)}; it must be true or false: {_HF_FIX}")
+    return value
+
+
+def _hf_scale(config: Mapping[str, Any], key: str) -> float | None:
+    value = config.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ModelSpecError(
+            f"HF config field {key!r} is {_show(value)}; it must be a finite number above 0: {_HF_FIX}"
+        )
+    return float(value)
 
 
 def _from_hf(raw: Mapping[str, Any], name: str | None) -> ModelSpec:
-    config: Mapping[str, Any] = raw.get("text_config") or raw
+    """Every field read is checked for type and range before use, and ``num_hidden_layers`` is bounded by
+    :data:`MAX_LAYERS` before any per-layer list is built: an absurd config is a one-line ModelSpecError."""
+    text_config = raw.get("text_config")
+    if text_config is not None and not isinstance(text_config, Mapping):
+        raise ModelSpecError(f"HF config field 'text_config' is {_show(text_config)}; it must be an object: {_HF_FIX}")
+    config: Mapping[str, Any] = text_config or raw
     model_type = str(config.get("model_type") or raw.get("model_type") or "")
-    num_layers = _require(config, model_type, "num_hidden_layers")
+    num_layers = _require(config, model_type, ("num_hidden_layers",), 1, MAX_LAYERS)
     num_experts = _require(
-        config, model_type, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"
+        config, model_type, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 1, MAX_EXPERTS
     )
-    topk = _require(config, model_type, "num_experts_per_tok", "experts_per_token", "moe_k", "top_k")
-    router = RouterSpec(norm_topk_prob=bool(config.get("norm_topk_prob", False)))
+    topk = _require(config, model_type, ("num_experts_per_tok", "experts_per_token", "moe_k", "top_k"), 1, MAX_TOPK)
+    router = RouterSpec(norm_topk_prob=_hf_bool(config, "norm_topk_prob", False))
     family = model_type.removesuffix("_text")
+    moe: list[int]
 
     if family in ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe"):
-        step = int(config.get("decoder_sparse_step") or 1)
-        dense = set(config.get("mlp_only_layers") or [])
+        step = _hf_int(config, "decoder_sparse_step", 1, MAX_LAYERS, 1)
+        # HF ignores mlp_only_layers entries past the last layer (a config cut down to fewer layers keeps them).
+        dense = set(_hf_layers(config, "mlp_only_layers", MAX_LAYERS) or ())
         moe = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
         if family == "qwen3_5_moe":
             router = RouterSpec(norm_topk_prob=True)
@@ -276,30 +423,32 @@ def _from_hf(raw: Mapping[str, Any], name: str | None) -> ModelSpec:
             router = RouterSpec(score_function="sigmoid", norm_topk_prob=True, expert_bias=True)
     elif family in ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe"):
         # The original DeepSeek code (SGLang, vLLM, remote code) also honours moe_layer_freq; HF v5 ignores it.
-        first_dense = int(config.get("first_k_dense_replace") or 0)
-        freq = int(config.get("moe_layer_freq") or 1)
+        first_dense = _hf_int(config, "first_k_dense_replace", 0, num_layers, 0)
+        freq = _hf_int(config, "moe_layer_freq", 1, MAX_LAYERS, 1)
         moe = [i for i in range(num_layers) if i >= first_dense and i % freq == 0]
         v2 = family == "deepseek_v2"
         scoring = str(config.get("scoring_func") or ("softmax" if v2 else "sigmoid"))
         grouped = (config.get("topk_method") or ("greedy" if v2 else "noaux_tc")) != "greedy"
+        n_group = _hf_int(config, "n_group", 1, num_experts, 0) if grouped else 0
+        topk_group = _hf_int(config, "topk_group", 1, n_group or num_experts, 0) if grouped else 0
         router = RouterSpec(
             score_function="sigmoid" if scoring == "sigmoid" else "softmax",
-            norm_topk_prob=bool(config.get("norm_topk_prob", not v2)),
+            norm_topk_prob=_hf_bool(config, "norm_topk_prob", not v2),
             expert_bias=not v2,
-            n_group=config.get("n_group") if grouped else None,
-            topk_group=config.get("topk_group") if grouped else None,
-            scaling_factor=config.get("routed_scaling_factor"),
+            n_group=n_group or None,
+            topk_group=topk_group or None,
+            scaling_factor=_hf_scale(config, "routed_scaling_factor"),
         )
     elif family == "llama4":
-        step = int(config.get("interleave_moe_layer_step") or 1)
-        listed = config.get("moe_layers")
-        moe = list(listed) if listed is not None else list(range(step - 1, num_layers, step))
+        step = _hf_int(config, "interleave_moe_layer_step", 1, MAX_LAYERS, 1)
+        listed = _hf_layers(config, "moe_layers", num_layers)
+        moe = listed if listed is not None else list(range(step - 1, num_layers, step))
         router = RouterSpec(score_function="sigmoid", topk_before_softmax=True)
     elif family == "ernie4_5_moe":
-        start = int(config.get("moe_layer_start_index") or 0)
-        end = int(config.get("moe_layer_end_index") or -1)
-        end = num_layers - 1 if end < 0 else end
-        interval = int(config.get("moe_layer_interval") or 1)
+        start = _hf_int(config, "moe_layer_start_index", 0, MAX_LAYERS, 0)
+        end = _hf_int(config, "moe_layer_end_index", -1, MAX_LAYERS, -1)
+        end = num_layers - 1 if end == -1 else end  # -1 means the last layer (HF's Ernie4_5_MoeConfig)
+        interval = _hf_int(config, "moe_layer_interval", 1, MAX_LAYERS, 1)
         moe = [i for i in range(num_layers) if start <= i <= end and (i + 1) % interval == 0]
         router = RouterSpec(norm_topk_prob=True)
     else:
@@ -309,6 +458,11 @@ def _from_hf(raw: Mapping[str, Any], name: str | None) -> ModelSpec:
         )
     if not moe:
         raise ModelSpecError(f"HF config of model_type {model_type!r} describes no MoE layer")
+    if len(moe) > MAX_MOE_LAYERS:
+        raise ModelSpecError(
+            f"HF config of model_type {model_type!r} describes {len(moe)} MoE layers; the format stores at most "
+            f"{MAX_MOE_LAYERS}: {_LIMITS_FIX}"
+        )
     return ModelSpec(
         name=name or str(raw.get("_name_or_path") or config.get("_name_or_path") or model_type),
         architecture=model_type,
@@ -317,7 +471,7 @@ def _from_hf(raw: Mapping[str, Any], name: str | None) -> ModelSpec:
         num_experts=num_experts,
         topk=topk,
         router=router,
-        mtp_layers=int(config.get("num_nextn_predict_layers") or 0),
+        mtp_layers=_hf_int(config, "num_nextn_predict_layers", 0, MAX_MOE_LAYERS, 0),
     ).with_mtp_stream()
 
 

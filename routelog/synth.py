@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from routelog.errors import ModelSpecError
 from routelog.format import Segment
 from routelog.record import Record, token_hash
-from routelog.spec import ModelSpec
+from routelog.spec import MAX_MOE_LAYERS, ModelSpec
 from routelog.values import LOGPROB_INFER
 
 VOCAB_SIZE = 32000
@@ -178,6 +179,8 @@ def synth_training_logprobs(infer: npt.NDArray[np.float32], noise: float, seed: 
 
 def synthetic_spec(layers: int, experts: int, topk: int) -> ModelSpec:
     """An all-MoE model spec for synthetic routing."""
+    if not 1 <= layers <= MAX_MOE_LAYERS:  # before listing the layers: 2**31 of them would exhaust memory first
+        raise ModelSpecError(f"layers: {layers} MoE layers; the format stores 1 to {MAX_MOE_LAYERS}")
     return ModelSpec(
         name="synthetic",
         architecture="synthetic",

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from routelog.errors import CorruptDataError, InvalidRecordError
+from routelog.parquet_limits import VALUE_BYTES, BoundedParquet, decoded_budget
 
 LOGPROB_INFER: Final = "logprob_infer"
 """Log-probability of token ``t`` under the inference engine's sampling policy (NaN on prompt tokens)."""
@@ -111,21 +112,42 @@ class ValuesContents:
 
 
 def values_from_parquet(
-    data: bytes, columns: Iterable[str], where: str, *, declared: Sequence[str] | None = None
+    data: bytes,
+    columns: Iterable[str],
+    where: str,
+    *,
+    declared: Sequence[str] | None = None,
+    max_records: int | None = None,
+    max_tokens: int | None = None,
 ) -> ValuesContents:
     """The named columns of a values object; with ``declared``, the object's value columns must be exactly those
-    its commit declares (a renamed or dropped declaration is damage, not a missing column)."""
-    try:
-        with pq.ParquetFile(pa.BufferReader(data)) as parquet:
-            names = parquet.schema_arrow.names
-            present = [c for c in columns if c in names]
-            table = parquet.read(columns=["sample_id", "token_hash", *present], use_threads=False)
-    except (pa.ArrowException, OSError, KeyError) as exc:
-        raise CorruptDataError(f"{where}: not a readable values object ({exc})") from exc
+    its commit declares (a renamed or dropped declaration is damage, not a missing column).
+
+    Nothing is decoded before the object's footer and the pages of the columns read are checked
+    (:mod:`routelog.parquet_limits`): at most ``max_records`` rows, each column's lists holding at most
+    ``max_tokens`` values in all, and a decoded size linear in those. Pass the records and tokens of the commit (or
+    annotation) that lists the object (for an annotation, the tokens of the records it may annotate). None (until
+    every caller passes them) means the format's absolute limits: as many records as the footer declares up to
+    ``MAX_PART_ROWS``, ``MAX_RECORD_TOKENS`` tokens each."""
+    from routelog.format import MAX_PART_ROWS, MAX_RECORD_TOKENS  # format imports this module
+
+    parquet = BoundedParquet(data, where, max_rows=MAX_PART_ROWS if max_records is None else max_records)
+    names = parquet.columns
     if declared is not None and sorted(set(names) - _RESERVED) != sorted(declared):
         raise CorruptDataError(
             f"{where}: holds columns {sorted(set(names) - _RESERVED)}, its commit declares {sorted(declared)}"
         )
+    if not set(names) >= _RESERVED:
+        raise CorruptDataError(f"{where}: not a values object (it lacks {sorted(_RESERVED - set(names))})")
+    present = list(dict.fromkeys(c for c in columns if c in names and c not in _RESERVED))
+    records = parquet.num_rows  # at most max_records: checked
+    tokens = records * MAX_RECORD_TOKENS if max_tokens is None else min(max(max_tokens, 0), records * MAX_RECORD_TOKENS)
+    table = parquet.read(
+        ["sample_id", "token_hash", *present],
+        # a scalar: one value per row; a column's lists: n_tokens values per record, one level per null cell
+        max_values=lambda leaf: records if leaf.repeated == 0 else tokens + records,
+        max_bytes=decoded_budget(records, tokens, token_bytes=VALUE_BYTES * max(len(present), 1)),
+    )
     sample_ids = table.column("sample_id").to_pylist()
     if len(set(sample_ids)) != len(sample_ids) or any(not isinstance(s, str) for s in sample_ids):
         raise CorruptDataError(f"{where}: sample ids are missing or repeated")

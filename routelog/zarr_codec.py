@@ -2,7 +2,9 @@
 
 With routelog installed, ``zarr.open_array`` on a part's ``routing`` (or ``streams/<name>``) array returns the
 expert IDs ``[num_moe_layers, n_rows, K]`` directly; routelog's own readers call :mod:`routelog.ranked` without
-going through zarr (see :mod:`routelog.shard` for why).
+going through zarr (see :mod:`routelog.shard` for why). A chunk that does not decode, or decodes to a row that is
+no valid top-k set (other than zarr's fill value in a row the codec kept as an exception: edge padding), raises
+:class:`routelog.errors.CorruptDataError` instead of handing zarr made-up routes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from zarr.abc.codec import ArrayBytesCodec
 from zarr.core.common import JSON, parse_named_configuration
 
 from routelog import ranked
+from routelog.errors import CorruptDataError
 from routelog.spec import MAX_EXPERTS
 
 if TYPE_CHECKING:
@@ -59,7 +62,20 @@ class RankedGapsCodec(ArrayBytesCodec):
         dtype = chunk_spec.dtype.to_native_dtype()
         shape = tuple(int(n) for n in chunk_spec.shape)
         data = np.asarray(chunk_bytes.as_numpy_array(), dtype=np.uint8)
-        ids: Any = ranked.decode(data, (shape[0], shape[1], shape[2]), dtype, self.num_experts)
+        try:  # zarr decodes whole chunks: edge padding may hold its fill value (stored as exceptions), and only that
+            ids: Any = ranked.decode(
+                data,
+                (shape[0], shape[1], shape[2]),
+                dtype,
+                self.num_experts,
+                accept="sets_or_fill",
+                fill_value=int(chunk_spec.fill_value),
+            )
+        except ranked.RankedFormatError as exc:
+            raise CorruptDataError(
+                f"{ranked.RANKED_CODEC} (num_experts {self.num_experts}): an inner chunk of shape {list(shape)} "
+                f"cannot be decoded ({exc})"
+            ) from exc
         return chunk_spec.prototype.nd_buffer.from_ndarray_like(ids.astype(dtype, copy=False))
 
     async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:

@@ -10,9 +10,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from routelog.codec import (
+    RowProblem,
     decode_rows,
     encode_rows,
     gaps_from_sorted,
+    invalid_row,
     layer_major,
     sort_and_check,
     sort_by_layer,
@@ -224,3 +226,42 @@ def test_sort_by_layer_names_the_first_bad_row_in_token_order(
     if ids[1, 2, 7] == experts:
         _, problem = sort_by_layer(ids, experts)
         assert problem is not None and (problem.row, problem.kind) == (layers + 2, "out_of_range")
+
+
+@pytest.mark.parametrize(("experts", "k", "dtype"), [(64, 8, np.uint8), (64, 5, np.uint8), (300, 8, np.uint16)])
+@pytest.mark.parametrize("order", ["sorted", "score"])
+def test_invalid_row_names_the_first_decoded_row_that_is_no_set(experts: int, k: int, dtype: type, order: str) -> None:
+    """FORMAT.md section 5: every stored row names K distinct IDs in [0, E), strictly ascending in ``sorted`` order.
+    The check for decoded format-1 rows (rows of eight uint8 IDs as words, others one ID at a time) finds the first
+    row, layer-major, that breaks it, in a whole chunk or in a window of a larger block."""
+    rng = np.random.default_rng(experts + k)
+    rows = np.argsort(rng.random((3 * 40, experts)), axis=1)[:, :k]  # score order
+    if order == "sorted":
+        rows = np.sort(rows, axis=1)
+    ids = rows.astype(dtype).reshape(3, 40, k)
+    ids[0, 0] = np.arange(experts - k, experts)[:: 1 if order == "sorted" else -1]  # the largest IDs: valid
+    block = np.zeros((5, 60, k), dtype)  # zeros around the window (no set: like format 1's edge padding)
+    window = block[1:4, 10:50]
+    window[...] = ids
+    assert invalid_row(ids, experts, order) is None  # type: ignore[arg-type]
+    assert invalid_row(window, experts, order) is None  # type: ignore[arg-type]
+    assert invalid_row(ids[2], experts, order) is None  # type: ignore[arg-type]
+    past = np.arange(experts - k + 1, experts + 1)  # ends at E
+    repeated = np.sort(ids[1, 39])
+    repeated[1] = repeated[0]
+    cases = [(2, 7, past, "out_of_range"), (1, 39, repeated, "duplicate"), (0, 5, np.zeros(k), "duplicate")]
+    if order == "sorted":
+        cases.append((0, 3, ids[0, 3][::-1], "unordered"))  # a valid set in score order
+    else:
+        cases += [(1, 2, past[::-1], "out_of_range"), (2, 0, np.roll(repeated, 2), "duplicate")]
+    for j, r, row, kind in cases:
+        for target in (ids.copy(), block.copy()[1:4, 10:50]):
+            target[j, r] = row
+            target[2, 39] = past  # a later bad row
+            problem = invalid_row(target, experts, order)  # type: ignore[arg-type]
+            assert problem == RowProblem(j * 40 + r, kind, tuple(int(v) for v in row)), (j, r, kind)
+    assert invalid_row(block, experts, order) == RowProblem(0, "duplicate", (0,) * k)  # type: ignore[arg-type]
+    if order == "score":
+        assert invalid_row(np.sort(ids, axis=2)[:, :, ::-1], experts, "sorted").kind == "unordered"  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="uint8 or uint16"):
+        invalid_row(ids.astype(np.int64), experts, order)  # type: ignore[arg-type]

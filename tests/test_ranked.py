@@ -15,6 +15,7 @@ from numcodecs import Zstd
 
 from routelog import _kernels, ranked
 from routelog.codec import gaps_from_sorted, storage_dtype
+from routelog.errors import CorruptDataError
 from routelog.synth import random_topk
 from routelog.zarr_codec import RankedGapsCodec
 
@@ -71,8 +72,8 @@ def test_round_trip_is_exact(
     seed: int,
 ) -> None:
     """Valid sets of any universe and K, skewed or not, with repeats and recurring sets, and rows that are no top-k
-    set at all (the codec keeps those verbatim) all decode to exactly what was encoded, with or without
-    dictionaries."""
+    set at all (the codec keeps those verbatim; only a decode told to accept any row returns them) all decode to
+    exactly what was encoded, with or without dictionaries."""
     rng = np.random.default_rng(seed)
     k = max(1, round(k_frac * experts))
     ids = _routing(rng, layers, rows, experts, k, skew, repeat, pool)
@@ -81,9 +82,14 @@ def test_round_trip_is_exact(
         for j, r in where:
             ids[j % layers, r] = rng.integers(0, np.iinfo(ids.dtype).max + 1, size=k, dtype=np.int64)
     payload = ranked.encode(ids, experts, dictionaries=dictionaries)
-    back = ranked.decode(payload, ids.shape, ids.dtype, experts)
+    back = ranked.decode(payload, ids.shape, ids.dtype, experts, accept="any")
     assert back.dtype == ids.dtype
     np.testing.assert_array_equal(back, ids)
+    if _all_sets(ids, experts):
+        np.testing.assert_array_equal(ranked.decode(payload, ids.shape, ids.dtype, experts, accept="sets"), ids)
+    else:
+        with pytest.raises(ranked.RankedFormatError, match="no set of distinct ascending IDs"):
+            ranked.decode(payload, ids.shape, ids.dtype, experts, accept="sets")
 
 
 def test_skewed_repeating_routing_is_smaller_than_format_1() -> None:
@@ -140,21 +146,30 @@ def test_a_section_that_declares_more_than_a_chunk_holds_is_refused_before_decod
 
 @pytest.mark.parametrize(("experts", "k"), [(300, 4), (64, 8)])  # IDs one at a time, and rows as words
 @settings(max_examples=200, deadline=None)
-@given(position=st.integers(0, 10_000), value=st.integers(0, 255), seed=st.integers(0, 3))
+@given(
+    position=st.integers(0, 10_000),
+    value=st.integers(0, 255),
+    seed=st.integers(0, 3),
+    accept=st.sampled_from(["any", "sets", "sets_or_fill"]),
+)
 def test_any_flipped_byte_decodes_or_raises_the_typed_error(
-    experts: int, k: int, position: int, value: int, seed: int
+    experts: int, k: int, position: int, value: int, seed: int, accept: ranked.Accept
 ) -> None:
-    """A damaged payload (crc32c catches it first in a store) never escapes as another exception type."""
+    """A damaged payload (crc32c catches it first in a store) never escapes as another exception type, and what it
+    decodes to holds only rows ``accept`` allows."""
+    n_bad = 1 if accept == "any" else 0
     ids = _with_bad_rows(
-        np.random.default_rng(seed), _routing(np.random.default_rng(seed), 2, 64, experts, k, 3.0, 0.5), 1
+        np.random.default_rng(seed), _routing(np.random.default_rng(seed), 2, 64, experts, k, 3.0, 0.5), n_bad
     )
     payload = bytearray(ranked.encode(ids, experts))
     payload[position % len(payload)] = value
     try:
-        out = ranked.decode(bytes(payload), ids.shape, ids.dtype, experts)
+        out = ranked.decode(bytes(payload), ids.shape, ids.dtype, experts, accept=accept)
     except ranked.RankedFormatError:
         return
     assert out.shape == ids.shape
+    if accept != "any":
+        assert _all_sets(out, experts, fill=0 if accept == "sets_or_fill" else None)
 
 
 @pytest.mark.parametrize("experts", [128, 384])
@@ -180,6 +195,15 @@ def test_zarr_python_writes_and_reads_through_the_registered_codec(tmp_path: Pat
     }
     np.testing.assert_array_equal(reopened[...], ids)
     np.testing.assert_array_equal(reopened[1:4, 300:700], ids[1:4, 300:700])
+
+
+def _all_sets(ids: np.ndarray, experts: int, fill: int | None = None) -> bool:
+    """Every row of ``ids`` ``[..., K]`` is K strictly ascending IDs below ``experts`` (or holds ``fill`` alone)."""
+    rows = ids.reshape(-1, ids.shape[-1]).astype(np.int64)
+    valid = (rows[:, -1] < experts) & (np.diff(rows, axis=1) > 0).all(axis=1)
+    if fill is not None:
+        valid |= (rows == fill).all(axis=1)
+    return bool(valid.all())
 
 
 def _with_bad_rows(rng: np.random.Generator, ids: np.ndarray, n_bad: int) -> np.ndarray:
@@ -218,7 +242,8 @@ def test_rows_as_words_store_what_rows_one_id_at_a_time_store(
         out = np.empty_like(ids)
         gaps, rest = words[0].copy(), words[1]
         out_words = ranked._layer_words(out) if as_words else None
-        assert _kernels.decode_chunk(gaps, rest, experts, *ids.shape[:2], out, out_words, 0, 0) == (_kernels.OK, 0)
+        status = _kernels.decode_chunk(gaps, rest, experts, *ids.shape[:2], out, out_words, 0, 0, _kernels.ANY_ROWS, 0)
+        assert status == (_kernels.OK, 0)
         np.testing.assert_array_equal(out, ids)
 
 
@@ -229,7 +254,7 @@ def test_a_chunk_decodes_in_place_into_a_window_of_a_larger_block(experts: int, 
     block = np.full((5, 80, k), 7, ids.dtype)
     window = block[1:4, 20:70]
     assert not window.flags.c_contiguous
-    ranked.decode(ranked.encode(ids, experts), ids.shape, ids.dtype, experts, out=window)
+    ranked.decode(ranked.encode(ids, experts), ids.shape, ids.dtype, experts, out=window, accept="any")
     np.testing.assert_array_equal(window, ids)
     untouched = np.ones(block.shape[:2], bool)
     untouched[1:4, 20:70] = False
@@ -278,7 +303,7 @@ def test_a_window_decodes_to_that_part_of_the_chunk(
     with pytest.MonkeyPatch.context() as patch:
         if not as_words:
             patch.setattr(ranked, "_layer_words", lambda out: None)
-        ranked.decode(payload, ids.shape, ids.dtype, experts, out=out, window=((l0, l1), (r0, r1)))
+        ranked.decode(payload, ids.shape, ids.dtype, experts, out=out, window=((l0, l1), (r0, r1)), accept="any")
     np.testing.assert_array_equal(out, ids[l0:l1, r0:r1])
     untouched = np.ones(buffer.shape[:2], bool)
     untouched[: l1 - l0, 1 : r1 - r0 + 1] = False
@@ -450,3 +475,67 @@ def test_a_hand_written_dictionary_decodes_as_the_format_says(as_words: bool, mo
     rest = bytes([0b0001_0000]) + (2).to_bytes(4, "little") + bytes([0, 1, 0]) + _trailer([6], 2, 0, version=2)
     out = ranked.decode(_forged(gaps, rest), (1, 4, 8), np.dtype(np.uint8), 64)
     np.testing.assert_array_equal(out[0], np.stack([a, b, a, a]))
+
+
+@pytest.mark.parametrize(("experts", "k"), [(64, 8), (300, 4)])  # rows as words, and IDs one at a time
+def test_decoded_rows_that_are_no_set_are_refused_except_fill_in_a_whole_chunk(experts: int, k: int) -> None:
+    """FORMAT.md sections 4-5: every stored row is a set; edge padding is unspecified. A reader's window (which never
+    covers padding) must hold sets only; a whole chunk (zarr decodes padding too) may also hold rows of the fill value
+    alone where an exception stores them, as the zarr codec writes zarr's padding."""
+    ids = _routing(np.random.default_rng(4), 2, 60, experts, k, 3.0, 0.3)
+    ids[1, 40:] = 0  # zarr's padding of an edge chunk: exceptions (and repeats of them)
+    payload = ranked.encode(ids, experts)
+    np.testing.assert_array_equal(ranked.decode(payload, ids.shape, ids.dtype, experts), ids)
+    np.testing.assert_array_equal(
+        ranked.decode(payload, ids.shape, ids.dtype, experts, window=((0, 2), (0, 40))), ids[:, :40]
+    )
+    with pytest.raises(ranked.RankedFormatError, match=r"layer 1 row 40 of the chunk decodes to \[0, 0"):
+        ranked.decode(payload, ids.shape, ids.dtype, experts, window=((1, 2), (30, 50)))
+    with pytest.raises(ranked.RankedFormatError, match=r"layer 1 row 40 .* no set of distinct ascending IDs in"):
+        ranked.decode(payload, ids.shape, ids.dtype, experts, accept="sets")
+    with pytest.raises(ranked.RankedFormatError, match="layer 1 row 40"):  # another fill value: these are no padding
+        ranked.decode(payload, ids.shape, ids.dtype, experts, fill_value=7)
+    ids[1, 40:] = 7
+    np.testing.assert_array_equal(
+        ranked.decode(ranked.encode(ids, experts), ids.shape, ids.dtype, experts, fill_value=7), ids
+    )
+
+
+@pytest.mark.parametrize("as_words", [True, False])
+def test_a_row_of_the_fill_value_that_no_exception_stores_is_refused(
+    as_words: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gaps that wrap (0, then 255 + 1 more per ID) give a row of zeros: no exception stores it, so it is no padding
+    zarr wrote, and even a whole-chunk decode refuses it. The chunk: 1 layer, 2 rows, K = 8, E = 64."""
+    if not as_words:
+        monkeypatch.setattr(ranked, "_layer_words", lambda out: None)
+    forged = _forged(bytes([0] + [255] * 7) + bytes(8), _trailer([0], 2, 0))
+    out = ranked.decode(forged, (1, 2, 8), np.dtype(np.uint8), 64, accept="any")
+    assert not _all_sets(out[0, :1], 64)
+    np.testing.assert_array_equal(out[0, 1], np.arange(8))
+    for accept in ("sets", "sets_or_fill"):
+        with pytest.raises(ranked.RankedFormatError, match=r"layer 0 row 0 of the chunk decodes to \["):
+            ranked.decode(forged, (1, 2, 8), np.dtype(np.uint8), 64, accept=accept)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fill_value", [0, 5])
+def test_zarr_python_reads_its_own_edge_padding_and_refuses_forged_rows(tmp_path: Path, fill_value: int) -> None:
+    """zarr pads edge chunks with its fill value (stored as exceptions) and decodes them whole: that reads back; a
+    chunk whose rows are no sets raises CorruptDataError through zarr's own read."""
+    ids = _routing(np.random.default_rng(8), 3, 300, 64, 8, skew=3.0, repeat=0.4)
+    array = zarr.create_array(
+        str(tmp_path / "routing"),
+        shape=ids.shape,
+        dtype=ids.dtype,
+        chunks=(2, 128, 8),
+        serializer=RankedGapsCodec(num_experts=64),
+        compressors=None,
+        fill_value=fill_value,
+    )
+    array[...] = ids
+    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "routing"), mode="r")[...], ids)
+    forged = ids[:2, :128].copy()
+    forged[0, 3] = [3, 3, 4, 5, 6, 7, 8, 9]  # the codec keeps it as an exception: no set
+    (tmp_path / "routing" / "c" / "0" / "0" / "0").write_bytes(ranked.encode(forged, 64))
+    with pytest.raises(CorruptDataError, match=r"layer 0 row 3 of the chunk decodes to \[3, 3, 4"):
+        zarr.open_array(str(tmp_path / "routing"), mode="r")[...]

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import routelog
 from routelog import ModelSpec, Record
 from routelog.annotate import annotate
-from routelog.errors import DuplicateSampleError, InvalidRecordError, RecordNotFoundError
+from routelog.errors import CorruptDataError, DuplicateSampleError, InvalidRecordError, RecordNotFoundError
 from routelog.gc import collect_garbage
 from routelog.seal import seal_step
-from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN, VALUES_OBJECT
+from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN, VALUES_OBJECT, values_from_parquet, values_to_parquet
 from routelog.verify import verify_store
 
 
@@ -168,3 +172,55 @@ def test_orphaned_annotation_data_is_collected(memory_url: str, small_spec: Mode
     report = collect_garbage(store, 0.0, delete=True, force=True)
     assert list(report.orphans) == ["steps/0000000000/annotations/t.00000000.abcdef012345/values.parquet"]
     assert verify_store(store).ok
+
+
+# -- bounded reading: a values object decodes only within the records and tokens of the part it belongs to --------
+def _values_object(lengths: dict[str, list[int | None]]) -> bytes:
+    """One row per position of the lists, ``{column: [values per row, None = null cell]}``."""
+    rows = len(next(iter(lengths.values())))
+    return values_to_parquet(
+        [
+            (
+                f"s{i}",
+                None,
+                {name: np.arange(n[i], dtype=np.float32) for name, n in lengths.items() if n[i] is not None},
+            )
+            for i in range(rows)
+        ],
+        sorted(lengths),
+    )
+
+
+def test_a_values_object_reads_within_the_records_and_tokens_of_its_part() -> None:
+    data = _values_object({LOGPROB_INFER: [100, None, 300]})
+    got = values_from_parquet(data, [LOGPROB_INFER], "v", declared=[LOGPROB_INFER], max_records=3, max_tokens=400)
+    assert got.token_hashes == {"s0": None, "s1": None, "s2": None}
+    assert got.values["s1"] == {}
+    np.testing.assert_array_equal(got.values["s2"][LOGPROB_INFER], np.arange(300, dtype=np.float32))
+
+
+def test_a_values_object_holding_more_than_its_part_is_refused_naming_it() -> None:
+    data = _values_object({LOGPROB_INFER: [100, None, 300]})
+    with pytest.raises(CorruptDataError, match="v: the footer declares 3 rows; at most 2 records"):
+        values_from_parquet(data, [LOGPROB_INFER], "v", max_records=2, max_tokens=400)
+    # 100 + 300 values and one null cell, where 200 tokens of 3 records allow 203
+    with pytest.raises(CorruptDataError, match=r"v: column logprob_infer\.list\.element declares 401 values"):
+        values_from_parquet(data, [LOGPROB_INFER], "v", max_records=3, max_tokens=200)
+
+
+def test_a_column_not_asked_for_is_neither_checked_nor_decoded() -> None:
+    data = _values_object({LOGPROB_INFER: [10, 10], LOGPROB_TRAIN: [1 << 20, None]})
+    got = values_from_parquet(data, [LOGPROB_INFER], "v", max_records=2, max_tokens=20)
+    assert {sid: sorted(columns) for sid, columns in got.values.items()} == {
+        "s0": [LOGPROB_INFER],
+        "s1": [LOGPROB_INFER],
+    }
+    with pytest.raises(CorruptDataError, match="logprob_train"):
+        values_from_parquet(data, [LOGPROB_TRAIN], "v", max_records=2, max_tokens=20)
+
+
+def test_a_values_object_without_sample_ids_is_corrupt() -> None:
+    sink = io.BytesIO()
+    pq.write_table(pa.table({LOGPROB_INFER: pa.array([[0.5]], pa.list_(pa.float32()))}), sink)
+    with pytest.raises(CorruptDataError, match="v: not a values object"):
+        values_from_parquet(sink.getvalue(), [LOGPROB_INFER], "v", max_records=1, max_tokens=1)
