@@ -6,6 +6,7 @@ and the datasets hold plain columns, so a reader needs routelog only to decode, 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cache, partial
@@ -16,6 +17,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from routelog.format import INDEX_SCHEMA
+from routelog.keys import check_writer_id
 from routelog.part import PartOptions
 from routelog.spec import ModelSpec
 from routelog.store import Store, create_store, open_store
@@ -23,12 +25,19 @@ from routelog.transport import record_from_payload
 
 
 def ray_writer_id(prefix: str = "ray") -> str:
-    """A writer id that is stable for the current Ray actor (or task), for writers inside rollout workers."""
+    """A writer id for writers inside rollout workers: ``<prefix>-<16 hex digits>``, the same for every call in one
+    Ray actor (or one task), different between actors and between tasks.
+
+    The digits hash the whole actor id (or task id): a task id ends with its job's part, shared by every task of
+    the job, so no slice of it tells concurrent tasks apart. One actor that runs methods concurrently
+    (``max_concurrency`` > 1) gets one id for all of them: give each of its concurrent writers its own ``prefix``.
+    """
     import ray
 
     context = ray.get_runtime_context()
     ident = context.get_actor_id() or context.get_task_id() or context.get_worker_id()
-    return f"{prefix}-{str(ident)[-16:]}"
+    digest = hashlib.blake2b(str(ident).encode(), digest_size=8).hexdigest()
+    return check_writer_id(f"{prefix}-{digest}")
 
 
 class RoutingWriter:

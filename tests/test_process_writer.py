@@ -1,9 +1,15 @@
 """The writer process: records cross into it through shared memory and JSON (no pickle) and read back exactly;
-a record it refuses is reported at the caller's next call, naming the sample; no shared memory is left behind."""
+a record it refuses is reported at the caller's next call, naming the sample; no shared memory is left behind. A
+writer process that is killed, stops answering or cannot start is reported as such (real signals, real processes),
+naming the records not known to be committed, and nothing waits on it forever."""
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +17,8 @@ import pytest
 
 import routelog
 from routelog import ProcessWriter, Record, Segment
+from routelog.errors import StoreError
+from routelog.process_writer import WriterProcessError
 from routelog.synth import synthetic_spec
 from routelog.writer import WriterError
 from tests.records import random_routing
@@ -120,3 +128,127 @@ def test_the_writer_process_warms_its_routings_kernels_before_it_is_ready(tmp_pa
         assert all(seconds > 0 for seconds in writer.warm_up_seconds.values())
     with ProcessWriter(str(tmp_path / "store2"), 0, model_spec=spec, warm_up=False) as writer:
         assert writer.warm_up_seconds == {}
+
+
+def _small(sid: str) -> Record:
+    return Record(sample_id=sid, expert_ids=np.array([[[0, 1], [2, 3]]], np.uint8), prompt_len=0, response_len=1)
+
+
+def _left_behind(names: Iterable[str]) -> list[str]:
+    return [name for name in names if os.path.exists(f"/dev/shm/{name}")]
+
+
+def _stop(pid: int) -> None:
+    """SIGSTOP the process and wait (bounded) until it is stopped: it answers nothing from then on."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_writer_process_is_reported_naming_every_record_not_flushed(tmp_path: Path, signum: int) -> None:
+    spec = synthetic_spec(2, 16, 2)
+    url = str(tmp_path / "store")
+    appended: list[str] = []
+    segments: list[str] = []
+
+    writer = ProcessWriter(url, 0, model_spec=spec, writer_id="engine", segments=2, warm_up=False)
+
+    def write() -> None:
+        with writer:
+            writer.append(_small("flushed"))
+            writer.flush()
+            for i in range(3):
+                writer.append(_small(f"r{i}"))
+                appended.append(f"r{i}")
+            segments.extend(writer._segments)
+            os.kill(writer.pid, signum)
+            for i in range(3, 10_000):  # appends go on until one sees the death (the pipe breaks, the pool runs dry)
+                appended.append(f"r{i}")
+                writer.append(_small(f"r{i}"))
+
+    with pytest.raises(WriterProcessError) as caught:  # raised once: leaving the block does not raise it again
+        write()
+    error = caught.value
+    assert isinstance(error, WriterError)
+    assert error.sample_ids == appended, "every record appended since the acknowledged flush, this one included"
+    assert error.returncode == -signum
+    assert f"killed by {signal.Signals(signum).name}" in str(error) and "'r0', 'r1', 'r2'" in str(error)
+    assert _left_behind(segments) == [], "every shared-memory segment is unlinked"
+    for call in (lambda: writer.append(_small("later")), writer.flush):
+        with pytest.raises(WriterProcessError) as again:
+            call()
+        assert again.value is error
+    writer.close()  # reported already; closing again does nothing
+    writer.close()
+    with ProcessWriter(url, 0, writer_id="engine", warm_up=False) as retry:  # the fix the message gives
+        for sid in error.sample_ids:
+            retry.append(_small(sid))
+    assert sorted(routelog.open_store(url).step(0).sample_ids) == sorted(["flushed", *appended])
+
+
+def test_a_writer_process_that_dies_during_a_flush_fails_the_flush(tmp_path: Path) -> None:
+    writer = ProcessWriter(str(tmp_path / "store"), 0, model_spec=synthetic_spec(2, 16, 2), warm_up=False)
+    writer.append(_small("a"))
+    writer.flush()
+    writer.append(_small("b"))
+    writer.append(_small("c"))
+    segments = list(writer._segments)
+    _stop(writer.pid)  # the flush below waits on a process that does not answer
+    raised: list[BaseException] = []
+
+    def flush() -> None:
+        try:
+            writer.flush()
+        except BaseException as exc:  # handed to the test's thread
+            raised.append(exc)
+
+    flushing = threading.Thread(target=flush)
+    flushing.start()
+    os.kill(writer.pid, signal.SIGKILL)  # dies with the flush (sent or about to be) unanswered
+    flushing.join(timeout=120)
+    assert not flushing.is_alive(), "the flush did not return after the writer process died"
+    assert len(raised) == 1 and isinstance(raised[0], WriterProcessError), raised
+    assert raised[0].sample_ids == ["b", "c"] and "killed by SIGKILL" in str(raised[0])
+    assert _left_behind(segments) == []
+    writer.close()
+
+
+def test_close_after_the_writer_process_was_killed_raises_once_and_frees_everything(tmp_path: Path) -> None:
+    writer = ProcessWriter(str(tmp_path / "store"), 0, model_spec=synthetic_spec(2, 16, 2), warm_up=False)
+    writer.append(_small("a"))
+    segments = list(writer._segments)
+    os.kill(writer.pid, signal.SIGKILL)
+    with pytest.raises(WriterProcessError, match="killed by SIGKILL") as caught:
+        writer.close()
+    assert caught.value.sample_ids == ["a"]
+    assert _left_behind(segments) == []
+    writer.close()  # idempotent
+    with pytest.raises(WriterProcessError):
+        writer.append(_small("b"))
+
+
+def test_close_kills_a_writer_process_that_does_not_answer(tmp_path: Path) -> None:
+    writer = ProcessWriter(
+        str(tmp_path / "store"), 0, model_spec=synthetic_spec(2, 16, 2), warm_up=False, close_timeout=1
+    )
+    writer.append(_small("a"))
+    segments = list(writer._segments)
+    _stop(writer.pid)
+    killed = r"did not answer 'close' within 1 s \(close_timeout\) and was killed"
+    with pytest.raises(WriterProcessError, match=killed) as caught:
+        writer.close()
+    assert caught.value.sample_ids == ["a"] and caught.value.returncode == -signal.SIGKILL
+    assert _left_behind(segments) == []
+    writer.close()
+
+
+def test_a_writer_process_that_cannot_start_says_why(tmp_path: Path) -> None:
+    spec = synthetic_spec(2, 16, 2)
+    with pytest.raises(StoreError, match=r"(?s)did not start: it exited with code 1.*StoreNotFoundError: no routelog"):
+        ProcessWriter(str(tmp_path / "missing"), 0, warm_up=False)
+    routelog.create_store(str(tmp_path / "store"), spec)
+    with pytest.raises(StoreError, match=r"(?s)exited with code 1.*ModelSpecError: store .* holds routing of model"):
+        ProcessWriter(str(tmp_path / "store"), 0, model_spec=synthetic_spec(3, 16, 2), warm_up=False)

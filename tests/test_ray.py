@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -85,3 +89,41 @@ def test_ray_data_reads_many_stores(tmp_path: object) -> None:
         direct = routelog.open_store(row["url"]).step(1).read(row["sample_id"], moe_layers=[0, 2])
         np.testing.assert_array_equal(np.asarray(row["expert_ids"]), direct.expert_ids)
         np.testing.assert_array_equal(np.asarray(row["valid"]), direct.valid)
+
+
+def test_concurrent_tasks_get_their_own_writer_ids(tmp_path: Path) -> None:
+    """Ray task ids end with the job's part: ids cut from their tail were one id for every task, and concurrent
+    tasks' commits collided (one task's records refused). Each task here holds its writer open until every task
+    has opened one, so their commits are concurrent."""
+    from routelog.ray import ray_writer_id
+
+    url = f"{tmp_path}/store"
+    routelog.create_store(url, SPEC)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    tasks = 3
+
+    @ray.remote(num_cpus=0.5)
+    def generate_and_log(task: int) -> tuple[str, str]:
+        writer_id = ray_writer_id("rollout")
+        with routelog.open_writer(url, 0, writer_id=writer_id) as writer:
+            (gate / str(task)).touch()
+            deadline = time.monotonic() + 120
+            while len(list(gate.iterdir())) < tasks:  # every task's writer is open (bounded: Ray starts workers)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"only {sorted(p.name for p in gate.iterdir())} of {tasks} tasks started")
+                time.sleep(0.05)
+            for record in make_records(f"t{task}-", 4, seed=task):
+                writer.append(record)
+        return writer_id, ray_writer_id("rollout")
+
+    ids = ray.get([generate_and_log.remote(task) for task in range(tasks)], timeout=300)
+    assert all(first == again for first, again in ids), "stable within a task"
+    writer_ids = [first for first, _ in ids]
+    assert len(set(writer_ids)) == tasks, writer_ids
+    assert all(re.fullmatch(r"rollout-[0-9a-f]{16}", w) for w in writer_ids), writer_ids
+    snapshot = routelog.open_store(url).step(0)
+    assert sorted(snapshot.sample_ids) == sorted(f"t{t}-s{i}" for t in range(tasks) for i in range(4))
+    for task in range(tasks):
+        want = make_records(f"t{task}-", 4, seed=task)[2]
+        np.testing.assert_array_equal(snapshot.read(want.sample_id).expert_ids[:-1], np.sort(want.expert_ids, -1)[:-1])
