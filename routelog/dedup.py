@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -181,6 +182,13 @@ class PrefixIndex:
     def abandon(self, part: int) -> None:
         """The part was not committed: forget it and every record placed in it."""
         self._forget({part})
+
+    def forget(self, keys: Iterable[str]) -> None:
+        """Committed parts that a drop removed whole: never point at them again (``routelog gc`` may reclaim them),
+        nor at the records whose rows they hold."""
+        parts = {self._ids[key] for key in keys if key in self._ids}
+        if parts:
+            self._forget(parts)
 
     def _add(self, source: RowSource, key: str | None) -> int:
         part, self._next_id = self._next_id, self._next_id + 1

@@ -99,6 +99,11 @@ class RecordNotFoundError(RoutelogError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class HistoryReclaimedError(RecordNotFoundError):
+    """An as-of view of a step needs a part that a later drop removed and ``routelog gc`` has reclaimed since: that
+    view of the history is no longer stored (as-of views reach back as far as gc's grace period keeps parts)."""
+
+
 class CorruptDataError(StoreError):
     """Stored bytes fail their checksum or cannot be decoded; the message names the object and records."""
 
@@ -113,8 +118,10 @@ class StepSealedError(StoreError):
 
 
 class CommitUndecidedError(StoreError):
-    """A commit landed while a seal of its step was in progress and the seal did not finish in time: the records
-    are in the sealed step only if the seal's listing saw them. Finish the seal (``routelog seal``), then check."""
+    """The storage never confirmed a commit's create (every attempt failed, the last without an answer), and the
+    commit is not there when read back: its records may still appear if a delayed request lands. They are not
+    reported as committed nor as refused; sending them again is safe (a record already present is skipped, and a
+    second copy is never read)."""
 
 
 class UnsafeKeyError(RoutelogError, ValueError):

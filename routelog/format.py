@@ -1,4 +1,4 @@
-"""The on-disk documents of format version 1, as pydantic models (the source of ``schemas/*.schema.json``).
+"""The on-disk documents of the store format, as pydantic models (the source of ``schemas/*.schema.json``).
 
 ``schemas/FORMAT.md`` is the normative page; this module is its executable form. The Parquet index schema is
 derived from :class:`IndexRow`, so the JSON schema and the Parquet columns cannot drift apart.
@@ -15,16 +15,16 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, StringConstraints, model_validator
 
 from routelog import keys
 from routelog.codec import TopkOrder, Transform
 from routelog.errors import CorruptDataError, FormatVersionError
-from routelog.spec import MAX_EXPERTS, ModelSpec
+from routelog.spec import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_TOPK, ModelSpec
 from routelog.values import VALUES_OBJECT
 from routelog.weights import WeightsDtype
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The format this routelog writes, and the newest it reads (it reads every older one too)."""
 
 SUPPORTED_FEATURES: frozenset[str] = frozenset()
@@ -33,8 +33,6 @@ SUPPORTED_FEATURES: frozenset[str] = frozenset()
 # -- limits (FORMAT.md section 9): every size read from storage is bounded before anything is allocated --------
 MAX_RECORD_TOKENS: Final = 1 << 22
 """Tokens of one record (prompt and response); 4 Mi tokens, far above any context length in use."""
-MAX_TOPK: Final = 1024
-MAX_MOE_LAYERS: Final = 4096
 MAX_CHUNK_BYTES: Final = 64 << 20
 """Decoded size of one inner chunk of a routing array."""
 MAX_CHUNKS: Final = 1 << 24
@@ -66,7 +64,8 @@ Int32 = Annotated[int, ArrowType(pa.int32())]
 
 PartName = Annotated[str, StringConstraints(pattern=f"^{keys.PART_NAME_PATTERN}$")]
 """``<writer>.<seq:08d>.<hex>``: a part or annotation directory, one path segment."""
-CommitName = Annotated[str, StringConstraints(pattern=f"^{keys.COMMIT_NAME_PATTERN}$")]
+CommitName = Annotated[str, StringConstraints(pattern=f"^{keys.ENTRY_NAME_PATTERN}$")]
+"""A commit's name: ``<position:010d>.json`` (its log entry, format 3) or ``<writer>.<seq:08d>.json`` (formats 1-2)."""
 WriterId = Annotated[str, StringConstraints(pattern=f"^{keys.WRITER_ID_PATTERN}$")]
 Segment_ = Annotated[str, StringConstraints(pattern=f"^{keys.SEGMENT_PATTERN}$")]
 RelativeKey = Annotated[str, StringConstraints(pattern=f"^{keys.RELATIVE_KEY_PATTERN}$")]
@@ -79,6 +78,16 @@ Name = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
 
 def utc_now() -> datetime:
     return datetime.now(UTC)
+
+
+def as_utc(value: datetime) -> datetime:
+    """A timestamp in UTC; one without an offset (written by another tool, or typed by a user) is read as UTC."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+UtcDateTime = Annotated[datetime, AfterValidator(as_utc)]
+"""Every stored timestamp: read as UTC when it carries no offset, so comparisons never mix naive and aware times."""
+Position = Annotated[int, Field(ge=0, lt=keys.MAX_POSITION)]
 
 
 class _Document(BaseModel):
@@ -303,14 +312,21 @@ class _CommitBase(_Document):
     """Directory name of the data: ``<writer_id>.<seq:08d>.<hex>``."""
     writer_id: WriterId
     seq: int = Field(ge=0, lt=10**8)
-    """The writer's commit counter; with ``writer_id`` it names the commit, which makes re-commits idempotent."""
-    created_at: datetime
+    """The writer's part counter: ``part`` starts with ``<writer_id>.<seq:08d>.``. In formats 1-2 it also names the
+    commit (``<writer_id>.<seq:08d>.json``)."""
+    position: Position | None = None
+    """The commit's position in the step's log (format 3; its file name is ``log/<position:010d>.json``). Null for
+    format 1-2 commits, which live under ``commits/<writer_id>.<seq:08d>.json``."""
+    created_at: UtcDateTime
     n_records: int = Field(ge=0)
     objects: list[ObjectInfo]
     values: ValuesInfo | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> _CommitBase:
+        tokens = getattr(self, "n_tokens", None)
+        if tokens is not None and tokens > self.n_records * MAX_RECORD_TOKENS:
+            raise ValueError(f"{tokens} tokens in {self.n_records} records: more than {MAX_RECORD_TOKENS} a record")
         # A damaged or forged ``part`` cannot point at another writer's data.
         if not self.part.startswith(keys.part_prefix(self.writer_id, self.seq)):
             raise ValueError(f"part {self.part!r} does not belong to commit {self.writer_id}.{self.seq:08d}")
@@ -325,16 +341,17 @@ class _CommitBase(_Document):
 
     @property
     def name(self) -> str:
-        """The commit's file name, ``<writer_id>.<seq:08d>.json``."""
-        return keys.commit_name(self.writer_id, self.seq)
+        """The document's file name: ``<position:010d>.json`` in the log, ``<writer_id>.<seq:08d>.json`` before."""
+        return keys.commit_name(self.writer_id, self.seq) if self.position is None else keys.log_name(self.position)
 
 
 class CommitRecord(_CommitBase):
-    """Created exclusively, last, under ``steps/<step>/commits/<writer>.<seq>.json``: the part under
-    ``steps/<step>/parts/<part>/`` becomes visible."""
+    """An entry of the step's log, created exclusively after its part (format 3; formats 1-2:
+    ``steps/<step>/commits/<writer>.<seq>.json``): the part under ``steps/<step>/parts/<part>/`` becomes visible."""
 
     kind: Literal["routelog.commit"] = COMMIT_KIND
     n_tokens: int = Field(ge=0)
+    """Tokens of the part's records (at most ``MAX_RECORD_TOKENS`` each): what bounds reading its index."""
     routing: RoutingArrayInfo
     values: ValuesInfo | None = None
     """Per-token float columns of the part's records, if any were attached (added in format 1.1: readers that
@@ -365,27 +382,33 @@ STREAMS_DIR: Final = "streams"
 
 
 class AnnotationCommit(_CommitBase):
-    """Created exclusively, last, under ``steps/<step>/annotations/<writer>.<seq>.json``: per-token columns for
-    records already committed in the step (e.g. the trainer's log-probs), stored under
-    ``steps/<step>/annotations/<part>/``."""
+    """An entry of the step's log, created exclusively after its data (format 3; formats 1-2:
+    ``steps/<step>/annotations/<writer>.<seq>.json``): per-token columns for records committed before it in the
+    step (e.g. the trainer's log-probs), stored under ``steps/<step>/annotations/<part>/``."""
 
     kind: Literal["routelog.annotation"] = ANNOTATION_KIND
     values: ValuesInfo
+    n_tokens: int | None = Field(default=None, ge=0)
+    """Tokens of the annotated records (format 3; what bounds reading the values object). Null before."""
 
 
 class DropRecord(_Document):
-    """Created exclusively under ``steps/<step>/drops/<writer>.<seq>.json`` (format 1.3): records removed from the
-    step without rewriting any data object. A reader leaves out every record it names (by sample id, by part or by
-    writer); ``routelog gc`` reclaims the bytes of parts whose every record is dropped. Readers as of an earlier
-    time do not apply it."""
+    """An entry of the step's log (format 3; ``steps/<step>/drops/<writer>.<seq>.json`` in formats 1.3-2): records
+    removed from the step without rewriting any data object. It removes the records it names (by sample id, by
+    part or by writer) among the commits before it in the log; records committed after it are not touched.
+    ``routelog gc`` reclaims the bytes of parts dropped whole. Readers as of an earlier time do not apply it."""
 
     format_version: int = FORMAT_VERSION
     kind: Literal["routelog.drop"] = DROP_KIND
     features: list[str] = []
     step: int = Field(ge=0)
     writer_id: WriterId
-    seq: int = Field(ge=0, lt=10**8)
-    created_at: datetime
+    """Who dropped: ``drop`` for ``routelog drop``, ``gc`` for parts gc found dead."""
+    seq: int | None = Field(default=None, ge=0, lt=10**8)
+    """Formats 1.3-2: the writer's drop counter naming the document. Null in format 3."""
+    position: Position | None = None
+    """Format 3: the drop's position in the step's log."""
+    created_at: UtcDateTime
     sample_ids: list[Name] = []
     parts: list[PartName] = []
     """Whole parts dropped (gc writes these for parts whose every record was dropped or shadowed)."""
@@ -397,11 +420,16 @@ class DropRecord(_Document):
     def _not_empty(self) -> DropRecord:
         if not (self.sample_ids or self.parts or self.writers):
             raise ValueError("a drop names at least one sample id, part or writer")
+        if (self.seq is None) == (self.position is None):
+            raise ValueError("a drop has either a seq (formats 1.3-2) or a log position (format 3)")
         return self
 
     @property
     def name(self) -> str:
-        return keys.commit_name(self.writer_id, self.seq)
+        """The document's file name in the log (format 3) or in ``drops/`` (formats 1.3-2)."""
+        if self.position is not None:
+            return keys.log_name(self.position)
+        return keys.commit_name(self.writer_id, self.seq or 0)
 
 
 class FidelityRecord(_Document):
@@ -418,7 +446,7 @@ class FidelityRecord(_Document):
     writer_id: WriterId
     """The rank that measured, e.g. ``train-dp0-pp1``."""
     seq: int = Field(ge=0, lt=10**8)
-    created_at: datetime
+    created_at: UtcDateTime
     trainer_step: int | None = None
     """The trainer's own iteration counter, when it differs from the store's step."""
     phase: Name | None = None
@@ -456,7 +484,7 @@ class RunDocument(_Document):
     kind: Literal["routelog.run"] = RUN_KIND
     features: list[str] = []
     run_id: str
-    created_at: datetime
+    created_at: UtcDateTime
     model_spec: ModelSpec
     config: dict[str, JsonValue] = {}
     """Free-form user configuration of the run."""
@@ -469,27 +497,34 @@ class SealedObjectInfo(ObjectInfo):
 
 
 class Consolidated(_Document):
-    """The step's commits and index gathered in two objects at seal time, so readers of a sealed step need
-    three GETs (and the listing of drops) whatever the number of parts (keys relative to the step directory)."""
+    """The step's commits and index gathered in two objects at seal time, so readers of a sealed step need a few
+    GETs (and the listing of the log) whatever the number of parts (keys relative to the step directory)."""
 
     commits: SealedObjectInfo
     """JSON list of the commit records, in the order of :attr:`SealRecord.commits`."""
     index: SealedObjectInfo
-    """Parquet: every index row of the step plus ``_commit`` (int32), the row's position in that list."""
+    """Parquet: every index row of the listed commits (format 3: of those not dropped whole before the seal) plus
+    ``_commit`` (int32), the row's position in that list."""
 
 
 class SealRecord(_Document):
-    """``steps/<step>/_SEALED.json``: the step is closed; exactly these commits are its content."""
+    """An entry of the step's log (format 3), copied to ``steps/<step>/_SEALED.json`` once created (formats 1-2:
+    only that document): the step is closed; the commits before the seal are its content, and no later one."""
 
     format_version: int = FORMAT_VERSION
     kind: Literal["routelog.seal"] = SEAL_KIND
     features: list[str] = []
     step: int = Field(ge=0)
-    sealed_at: datetime
+    position: Position | None = None
+    """Format 3: the seal's position in the step's log; it closes the step to commits after it."""
+    sealed_at: UtcDateTime
     commits: list[CommitName]
-    """Commit file names (``<writer>.<seq>.json``) in the step, sorted and unique."""
+    """Names of the commits of the step, sorted and unique: format 3, every commit entry before the seal; formats
+    1-2, the commit documents (``<writer>.<seq>.json``) the sealer listed."""
     n_records: int = Field(ge=0)
     n_tokens: int = Field(ge=0)
+    """Records and tokens the consolidated index holds (format 3: every record of the commits not dropped whole
+    before the seal, dropped or shadowed ones included; formats 1-2: the records live when sealed)."""
     consolidated: Consolidated | None = None
     """Optional copies of the commits and indexes; readers MAY use them instead of reading each part's."""
 
@@ -499,17 +534,57 @@ class SealRecord(_Document):
             raise ValueError("commits must be sorted and unique")
         return self
 
+    @property
+    def name(self) -> str:
+        """The seal's file name: its log entry (format 3), or ``_SEALED.json`` (formats 1-2)."""
+        return keys.SEAL if self.position is None else keys.log_name(self.position)
+
 
 class SealIntent(_Document):
-    """``steps/<step>/_SEALING.json``: created by a sealer before it lists the step's commits. A writer whose
-    commit finds no intent after its create knows every later seal lists it; one that finds it waits for the
-    seal and reads whether it was included."""
+    """``steps/<step>/_SEALING.json``: created by a sealer before it lists the step's commits. Writers start no
+    upload while it exists, so the sealer's entry soon finds its position free. (Formats 1-2 also fenced commits
+    with it; in format 3 a commit knows from the log whether a seal precedes it.)"""
 
     format_version: int = FORMAT_VERSION
     kind: Literal["routelog.seal-intent"] = "routelog.seal-intent"
     features: list[str] = []
     step: int = Field(ge=0)
-    started_at: datetime
+    started_at: UtcDateTime
+
+
+class StepLogMarker(_Document):
+    """``steps/<step>/commits/_log.00000000.json``, created before the first log entry of a step of a format-1/2
+    store: its name is a format-1/2 commit name, so older readers parse it and refuse its version instead of
+    reading the step without its log."""
+
+    format_version: int = FORMAT_VERSION
+    kind: Literal["routelog.step-log"] = "routelog.step-log"
+    features: list[str] = []
+    step: int = Field(ge=0)
+
+
+LogDocument = CommitRecord | DropRecord | AnnotationCommit | SealRecord
+"""What a step's log holds (format 3)."""
+_LOG_MODELS: dict[str, type[CommitRecord] | type[DropRecord] | type[AnnotationCommit] | type[SealRecord]] = {
+    COMMIT_KIND: CommitRecord,
+    DROP_KIND: DropRecord,
+    ANNOTATION_KIND: AnnotationCommit,
+    SEAL_KIND: SealRecord,
+}
+
+
+def parse_log_document(data: bytes, where: str) -> LogDocument:
+    """A log entry, by its ``kind``; :class:`CorruptDataError` for any other document."""
+    try:
+        raw = load_json(data, where)
+    except ValueError as exc:
+        raise CorruptDataError(f"{exc}; the object is damaged") from None
+    kind = raw.get("kind") if isinstance(raw, dict) else None
+    model = _LOG_MODELS.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        kind = raw.get("kind") if isinstance(raw, dict) else type(raw).__name__
+        raise CorruptDataError(f"{where}: not a log entry (kind {kind!r})")
+    return validate_document(raw, model, where)
 
 
 DOCUMENT_MODELS: dict[str, type[BaseModel]] = {
@@ -520,6 +595,7 @@ DOCUMENT_MODELS: dict[str, type[BaseModel]] = {
     "annotation": AnnotationCommit,
     "drop": DropRecord,
     "fidelity": FidelityRecord,
+    "step_log_marker": StepLogMarker,
     "index_row": IndexRow,
     "model_spec": ModelSpec,
 }

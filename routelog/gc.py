@@ -20,10 +20,12 @@ from datetime import datetime
 
 from routelog import keys
 from routelog.drop import write_drop
-from routelog.errors import GcRefusedError, RoutelogError
-from routelog.format import AnnotationCommit, CommitRecord, load_json, validate_document
-from routelog.reader import StepSnapshot, check_commit, dropped_part, read_drops, read_seal
+from routelog.errors import GcRefusedError, RoutelogError, UnsafeKeyError
+from routelog.format import AnnotationCommit, CommitRecord, DropRecord, SealRecord
+from routelog.history import StepHistory, dropped_whole
+from routelog.reader import StepSnapshot
 from routelog.root import StoreRoot
+from routelog.steplog import Entry, StepLog
 from routelog.storage import ObjectStat
 from routelog.writer import MAX_COMMIT_DELAY
 
@@ -73,11 +75,16 @@ class _StepSurvey:
     claimed: set[str] = field(default_factory=set)
     """Part and annotation directories named by a document."""
     protected: set[str] = field(default_factory=set)
-    """``<writer>.<seq>.`` prefixes of commits a seal names whose documents are missing."""
+    """``<writer>.<seq>.`` prefixes of format-1/2 commits a seal names whose documents are missing."""
     consolidated: set[str] = field(default_factory=set)
     """Consolidated objects the seal names (relative to the step directory)."""
-    commits: dict[str, CommitRecord] = field(default_factory=dict)
-    """The step's readable commit documents by key."""
+    reclaimable: dict[str, datetime] = field(default_factory=dict)
+    """Parts no reader can ever need again, with the time from which the grace period counts: dropped whole (the
+    earliest drop naming them) or committed after the seal."""
+    dead: list[str] = field(default_factory=list)
+    """Parts of the step's content none of whose records is live or read through a shared prefix."""
+    present: list[CommitRecord] = field(default_factory=list)
+    """Commits whose parts must hold every object they list."""
 
 
 def collect_garbage(
@@ -86,43 +93,50 @@ def collect_garbage(
     """Find (and with ``delete``, remove) unreferenced part and seal objects older than ``older_than`` seconds.
 
     Raises :class:`GcRefusedError` for a grace period under :data:`MIN_GRACE` without ``force``, and, when
-    ``delete`` is asked, if any document is damaged (:attr:`GcReport.damaged` lists them in a dry run).
+    ``delete`` is asked, if any document is damaged (:attr:`GcReport.damaged` lists them in a dry run). ``now``
+    (seconds since the epoch) replaces the clock, for tests and reproducible runs.
     """
     if older_than < MIN_GRACE and not force:
         raise GcRefusedError(
             f"a grace period of {older_than:.0f} s could delete a live writer's part before its commit (writers "
-            f"commit up to {MAX_COMMIT_DELAY:.0f} s after uploading); use at least {MIN_GRACE:.0f} s (1h), or pass "
-            "force (--force) when no writer is running"
+            f"commit up to {MAX_COMMIT_DELAY:.0f} s after reading the step); use at least {MIN_GRACE:.0f} s (1h), "
+            "or pass force (--force) when no writer is running"
         )
     storage = store.storage
     now = time.time() if now is None else now
     report = GcReport()
-    dead: dict[int, list[str]] = {}
+    dead: dict[int, tuple[StepLog, list[str]]] = {}
     for step in store.steps():
         base = keys.step_dir(step)
         survey = _survey(store, step, report.damaged)
-        dropped = _dropped_parts(store, step, survey, report.damaged)
-        referenced = _referenced_parts(store, step, report.damaged)
-        for part, when in dropped.items():  # reclaimable once no reader can still be reading them
-            if now - when.timestamp() >= older_than and referenced is not None and part not in referenced:
-                survey.claimed.discard(part)
-        dead[step] = _dead_parts(survey, dropped, referenced)
-        report.dead_parts += [keys.part_dir(step, p) for p in dead[step]]
-        found = {directory: storage.find(directory) for directory in (keys.parts_dir(step), keys.annotations_dir(step))}
-        _check_claims(store, survey, found[keys.parts_dir(step)], set(dropped), report.damaged)
+        if survey is None:
+            continue
+        log, found_survey = survey
+        for part, since in found_survey.reclaimable.items():  # once no reader can still be reading them
+            if now - since.timestamp() >= older_than:
+                found_survey.claimed.discard(part)
+        dead[step] = (log, found_survey.dead)
+        report.dead_parts += [keys.part_dir(step, p) for p in found_survey.dead]
+        try:
+            found = {d: storage.find(d) for d in (keys.parts_dir(step), keys.annotations_dir(step))}
+            sealed_objects = storage.find(f"{base}/{keys.SEALED_DIR}")
+        except UnsafeKeyError as exc:
+            report.damaged.append(str(exc))
+            continue
+        _check_claims(store, found_survey, found[keys.parts_dir(step)], report.damaged)
         # Candidates by unit of deletion: a whole part directory, or one consolidated seal object.
         candidates: dict[str, list[tuple[str, int, float]]] = {}
         for directory, listing in found.items():
             for key, stat in listing.items():
                 rest = key[len(directory) + 1 :]
-                if "/" not in rest:  # a commit document itself, not data
+                if "/" not in rest:  # a format-1/2 annotation document itself, not data
                     continue
                 part = rest.split("/", 1)[0]
-                if part in survey.claimed or any(part.startswith(prefix) for prefix in survey.protected):
+                if part in found_survey.claimed or any(part.startswith(p) for p in found_survey.protected):
                     continue
                 candidates.setdefault(f"{directory}/{part}", []).append((key, stat.size, stat.modified))
-        for key, stat in storage.find(f"{base}/{keys.SEALED_DIR}").items():
-            if key[len(base) + 1 :] not in survey.consolidated:
+        for key, stat in sealed_objects.items():
+            if key[len(base) + 1 :] not in found_survey.consolidated:
                 candidates.setdefault(key, []).append((key, stat.size, stat.modified))
         for unit, objects in candidates.items():
             newest = max(modified for _, _, modified in objects)
@@ -139,13 +153,16 @@ def collect_garbage(
         )
     if delete and report.orphans:
         storage.delete([k for k in report.orphans if not any(k.startswith(t + "/") for t in report.trees)])
-        for tree in report.trees:
+        for tree in report.trees:  # the index first: a part whose index is there is whole (as-of views rely on it)
+            index = f"{tree}/{keys.INDEX}"
+            if index in report.orphans:
+                storage.delete([index])
             storage.delete_tree(tree)
         report.deleted = True
     if delete:
-        for step, parts in dead.items():
+        for log, parts in dead.values():
             if parts:
-                write_drop(store, step, sample_ids=[], parts=parts, writers=[], reason=DEAD_REASON, writer_id=GC_WRITER)
+                write_drop(log, sample_ids=[], parts=parts, writers=[], reason=DEAD_REASON, writer_id=GC_WRITER)
     return report
 
 
@@ -153,97 +170,62 @@ GC_WRITER = "gc"
 DEAD_REASON = "every record dropped or shadowed: reclaimed by gc"
 
 
-def _dropped_parts(store: StoreRoot, step: int, survey: _StepSurvey, damaged: list[str]) -> dict[str, datetime]:
-    """Parts dropped whole, with the time of the earliest drop naming them (by part or by writer)."""
+def _survey(store: StoreRoot, step: int, damaged: list[str]) -> tuple[StepLog, _StepSurvey] | None:
+    """Read ``step``'s history and what it references; a step that cannot be read goes to ``damaged`` (None)."""
     try:
-        drops = read_drops(store, step)
-    except RoutelogError as exc:
-        damaged.append(str(exc))
-        return {}
-    when: dict[str, datetime] = {}
-    for commit in survey.commits.values():
-        for drop in drops:
-            if dropped_part(commit, [drop]) and (commit.part not in when or drop.created_at < when[commit.part]):
-                when[commit.part] = drop.created_at
-    return when
-
-
-def _referenced_parts(store: StoreRoot, step: int, damaged: list[str]) -> set[str] | None:
-    """The step's parts live records read rows from (None when the step cannot be read: nothing is reclaimed)."""
-    try:
-        return StepSnapshot.load(store, step).referenced_parts()
-    except RoutelogError as exc:
+        history = StepHistory.read(store, step, columns=("sample_id", "token_hash", "n_tokens", "spans"))
+        view = history.view()
+        snapshot = StepSnapshot.of(history)
+        referenced = snapshot.referenced_parts()
+    except (RoutelogError, ValueError) as exc:
         damaged.append(f"step {step}: {exc}")
         return None
-
-
-def _dead_parts(survey: _StepSurvey, dropped: dict[str, datetime], referenced: set[str] | None) -> list[str]:
-    """Committed parts not yet dropped whole from which no live record reads a row (their records dropped by
-    sample id or shadowed, and no shared prefix of another record points at them)."""
-    if referenced is None:
-        return []
-    return sorted(c.part for c in survey.commits.values() if c.part not in referenced and c.part not in dropped)
-
-
-def _survey(store: StoreRoot, step: int, damaged: list[str]) -> _StepSurvey:
-    """Parse every commit, annotation and seal document of ``step``; unreadable ones go to ``damaged``."""
-    storage = store.storage
     survey = _StepSurvey()
-    for directory in (keys.commits_dir(step), keys.annotations_dir(step)):
-        for name in storage.list(directory):
-            if not name.endswith(".json"):
-                continue
-            key = f"{directory}/{name}"
-            try:
-                if keys.parse_commit_name(name) is None:
-                    raise GcRefusedError(f"{storage.url_of(key)}: not a commit name")
-                raw = load_json(storage.read(key), storage.url_of(key))
-                doc: CommitRecord | AnnotationCommit = (
-                    validate_document(raw, CommitRecord, storage.url_of(key))
-                    if directory == keys.commits_dir(step)
-                    else validate_document(raw, AnnotationCommit, storage.url_of(key))
-                )
-                check_commit(doc, name, step, store.model_spec, storage.url_of(key))
-            except (RoutelogError, ValueError) as exc:
-                damaged.append(str(exc))
-                continue
-            survey.claimed.add(doc.part)
-            if isinstance(doc, CommitRecord):
-                survey.commits[key] = doc
-    try:
-        seal = read_seal(store, step)
-    except RoutelogError as exc:
-        damaged.append(str(exc))
-        return survey
-    if seal is None:
-        return survey
-    existing = set(storage.list(keys.commits_dir(step)))
-    survey.protected.update(name.removesuffix("json") for name in seal.commits if name not in existing)
-    if seal.consolidated is not None:
-        info = seal.consolidated.commits
-        survey.consolidated = {info.key, seal.consolidated.index.key}
-        key = f"{keys.step_dir(step)}/{info.key}"
-        try:
-            docs = load_json(storage.read_verified(key, info.size, info.sha256, "the seal"), storage.url_of(key))
-            if not isinstance(docs, list):
-                raise GcRefusedError(f"{storage.url_of(key)}: not a list of commit records")
-            survey.claimed.update(validate_document(d, CommitRecord, storage.url_of(key)).part for d in docs)
-        except (RoutelogError, ValueError) as exc:
-            damaged.append(str(exc))
-    return survey
+    entries = history.log.entries
+    for entry in entries:
+        if isinstance(entry.doc, (CommitRecord, AnnotationCommit)):
+            survey.claimed.add(entry.doc.part)
+    drops = [e for e in entries if isinstance(e.doc, DropRecord)]
+    for entry in view.whole_dropped:
+        commit = _commit(entry)
+        if commit.part in referenced:
+            continue  # a live record reads through it
+        naming = [_drop(d) for d in drops if d.position > entry.position and dropped_whole(commit, [_drop(d)])]
+        survey.reclaimable[commit.part] = min(d.created_at for d in naming)
+    for entry in view.refused:
+        survey.reclaimable[_commit(entry).part] = _commit(entry).created_at
+    survey.present = [_commit(e) for e in view.commits]
+    survey.dead = sorted(c.part for c in survey.present if c.part not in referenced)
+    seal = view.seal.doc if view.seal is not None else None
+    if isinstance(seal, SealRecord):
+        if seal.position is None:  # format 1-2: the seal's list protects parts whose commit documents are missing
+            existing = {e.name for e in history.log.commits()}
+            survey.protected.update(n.removesuffix("json") for n in seal.commits if n not in existing)
+        if seal.consolidated is not None:
+            survey.consolidated = {seal.consolidated.commits.key, seal.consolidated.index.key}
+    return history.log, survey
 
 
-def _check_claims(
-    store: StoreRoot, survey: _StepSurvey, parts: dict[str, ObjectStat], dropped: set[str], damaged: list[str]
-) -> None:
-    """Every commit's part holds the objects it lists, at their sizes: a commit whose ``part`` was damaged names a
-    directory that is not there, and the real part must not then look unreferenced. (A part dropped whole may be
-    gone already.)"""
-    for key, commit in survey.commits.items():
-        if commit.part in dropped:
-            continue
+def _commit(entry: Entry) -> CommitRecord:
+    if not isinstance(entry.doc, CommitRecord):  # pragma: no cover - views list commit entries only
+        raise TypeError(entry.key)
+    return entry.doc
+
+
+def _drop(entry: Entry) -> DropRecord:
+    if not isinstance(entry.doc, DropRecord):  # pragma: no cover - callers pass drop entries
+        raise TypeError(entry.key)
+    return entry.doc
+
+
+def _check_claims(store: StoreRoot, survey: _StepSurvey, parts: dict[str, ObjectStat], damaged: list[str]) -> None:
+    """Every live commit's part holds the objects it lists, at their sizes: a commit whose ``part`` was damaged
+    names a directory that is not there, and the real part must not then look unreferenced."""
+    for commit in survey.present:
         base = keys.part_dir(commit.step, commit.part)
         wrong = [o.key for o in commit.objects if (stat := parts.get(f"{base}/{o.key}")) is None or stat.size != o.size]
         if wrong:
-            url = store.storage.url_of(key)
-            damaged.append(f"{url}: its part {commit.part!r} lacks (or has other sizes of) {wrong}")
+            damaged.append(
+                f"commit {commit.name} of step {commit.step}: its part {commit.part!r} lacks (or has other "
+                f"sizes of) {wrong}"
+            )

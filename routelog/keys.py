@@ -21,6 +21,11 @@ INDEX = "index.parquet"
 SEAL = "_SEALED.json"
 SEALING = "_SEALING.json"
 SEALED_DIR = "_sealed"
+LOG = "log"
+LEGACY_MARKER = "_log.00000000.json"
+"""Created in the ``commits/`` directory of a step of a format-1/2 store before its first log entry: a document of
+format version 3 that every format-1/2 reader parses (the name matches their commit pattern) and refuses with its
+version error, so no older routelog reads such a step without the entries it cannot see."""
 
 _STEP_DIGITS = 10
 
@@ -38,12 +43,19 @@ SPAN_PART_PATTERN = rf"{STEPS}/\d{{{_STEP_DIGITS}}}/parts/{PART_NAME_PATTERN}"
 """A span's reference to a part of any step, relative to the store root."""
 SEALED_OBJECT_PATTERN = rf"{SEALED_DIR}/[0-9a-f]{{1,32}}\.(?:commits\.json|index\.parquet)"
 """A seal's consolidated object, relative to the step directory."""
+_POSITION_DIGITS = 10
+LOG_NAME_PATTERN = rf"\d{{{_POSITION_DIGITS}}}\.json"
+"""``<position:010d>.json``: an entry of a step's log (format 3)."""
+ENTRY_NAME_PATTERN = rf"(?:{COMMIT_NAME_PATTERN}|{LOG_NAME_PATTERN})"
+"""A commit's name: its log entry (format 3) or its per-writer document (formats 1 and 2)."""
+MAX_POSITION = 10**_POSITION_DIGITS
 
 _WRITER_ID = re.compile(WRITER_ID_PATTERN)
 _STEP_NAME = re.compile(rf"\d{{{_STEP_DIGITS}}}")
 _COMMIT_NAME = re.compile(rf"(?P<writer>{WRITER_ID_PATTERN})\.(?P<seq>\d{{8}})\.json")
 _SPAN_PART = re.compile(rf"{STEPS}/(?P<step>\d{{{_STEP_DIGITS}}})/parts/(?P<part>{PART_NAME_PATTERN})")
 _KEY_CHARS = re.compile(r"[A-Za-z0-9._/-]*")
+_LOG_NAME = re.compile(rf"(?P<position>\d{{{_POSITION_DIGITS}}})\.json")
 
 
 def check_writer_id(writer_id: str) -> str:
@@ -155,3 +167,25 @@ def fidelity_dir(step: int) -> str:
 
 def fidelity_key(step: int, name: str) -> str:
     return f"{fidelity_dir(step)}/{name}"
+
+
+def log_dir(step: int) -> str:
+    """The step's log (format 3): every commit, drop, annotation and seal, each created exclusively at the next
+    free position, so the storage itself fixes their order."""
+    return f"{step_dir(step)}/{LOG}"
+
+
+def log_name(position: int) -> str:
+    if not 0 <= position < MAX_POSITION:
+        raise UnsafeKeyError(f"log position {position} outside [0, {MAX_POSITION})")
+    return f"{position:0{_POSITION_DIGITS}d}.json"
+
+
+def log_key(step: int, position: int) -> str:
+    return f"{log_dir(step)}/{log_name(position)}"
+
+
+def parse_log_name(name: str) -> int | None:
+    """The position of a log entry's file name; None for any other name."""
+    match = _LOG_NAME.fullmatch(name)
+    return int(match["position"]) if match else None

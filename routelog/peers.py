@@ -1,26 +1,28 @@
 """Other writers' committed records of a step, as candidates for shared prefixes (:mod:`routelog.dedup`).
 
 A GRPO group's samples or a session's turns may reach different inference workers, so a prefix can repeat across
-writers. Before it builds a part, a writer lists the step's commits, reads the index of each part it has not seen
-(token ids and where each token's routing row lives) and lists those records as candidates; the rows themselves
-are fetched only when a record's first tokens match, and compared before they are shared. Wholly dropped parts are
-never pointed at (``routelog gc`` may be reclaiming them).
+writers. Each time a writer reads the step's new log entries it lists the records of the commits it reads for the
+first time as candidates (token ids and where each token's routing row lives); the rows themselves are fetched only
+when a record's first tokens match, and compared before they are shared. Parts dropped whole (and commits after a
+seal) are forgotten: no later part points at them (``routelog gc`` may be reclaiming them).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 
 from routelog import keys
 from routelog.codec import IdArray
 from routelog.dedup import MIN_SHARED_TOKENS, PrefixIndex, WeightRows, consecutive
 from routelog.errors import RoutelogError
-from routelog.format import CommitRecord, IndexRow, parse_document
-from routelog.part import BlockRequest, ShardIndexCache, fetch_blocks, index_from_parquet
-from routelog.reader import check_commit, dropped_part, list_commit_names, object_info, read_drops
+from routelog.format import CommitRecord, IndexRow
+from routelog.history import StepView
+from routelog.part import BlockRequest, ShardIndexCache, fetch_blocks
 from routelog.root import StoreRoot
 
 _CACHED_RANGES = 4
@@ -65,39 +67,17 @@ class PeerParts:
 
     def __init__(self, store: StoreRoot, step: int, prefixes: PrefixIndex) -> None:
         self.store, self.step, self.prefixes = store, step, prefixes
-        self._seen: set[str] = set()
 
-    def seen(self, commit_name: str) -> None:
-        """A commit whose records the index lists already (the writer's own)."""
-        self._seen.add(commit_name)
-
-    def refresh(self) -> None:
-        """List the records of commits not seen yet; a commit that cannot be read is skipped (``routelog verify``
-        reports it), never an error of the writer."""
-        names = [n for n in list_commit_names(self.store, self.step) if n not in self._seen]
-        if not names:
-            return
-        drops = read_drops(self.store, self.step)
-        for name in names:
-            self._seen.add(name)
-            try:
-                commit, rows = self._read(name)
-            except (RoutelogError, ValueError, OSError):
-                continue
-            if dropped_part(commit, drops):
-                continue
-            self._list(commit, rows)
-
-    def _read(self, name: str) -> tuple[CommitRecord, list[IndexRow]]:
-        storage = self.store.storage
-        key = keys.commit_key(self.step, name)
-        commit = parse_document(storage.read(key), CommitRecord, storage.url_of(key))
-        check_commit(commit, name, self.step, self.store.model_spec, storage.url_of(key))
-        info = object_info(commit, keys.INDEX, storage.url_of(key))
-        data = storage.read_verified(
-            f"{keys.part_dir(self.step, commit.part)}/{keys.INDEX}", info.size, info.sha256, name
-        )
-        return commit, [IndexRow.model_validate(row) for row in index_from_parquet(data).to_pylist()]
+    def absorb(self, view: StepView, tables: Mapping[str, pa.Table]) -> None:
+        """List the records of the commits whose indexes were just read (``tables``, by entry key) that belong to
+        the step's content, and forget the parts dropped whole (or refused by a seal)."""
+        content = {entry.key: entry.doc for entry in view.commits}
+        for key, table in tables.items():
+            commit = content.get(key)
+            if isinstance(commit, CommitRecord) and "token_ids" in table.schema.names:
+                self._list(commit, [IndexRow.model_validate(row) for row in table.to_pylist()])
+        gone = [*view.whole_dropped, *view.refused]
+        self.prefixes.forget(keys.part_dir(self.step, e.doc.part) for e in gone if isinstance(e.doc, CommitRecord))
 
     def _list(self, commit: CommitRecord, rows: list[IndexRow]) -> None:
         own_key = keys.part_dir(self.step, commit.part)

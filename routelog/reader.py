@@ -1,8 +1,9 @@
 """Reading committed records: a step snapshot, then routing for chosen records and chosen layers.
 
-A snapshot is the set of commit records of a step (the seal's list once sealed), and the union of their parts'
-Parquet indexes. Routing reads go straight to the chunks that hold the requested rows and layers (ranged reads
-of the sharded array; the array metadata comes embedded in the commit), concurrently across parts.
+A snapshot is a step's history evaluated (:mod:`routelog.history`): the live records of the commits that make up
+the step, and the union of their parts' Parquet indexes. Routing reads go straight to the chunks that hold the
+requested rows and layers (ranged reads of the sharded array; the array metadata comes embedded in the commit),
+concurrently across parts.
 """
 
 from __future__ import annotations
@@ -22,27 +23,12 @@ from routelog import keys
 from routelog.codec import storage_dtype
 from routelog.display import html_card
 from routelog.errors import CorruptDataError, DuplicateSampleError, RecordNotFoundError
-from routelog.format import (
-    INDEX_SCHEMA,
-    AnnotationCommit,
-    CommitRecord,
-    Consolidated,
-    DropRecord,
-    IndexRow,
-    ObjectInfo,
-    RoutingArrayInfo,
-    SealRecord,
-    Span,
-    ValuesInfo,
-    load_json,
-    parse_document,
-    validate_document,
-)
-from routelog.part import MAX_GAP, BlockRequest, ShardIndexCache, fetch_blocks, index_from_parquet, shard_layout
+from routelog.format import AnnotationCommit, CommitRecord, DropRecord, IndexRow, RoutingArrayInfo, Span, ValuesInfo
+from routelog.history import COMMIT_COLUMN, StepHistory
+from routelog.part import MAX_GAP, BlockRequest, ShardIndexCache, fetch_blocks
 from routelog.root import StoreRoot
 from routelog.routing import ROUTING_TABLE_SCHEMA, RecordRouting
-from routelog.spec import ModelSpec
-from routelog.storage import check_digest
+from routelog.steplog import Entry, object_info
 from routelog.values import FloatArray, values_from_parquet
 from routelog.weights import from_storage
 
@@ -83,18 +69,18 @@ class _PartRead:
 
 @dataclass
 class StepSnapshot:
-    """The committed records of one step at the time it was loaded.
+    """The committed records of one step at the time it was loaded (see :mod:`routelog.history` for the rules).
 
-    A record is live unless a drop names it (by sample id, part or writer) or it is shadowed: two writers that
-    raced on one sample id both committed it, and readers keep the earliest commit's (by ``created_at``, then
-    commit name), so every reader reads the same record and none fails; ``routelog verify`` reports the shadowed
-    copies and ``routelog gc`` reclaims them.
+    A record is live unless a drop after its commit names it (by sample id, part or writer) or it is shadowed: the
+    same sample id was committed earlier in the step's log (two writers raced on it), and readers read the
+    earliest, so every reader reads the same record forever; ``routelog verify`` reports the shadowed copies and
+    ``routelog gc`` reclaims them.
     """
 
     store: StoreRoot
     step: int
     commits: list[CommitRecord]
-    """The commits of the step's live parts (wholly dropped parts are left out)."""
+    """The commits of the step's content whose parts are not dropped whole, in log order."""
     index: pa.Table
     """The live records' index rows, plus ``_commit``: the position of the row's commit in :attr:`commits`."""
     sealed: bool
@@ -104,132 +90,72 @@ class StepSnapshot:
     dropped_commits: list[CommitRecord] = field(default_factory=list)
     """Commits of wholly dropped parts: none of their records is read, but live records' shared prefixes may
     still point at their rows."""
-    shadowed: list[Shadowed] = field(init=False)
-    """Records committed again by another commit and shadowed by the earliest one."""
+    shadowed: list[Shadowed] = field(default_factory=list)
+    """Records committed again by a later commit: the copies no reader reads."""
+    stored: pa.Table | None = None
+    """Every index row of :attr:`commits` (dropped and shadowed records too), with ``_commit``."""
+    positions: list[int] = field(default_factory=list)
+    """Log position of each of :attr:`commits` (negative for format-1/2 documents)."""
+    annotation_entries: list[tuple[int, AnnotationCommit]] = field(default_factory=list)
+    """The annotations applied (as of :attr:`as_of`), with their log positions."""
     _positions: dict[str, int] = field(init=False, repr=False)
     _commit_column: npt.NDArray[np.int32] = field(init=False, repr=False)
     _n_tokens: npt.NDArray[np.int32] = field(init=False, repr=False)
-    _own: dict[str, CommitRecord] = field(init=False, repr=False)
-    _foreign: dict[str, CommitRecord] = field(default_factory=dict, init=False, repr=False)
+    _own: dict[str, tuple[int, CommitRecord]] = field(init=False, repr=False)
     _index_cache: ShardIndexCache = field(default_factory=ShardIndexCache, init=False, repr=False)
-    _annotations: list[AnnotationCommit] | None = field(default=None, init=False, repr=False)
-    _values_cache: OrderedDict[tuple[str, tuple[str, ...]], dict[str, dict[str, FloatArray]]] = field(
-        default_factory=OrderedDict, init=False, repr=False
+    _values_cache: OrderedDict[tuple[str, tuple[str, ...]], dict[str, tuple[str | None, dict[str, FloatArray]]]] = (
+        field(default_factory=OrderedDict, init=False, repr=False)
     )
 
     def __post_init__(self) -> None:
-        dropped = {sid for drop in self.drops for sid in drop.sample_ids}
-        commit_of = self.index.column("_commit").to_numpy()
-        order = {i: (c.created_at, c.name) for i, c in enumerate(self.commits)}
-        winners: dict[str, int] = {}
-        shadowed: list[Shadowed] = []
-        for i, sid in enumerate(self.index.column("sample_id").to_pylist()):
-            if sid in dropped:
-                continue
-            kept = winners.get(sid)
-            if kept is None:
-                winners[sid] = i
-                continue
-            first, second = sorted((kept, i), key=lambda row: order[int(commit_of[row])])
-            winners[sid] = first
-            names = (self.commits[int(commit_of[first])].name, self.commits[int(commit_of[second])].name)
-            shadowed.append(Shadowed(sid, *names))
-        self.shadowed = shadowed
-        if len(winners) != self.index.num_rows:
-            mask = np.zeros(self.index.num_rows, dtype=bool)
-            mask[list(winners.values())] = True
-            self.index = self.index.filter(pa.array(mask))
-        self._commit_column = self.index.column("_commit").to_numpy()
-        self._n_tokens = self.index.column("n_tokens").to_numpy()
-        self._own = {keys.part_dir(self.step, c.part): c for c in [*self.dropped_commits, *self.commits]}
+        self._commit_column = self.index.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+        self._n_tokens = self.index.column("n_tokens").to_numpy(zero_copy_only=False)
+        positions = self.positions or list(range(len(self.commits)))
+        self._own = {keys.part_dir(self.step, c.part): (p, c) for p, c in zip(positions, self.commits, strict=True)}
+        self._own.update(
+            {keys.part_dir(self.step, c.part): (-(1 << 62), c) for c in self.dropped_commits}
+        )  # a dropped part's position is only compared with the records pointing at it: before every record
         self._positions = {sid: i for i, sid in enumerate(self.index.column("sample_id").to_pylist())}
 
     # -- loading -------------------------------------------------------------------------------------------------
     @classmethod
     def load(cls, store: StoreRoot, step: int, *, as_of: datetime | None = None) -> StepSnapshot:
-        """The step's committed records; with ``as_of``, only commits created by then (and the seal only if it
-        was sealed by then), i.e. the step as a reader saw it at that time.
+        """The step's committed records; with ``as_of``, the step as it was then (only entries created by then
+        count; naive times are read as UTC).
 
-        Everything used is checked before use: each commit against its file name, its step and the run's model
-        spec, each index against the SHA-256 its commit lists, and the rows against the commit's counts.
+        Everything used is checked before use: each entry against its name, its step and the run's model spec, each
+        index against the SHA-256 its commit (or the seal) lists, and the rows against the commit's counts.
         """
-        storage = store.storage
-        seal = read_seal(store, step)
-        if seal is not None and as_of is not None and seal.sealed_at > as_of:
-            seal = None
-        if seal is not None and seal.consolidated is not None:
-            return cls._load_consolidated(store, step, seal, seal.consolidated, as_of)
-        names = seal.commits if seal is not None else list_commit_names(store, step)
-        commit_keys = [keys.commit_key(step, n) for n in names]
-        try:
-            raw = storage.read_many(commit_keys)
-        except FileNotFoundError as exc:
-            raise CorruptDataError(f"step {step} of {store.url}: a commit the seal lists is missing ({exc})") from None
-        commits = [parse_document(raw[k], CommitRecord, storage.url_of(k)) for k in commit_keys]
-        for name, commit in zip(names, commits, strict=True):
-            check_commit(commit, name, step, store.model_spec, storage.url_of(keys.commit_key(step, name)))
-        if as_of is not None:
-            commits = [c for c in commits if c.created_at <= as_of]
-        drops = read_drops(store, step, as_of)
-        unread = len(commits)
-        dropped = [c for c in commits if dropped_part(c, drops)]
-        commits = [c for c in commits if not dropped_part(c, drops)]
-        if as_of is not None:  # a part dropped after as_of is read as it was, unless gc has reclaimed it since
-            later = read_drops(store, step)
-            commits = [
-                c
-                for c in commits
-                if not dropped_part(c, later) or storage.exists(f"{keys.part_dir(step, c.part)}/{keys.INDEX}")
-            ]
-        tables = []
-        for i, commit in enumerate(commits):
-            key = f"{keys.part_dir(step, commit.part)}/{keys.INDEX}"
-            info = object_info(commit, keys.INDEX, storage.url_of(keys.commit_key(step, commit.name)))
-            data = storage.read_verified(key, info.size, info.sha256, f"commit {commit.name}")
-            table = _parquet(data, storage.url_of(key))
-            tables.append(table.append_column("_commit", pa.array([i] * table.num_rows, pa.int32())))
-        empty = INDEX_SCHEMA.empty_table().append_column("_commit", pa.array([], pa.int32()))
-        index = _concat([empty, *tables], f"step {step} of {store.url}")
-        check_index(index, commits, step, f"step {step} of {store.url}")
-        if seal is not None and unread == len(commits):
-            check_seal_counts(seal, index, commits, f"step {step} of {store.url}")
-        return cls(store, step, commits, index, seal is not None, as_of, drops, dropped)
+        return cls.of(StepHistory.read(store, step, as_of=as_of))
 
     @classmethod
-    def _load_consolidated(
-        cls, store: StoreRoot, step: int, seal: SealRecord, consolidated: Consolidated, as_of: datetime | None
-    ) -> StepSnapshot:
-        """A sealed step from its two consolidated objects (checked against the seal's SHA-256s)."""
-        storage = store.storage
-        base = keys.step_dir(step)
-        owner = f"the seal of step {step}"
-        commits_key, index_key = (f"{base}/{consolidated.commits.key}", f"{base}/{consolidated.index.key}")
-        try:
-            data = storage.read_many(
-                [commits_key, index_key]
-            )  # one batch: a sealed step opens in three GETs (+ the drops listing)
-        except FileNotFoundError as exc:
-            raise CorruptDataError(f"step {step} of {store.url}: a consolidated object of {owner} is missing") from exc
-        commits_data, index_data = data[commits_key], data[index_key]
-        for key, info in ((commits_key, consolidated.commits), (index_key, consolidated.index)):
-            check_digest(data[key], info.size, info.sha256, f"{storage.url_of(key)} (listed by {owner})")
-        where = storage.url_of(commits_key)
-        try:
-            docs = load_json(commits_data, where)
-        except ValueError as exc:
-            raise CorruptDataError(str(exc)) from None
-        if not isinstance(docs, list) or len(docs) != len(seal.commits):
-            raise CorruptDataError(f"{where}: not a list of the {len(seal.commits)} commit records the seal names")
-        commits = [validate_document(doc, CommitRecord, f"{where} [{i}]") for i, doc in enumerate(docs)]
-        for name, commit in zip(seal.commits, commits, strict=True):
-            check_commit(commit, name, step, store.model_spec, f"{where} ({name})")
-        index = _parquet(index_data, storage.url_of(index_key))
-        check_index(index, commits, step, storage.url_of(index_key))
-        check_seal_counts(seal, index, commits, f"step {step} of {store.url}")
-        drops = read_drops(store, step, as_of)
-        dropped = [c for c in commits if dropped_part(c, drops)]
-        commits, index = _without_dropped_parts(commits, index, drops)
-        return cls(store, step, commits, index, True, as_of, drops, dropped)
+    def of(cls, history: StepHistory) -> StepSnapshot:
+        """The snapshot of a history read already (:mod:`routelog.history`)."""
+        view = history.view()
+        commits = [_commit_doc(e) for e in view.commits]
+        stored = view.stored
+        sids = stored.column("sample_id").to_pylist() if view.shadowed.any() else []
+        commit_of = stored.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+        winner = {sids[r]: int(r) for r in np.flatnonzero(view.live)} if sids else {}
+        shadowed = [
+            Shadowed(sids[r], commits[int(commit_of[winner[sids[r]]])].name, commits[int(commit_of[r])].name)
+            for r in np.flatnonzero(view.shadowed)
+            if sids[r] in winner
+        ]
+        return cls(
+            history.store,
+            history.step,
+            commits,
+            view.index,
+            view.seal is not None,
+            history.as_of,
+            [d.doc for d in view.drops if isinstance(d.doc, DropRecord)],
+            [_commit_doc(e) for e in view.whole_dropped],
+            shadowed,
+            stored,
+            [e.position for e in view.commits],
+            [(e.position, e.doc) for e in view.annotations if isinstance(e.doc, AnnotationCommit)],
+        )
 
     def _commit_of(self, position: int) -> int:
         return int(self._commit_column[position])
@@ -361,7 +287,9 @@ class StepSnapshot:
             needed = None if tokens is None else tokens.get(r.sample_id)
             if needed is not None and needed.shape != (r.n_tokens,):
                 raise ValueError(f"tokens[{r.sample_id!r}] has shape {needed.shape}, the record {r.n_tokens} tokens")
-            for span in _spans(r, stream) if needed is None else _restricted(_spans(r, stream), needed):
+            spans = _spans(r, stream)
+            self._check_references(r.sample_id, spans)
+            for span in spans if needed is None else _restricted(spans, needed):
                 by_part[span.part or own_part[r.sample_id]].append((r.sample_id, span))
                 valid[r.sample_id][span.token_start : span.token_start + span.n_rows] = True
         commits = {key: self._commit_for(key) for key in by_part}
@@ -481,18 +409,7 @@ class StepSnapshot:
     @property
     def annotations(self) -> list[AnnotationCommit]:
         """The step's annotation commits (per-token columns added after the records; as of :attr:`as_of`)."""
-        if self._annotations is None:
-            storage = self.store.storage
-            names = [n for n in storage.list(keys.annotations_dir(self.step)) if keys.parse_commit_name(n)]
-            annotation_keys = [keys.annotation_key(self.step, n) for n in names]
-            raw = storage.read_many(annotation_keys)
-            docs = []
-            for name, key in zip(names, annotation_keys, strict=True):
-                doc = parse_document(raw[key], AnnotationCommit, storage.url_of(key))
-                check_commit(doc, name, self.step, self.store.model_spec, storage.url_of(key))
-                docs.append(doc)
-            self._annotations = [d for d in docs if self.as_of is None or d.created_at <= self.as_of]
-        return self._annotations
+        return [doc for _, doc in self.annotation_entries]
 
     def value_columns(self) -> list[str]:
         """Names of the per-token columns present in the step (in parts or annotations)."""
@@ -504,26 +421,30 @@ class StepSnapshot:
         """``{sample_id: {name: float32 [n_tokens]}}`` for the named columns each record has (a column a record
         lacks is absent from its dict). Only the values objects of the records' parts are fetched, and only the
         named columns of them; a column given twice for one record (in its part and an annotation, or two
-        annotations) raises :class:`DuplicateSampleError`."""
+        annotations) raises :class:`DuplicateSampleError`.
+
+        A part's values belong to its live records (a dropped or shadowed part-mate's are skipped); an annotation's
+        values belong to a record live now that was committed before the annotation, with the token hash they were
+        computed on (a record dropped, or written again, after the annotation has none of them)."""
         wanted = set(names)
         # Only the token counts are needed: read them from the index column, not by building index rows.
         lengths = {sid: int(self._n_tokens[self._position(sid)]) for sid in sample_ids}
         out: dict[str, dict[str, FloatArray]] = {sid: {} for sid in lengths}
         sources: dict[tuple[str, str], str] = {}
-        # directory -> the commit declaring a values object there, and its declaration
-        holders: dict[str, tuple[CommitRecord | AnnotationCommit, ValuesInfo]] = {}
+        # directory -> the commit declaring a values object there, its declaration and its log position
+        holders: dict[str, tuple[CommitRecord | AnnotationCommit, ValuesInfo, int | None]] = {}
         for sid in lengths:
             commit = self.commits[self._commit_of(self._position(sid))]
             if commit.values is not None:
-                holders[keys.part_dir(self.step, commit.part)] = (commit, commit.values)
-        for annotation in self.annotations:
-            holders[f"{keys.annotations_dir(self.step)}/{annotation.part}"] = (annotation, annotation.values)
-        for base, (holder, declared) in holders.items():
+                holders[keys.part_dir(self.step, commit.part)] = (commit, commit.values, None)
+        for at, annotation in self.annotation_entries:
+            holders[f"{keys.annotations_dir(self.step)}/{annotation.part}"] = (annotation, annotation.values, at)
+        for base, (holder, declared, position) in holders.items():
             columns = sorted(wanted & {c.name for c in declared.columns})
             if not columns:
                 continue
-            for sid, values in self._values_of(base, holder, declared, tuple(columns)).items():
-                if sid not in out:
+            for sid, (digest, values) in self._values_of(base, holder, declared, tuple(columns)).items():
+                if sid not in out or not self._values_apply(sid, digest, holder, position):
                     continue
                 for name, array in values.items():
                     if (sid, name) in sources:
@@ -539,11 +460,26 @@ class StepSnapshot:
                     out[sid][name] = array
         return out
 
+    def _values_apply(
+        self, sid: str, digest: str | None, holder: CommitRecord | AnnotationCommit, position: int | None
+    ) -> bool:
+        """Whether a values row of ``holder`` belongs to the live record ``sid`` (see :meth:`token_values`)."""
+        live = self._positions.get(sid)
+        if live is None:
+            return False
+        commit = self._commit_of(live)
+        if position is None:  # the record's own part
+            return self.commits[commit] is holder
+        committed = self.index.column("token_hash")[live].as_py()
+        before = (self.positions[commit] if self.positions else -1) < position
+        return before and (digest is None or committed is None or digest == committed)
+
     def _values_of(
         self, base: str, holder: CommitRecord | AnnotationCommit, declared: ValuesInfo, columns: tuple[str, ...]
-    ) -> dict[str, dict[str, FloatArray]]:
-        """One values object's columns, checked against its commit (SHA-256, declared columns, records and token
-        hashes), with a small LRU so streaming over a part reads its object once."""
+    ) -> dict[str, tuple[str | None, dict[str, FloatArray]]]:
+        """One values object's columns by sample id, with the token hash each row was computed on, checked
+        against its commit (SHA-256, declared columns, record count; a part's rows name its own records), with
+        a small LRU so streaming over a part reads its object once."""
         key = f"{base}/{declared.key}"
         cache_key = (key, columns)
         if cache_key in self._values_cache:
@@ -553,23 +489,38 @@ class StepSnapshot:
         where = storage.url_of(key)
         info = object_info(holder, declared.key, where)
         data = storage.read_verified(key, info.size, info.sha256, f"commit {holder.name}")
-        contents = values_from_parquet(data, columns, where, declared=[c.name for c in declared.columns])
+        contents = values_from_parquet(
+            data,
+            columns,
+            where,
+            declared=[c.name for c in declared.columns],
+            max_records=holder.n_records,
+            max_tokens=holder.n_tokens,
+        )
         if len(contents.token_hashes) != holder.n_records:
             raise CorruptDataError(
                 f"{where}: holds {len(contents.token_hashes)} records, its commit says {holder.n_records}"
             )
-        own = isinstance(holder, CommitRecord)
-        for sid, digest in contents.token_hashes.items():
-            position = self._positions.get(sid)
-            if position is None or (own and self.commits[self._commit_of(position)] is not holder):
-                raise CorruptDataError(f"{where}: holds values of sample {sid!r}, which it may not annotate")
-            committed = self.index.column("token_hash")[position].as_py()
-            if digest is not None and committed is not None and digest != committed:
-                raise CorruptDataError(f"{where}: values of sample {sid!r} were computed on other tokens")
-        self._values_cache[cache_key] = contents.values
+        if isinstance(holder, CommitRecord):
+            own = self._part_records(holder)
+            stranger = next((sid for sid in contents.token_hashes if sid not in own), None)
+            if stranger is not None:
+                raise CorruptDataError(f"{where}: holds values of sample {stranger!r}, which its part does not hold")
+            changed = next((sid for sid, d in contents.token_hashes.items() if not _same_hash(d, own[sid])), None)
+            if changed is not None:
+                raise CorruptDataError(f"{where}: values of sample {changed!r} were computed on other tokens")
+        rows = {sid: (digest, contents.values.get(sid, {})) for sid, digest in contents.token_hashes.items()}
+        self._values_cache[cache_key] = rows
         while len(self._values_cache) > _VALUES_CACHE:
             self._values_cache.popitem(last=False)
-        return contents.values
+        return rows
+
+    def _part_records(self, commit: CommitRecord) -> dict[str, str | None]:
+        """``{sample_id: token_hash}`` of every record ``commit``'s part holds (dropped and shadowed ones too)."""
+        stored = self.stored if self.stored is not None else self.index
+        i = next(n for n, c in enumerate(self.commits) if c is commit)
+        rows = stored.filter(pc.equal(stored.column(COMMIT_COLUMN), i))
+        return dict(zip(rows.column("sample_id").to_pylist(), rows.column("token_hash").to_pylist(), strict=True))
 
     def open_zarr(self, part: str) -> zarr.Array[Any]:
         """A part's routing array opened with zarr-python: expert IDs ``[num_moe_layers, n_rows, K]`` for format-2
@@ -578,7 +529,7 @@ class StepSnapshot:
         fast path."""
         import zarr  # loaded here: the readers' own path never needs it
 
-        commit = self._own[keys.part_dir(self.step, part)]
+        commit = self._commit_for(keys.part_dir(self.step, part))
         store = self.store.storage.zarr_store(f"{keys.part_dir(self.step, part)}/{commit.routing.path}")
         return zarr.open_array(store, mode="r")
 
@@ -586,32 +537,23 @@ class StepSnapshot:
         return keys.part_dir(self.step, self.commits[self._commit_of(self._position(sample_id))].part)
 
     def _commit_for(self, part_key: str) -> CommitRecord:
-        return self._own.get(part_key) or self._foreign_commit(part_key)
+        return self._own[part_key][1]
 
-    def _foreign_commit(self, part_key: str) -> CommitRecord:
-        """The commit of a part referenced from another step (a shared prefix stored once): it must be committed
-        there (and listed by that step's seal, if sealed), and name exactly that part."""
-        if part_key in self._foreign:
-            return self._foreign[part_key]
-        parsed = keys.parse_span_part(part_key)
-        if parsed is None:
-            raise CorruptDataError(f"span reference {part_key!r} is not a part path of this store")
-        step, part = parsed
-        if step == self.step:
-            raise CorruptDataError(f"span reference {part_key!r} names a part this step does not commit")
-        name = part.rsplit(".", 1)[0] + ".json"
-        key = keys.commit_key(step, name)
-        storage = self.store.storage
-        try:
-            commit = parse_document(storage.read(key), CommitRecord, storage.url_of(key))
-        except FileNotFoundError:
-            raise CorruptDataError(f"span reference {part_key!r} points at an uncommitted part") from None
-        check_commit(commit, name, step, self.store.model_spec, storage.url_of(key))
-        seal = read_seal(self.store, step)
-        if commit.part != part or (seal is not None and name not in seal.commits):
-            raise CorruptDataError(f"span reference {part_key!r} points at a part that step {step} does not hold")
-        self._foreign[part_key] = commit
-        return commit
+    def _check_references(self, sample_id: str, spans: Iterable[Span]) -> None:
+        """A record's shared prefix points at a part of this step committed before its own (or dropped whole and
+        kept for it): never at another step, a later commit, or a part the step does not hold."""
+        own = self._own[self._part_key(sample_id)][0]
+        for span in spans:
+            if span.part is None:
+                continue
+            held = self._own.get(span.part)
+            if held is None or held[0] >= own:
+                parsed = keys.parse_span_part(span.part)
+                where = f"another step's part {span.part!r}" if parsed and parsed[0] != self.step else span.part
+                raise CorruptDataError(
+                    f"step {self.step} of {self.store.url}: sample {sample_id!r} points at rows of {where}, which "
+                    "is not a part committed before it in this step (shared rows never reach outside their step)"
+                )
 
 
 def _check_referenced_rows(part_key: str, array: RoutingArrayInfo, items: list[tuple[str, Span]], where: str) -> None:
@@ -657,24 +599,6 @@ def _array(commit: CommitRecord, stream: str | None, where: str) -> RoutingArray
     return commit.streams[stream]
 
 
-def _parquet(data: bytes, where: str) -> pa.Table:
-    try:
-        table = index_from_parquet(data)
-    except (pa.ArrowException, OSError) as exc:
-        raise CorruptDataError(f"{where}: unreadable Parquet index ({exc})") from exc
-    missing = [name for name, f in IndexRow.model_fields.items() if f.is_required() and name not in table.schema.names]
-    if missing:
-        raise CorruptDataError(f"{where}: the index lacks the columns {missing}")
-    return table
-
-
-def _concat(tables: list[pa.Table], where: str) -> pa.Table:
-    try:
-        return pa.concat_tables(tables, promote_options="permissive")
-    except pa.ArrowException as exc:
-        raise CorruptDataError(f"{where}: a part's index has columns of the wrong type ({exc})") from exc
-
-
 @dataclass(frozen=True)
 class Shadowed:
     """A sample id committed by two commits: readers read ``kept`` (the earliest); ``shadowed`` is never read."""
@@ -685,168 +609,14 @@ class Shadowed:
     shadowed: str
 
 
-def read_drops(store: StoreRoot, step: int, as_of: datetime | None = None) -> list[DropRecord]:
-    """The step's drop documents (those created by ``as_of``)."""
-    storage = store.storage
-    names = [n for n in storage.list(keys.drops_dir(step)) if keys.parse_commit_name(n)]
-    if not names:
-        return []
-    drop_keys = [keys.drop_key(step, n) for n in names]
-    raw = storage.read_many(drop_keys)
-    drops = []
-    for name, key in zip(names, drop_keys, strict=True):
-        drop = parse_document(raw[key], DropRecord, storage.url_of(key))
-        if drop.name != name or drop.step != step:
-            raise CorruptDataError(f"{storage.url_of(key)}: the document is drop {drop.name} of step {drop.step}")
-        if as_of is None or drop.created_at <= as_of:
-            drops.append(drop)
-    return drops
+def _commit_doc(entry: Entry) -> CommitRecord:
+    if not isinstance(entry.doc, CommitRecord):  # pragma: no cover - views list commit entries only
+        raise TypeError(f"{entry.key} is not a commit")
+    return entry.doc
 
 
-def dropped_part(commit: CommitRecord, drops: Sequence[DropRecord]) -> bool:
-    """Whether a drop removes the whole part (by part name or by its writer)."""
-    return any(commit.part in d.parts or commit.writer_id in d.writers for d in drops)
-
-
-def _without_dropped_parts(
-    commits: list[CommitRecord], index: pa.Table, drops: Sequence[DropRecord]
-) -> tuple[list[CommitRecord], pa.Table]:
-    """Leave out wholly dropped parts: their commits and their rows (``_commit`` renumbered)."""
-    keep = [not dropped_part(c, drops) for c in commits]
-    if all(keep):
-        return commits, index
-    renumber = np.cumsum(keep) - 1
-    commit_of = index.column("_commit").to_numpy()
-    rows = np.asarray(keep, dtype=bool)[commit_of] if len(commits) else np.zeros(0, bool)
-    kept = index.filter(pa.array(rows))
-    new_commit = pa.array(renumber[commit_of[rows]].astype(np.int32), pa.int32())
-    kept = kept.set_column(kept.schema.get_field_index("_commit"), "_commit", new_commit)
-    return [c for c, k in zip(commits, keep, strict=True) if k], kept
-
-
-# -- checks shared by readers and verify ----------------------------------------------------------------------------
-def read_seal(store: StoreRoot, step: int) -> SealRecord | None:
-    """The step's seal document, or None when the step is not sealed."""
-    storage = store.storage
-    key = keys.seal_key(step)
-    try:
-        data = storage.read(key)
-    except FileNotFoundError:
-        return None
-    seal = parse_document(data, SealRecord, storage.url_of(key))
-    if seal.step != step:
-        raise CorruptDataError(f"{storage.url_of(key)}: the seal is for step {seal.step}, not {step}")
-    return seal
-
-
-def list_commit_names(store: StoreRoot, step: int) -> list[str]:
-    """File names of the step's commit documents (other names in the directory are ignored)."""
-    return [n for n in store.storage.list(keys.commits_dir(step)) if keys.parse_commit_name(n)]
-
-
-def check_commit(commit: CommitRecord | AnnotationCommit, name: str, step: int, spec: ModelSpec, where: str) -> None:
-    """A commit read under ``name`` is the commit of that name, of this step, and of the run's model."""
-    if commit.name != name:
-        raise CorruptDataError(f"{where}: the document is commit {commit.name}, found under the name {name}")
-    if commit.step != step:
-        raise CorruptDataError(f"{where}: the commit is for step {commit.step}, found in step {step}")
-    if isinstance(commit, AnnotationCommit):
-        return
-    info = commit.routing
-    if (info.num_moe_layers, info.topk, info.num_experts) != (spec.num_moe_layers, spec.topk, spec.num_experts):
-        raise CorruptDataError(
-            f"{where}: routing of L={info.num_moe_layers}, K={info.topk}, E={info.num_experts} does not match the "
-            f"run's model spec (L={spec.num_moe_layers}, K={spec.topk}, E={spec.num_experts})"
-        )
-    attributes = info.zarr_metadata.get("attributes")
-    stamped = attributes.get("routelog") if isinstance(attributes, dict) else None
-    moe_layers = stamped.get("moe_layers") if isinstance(stamped, dict) else None
-    if moe_layers is not None and moe_layers != list(spec.moe_layers):
-        raise CorruptDataError(
-            f"{where}: the part was written for MoE layers {moe_layers}, the run's model spec has "
-            f"{list(spec.moe_layers)}"
-        )
-    layout = shard_layout(info)
-    for key in layout.shard_keys if info.n_rows else []:
-        if object_info(commit, f"{info.path}/{key}", where).size < layout.index_nbytes:
-            raise CorruptDataError(f"{where}: the routing shard {key!r} is smaller than its own chunk index")
-
-
-def object_info(commit: CommitRecord | AnnotationCommit, key: str, where: str) -> ObjectInfo:
-    """The commit's entry for object ``key``; a commit that does not list an object it needs is damaged."""
-    for info in commit.objects:
-        if info.key == key:
-            return info
-    raise CorruptDataError(f"{where}: the commit does not list its object {key!r}")
-
-
-def check_index(index: pa.Table, commits: Sequence[CommitRecord], step: int, where: str) -> None:
-    """The rows agree with their commits: counts, token totals, step, and spans inside the part's rows."""
-    commit_of = index.column("_commit").to_numpy(zero_copy_only=False)
-    if commit_of.size and (commit_of.min() < 0 or commit_of.max() >= len(commits)):
-        raise CorruptDataError(f"{where}: a row names a commit the step does not have")
-    counts = np.bincount(commit_of, minlength=len(commits)) if len(commits) else np.zeros(0, np.int64)
-    n_tokens = index.column("n_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
-    tokens = np.bincount(commit_of, weights=n_tokens, minlength=len(commits)) if len(commits) else counts
-    for i, commit in enumerate(commits):
-        if counts[i] != commit.n_records or int(tokens[i]) != commit.n_tokens:
-            raise CorruptDataError(
-                f"{where}: part {commit.part!r} indexes {int(counts[i])} records of {int(tokens[i])} tokens, its "
-                f"commit says {commit.n_records} records of {commit.n_tokens} tokens"
-            )
-    steps = index.column("step").to_numpy(zero_copy_only=False)
-    if steps.size and (steps != step).any():
-        raise CorruptDataError(f"{where}: index rows of step {int(steps[steps != step][0])} in step {step}")
-    limits = np.array([c.routing.n_rows for c in commits], dtype=np.int64)
-    _check_span_rows(index.column("spans").combine_chunks(), commit_of, limits, commits, where)
-    if "streams" not in index.schema.names:
-        return
-    streams = index.column("streams").combine_chunks()
-    entries = pc.list_flatten(streams)
-    if len(entries) == 0:
-        return
-    entry_commit = np.repeat(commit_of, pc.list_value_length(streams).fill_null(0).to_numpy(zero_copy_only=False))
-    names = entries.field("name").to_pylist()
-    for i, name in enumerate(names):
-        if name not in commits[int(entry_commit[i])].streams:
-            raise CorruptDataError(
-                f"{where}: a record has rows of stream {name!r}, part {commits[int(entry_commit[i])].part!r} holds none"
-            )
-    stream_limits = np.array(
-        [commits[int(c)].streams[n].n_rows for c, n in zip(entry_commit, names, strict=True)], dtype=np.int64
-    )
-    _check_span_rows(entries.field("spans"), np.arange(len(names)), stream_limits, None, where)
-
-
-def _check_span_rows(
-    spans: pa.Array,
-    owner_of_row: npt.NDArray[Any],
-    limits: npt.NDArray[np.int64],
-    commits: Sequence[CommitRecord] | None,
-    where: str,
-) -> None:
-    """Own spans (``part`` null) end within their array's rows; ``owner_of_row[i]`` indexes ``limits``."""
-    flat = pc.list_flatten(spans)
-    if len(flat) == 0:
-        return
-    owner = np.repeat(owner_of_row, pc.list_value_length(spans).fill_null(0).to_numpy(zero_copy_only=False))
-    own = pc.is_null(flat.field("part")).to_numpy(zero_copy_only=False)
-    ends = flat.field("row").to_numpy(zero_copy_only=False) + flat.field("n_rows").to_numpy(zero_copy_only=False)
-    past = own & (ends > limits[owner])
-    if past.any():
-        bad = int(np.argmax(past))
-        part = f" of part {commits[int(owner[bad])].part!r}" if commits is not None else ""
-        raise CorruptDataError(
-            f"{where}: a span{part} reaches row {int(ends[bad])}, past the array's {int(limits[owner[bad]])} rows"
-        )
-
-
-def check_seal_counts(seal: SealRecord, index: pa.Table, commits: Sequence[CommitRecord], where: str) -> None:
-    if seal.n_records != index.num_rows or seal.n_tokens != sum(c.n_tokens for c in commits):
-        raise CorruptDataError(
-            f"{where}: the seal says {seal.n_records} records of {seal.n_tokens} tokens, its commits hold "
-            f"{index.num_rows} records of {sum(c.n_tokens for c in commits)} tokens"
-        )
+def _same_hash(a: str | None, b: str | None) -> bool:
+    return a is None or b is None or a == b
 
 
 def _contiguous_runs(positions: Sequence[int]) -> list[tuple[int, int]]:

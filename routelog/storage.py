@@ -5,6 +5,12 @@ Credentials and endpoints come the way fsspec users expect: the standard ``AWS_*
 ``storage_options``. The primitives routelog needs are few: whole-object reads and writes, an exclusive create
 (S3 ``If-None-Match: *``; fsspec's local and memory filesystems honour ``mode="create"`` too), a non-recursive
 listing of one prefix, deletes, and a zarr store for ranged reads.
+
+Durability: a write returns once its bytes are on stable storage. S3 acknowledges a PUT only after storing it
+redundantly. On a local filesystem a part's objects (new names no reader reads before a commit names them) are
+written in place, then fsynced together with every directory that gained a name; any other object goes to a
+temporary name, fsynced, and is moved (a create: hard-linked) into place before its directory is fsynced. So a
+commit acknowledged before a power loss is still there after it, with every object it names.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,7 +35,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
-from routelog.errors import CorruptDataError, StoreAccessError, StoreError, StoreUnreachableError
+from routelog.errors import CorruptDataError, StoreAccessError, StoreError, StoreUnreachableError, UnsafeKeyError
 from routelog.keys import check_key
 
 if TYPE_CHECKING:  # zarr loads on the first zarr store (a fifth of ``import routelog`` otherwise)
@@ -139,21 +146,108 @@ class ObjectStat:
 
 _NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV}
 """``link`` errors of filesystems that hold no (more) hard links: :func:`_create_file` falls back there."""
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", 122)}
+_FSYNC_THREADS = 16
+"""Concurrent fsyncs of one batch of new files (each waits on the disk, not the CPU)."""
+
+
+def _fsync_directory(path: str) -> None:
+    """Make the entries of directory ``path`` durable (a new or renamed name is lost on power loss otherwise)."""
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _make_directories(directory: str) -> None:
+    """``os.makedirs`` that makes every directory it creates durable in its parent."""
+    for parent in _new_directories(directory):
+        _fsync_directory(parent)
+
+
+def _new_directories(directory: str) -> list[str]:
+    """``os.makedirs`` returning the parents of the directories it created (their entries must be fsynced)."""
+    missing = []
+    while directory and not os.path.isdir(directory):
+        missing.append(directory)
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            break
+        directory = parent
+    changed = []
+    for path in reversed(missing):
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        changed.append(os.path.dirname(path))
+    return changed
+
+
+def _write_new_files(files: Mapping[str, bytes]) -> None:
+    """Write local files under names nobody else uses (a new part's objects, read only once a later commit names
+    them), durably: each is written in place, then every file and every directory that gained a name is fsynced,
+    concurrently (the filesystem's journal commits them together instead of once each)."""
+    directories: set[str] = set()
+    descriptors = []
+    try:
+        for path, data in files.items():
+            directory = os.path.dirname(path)
+            directories.update(_new_directories(directory))
+            directories.add(directory)
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # a retry rewrites it whole
+            descriptors.append(descriptor)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(descriptor, view) :]
+        with ThreadPoolExecutor(max_workers=min(_FSYNC_THREADS, len(descriptors) + len(directories))) as pool:
+            list(pool.map(os.fsync, descriptors))
+            list(pool.map(_fsync_directory, sorted(directories)))
+    finally:
+        for descriptor in descriptors:
+            os.close(descriptor)
+
+
+def _durable_temporary(directory: str, name: str, data: bytes) -> str:
+    """A temporary file beside ``name`` (a dot name no reader parses) holding ``data``, fsynced."""
+    _make_directories(directory)
+    temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any file
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    return temporary
+
+
+def _write_file(path: str, data: bytes) -> None:
+    """Write the local file ``path`` (a name nobody else writes) durably: temporary, fsync, rename, fsync the
+    directory. A reader never sees it half-written."""
+    directory, name = os.path.split(path)
+    temporary = _durable_temporary(directory, name, data)
+    try:
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    _fsync_directory(directory)
 
 
 def _create_file(path: str, data: bytes) -> None:
     """Create the local file ``path`` holding ``data``, or raise ``FileExistsError``, so that nobody sees it
     half-written: an exclusive open would make the name visible before its bytes, and a reader listing commits
     then finds an empty document, and a writer killed mid-write leaves one behind for good. The bytes go to a
-    temporary file beside it (a dot name no reader parses), hard-linked to ``path`` once complete: ``link`` is
-    atomic and refuses an existing name. Filesystems without hard links take the exclusive open."""
+    temporary file beside it, fsynced, and are hard-linked to ``path`` once complete: ``link`` is atomic and refuses
+    an existing name; the directory is fsynced before the create returns. Filesystems without hard links take the
+    exclusive open."""
     directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
-    temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any file
+    temporary = _durable_temporary(directory, name, data)
     try:
-        with os.fdopen(descriptor, "wb") as file:
-            file.write(data)
         try:
             os.link(temporary, path)
         except OSError as exc:
@@ -161,8 +255,11 @@ def _create_file(path: str, data: bytes) -> None:
                 raise
             with open(path, "xb") as file:
                 file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
     finally:
         os.unlink(temporary)
+    _fsync_directory(directory)
 
 
 def _modified(info: Mapping[str, Any]) -> float:
@@ -250,6 +347,11 @@ class Storage:
             )
         if isinstance(exc, NotADirectoryError):
             return StoreError(f"{where}: a part of the path is a file, not a directory; pass a directory path")
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            return StoreError(
+                f"{where}: no space left on the device ({exc.strerror}); nothing was changed by this operation: "
+                "free space (routelog gc reclaims dropped parts) and run it again"
+            )
         return None
 
     @property
@@ -331,34 +433,46 @@ class Storage:
 
         return self._call("read", ranges[0][0], fetch)
 
+    @property
+    def local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
     def write(self, key: str, data: bytes) -> None:
-        """Write an object under a name nobody else uses (data objects have unique names)."""
-        self._call("write", key, lambda: self.fs.pipe_file(self.path(key), data))
+        """Write an object under a name nobody else uses (data objects have unique names), durably."""
+        path = self.path(key)
+        if self.local:
+            self._call("write", key, lambda: _write_file(path, data))
+        else:
+            self._call("write", key, lambda: self.fs.pipe_file(path, data))
 
     def write_many(self, objects: Mapping[str, bytes]) -> None:
-        """Write several uniquely named objects (concurrently on async filesystems)."""
-        if objects:
+        """Write several uniquely named objects (concurrently on async filesystems), durably."""
+        if not objects:
+            return
+        if self.local:
             paths = {self.path(k): v for k, v in objects.items()}
-            self._call("write", next(iter(objects)), lambda: self.fs.pipe(paths))
+            self._call("write", next(iter(objects)), lambda: _write_new_files(paths))
+            return
+        paths = {self.path(k): v for k, v in objects.items()}
+        self._call("write", next(iter(objects)), lambda: self.fs.pipe(paths))
 
     def create(self, key: str, data: bytes) -> bool:
-        """Create ``key`` only if it does not exist; ``False`` when it already did (someone else won).
+        """Create ``key`` holding ``data`` only if it does not exist; ``False`` when another's object is there.
 
-        A retried create that finds the key may be finding its own earlier attempt, whose response was lost: when
-        the object holds exactly ``data``, the create succeeded.
+        Finding the key may mean finding this very create: a request whose response was lost (a timeout, a reset
+        connection) is retried by the S3 client or by :meth:`_call`, and the retry meets the object the first try
+        wrote (S3 answers 412). So an existing object is read back: holding exactly ``data`` (every document
+        routelog creates is unique: a fresh part name, a timestamp), it is this create's, which succeeded.
         """
-        attempts = 0
 
         def put() -> bool:
-            nonlocal attempts
-            attempts += 1
             try:
-                if isinstance(self.fs, LocalFileSystem):
+                if self.local:
                     _create_file(self.path(key), data)
                 else:  # S3's conditional PUT and the memory filesystem publish the whole object at once
                     self.fs.pipe_file(self.path(key), data, mode="create")
             except FileExistsError:
-                return attempts > 1 and self.read(key) == data
+                return self.read(key) == data
             return True
 
         return self._call("create", key, put)
@@ -383,9 +497,31 @@ class Storage:
         # A dot-name is a local create's temporary (:func:`_create_file`), never a routelog key: not listed.
         return sorted(n for n in names if n and not n.startswith("."))
 
+    def refuse_links(self, prefix: str) -> None:
+        """On a local filesystem, :class:`~routelog.errors.UnsafeKeyError` when ``prefix`` or anything below it
+        (or a directory on the way to it from the store root) is a symbolic link: what deletes must never follow
+        one out of the store."""
+        if not self.local:
+            return
+        root = self.root or "/"
+        path = self.path(prefix).rstrip("/")
+        walked = root
+        for segment in [s for s in path[len(root) :].split("/") if s]:
+            walked = os.path.join(walked, segment)
+            if os.path.islink(walked):
+                raise UnsafeKeyError(f"{walked} is a symbolic link inside the store; refusing to follow it")
+        for directory, subdirectories, files in os.walk(path, followlinks=False):
+            for name in [*subdirectories, *files]:
+                if os.path.islink(os.path.join(directory, name)):
+                    raise UnsafeKeyError(
+                        f"{os.path.join(directory, name)} is a symbolic link inside the store; refusing to follow it"
+                    )
+
     def find(self, prefix: str) -> dict[str, ObjectStat]:
-        """Every object below ``prefix`` (recursive) with its size and modification time, keyed by store key."""
+        """Every object below ``prefix`` (recursive) with its size and modification time, keyed by store key.
+        Symbolic links are refused, never followed (:meth:`refuse_links`)."""
         base = self.path(prefix).rstrip("/")
+        self.refuse_links(prefix)
         try:
             found = self._call("list", prefix, lambda: self.fs.find(base, detail=True))
         except FileNotFoundError:
@@ -403,11 +539,15 @@ class Storage:
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)
         paths = [self.path(k) for k in keys]
+        for key in keys:
+            self.refuse_links(key)
         if paths:
             self._call("delete", keys[0], lambda: self.fs.rm(paths))
 
     def delete_tree(self, prefix: str) -> None:
-        """Every object below ``prefix``, and the directory itself on filesystems that have directories."""
+        """Every object below ``prefix``, and the directory itself on filesystems that have directories (never
+        through a symbolic link)."""
+        self.refuse_links(prefix)
         self._call("delete", prefix, lambda: self.fs.rm(self.path(prefix), recursive=True))
 
     def invalidate(self) -> None:

@@ -12,9 +12,9 @@ from pydantic import JsonValue
 from routelog import keys
 from routelog.annotate import Annotator
 from routelog.display import html_card
-from routelog.drop import drop_records
+from routelog.drop import DropOutcome, drop_records
 from routelog.errors import ModelSpecError, RecordNotFoundError, StoreError
-from routelog.format import DropRecord, RunDocument, SealRecord, dump_document, utc_now
+from routelog.format import RunDocument, SealRecord, dump_document, utc_now
 from routelog.gc import GcReport, collect_garbage
 from routelog.reader import StepSnapshot
 from routelog.root import StoreRoot, read_run_document
@@ -78,13 +78,13 @@ class Store(StoreRoot):
     def writer(self, step: int, writer_id: str | None = None, **options: Unpack[WriterOptions]) -> StepWriter:
         """A writer appending records to ``step``; use it as a context manager. ``options`` are
         :class:`~routelog.writer.StepWriter`'s: ``options`` (:class:`~routelog.part.PartOptions`), ``flush_bytes``,
-        ``flush_seconds``, ``max_pending``, ``background``, ``on_commit``, ``seal_wait``, ``max_commit_delay`` and
-        ``on_duplicate``."""
+        ``flush_seconds``, ``max_pending``, ``background``, ``on_commit``, ``max_commit_delay`` and ``on_duplicate``."""
         return StepWriter(self, step, writer_id=writer_id, **options)
 
     def seal(self, step: int, *, allow_empty: bool = False) -> SealRecord:
         """Close ``step``: its content becomes exactly the commits made so far; see :func:`routelog.seal.seal_step`.
-        A step with no records is refused unless ``allow_empty``."""
+        A step with no records is refused unless ``allow_empty``; a sealed step returns its seal (safe to run
+        again)."""
         return seal_step(self, step, allow_empty=allow_empty)
 
     def drop(
@@ -95,19 +95,21 @@ class Store(StoreRoot):
         parts: Iterable[str] = (),
         writers: Iterable[str] = (),
         reason: str | None = None,
-    ) -> DropRecord:
+    ) -> DropOutcome:
         """Remove records from ``step`` (by sample id, part or writer) without rewriting data; see
-        :mod:`routelog.drop`."""
+        :mod:`routelog.drop`. What was dropped already is reported, not dropped again (safe to run again)."""
         return drop_records(self, step, sample_ids=sample_ids, parts=parts, writers=writers, reason=reason)
 
     def verify(self) -> VerifyReport:
         """Re-check the whole store; see :func:`routelog.verify.verify_store`."""
         return verify_store(self)
 
-    def gc(self, older_than: float = 24 * 3600.0, *, delete: bool = False, force: bool = False) -> GcReport:
-        """Find (and with ``delete``, remove) garbage older than ``older_than`` seconds; see
-        :func:`routelog.gc.collect_garbage`."""
-        return collect_garbage(self, older_than, delete=delete, force=force)
+    def gc(
+        self, older_than: float = 24 * 3600.0, *, delete: bool = False, force: bool = False, now: float | None = None
+    ) -> GcReport:
+        """Find (and with ``delete``, remove) garbage older than ``older_than`` seconds (by ``now``, seconds since
+        the epoch, default the clock); see :func:`routelog.gc.collect_garbage`."""
+        return collect_garbage(self, older_than, delete=delete, force=force, now=now)
 
     def summary(self) -> dict[str, Any]:
         """Steps, records, tokens and bytes (what ``routelog inspect --json`` prints)."""

@@ -20,15 +20,18 @@ from routelog.format import (
     CommitRecord,
     IndexRow,
     RoutingArrayInfo,
+    SealRecord,
     Span,
     WeightsArrayInfo,
     load_json,
-    parse_document,
+    parse_log_document,
 )
-from routelog.part import index_from_parquet, shard_layout
-from routelog.reader import StepSnapshot, check_commit, dropped_part, list_commit_names, read_drops, read_seal
+from routelog.history import StepHistory, StepView, parquet_index
+from routelog.part import shard_layout
+from routelog.reader import StepSnapshot
 from routelog.root import StoreRoot
 from routelog.routing import RecordRouting
+from routelog.steplog import Entry, read_seal_marker
 from routelog.storage import Storage
 
 _BATCH = 64
@@ -67,44 +70,29 @@ def verify_store(store: StoreRoot, *, progress: Callable[[str], None] | None = N
 
 def _verify_step(store: StoreRoot, step: int, report: VerifyReport) -> None:
     storage = store.storage
-    names = list_commit_names(store, step)
-    commits: list[CommitRecord] = []
-    for name in names:
-        key = keys.commit_key(step, name)
-        try:
-            commit = parse_document(storage.read(key), CommitRecord, storage.url_of(key))
-            check_commit(commit, name, step, store.model_spec, storage.url_of(key))
-        except RoutelogError as exc:
-            report.problems.append(str(exc))
-            continue
-        commits.append(commit)
-    report.commits += len(commits)
     try:
-        drops = read_drops(store, step)
+        history = StepHistory.read(store, step)
+        view = history.view()
     except RoutelogError as exc:
-        report.problems.append(str(exc))
-        drops = []
+        report.problems.append(f"step {step}: the step cannot be read: {exc}")
+        return
+    commits = history.log.commits()
+    report.commits += len(commits)
     indexed: dict[str, list[IndexRow]] = {}
-    for commit in commits:
-        if dropped_part(commit, drops):
-            continue  # dropped whole: its objects may already be reclaimed
-        rows = _verify_part(store, step, commit, report)
+    for entry in view.commits:
+        rows = _verify_part(store, step, _commit(entry), report)
         if rows is not None:
-            indexed[commit.part] = rows
-    _verify_coverage(store, step, [c for c in commits if c.part in indexed], indexed, report)
-    _verify_seal(store, step, names, commits, report)
-    committed = {c.part for c in commits}
+            indexed[_commit(entry).part] = rows
+    _verify_coverage(store, step, [_commit(e) for e in view.commits if _commit(e).part in indexed], indexed, report)
+    _verify_seal(store, step, history, view, report)
+    committed = {_commit(e).part for e in commits}
     for part in storage.list(keys.parts_dir(step)):
         if part not in committed:
             report.notes.append(
                 f"step {step}: part {part!r} has no commit (a writer died before committing); "
                 "`routelog gc` removes such orphans"
             )
-    try:
-        snapshot = StepSnapshot.load(store, step)
-    except RoutelogError as exc:
-        report.problems.append(f"step {step}: the step cannot be read: {exc}")
-        return
+    snapshot = StepSnapshot.of(history)
     for shadow in snapshot.shadowed:
         report.notes.append(
             f"step {step}: sample {shadow.sample_id!r} was committed by {shadow.kept} and again by {shadow.shadowed} "
@@ -113,6 +101,12 @@ def _verify_step(store: StoreRoot, step: int, report: VerifyReport) -> None:
         )
     _verify_records(snapshot, report)
     _verify_values(snapshot, report)
+
+
+def _commit(entry: Entry) -> CommitRecord:
+    if not isinstance(entry.doc, CommitRecord):  # pragma: no cover - callers pass commit entries
+        raise TypeError(entry.key)
+    return entry.doc
 
 
 def _verify_part(store: StoreRoot, step: int, commit: CommitRecord, report: VerifyReport) -> list[IndexRow] | None:
@@ -139,8 +133,9 @@ def _verify_part(store: StoreRoot, step: int, commit: CommitRecord, report: Veri
     if keys.INDEX not in blobs:
         return None
     try:
-        rows = [IndexRow.model_validate(r) for r in index_from_parquet(blobs[keys.INDEX]).to_pylist()]
-    except (ValueError, OSError) as exc:
+        table = parquet_index(blobs[keys.INDEX], where, commit.n_records, commit.n_tokens, len(commit.streams))
+        rows = [IndexRow.model_validate(r) for r in table.to_pylist()]
+    except (ValueError, RoutelogError) as exc:
         report.problems.append(f"{where}: the index does not parse ({str(exc).splitlines()[0]})")
         return None
     report.records += len(rows)
@@ -196,17 +191,37 @@ def _check_coverage(where: str, what: str, n_rows: int, spans: list[Span], repor
         report.problems.append(f"{where}: {what} row {first} is read by no record of the step (lost bytes)")
 
 
-def _verify_seal(
-    store: StoreRoot, step: int, names: list[str], commits: list[CommitRecord], report: VerifyReport
-) -> None:
+def _verify_seal(store: StoreRoot, step: int, history: StepHistory, view: StepView, report: VerifyReport) -> None:
+    """The seal's copy equals its entry, its list names exactly the commits before it (format 3), later commits are
+    noted, and its consolidated objects are intact copies of the commit documents."""
     storage = store.storage
-    seal = read_seal(store, step)
-    if seal is None:
+    seals = [e for e in history.log.entries if isinstance(e.doc, SealRecord)]
+    if view.seal is None or not isinstance(view.seal.doc, SealRecord):
+        if storage.exists(keys.seal_key(step)):
+            report.problems.append(f"step {step}: {keys.SEAL} exists, but the step's log holds no seal")
         return
-    missing = sorted(set(seal.commits) - set(names))
-    if missing:
-        report.problems.append(f"step {step}: the seal lists commits whose documents are missing: {missing}")
-    late = sorted(set(names) - set(seal.commits))
+    seal = view.seal.doc
+    if len(seals) > 1:
+        report.problems.append(f"step {step}: the log holds {len(seals)} seals; readers follow the first")
+    names = [e.name for e in history.log.commits()]
+    if seal.position is not None:
+        key = keys.log_key(step, seal.position)
+        try:
+            entry = parse_log_document(storage.read(key), storage.url_of(key))
+        except (FileNotFoundError, RoutelogError) as exc:
+            entry = None
+            report.problems.append(f"step {step}: the seal entry {view.seal.name} cannot be read ({exc})")
+        marker = read_seal_marker(store, step)
+        if entry is not None and marker is not None and marker != entry:
+            report.problems.append(f"step {step}: {keys.SEAL} differs from the seal entry {view.seal.name}")
+        before = [e.name for e in history.log.commits() if e.position < seal.position]
+        if seal.commits != before:
+            report.problems.append(f"step {step}: the seal lists {seal.commits[:8]}, the log before it {before[:8]}")
+    else:
+        missing = sorted(set(seal.commits) - set(names))
+        if missing:
+            report.problems.append(f"step {step}: the seal lists commits whose documents are missing: {missing}")
+    late = [e.name for e in view.refused]
     if late:
         report.notes.append(f"step {step}: commits made after the seal are not part of the step: {late}")
     if seal.consolidated is None:
@@ -219,14 +234,15 @@ def _verify_seal(
     _read_checked(storage, f"{keys.step_dir(step)}/{index.key}", index.size, index.sha256, "the seal", report)
     if data is None:
         return
-    by_name = {c.name: c.model_dump(mode="json") for c in commits}
+    by_name = {e.name: _commit(e).model_dump(mode="json") for e in history.log.commits()}
     try:
         docs = load_json(data, storage.url_of(key))
     except ValueError as exc:
         report.problems.append(str(exc))
         return
     if not isinstance(docs, list) or len(docs) != len(seal.commits):
-        return  # the step's read below reports it
+        report.problems.append(f"{storage.url_of(key)}: not a list of the {len(seal.commits)} commits the seal names")
+        return
     for name, doc in zip(seal.commits, docs, strict=True):
         try:  # compared as documents: a field added by a later revision and left out by an earlier writer is equal
             same = name not in by_name or by_name[name] == CommitRecord.model_validate(doc).model_dump(mode="json")

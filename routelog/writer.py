@@ -1,9 +1,10 @@
 """Appending records to one step of a store and committing them, streaming in the background.
 
-Commit protocol (see ``schemas/FORMAT.md``): a flush uploads the part's data objects under a fresh, unique
-directory, then creates ``commits/<writer>.<seq>.json`` exclusively. Readers only follow commit records, so a
-writer that dies before its commit leaves orphans (``routelog gc``) but never a half-visible part. No shared
-object is ever read, modified and written back, so any number of writers append to a step without coordination.
+Commit protocol (see ``schemas/FORMAT.md`` section 3): a flush uploads the part's data objects under a fresh, unique
+directory, then creates the part's commit as the next entry of the step's log (:mod:`routelog.steplog`), exclusively.
+Readers only follow commits, so a writer that dies before its commit leaves orphans (``routelog gc``) but never a
+half-visible part. No shared object is ever read, modified and written back, so any number of writers append to a
+step without coordination.
 
 Streaming: ``append`` validates and canonicalises a record on the caller's thread (so a bad record raises there
 and nothing else is affected, at about 1 GB/s of routing); compression, upload and commit run on a background
@@ -11,14 +12,20 @@ thread. A bounded queue of parts gives backpressure, so memory stays within abou
 flush_bytes`` plus the shared-prefix index's budget (:data:`routelog.dedup.DEFAULT_BUDGET_BYTES`) whatever the run
 length. Parts are flushed by size and by age.
 
-Idempotence: a writer learns at its start which records the step already holds (from the step's index) and skips
-a record whose sample id is already committed with the same tokens, whichever writer committed it, so re-running
-an ingest or re-sending everything after a crash never commits a record twice (``on_duplicate="error"`` refuses
-instead). A writer re-opened with the same id continues its commit sequence. Two live writers racing on one sample
-id may both commit it: readers then read the earliest commit's record (see :class:`~routelog.reader.StepSnapshot`).
+What a writer reports is true at its commit's position in the log, where every entry before it is known to it:
 
-Sealing: after its commit's exclusive create a writer checks the seal fence (see :mod:`routelog.seal`), so it
-reports a commit as done only if every reader of the step, sealed or not, will see it.
+- **committed**: the record is the live copy of its sample id (a reader reads it);
+- **already present** (:attr:`StepWriter.already_present`): the step holds a live record of that sample id with the
+  same tokens, whichever writer committed it; it is not written again, so re-running an ingest or re-sending
+  everything after a crash never duplicates a record (``on_duplicate="error"`` refuses instead). A record found
+  present at ``append`` is checked again at its flush: if a drop removed the present copy meanwhile, it is written;
+- **not committed** (:class:`WriterError` naming the records): refused (another record of the same sample id with
+  other tokens is live), the part failed, or the step was sealed before the commit
+  (:class:`~routelog.errors.StepSealedError`; the records may be appended to another step). If the storage never
+  answers a create, :class:`~routelog.errors.CommitUndecidedError` says the outcome is unknown (re-sending is safe).
+
+Two live writers racing on one sample id may both commit it: the copy of the lower log position is live and the
+later writer reports its own copy as already present (same tokens) or refused (other tokens), never committed.
 
 Errors: a failed part is reported once, at the writer's next call, as :class:`WriterError` naming the records
 that were not committed (they may be appended again); the writer stays usable. Only a sealed step ends it.
@@ -31,39 +38,32 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Literal, TypedDict
 
+import pyarrow as pa
+
 from routelog import keys
 from routelog.dedup import PrefixIndex
-from routelog.errors import (
-    CommitConflictError,
-    CommitUndecidedError,
-    DuplicateSampleError,
-    RoutelogError,
-    StepSealedError,
-    StoreError,
-)
-from routelog.format import CommitRecord, dump_document, parse_document, utc_now
+from routelog.errors import DuplicateSampleError, InvalidRecordError, RoutelogError, StepSealedError, StoreError
+from routelog.format import INDEX_SCHEMA, CommitRecord, SealRecord, utc_now
+from routelog.history import StepHistory
 from routelog.part import BuiltPart, PartOptions, build_part
 from routelog.peers import PeerParts
-from routelog.reader import StepSnapshot, read_seal
 from routelog.record import PreparedRecord, Record, prepare_record
 from routelog.root import StoreRoot
+from routelog.steplog import Entry, StepLog
 
 DEFAULT_FLUSH_BYTES = 64 << 20
 """Raw-equivalent bytes of routing buffered before a part is written (zarr's >= 1 MB advice, S3's 8-16 MB GETs)."""
 DEFAULT_FLUSH_SECONDS = 30.0
 """A part is also written once its oldest record has waited this long."""
 MAX_COMMIT_DELAY = 600.0
-"""Seconds after a part's upload started past which its commit is not attempted (the part is uploaded again under a
-fresh name): ``routelog gc`` may remove uncommitted objects older than its grace period, whose minimum is well
-above this (see :data:`routelog.gc.MIN_GRACE`)."""
-DEFAULT_SEAL_WAIT = 300.0
-"""Seconds a writer whose commit met a seal in progress waits for the seal to learn whether it was included."""
-_UPLOAD_ATTEMPTS = 3
+"""Seconds after a writer read the step (and chose the parts its shared prefixes point at) past which its commit is
+not attempted: ``routelog gc`` may remove uncommitted objects, and parts dropped, older than its grace period,
+whose minimum is well above this (see :data:`routelog.gc.MIN_GRACE`)."""
 
 
 def default_writer_id() -> str:
@@ -82,6 +82,30 @@ class WriterError(StoreError):
 class _Batch:
     seq: int
     records: list[PreparedRecord]
+    """Records to write."""
+    presumed: list[PreparedRecord] = field(default_factory=list)
+    """Records appended while a live record of the same sample id and tokens was known: checked again at the
+    flush, written if that record is gone."""
+
+
+@dataclass
+class _Outcome:
+    """What one flush did, record by record, as of its commit's position in the log."""
+
+    commit: CommitRecord | None = None
+    committed: list[str] = field(default_factory=list)
+    present: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+    """Sample id -> why it is not committed."""
+    rewrite: list[PreparedRecord] = field(default_factory=list)
+    """Records found present whose present copy a concurrent drop removed: written by a follow-up part."""
+
+
+_PRESENT = "present"
+_DECIDING_COLUMNS = ("sample_id", "token_hash", "n_tokens")
+"""Index columns a writer keeps of the step's records: what it decides duplicates on."""
+_REWRITE_ROUNDS = 8
+"""Follow-up parts a flush writes for records whose present copy a concurrent drop removed."""
 
 
 class WriterOptions(TypedDict, total=False):
@@ -94,7 +118,6 @@ class WriterOptions(TypedDict, total=False):
     max_pending: int
     background: bool
     on_commit: Callable[[CommitRecord, list[str]], None] | None
-    seal_wait: float
     max_commit_delay: float
     on_duplicate: Literal["skip", "error"]
 
@@ -120,7 +143,6 @@ class StepWriter:
         max_pending: int = 2,
         background: bool = True,
         on_commit: Callable[[CommitRecord, list[str]], None] | None = None,
-        seal_wait: float = DEFAULT_SEAL_WAIT,
         max_commit_delay: float = MAX_COMMIT_DELAY,
         on_duplicate: Literal["skip", "error"] = "skip",
     ) -> None:
@@ -131,30 +153,35 @@ class StepWriter:
         self.flush_bytes = flush_bytes or DEFAULT_FLUSH_BYTES
         self.flush_seconds = flush_seconds
         self.on_commit = on_commit
-        self.seal_wait = seal_wait
         self.max_commit_delay = max_commit_delay
-        self._check_not_sealed()
         if on_duplicate not in ("skip", "error"):
             raise ValueError(f"on_duplicate must be 'skip' or 'error', got {on_duplicate!r}")
         self.on_duplicate = on_duplicate
         self.commits: list[CommitRecord] = []
         self.already_present: list[str] = []
-        """Sample ids appended but already committed in the step with the same tokens (not written again)."""
+        """Sample ids appended but already live in the step with the same tokens (not written again)."""
         self.appended = 0
         """Records accepted for writing (new records; ``already_present`` ones are not counted)."""
-        self._next_seq = self._next_commit_seq()
-        self._committed = self._step_records()
         self._prefixes = PrefixIndex()
-        self._peers = PeerParts(store, self.step, self._prefixes)
+        self._peers = PeerParts(store, self.step, self._prefixes) if self.options.dedup == "step" else None
+        self._history = StepHistory(StepLog(store, self.step), columns=_DECIDING_COLUMNS)
+        self._live: dict[str, tuple[str | None, int, int]] = {}
+        self._sealed: StepSealedError | None = None
+        self._evaluated = -1
+        self._refresh()
+        self._check_not_sealed()
+        self._next_seq = 1 + max(
+            (_commit(e).seq for e in self._history.log.commits() if _commit(e).writer_id == self.writer_id), default=-1
+        )
         self._sample_ids: set[str] = set()
         self._buffer: list[PreparedRecord] = []
+        self._presumed: list[PreparedRecord] = []
         self._buffered_bytes = 0
         self._buffer_since: float | None = None
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
         self._pending = 0
         self._error: WriterError | None = None
-        self._sealed: StepSealedError | None = None
         self._closed = False
         self._aborted = False
         self._queue: queue.Queue[_Batch | None] = queue.Queue(maxsize=max(1, max_pending))
@@ -163,9 +190,27 @@ class StepWriter:
             self._worker = threading.Thread(target=self._run, name=f"routelog-writer-{self.writer_id}", daemon=True)
             self._worker.start()
 
-    # -- restart ---------------------------------------------------------------------------------------------
+    # -- the step as this writer knows it ---------------------------------------------------------------------------
+    def _refresh(self) -> None:
+        """Read the step's new log entries (and the indexes of new commits); other writers' parts become shared-
+        prefix candidates, parts dropped whole stop being ones."""
+        _, tables = self._history.refresh()
+        if len(self._history.log.entries) == self._evaluated:  # nothing new (appends read entries too)
+            return
+        self._evaluated = len(self._history.log.entries)
+        view = self._history.view()
+        self._live = view.live_records()
+        if self._peers is not None:
+            self._peers.absorb(view, tables)
+        if view.seal is not None:
+            self._sealed = self._sealed or StepSealedError(
+                f"step {self.step} of {self.store.url} is sealed and accepts no more records"
+            )
+
     def _check_not_sealed(self) -> None:
         """Refuse to upload into a step that is sealed or being sealed (its commits would be refused)."""
+        if self._sealed is not None:
+            raise self._sealed
         storage = self.store.storage
         if storage.exists(keys.seal_key(self.step)):
             raise StepSealedError(f"step {self.step} of {self.store.url} is sealed and accepts no more records")
@@ -174,28 +219,6 @@ class StepWriter:
                 f"step {self.step} of {self.store.url} is being sealed and accepts no more records (if the sealer "
                 f"died, finish it: routelog seal {self.store.url} --step {self.step})"
             )
-
-    def _next_commit_seq(self) -> int:
-        """One past this writer id's last commit in the step (a restarted writer continues its sequence)."""
-        seqs = [
-            parsed[1]
-            for n in self.store.storage.list(keys.commits_dir(self.step))
-            if (parsed := keys.parse_commit_name(n)) is not None and parsed[0] == self.writer_id
-        ]
-        return max(seqs, default=-1) + 1
-
-    def _step_records(self) -> dict[str, tuple[str | None, int]]:
-        """The (token hash, length) of every live record the step holds now."""
-        snapshot = StepSnapshot.load(self.store, self.step)
-        return {
-            sid: (digest, n)
-            for sid, digest, n in zip(
-                snapshot.index.column("sample_id").to_pylist(),
-                snapshot.index.column("token_hash").to_pylist(),
-                snapshot.index.column("n_tokens").to_pylist(),
-                strict=True,
-            )
-        }
 
     @property
     def buffered_bytes(self) -> int:
@@ -213,20 +236,6 @@ class StepWriter:
         while ``max_pending`` parts are already waiting)."""
         self._check_usable()
         sid = record.sample_id
-        if sid in self._committed:
-            prepared = prepare_record(
-                record, self.store.model_spec, self.step, self.options.topk_order, self.options.weights_dtype
-            )
-            same = (prepared.row.token_hash, prepared.row.n_tokens) == self._committed[sid]
-            if same and self.on_duplicate == "skip":
-                self.already_present.append(sid)
-                return
-            raise DuplicateSampleError(
-                sid,
-                "sample_id",
-                f"is already committed to step {self.step}" + ("" if same else " with other tokens"),
-                "give every record a unique id" + ("" if same else ", or drop the committed one first (routelog drop)"),
-            )
         if sid in self._sample_ids:
             raise DuplicateSampleError(
                 sid,
@@ -237,10 +246,15 @@ class StepWriter:
         prepared = prepare_record(
             record, self.store.model_spec, self.step, self.options.topk_order, self.options.weights_dtype
         )
+        present = self._present(prepared)
         with self._lock:
-            self.appended += 1
             self._sample_ids.add(sid)
-            self._buffer.append(prepared)
+            if present:
+                self.already_present.append(sid)
+                self._presumed.append(prepared)
+            else:
+                self.appended += 1
+                self._buffer.append(prepared)
             self._buffered_bytes += prepared.raw_nbytes
             if self._buffer_since is None:
                 self._buffer_since = time.monotonic()
@@ -248,13 +262,36 @@ class StepWriter:
         if full:
             self._submit()
 
+    def _present(self, prepared: PreparedRecord) -> bool:
+        """Whether the step holds a live record of this sample id with the same tokens (as this writer last read
+        it; the flush checks again); :class:`DuplicateSampleError` when it holds one with other tokens, or with
+        ``on_duplicate="error"``, after reading the step again (a drop may have removed it since)."""
+        sid = prepared.row.sample_id
+        for again in (False, True):
+            if again:  # about to refuse: on the step as it is now
+                self._refresh()
+                if self._sealed is not None:
+                    raise self._sealed
+            known = self._live.get(sid)
+            if known is None:
+                return False
+            same = (prepared.row.token_hash, prepared.row.n_tokens) == known[:2]
+            if same and self.on_duplicate == "skip":
+                return True
+        raise DuplicateSampleError(
+            sid,
+            "sample_id",
+            f"is already committed to step {self.step}" + ("" if same else " with other tokens"),
+            "give every record a unique id" + ("" if same else ", or drop the committed one first (routelog drop)"),
+        )
+
     def _take_buffer(self) -> _Batch | None:
         """Under the lock: the buffered records as the next part (with its commit number)."""
-        if not self._buffer:
+        if not self._buffer and not self._presumed:
             return None
-        batch = _Batch(self._next_seq, self._buffer)
+        batch = _Batch(self._next_seq, self._buffer, self._presumed)
         self._next_seq += 1
-        self._buffer, self._buffered_bytes, self._buffer_since = [], 0, None
+        self._buffer, self._presumed, self._buffered_bytes, self._buffer_since = [], [], 0, None
         self._pending += 1
         return batch
 
@@ -295,23 +332,47 @@ class StepWriter:
 
     def _process(self, batch: _Batch) -> None:
         try:
-            if self._sealed is None and not self._aborted:
-                commit, refused = self._publish(batch)
-                if commit is not None:
+            for _ in range(_REWRITE_ROUNDS):
+                if self._aborted:
+                    break
+                if self._sealed is not None:  # learned since the batch was taken: its records are not committed
+                    self._fail(batch, self._sealed, _ids([*batch.records, *batch.presumed]))
+                    break
+                outcome = self._publish(batch)
+                if outcome.commit is not None:
                     with self._lock:
-                        self.commits.append(commit)
+                        self.commits.append(outcome.commit)
                     if self.on_commit is not None:
-                        self.on_commit(
-                            commit, [r.row.sample_id for r in batch.records if r.row.sample_id not in refused]
-                        )
-                if refused:
-                    self._fail(batch, RoutelogError("; ".join(refused.values())), list(refused))
+                        self.on_commit(outcome.commit, outcome.committed)
+                self._settle(outcome)
+                if outcome.refused:
+                    self._fail(batch, RoutelogError("; ".join(outcome.refused.values())), list(outcome.refused))
+                if not outcome.rewrite:
+                    break
+                with self._lock:  # present copies a drop removed meanwhile: written in a part of their own
+                    batch = _Batch(self._next_seq, outcome.rewrite)
+                    self._next_seq += 1
+            else:
+                self._fail(batch, RoutelogError("drops kept removing the copies found present"), _ids(batch.records))
         except Exception as exc:  # surfaced to the caller at its next call
-            self._fail(batch, exc, [r.row.sample_id for r in batch.records])
+            self._fail(batch, exc, _ids([*batch.records, *batch.presumed]))
         finally:
             with self._done:
                 self._pending -= 1
                 self._done.notify_all()
+
+    def _settle(self, outcome: _Outcome) -> None:
+        """Move records between the counts once their fate at the commit's position is known."""
+        with self._lock:
+            present = set(self.already_present)
+            for sid in outcome.present:
+                if sid not in present:  # appended as new, found present at the flush
+                    self.already_present.append(sid)
+                    self.appended -= 1
+            moved = {sid for sid in [*outcome.committed, *(r.row.sample_id for r in outcome.rewrite)] if sid in present}
+            if moved:  # appended as present, written after all (a drop had removed the present copy)
+                self.already_present = [sid for sid in self.already_present if sid not in moved]
+                self.appended += len(moved)
 
     def _fail(self, batch: _Batch, exc: Exception, sample_ids: list[str]) -> None:
         """Record a failed part (or the records refused from it) for the caller's next call."""
@@ -325,66 +386,98 @@ class StepWriter:
             if isinstance(exc, StepSealedError):
                 self._sealed = self._sealed or exc
             self._sample_ids.difference_update(sample_ids)  # not committed: they may be appended again
+            failed = set(sample_ids)
+            self.already_present = [sid for sid in self.already_present if sid not in failed]
             if self._error is None:
                 self._error = error
             else:  # several parts failed before the caller looked: report them together
                 self._error = WriterError(f"{self._error}; and {error}", [*self._error.sample_ids, *sample_ids])
 
-    def _publish(self, batch: _Batch) -> tuple[CommitRecord | None, dict[str, str]]:
-        """Build, upload and commit a part; returns the commit (None if nothing was left to commit) and the records
-        refused while building, by sample id, with the reason."""
+    def _publish(self, batch: _Batch) -> _Outcome:
+        """Decide, build, upload and commit a part; the outcome says what happened to each record at the commit's
+        position in the log (see the module docs)."""
         self._check_not_sealed()
-        records: list[PreparedRecord] = batch.records
-        refused: dict[str, str] = {}
-        if self.options.dedup == "step":
-            self._peers.refresh()
+        started = time.monotonic()  # shared prefixes point at what this refresh saw: the commit must follow soon
+        self._refresh()
+        if self._sealed is not None:
+            raise self._sealed
+        outcome = _Outcome()
+        candidates = [*batch.records, *batch.presumed]
+        records = []
+        for record in candidates:
+            verdict = self._verdict(record, self._live.get(record.row.sample_id))
+            if verdict is None:
+                records.append(record)
+            elif verdict == _PRESENT:
+                outcome.present.append(record.row.sample_id)
+            else:
+                outcome.refused[record.row.sample_id] = verdict
         spec = self.store.model_spec
-        try:
-            built = build_part(records, spec, self.options, self._prefixes)
-        except Exception:  # append validated these records: find the one that still fails
-            records, refused = _isolate_failures(records, self.store, self.options)
-            if not records:
-                return None, refused
-            built = build_part(records, spec, self.options, self._prefixes)
-        try:
-            commit = publish_part(
-                self.store, self.step, self.writer_id, batch.seq, built, max_commit_delay=self.max_commit_delay
-            )
-            self._confirm_commit(commit, [r.row.sample_id for r in records])
-        except BaseException:  # not (or not surely) part of the step: never point at it
-            if built.prefix_part is not None:
-                self._prefixes.abandon(built.prefix_part)
-            raise
-        if built.prefix_part is not None:
-            self._prefixes.committed(built.prefix_part, keys.part_dir(self.step, commit.part))
-        self._peers.seen(commit.name)
-        return commit, refused
-
-    def _confirm_commit(self, commit: CommitRecord, sample_ids: list[str]) -> None:
-        """The seal fence: a commit is done unless a seal in progress may have listed the step before it."""
-        storage = self.store.storage
-        if not storage.exists(keys.sealing_key(self.step)):
-            return  # any seal starts after this moment, so it lists this commit
-        deadline = time.monotonic() + self.seal_wait
-        delay = 0.05
-        while True:
-            seal = read_seal(self.store, self.step)
-            if seal is not None:
-                break
-            if time.monotonic() >= deadline:
-                raise CommitUndecidedError(
-                    f"commit {commit.name} landed while step {self.step} was being sealed, and the seal did not "
-                    f"finish within {self.seal_wait:.0f} s: its records are part of the step only if the seal "
-                    f"lists them. Finish the seal (routelog seal {self.store.url} --step {self.step}), then check "
-                    f"with routelog ls: {sample_ids[:5]}"
+        if records:
+            try:
+                built = build_part(records, spec, self.options, self._prefixes)
+            except Exception:  # append validated these records: find the one that still fails
+                records, refused = _isolate_failures(records, self.store, self.options)
+                outcome.refused.update(refused)
+                if not records:
+                    return outcome
+                built = build_part(records, spec, self.options, self._prefixes)
+            try:
+                entry = publish_part(
+                    self._history.log,
+                    self.writer_id,
+                    batch.seq,
+                    built,
+                    started=started,
+                    max_commit_delay=self.max_commit_delay,
                 )
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
-        if commit.name not in seal.commits:
-            raise StepSealedError(
-                f"step {self.step} was sealed while commit {commit.name} was being written; its records "
-                f"are not part of the step: {sample_ids[:5]}"
+            except BaseException:  # not (or not surely) part of the step: never point at it
+                if built.prefix_part is not None:
+                    self._prefixes.abandon(built.prefix_part)
+                raise
+            outcome.commit = _commit(entry)
+            self._history.tables[entry.key] = _deciding_table(built)
+            if built.prefix_part is not None:
+                self._prefixes.committed(built.prefix_part, keys.part_dir(self.step, outcome.commit.part))
+        self._refresh()  # every entry before this commit is known now: decide on them
+        position = self._history.log.next_position if not records else entry.position
+        winners = self._live
+        for record in records:
+            sid = record.row.sample_id
+            winner = winners.get(sid)
+            if winner is not None and winner[2] == position:
+                outcome.committed.append(sid)
+                continue
+            verdict = self._verdict(record, winner)  # an earlier copy is live: this one is shadowed, never read
+            if verdict == _PRESENT:
+                outcome.present.append(sid)
+            elif verdict is not None:
+                outcome.refused[sid] = verdict
+        found = {r.row.sample_id: r for r in candidates}
+        for sid in list(outcome.present):
+            winner = winners.get(sid)
+            if winner is None or winner[2] >= position:  # a drop removed the present copy: write it after all
+                outcome.present.remove(sid)
+                outcome.rewrite.append(found[sid])
+            elif (verdict := self._verdict(found[sid], winner)) not in (None, _PRESENT):
+                outcome.present.remove(sid)
+                outcome.refused[sid] = verdict
+        return outcome
+
+    def _verdict(self, record: PreparedRecord, live: tuple[str | None, int, int] | None) -> str | None:
+        """None to write ``record``; :data:`_PRESENT` when the live record ``live`` of its sample id has its tokens;
+        otherwise why it is refused."""
+        if live is None:
+            return None
+        sid = record.row.sample_id
+        if (record.row.token_hash, record.row.n_tokens) != live[:2]:
+            return (
+                f"sample {sid!r} is committed to step {self.step} with other tokens by another writer; give every "
+                "record a unique id, or drop the committed one first (routelog drop)"
             )
+        if self.on_duplicate == "error":
+            return f"sample {sid!r} is already committed to step {self.step} (on_duplicate='error')"
+        return _PRESENT
 
     # -- flushing and closing ----------------------------------------------------------------------------------
     def flush(self) -> list[CommitRecord]:
@@ -474,53 +567,90 @@ def _isolate_failures(
 
 
 def publish_part(
-    store: StoreRoot,
-    step: int,
+    log: StepLog,
     writer_id: str,
     seq: int,
     built: BuiltPart,
     *,
+    started: float | None = None,
     max_commit_delay: float = MAX_COMMIT_DELAY,
-) -> CommitRecord:
-    """Upload a part's objects, then create its commit record exclusively (the part becomes visible).
+) -> Entry:
+    """Upload a part's objects, then create its commit as the next entry of the step's log (the part becomes
+    visible); returns the entry.
 
-    The create is only attempted within ``max_commit_delay`` seconds of the upload's start; a slower upload is
-    repeated under a fresh part name, so ``routelog gc`` (whose grace period is longer) never collects a part
-    that is about to be committed.
+    The create is only attempted within ``max_commit_delay`` seconds of ``started`` (the writer's last read of the
+    step, whose parts the part's shared prefixes may point at; default: the upload's start), so ``routelog gc``
+    (whose grace period is longer) never collects a part that is about to be committed, nor one that a commit is
+    about to point at. Raises :class:`~routelog.errors.StepSealedError` when a seal precedes the position the
+    commit would take.
     """
-    storage = store.storage
-    key = keys.commit_key(step, keys.commit_name(writer_id, seq))
-    for _ in range(_UPLOAD_ATTEMPTS):
-        started = time.monotonic()
-        part = keys.new_part_name(writer_id, seq)
-        base = keys.part_dir(step, part)
-        storage.write_many({f"{base}/{name}": data for name, data in built.objects.items()})
-        if time.monotonic() - started <= max_commit_delay:
-            break
-    else:
-        raise StoreError(
-            f"step {step}, commit {writer_id}.{seq:08d}: uploading the part took longer than {max_commit_delay:.0f} s "
-            f"{_UPLOAD_ATTEMPTS} times; not committed (the storage is too slow for gc's grace period)"
-        )
-    commit = CommitRecord(
-        step=step,
-        part=part,
-        writer_id=writer_id,
-        seq=seq,
-        created_at=utc_now(),
-        n_records=len(built.rows),
-        n_tokens=built.n_tokens,
-        routing=built.routing,
-        objects=built.object_infos(),
-        values=built.values,
-        streams=built.streams,
-        weights=built.weights,
-    )
-    if not storage.create(key, dump_document(commit)):
-        existing = parse_document(storage.read(key), CommitRecord, storage.url_of(key))
-        if existing.part != part:
-            raise CommitConflictError(
-                f"{storage.url_of(key)} already commits part {existing.part!r}: another process is writing "
-                f"step {step} under writer id {writer_id!r}. Give every concurrent writer its own id."
+    storage = log.store.storage
+    step = log.step
+    _check_within_step(built, step)
+    deadline = (time.monotonic() if started is None else started) + max_commit_delay
+    part = keys.new_part_name(writer_id, seq)
+    base = keys.part_dir(step, part)
+    storage.write_many({f"{base}/{name}": data for name, data in built.objects.items()})
+
+    def no_seal(new: Sequence[Entry]) -> None:
+        sealed = next((e for e in new if isinstance(e.doc, SealRecord)), None)
+        if sealed is not None:
+            raise StepSealedError(
+                f"step {step} of {log.store.url} was sealed (log entry {sealed.name}) before part {part} could be "
+                "committed; its records are not part of the step"
             )
-    return commit
+        if time.monotonic() > deadline:
+            raise StoreError(
+                f"step {step}: part {part} could not be committed within {max_commit_delay:.0f} s of reading the "
+                "step (the storage is too slow for gc's grace period); not committed"
+            )
+
+    def commit(position: int) -> CommitRecord:
+        return CommitRecord(
+            step=step,
+            part=part,
+            writer_id=writer_id,
+            seq=seq,
+            position=position,
+            created_at=utc_now(),
+            n_records=len(built.rows),
+            n_tokens=built.n_tokens,
+            routing=built.routing,
+            objects=built.object_infos(),
+            values=built.values,
+            streams=built.streams,
+            weights=built.weights,
+        )
+
+    no_seal([e for e in log.entries if isinstance(e.doc, SealRecord)])
+    return log.append(commit, check=no_seal)
+
+
+def _check_within_step(built: BuiltPart, step: int) -> None:
+    """Shared rows stay inside their step (gc decides a step's parts by what its records read)."""
+    inside = keys.parts_dir(step) + "/"
+    for row in built.rows:
+        for span in [*row.spans, *(s for entry in row.streams or [] for s in entry.spans)]:
+            if span.part is not None and not span.part.startswith(inside):
+                raise InvalidRecordError(
+                    row.sample_id,
+                    "spans",
+                    f"points at rows of another step's part {span.part!r}",
+                    "share rows only with records of the same step (this is a routelog bug: please report it)",
+                )
+
+
+def _commit(entry: Entry) -> CommitRecord:
+    if not isinstance(entry.doc, CommitRecord):  # pragma: no cover - callers pass commit entries
+        raise TypeError(f"{entry.key} is not a commit")
+    return entry.doc
+
+
+def _deciding_table(built: BuiltPart) -> pa.Table:
+    """The columns a writer decides on, of a part it built (so it never reads its own index back)."""
+    schema = pa.schema([INDEX_SCHEMA.field(name) for name in _DECIDING_COLUMNS])
+    return pa.Table.from_pylist([r.model_dump(include=set(_DECIDING_COLUMNS)) for r in built.rows], schema=schema)
+
+
+def _ids(records: Sequence[PreparedRecord]) -> list[str]:
+    return [r.row.sample_id for r in records]

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real S3 (moto server over HTTP on 127.0.0.1), store URLs on every backend, small specs."""
+"""Shared fixtures: a real S3 (moto server over HTTP on 127.0.0.1, and a fault-injecting proxy in front of it),
+store URLs on every backend, small specs."""
 
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from routelog import ModelSpec
+from routelog.fault_proxy import FaultProxy
 from routelog.synth import synthetic_spec
 from tests.records import random_routing
 
 settings.register_profile("default", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", parent=settings.get_profile("default"), derandomize=True)
 settings.register_profile("nightly", parent=settings.get_profile("default"), max_examples=1000)
+# Mutation checks of the protocol test: the CI examples, reported without shrinking (a failure is all they ask).
+settings.register_profile("ci-unshrunk", parent=settings.get_profile("ci"), phases=[Phase.explicit, Phase.generate])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
 
 S3_ENV = {
@@ -124,3 +128,12 @@ def ray_cluster(s3_endpoint: str) -> Iterator[None]:
     )
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_fault_proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
+    """A fault-injecting proxy in front of the session's moto server (:mod:`routelog.fault_proxy`); point an S3
+    client's ``endpoint_url`` at ``.endpoint``. Shared: a test that injects faults calls ``clear()`` before and
+    after."""
+    with FaultProxy(upstream=s3_endpoint) as proxy:
+        yield proxy

@@ -149,3 +149,43 @@ def test_an_output_path_the_os_refuses_names_the_path_and_the_fix(tmp_path: Path
     blocker.write_text("")
     result = _cli("cat", str(golden), "--step", "0", "--sample", "g0/0", "--npy", str(blocker / "out.npy"))
     _one_line_error(result, EXIT_USAGE, str(blocker / "out.npy"), "choose a path under a directory")
+
+
+QWEN_CONFIG = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2}
+
+
+@pytest.mark.parametrize(
+    ("update", "field"),
+    [
+        ({"num_hidden_layers": 2**31 - 1}, "num_hidden_layers"),
+        ({"num_hidden_layers": -4}, "num_hidden_layers"),
+        ({"num_hidden_layers": "4"}, "num_hidden_layers"),
+        ({"num_experts": 70000}, "num_experts"),
+        ({"num_experts_per_tok": 0}, "num_experts_per_tok"),
+    ],
+)
+def test_out_of_range_hf_config_is_a_usage_error(tmp_path: Path, update: dict[str, object], field: str) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**QWEN_CONFIG, **update}))
+    line = _one_line_error(_cli("spec", "--hf-config", str(config)), EXIT_USAGE, repr(field), "config.json")
+    assert "internal error" not in line and "pydantic" not in line
+
+
+def test_bad_model_specs_reach_no_store(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**QWEN_CONFIG, "num_experts": 70000}))
+    url = tmp_path / "run"
+    _one_line_error(_cli("synth", str(url), "--model-spec", str(config), "--records", "1"), EXIT_USAGE, "num_experts")
+    responses = tmp_path / "responses.jsonl"
+    responses.write_text("")
+    ingest = _cli(
+        "ingest", str(responses), "--engine", "vllm", "--to", str(url), "--step", "0", "--model-spec", str(config)
+    )
+    _one_line_error(ingest, EXIT_USAGE, "num_experts", "65536")
+    # an integer literal too long for Python to parse (over 4300 digits), and a routelog spec JSON over the limits
+    config.write_text('{"model_type": "qwen3_moe", "num_hidden_layers": ' + "9" * 5000 + "}")
+    _one_line_error(_cli("spec", "--hf-config", str(config)), EXIT_USAGE, str(config))
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"num_layers": 2, "moe_layers": [0, 1], "num_experts": 2048, "topk": 2000}))
+    _one_line_error(_cli("synth", str(url), "--model-spec", str(spec), "--records", "1"), EXIT_USAGE, "topk", "1024")
+    assert not url.exists()

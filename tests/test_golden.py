@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -40,6 +42,12 @@ def test_golden_stores_read_exactly(golden: Path, tmp_path: Path) -> None:
                 if weights:
                     assert got.weights is not None
                     np.testing.assert_array_equal(got.weights.transpose(1, 0, 2), expected[f"{key}/weights"])
+                columns = [c for c in ("logprob_infer", "logprob_train") if f"{key}/{c}" in expected]
+                values = snapshot.token_values([got.sample_id], snapshot.value_columns())[got.sample_id]
+                if any(k.startswith(f"{name}/") and "/logprob_" in k for k in expected):
+                    assert sorted(values) == columns, (got.sample_id, sorted(values))
+                for column in columns:
+                    np.testing.assert_array_equal(values[column], expected[f"{key}/{column}"])
                 checked += 1
         assert checked == sum(1 for k in expected if k.startswith(f"{name}/") and k.endswith("/ids"))
         assert verify_store(store).ok
@@ -95,6 +103,31 @@ def test_a_format_1_reader_refuses_format_2(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setattr(routelog.format, "FORMAT_VERSION", 1)
     with pytest.raises(routelog.FormatVersionError, match="format version 2"):
         routelog.open_store(str(tmp_path / "store"))
+
+
+def test_a_format_2_reader_refuses_format_3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import routelog.format
+
+    shutil.copytree(FIXTURES / "golden-v3" / "history", tmp_path / "store")
+    monkeypatch.setattr(routelog.format, "FORMAT_VERSION", 2)
+    with pytest.raises(routelog.FormatVersionError, match="format version 3"):
+        routelog.open_store(str(tmp_path / "store"))
+
+
+def test_golden_v3_holds_a_step_log_with_every_kind_of_entry() -> None:
+    """The format-3 fixture's step log: commits, drops by sample, part and writer, a sample id written again after
+    its drop, an annotation, the seal and a drop after it; readers apply each by its position."""
+    store = routelog.open_store(str(FIXTURES / "golden-v3" / "history"))
+    log = [
+        json.loads((FIXTURES / "golden-v3" / "history" / keys.log_dir(0) / n).read_text())
+        for n in sorted(os.listdir(FIXTURES / "golden-v3" / "history" / keys.log_dir(0)))
+    ]
+    kinds = [doc["kind"].removeprefix("routelog.") for doc in log]
+    assert kinds == ["commit"] * 4 + ["drop", "commit", "drop", "commit", "annotation", "seal", "drop"]
+    snapshot = store.step(0)
+    assert snapshot.sealed and sorted(snapshot.sample_ids) == ["a", "b", "c", "d"]
+    assert snapshot.info("b").n_tokens == 28, "b was dropped, then written again with other tokens"
+    assert "r" not in snapshot and len(snapshot.dropped_commits) == 3
 
 
 def _chunk_trailers(store: routelog.Store) -> list[tuple[int, list[int]]]:

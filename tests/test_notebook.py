@@ -31,7 +31,7 @@ def _store(url: str) -> routelog.Store:
     ) as writer:
         for record in synth_records(SPEC, SynthConfig(records=5, tokens=9, ragged=True, seed=3)):
             writer.append(record)
-    assert commits == [f"nb.{i:08d}.json" for i in range(5)], "open_writer passes every writer option on"
+    assert commits == [f"{i:010d}.json" for i in range(5)], "open_writer passes every writer option on"
     return routelog.open_store(url)
 
 
@@ -101,7 +101,7 @@ def test_store_is_the_one_entry_point(memory_url: str) -> None:
     store = _store(memory_url)
     assert store.summary()["records"] == 5
     assert store.verify().ok
-    drop = store.drop(0, sample_ids=["000001"], reason="bad")
-    assert drop.sample_ids == ["000001"] and "000001" not in store.step(0)
+    outcome = store.drop(0, sample_ids=["000001"], reason="bad")
+    assert outcome.drop is not None and outcome.drop.sample_ids == ["000001"] and "000001" not in store.step(0)
     report = store.gc(0, force=True)
     assert not report.deleted and report.damaged == []

@@ -122,9 +122,9 @@ def test_synth_twice_and_after_ctrl_c(tmp_path: Path) -> None:
         )
     finally:
         signal.signal(signal.SIGINT, previous)
-    commits = tmp_path / "run" / keys.commits_dir(0)
+    log = tmp_path / "run" / keys.log_dir(0)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None and not (commits.exists() and any(commits.iterdir())):
+    while time.monotonic() < deadline and proc.poll() is None and not (log.exists() and any(log.iterdir())):
         time.sleep(0.05)
     assert proc.poll() is None, "the write finished before it could be interrupted"
     proc.send_signal(signal.SIGINT)
@@ -160,7 +160,7 @@ def test_drop_then_gc_reclaims_and_as_of_shows_the_past(tmp_path: Path) -> None:
     assert unknown.returncode == 2 and "nope" in unknown.stderr
     one = _cli("drop", url, "--step", "0", "--sample", "000001", "--json")
     assert one.returncode == 0, one.stderr
-    assert json.loads(one.stdout)["sample_ids"] == ["000001"]
+    assert json.loads(one.stdout)["drop"]["sample_ids"] == ["000001"]
     writer = _cli("drop", url, "--step", "0", "--writer", "bad", "--reason", "wrong model")
     assert writer.returncode == 0, writer.stderr
 

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -155,9 +156,9 @@ def test_a_temporary_left_by_a_writer_killed_mid_create_is_not_listed_and_breaks
     store = routelog.create_store(url, small_spec)
     with store.writer(0, "w") as writer:
         writer.append(_records(small_spec, 1, seed=3)[0])
-    commits = tmp_path / "store" / keys.commits_dir(0)
-    (commits / ".w.00000001.json.0123abcd.tmp").write_bytes(b'{"half": ')  # killed before its link
-    assert Storage.open(url).list(keys.commits_dir(0)) == ["w.00000000.json"]
+    log = tmp_path / "store" / keys.log_dir(0)
+    (log / ".0000000001.json.0123abcd.tmp").write_bytes(b'{"half": ')  # killed before its link
+    assert Storage.open(url).list(keys.log_dir(0)) == ["0000000000.json"]
     snapshot = routelog.open_store(url).step(0)
     assert len(snapshot.sample_ids) == 1
     assert verify_store(routelog.open_store(url)).ok
@@ -203,7 +204,7 @@ def test_future_format_version_and_unknown_features(
     store = routelog.create_store(store_url, small_spec)
     with store.writer(0, "w") as writer:
         writer.append(_records(small_spec, 1, seed=3)[0])
-    commit_key = keys.commit_key(0, keys.commit_name("w", 0))
+    commit_key = keys.log_key(0, 0)
     commit = json.loads(store.storage.read(commit_key))
     store.storage.write(commit_key, json.dumps({**commit, "features": ["prefix-dedup-v9"]}).encode())
     with pytest.raises(FormatVersionError, match="prefix-dedup-v9"):
@@ -258,8 +259,12 @@ def test_restarted_writer_continues_its_sequence(
         writer.append(records[0])
     with store.writer(2, "rollout-1") as writer:  # the same id after a restart
         writer.append(records[1])
-    names = store.storage.list(keys.commits_dir(2))
-    assert names == ["rollout-1.00000000.json", "rollout-1.00000001.json"]
+    commits = store.step(2).commits
+    assert [(c.writer_id, c.seq, c.name) for c in commits] == [
+        ("rollout-1", 0, "0000000000.json"),
+        ("rollout-1", 1, "0000000001.json"),
+    ]
+    assert all(c.part.startswith(f"rollout-1.{c.seq:08d}.") for c in commits)
     assert routelog.open_store(store_url).step(2).sample_ids == ["s0", "s1"]
 
 
@@ -282,23 +287,43 @@ def test_committing_a_sample_again_is_skipped_or_refused(store_url: str, small_s
 
 
 def test_two_writers_racing_on_one_sample_leave_a_readable_store(store_url: str, small_spec: ModelSpec) -> None:
-    """Both writers start before either commits, so neither sees the other: readers read the earliest commit's
-    record, verify warns, gc drops the shadowed part and later reclaims it."""
+    """Both writers decide to write before either commits, so neither sees the other: the log orders their commits,
+    readers read the earlier one's record, the later writer reports its copy as already present (never as
+    committed), verify notes the shadowed copy, gc drops the shadowed part and later reclaims it."""
     record = _records(small_spec, 1, seed=8)[0]
-    store = routelog.create_store(store_url, small_spec)
-    racers = [store.writer(0, writer_id, background=False) for writer_id in ("a", "b")]
+    routelog.create_store(store_url, small_spec)
+    both_built = threading.Barrier(2, timeout=60)
+    racers = []
+    for writer_id in ("a", "b"):
+        racer = routelog.open_store(store_url)
+        original, waited = racer.storage.create, []
+
+        def create(key: str, data: bytes, original: Any = original, waited: list[bool] = waited) -> bool:
+            if "/log/" in key and not waited:  # each writer's first commit attempt waits for the other's upload
+                waited.append(True)
+                both_built.wait()
+            return bool(original(key, data))
+
+        racer.storage.create = create  # type: ignore[method-assign]
+        racers.append(racer.writer(0, writer_id, background=False))
     for writer in racers:
         writer.append(record)
-    for writer in racers:
-        writer.close()
+    threads = [threading.Thread(target=writer.close) for writer in racers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    store = routelog.open_store(store_url)
     snapshot = routelog.open_store(store_url).step(0)
     assert snapshot.sample_ids == [record.sample_id]
     (shadow,) = snapshot.shadowed
-    assert (shadow.kept, shadow.shadowed) == ("a.00000000.json", "b.00000000.json")
+    assert (shadow.kept, shadow.shadowed) == ("0000000000.json", "0000000001.json")
+    later = next(w for w in racers if w.commits[0].name == shadow.shadowed)
+    assert later.already_present == [record.sample_id], "the later writer learns its copy is not the one read"
     np.testing.assert_array_equal(snapshot.read(record.sample_id).expert_ids, _expected(record))
     report = verify_store(routelog.open_store(store_url))
     assert report.ok and any("raced" in note for note in report.notes)
-    loser = next(c.part for c in snapshot.commits if c.writer_id == "b")
+    loser = next(c.part for c in snapshot.commits if c.name == shadow.shadowed)
     dry = collect_garbage(store, 0, force=True)
     assert dry.dead_parts == [keys.part_dir(0, loser)] and not dry.deleted
     collect_garbage(store, 0, delete=True, force=True)  # drops the dead part
@@ -310,10 +335,11 @@ def test_two_writers_racing_on_one_sample_leave_a_readable_store(store_url: str,
     assert verify_store(routelog.open_store(store_url)).ok
 
 
-def test_span_references_into_another_part_are_followed(
+def test_span_references_into_another_step_are_refused(
     store_url: str, small_spec: ModelSpec, make_routing: MakeRouting
 ) -> None:
-    """Shared prefixes stored once (FORMAT.md, spans with a part): a v1 reader follows the reference."""
+    """Shared prefixes stay inside their step (FORMAT.md section 6): gc reclaims a step's dropped parts by what that
+    step's records read, so a span into another step is refused, naming the sample."""
     rng = np.random.default_rng(9)
     prompt = make_routing(rng, 6, small_spec.num_moe_layers, small_spec.num_experts, small_spec.topk)
     full = np.concatenate([prompt, make_routing(rng, 4, small_spec.num_moe_layers, small_spec.num_experts, 4)])
@@ -338,9 +364,10 @@ def test_span_references_into_another_part_are_followed(
         for o in commit.objects
     ]
     rewritten = commit.model_copy(update={"objects": objects})
-    store.storage.write(keys.commit_key(1, commit.name), dump_document(rewritten))
-    got = routelog.open_store(store_url).step(1).read("turn-2")
-    np.testing.assert_array_equal(got.expert_ids, np.sort(full, axis=-1))
+    store.storage.write(keys.log_key(1, 0), dump_document(rewritten))
+    snapshot = routelog.open_store(store_url).step(1)
+    with pytest.raises(CorruptDataError, match="'turn-2' points at rows of another step"):
+        snapshot.read("turn-2")
     assert isinstance(commit, CommitRecord)
 
 

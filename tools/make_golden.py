@@ -9,6 +9,7 @@ Golden stores are written once per format version and committed; every later rou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import sys
 from collections.abc import Callable
@@ -278,6 +279,114 @@ def write_dictionaries(root: Path, expected: dict[str, np.ndarray]) -> None:
                 _expect_sorted(expected, name, record)
 
 
+def write_history(root: Path, expected: dict[str, np.ndarray]) -> None:
+    """Format 3: a step's log with every kind of entry. Two writers' parts sharing a prompt; a race on one sample
+    id (the later copy shadowed); drops by sample, by part and by writer, each followed by the same id written again
+    (live: a drop removes only what precedes it); per-token values in parts and an annotation; the seal, a drop
+    after it, and the upload of a writer whose commit met the seal (refused: its part is an orphan)."""
+    import threading
+
+    spec = ModelSpec(name="golden/history", num_layers=4, moe_layers=(1, 2, 3), num_experts=48, topk=4)
+    rng = np.random.default_rng(48)
+    name = "history"
+    url = str(root / name)
+    store = routelog.create_store(url, spec, run_id="golden-history")
+    prompt = rng.integers(0, 1000, 24)
+    prompt_routing = _routing(rng, 24, 3, 48, 4)
+
+    def record(sample_id: str, response: int, seed: int) -> Record:
+        local = np.random.default_rng(seed)
+        ids = np.concatenate([prompt_routing, _routing(local, response, 3, 48, 4)])
+        valid = np.ones(24 + response, bool)
+        valid[-1] = False
+        return Record(
+            sample_id=sample_id,
+            expert_ids=ids,
+            prompt_len=24,
+            response_len=response,
+            valid=valid,
+            token_ids=np.concatenate([prompt, local.integers(1000, 2000, response)]),
+            token_values={"logprob_infer": -local.random(24 + response).astype(np.float32)},
+        )
+
+    live: dict[str, Record] = {}
+
+    def write(writer_id: str, records: list[Record]) -> None:
+        with store.writer(0, writer_id, flush_bytes=1 << 30) as writer:
+            for r in records:
+                writer.append(r)
+        live.update({r.sample_id: r for r in records})
+
+    write("alpha", [record("a", 8, 1), record("b", 9, 2), record("c", 7, 3)])
+    write("beta", [record("d", 6, 4), record("e", 10, 5)])  # its prompt rows point into alpha's part
+    raced = record("r", 5, 6)
+    both_built = threading.Barrier(2, timeout=60)
+    racers = []
+    for writer_id in ("gamma", "delta"):  # both decide to write "r" before either commits: one copy is shadowed
+        racer = routelog.open_store(url)
+        original, waited = racer.storage.create, []
+
+        def create(key: str, data: bytes, original: Callable[..., bool] = original, waited: list[int] = waited) -> bool:
+            if "/log/" in key and not waited:
+                waited.append(1)
+                both_built.wait()
+            return original(key, data)
+
+        racer.storage.create = create  # type: ignore[method-assign]
+        writer = racer.writer(0, writer_id, background=False)
+        writer.append(raced)
+        racers.append(writer)
+    threads = [threading.Thread(target=w.close) for w in racers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    live["r"] = raced
+    store.drop(0, sample_ids=["b"], reason="golden: a drop by sample")
+    write("alpha", [record("b", 4, 7)])  # written again after its drop, with other tokens: live
+    beta = next(c.part for c in store.step(0).commits if c.writer_id == "beta")
+    store.drop(0, parts=[beta], reason="golden: a drop by part (alpha's rows stay shared)")
+    for sid in ("d", "e"):
+        del live[sid]
+    write("beta", [record("d", 6, 4)])  # the same record again: live, the dropped part's copy is not
+    with store.annotate(0, "trainer") as annotator:
+        for sid in ("a", "c"):
+            annotator.add(sid, {"logprob_train": np.zeros(live[sid].prompt_len + live[sid].response_len, np.float32)})
+    late_store = routelog.open_store(url)
+    at_commit, sealed = threading.Event(), threading.Event()
+    original_create = late_store.storage.create
+
+    def after_the_seal(key: str, data: bytes) -> bool:
+        if "/log/" in key:
+            at_commit.set()
+            sealed.wait(60)
+        return original_create(key, data)
+
+    late_store.storage.create = after_the_seal  # type: ignore[method-assign]
+    late = late_store.writer(0, "late", background=False)
+    late.append(record("z", 3, 8))
+    closing = threading.Thread(target=_close, args=(late,))
+    closing.start()
+    at_commit.wait(60)  # uploaded before the seal started, it meets the seal at its commit: refused
+    store.seal(0)
+    sealed.set()
+    closing.join()
+    store.drop(0, writers=["gamma", "delta"], reason="golden: a drop by writer after the seal")
+    del live["r"]
+    for r in live.values():
+        _expect_sorted(expected, name, r)
+        assert r.token_values is not None
+        expected[f"{name}/{r.sample_id}/logprob_infer"] = np.asarray(r.token_values["logprob_infer"], np.float32)
+        if r.sample_id in ("a", "c"):
+            expected[f"{name}/{r.sample_id}/logprob_train"] = np.zeros(r.prompt_len + r.response_len, np.float32)
+
+
+def _close(writer: routelog.StepWriter) -> None:
+    """Close a writer whose commit is refused (its records are not part of the step)."""
+    with contextlib.suppress(routelog.StoreError):
+        writer.close()
+
+
 def _bf16(values: np.ndarray) -> np.ndarray:
     """float32 values rounded to bf16 (nearest even), as float32: what a bf16 store gives back."""
     bits = values.view(np.uint32)
@@ -291,6 +400,7 @@ WRITERS: dict[str, Callable[[Path, dict[str, np.ndarray]], None]] = {
     "shared-weights": write_shared_weights,
     "layer-shards": write_layer_shards,
     "dictionaries-64-8,dictionaries-64-6,dictionaries-300-8": write_dictionaries,
+    "history": write_history,
 }
 """Fixture stores of this version by name, in the order they were added."""
 
@@ -318,7 +428,7 @@ def main() -> int:
             shutil.rmtree(FIXTURES)
         FIXTURES.mkdir(parents=True)
         for name, write in WRITERS.items():
-            if FORMAT_VERSION >= 2 or name in ("dense-first", "wide"):
+            if FORMAT_VERSION >= 3 or name != "history":
                 write(FIXTURES, expected)
     np.savez_compressed(FIXTURES / "expected.npz", **expected)  # type: ignore[arg-type]
     print(f"wrote {FIXTURES}")

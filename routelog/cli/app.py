@@ -100,7 +100,7 @@ def load_spec(path: Path) -> ModelSpec:
 
     try:
         raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: bad JSON, or an integer literal of over 4300 digits
         raise ModelSpecError(f"cannot read model spec {path}: {exc}") from exc
     if isinstance(raw, dict) and "moe_layers" in raw:
         return ModelSpec.model_validate(raw)

@@ -31,6 +31,7 @@ from routelog.cli.app import (
     storage_options,
     try_open,
 )
+from routelog.steplog import read_seal_marker
 
 FlushBytes = Annotated[
     int | None,
@@ -330,14 +331,23 @@ def drop(
     if not (sample or part or writer):
         raise typer.BadParameter("name what to drop: --sample, --part or --writer")
     store = open_url(url, storage_options_)
-    record = store.drop(step, sample_ids=sample or (), parts=part or (), writers=writer or (), reason=reason)
+    outcome = store.drop(step, sample_ids=sample or (), parts=part or (), writers=writer or (), reason=reason)
+    record = outcome.drop
     if json_out:
-        print_json(record.model_dump(mode="json"))
-    say(
-        f"dropped from step {step} of {store.url}: {plural(len(record.sample_ids), 'sample')}, "
-        f"{plural(len(record.parts), 'part')}, {plural(len(record.writers), 'writer')} (drop {record.name}); "
-        "`routelog gc` reclaims the bytes of dropped parts"
-    )
+        print_json(
+            {
+                "drop": None if record is None else record.model_dump(mode="json"),
+                "already_dropped": outcome.already_dropped,
+            }
+        )
+    if outcome.already_dropped:
+        say(f"already dropped from step {step}: {', '.join(outcome.already_dropped[:8])} (nothing to do for them)")
+    if record is not None:
+        say(
+            f"dropped from step {step} of {store.url}: {plural(len(record.sample_ids), 'sample')}, "
+            f"{plural(len(record.parts), 'part')}, {plural(len(record.writers), 'writer')} (log entry {record.name}); "
+            "`routelog gc` reclaims the bytes of dropped parts"
+        )
 
 
 @app.command()
@@ -351,21 +361,27 @@ def seal(
     storage_options_: StorageOptions = None,
 ) -> None:
     """Seal a step: no more commits are accepted; readers then open it in a few requests whatever its parts."""
-    record = open_url(url, storage_options_).seal(step, allow_empty=allow_empty)
+    store = open_url(url, storage_options_)
+    already = read_seal_marker(store, step)
+    record = already or store.seal(step, allow_empty=allow_empty)
+    snapshot = store.step(step)  # what readers of the sealed step read: live records (drops, races resolved)
+    tokens = int(snapshot.index.column("n_tokens").to_numpy().sum()) if len(snapshot) else 0
     if json_out:
         print_json(
             {
                 "step": step,
                 "commits": len(record.commits),
-                "records": record.n_records,
-                "tokens": record.n_tokens,
+                "records": len(snapshot),
+                "tokens": tokens,
                 "sealed_at": record.sealed_at,
+                "already_sealed": already is not None,
             }
         )
         return
+    when = "was already sealed" if already is not None else "sealed"
     console.print(
-        f"sealed step {step}: {plural(len(record.commits), 'commit')}, {plural(record.n_records, 'record')}, "
-        f"{plural(record.n_tokens, 'token')}",
+        f"step {step} {when} ({record.sealed_at.isoformat(timespec='seconds')}): "
+        f"{plural(len(record.commits), 'commit')}, {plural(len(snapshot), 'record')}, {plural(tokens, 'token')}",
         highlight=False,
     )
 

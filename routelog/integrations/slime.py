@@ -194,26 +194,22 @@ def _record(sample: Any, sid: str, spec: ModelSpec, policy_version: int | None) 
 
 
 def _drop_stale(store: Store, rollout_id: int, samples: Sequence[Any], ids: Sequence[str]) -> None:
-    """Drop the parts holding records of an earlier attempt at this rollout whose tokens differ (a drop by sample
-    id would hide the new records too; a dropped part frees its ids)."""
+    """Drop the records of an earlier attempt at this rollout whose tokens differ: the drop removes those committed
+    before it, and the regenerated records written after it are live (``schemas/FORMAT.md`` section 3)."""
     snapshot = store.step(rollout_id)
     present = [(sample, sid) for sample, sid in zip(samples, ids, strict=True) if sid in snapshot]
     if not present:
         return
     index = snapshot.to_arrow([sid for _, sid in present])
-    stale = set()
-    for (sample, sid), n, digest, part in zip(
-        present,
-        index.column("n_tokens").to_pylist(),
-        index.column("token_hash").to_pylist(),
-        index.column("part").to_pylist(),
-        strict=True,
-    ):
-        tokens = _tokens(sample, f"sample {sid!r}")
-        if (n, digest) != (tokens.shape[0], token_hash(tokens)):
-            stale.add(part)
+    stale = [
+        sid
+        for (sample, sid), n, digest in zip(
+            present, index.column("n_tokens").to_pylist(), index.column("token_hash").to_pylist(), strict=True
+        )
+        if (n, digest) != ((tokens := _tokens(sample, f"sample {sid!r}")).shape[0], token_hash(tokens))
+    ]
     if stale:
-        store.drop(rollout_id, parts=sorted(stale), reason=f"slime regenerated rollout {rollout_id}")
+        store.drop(rollout_id, sample_ids=stale, reason=f"slime regenerated rollout {rollout_id}")
 
 
 def strip_routing(data: Sequence[Any] | MutableMapping[str, Any], sample_ids: Sequence[str] | None = None) -> int:

@@ -8,12 +8,14 @@ means "nothing wrong reached a user".
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
 
 import routelog
-from routelog import ModelSpec, Record
+from routelog import ModelSpec, Record, keys
+from routelog.storage import Storage
 from routelog.synth import synthetic_spec
 from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
 from tests.records import sample_records
@@ -58,6 +60,20 @@ def build_store(url: str, *, sealed: bool = True, seed: int = 0) -> Expected:
     if sealed:
         store.seal(0)
     return Expected(expected)
+
+
+def entry_keys(storage: Storage, kind: str, step: int = 0) -> list[str]:
+    """Keys of a step's log entries of one kind (``routelog.commit``, ``routelog.annotation``, ...), in log order."""
+    found = []
+    for name in storage.list(keys.log_dir(step)):
+        key = f"{keys.log_dir(step)}/{name}"
+        if json.loads(storage.read(key)).get("kind") == kind:
+            found.append(key)
+    return found
+
+
+def commit_keys(storage: Storage, step: int = 0) -> list[str]:
+    return entry_keys(storage, "routelog.commit", step)
 
 
 def read_everything(url: str) -> dict[str, tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]]:

@@ -1,9 +1,10 @@
 """Sealing while writers commit: a writer is told "committed" only for records every reader of the sealed step sees.
 
-The race that lost records: a commit created after the sealer listed the step, checked before the seal existed,
-was reported committed and then left out of the seal. The fence (``_SEALING.json`` created before the listing,
-checked after every commit) is proven here with the window held open deterministically, then by a randomized
-stress run on local disk and on a real S3 server (moto over HTTP).
+The race that once lost records: a commit created after the sealer listed the step was reported committed and then
+left out of the seal. In the step's log a commit and the seal take positions the storage orders, and a writer knows
+every entry before its own: a commit before the seal is in it, one after it is refused. Both orders are held open
+deterministically here, then a randomized stress run seals while writers commit, on local disk and on a real S3
+server (moto over HTTP).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import pytest
 
 import routelog
 from routelog import keys
-from routelog.errors import CommitUndecidedError, StepSealedError
+from routelog.errors import StepSealedError
 from routelog.seal import seal_step
 from routelog.writer import WriterError
 from tests.attacks.kit import SPEC, make_records
@@ -29,47 +30,30 @@ _WAIT = 20.0
 """Upper bound of every wait in these tests (seconds); the waits end as soon as their condition holds."""
 
 
-def _wait_for(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + _WAIT
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-def _hold_commit_creates(
-    store: routelog.Store, arrived: threading.Event, release: threading.Event, created: threading.Event
-) -> None:
-    """Make this store object's commit creates signal ``arrived``, wait for ``release`` (the sealer has listed),
-    create, then signal ``created``."""
+def _hold_commit_creates(store: routelog.Store, arrived: threading.Event, release: threading.Event) -> None:
+    """Make this store object's first log create signal ``arrived`` and wait for ``release``."""
     storage = store.storage
     original = storage.create
+    held: list[bool] = []
 
     def create(key: str, data: bytes) -> bool:
-        if "/commits/" in key:
+        if "/log/" in key and not held:
+            held.append(True)
             arrived.set()
-            assert release.wait(_WAIT), "the sealer never listed the step"
-            result = original(key, data)
-            created.set()
-            return result
-        return original(key, data)
+            assert release.wait(_WAIT), "never released"
+        return bool(original(key, data))
 
     storage.create = create  # type: ignore[method-assign]
 
 
-def test_a_commit_created_after_the_listing_is_refused_not_lost(store_url: str) -> None:
-    """The window held open: the writer passed its pre-check before the seal started, and creates its commit
-    after the sealer listed the step. It must learn that its records are not in the step."""
-    routelog.create_store(store_url, SPEC)
-    early, late = make_records(SPEC, 2, seed=1)
-    with routelog.open_store(store_url).writer(0, "early", background=False) as writer:
-        writer.append(early)
+def _late_writer(store_url: str, late: routelog.Record) -> tuple[threading.Thread, dict[str, Any], threading.Event]:
+    """A writer whose commit is held at its create; returns its flushing thread, its outcome and the release."""
     writer_store = routelog.open_store(store_url)
-    arrived, listed, created = threading.Event(), threading.Event(), threading.Event()
-    _hold_commit_creates(writer_store, arrived, listed, created)
-    late_writer = writer_store.writer(0, "late", background=False, seal_wait=_WAIT)
+    arrived, release = threading.Event(), threading.Event()
+    _hold_commit_creates(writer_store, arrived, release)
+    late_writer = writer_store.writer(0, "late", background=False)
     late_writer.append(late)
-    outcome: dict[str, Any] = {}
+    outcome: dict[str, Any] = {"writer": late_writer}
 
     def flush() -> None:
         try:
@@ -81,59 +65,81 @@ def test_a_commit_created_after_the_listing_is_refused_not_lost(store_url: str) 
     thread = threading.Thread(target=flush)
     thread.start()
     assert arrived.wait(_WAIT), "the writer never reached its commit"  # it passed its "not sealed" check
+    return thread, outcome, release
 
-    def after_listing(names: Sequence[str]) -> None:
-        assert names == ["early.00000000.json"]
-        listed.set()
-        assert created.wait(_WAIT), "the late commit was never created"
 
-    seal = seal_step(routelog.open_store(store_url), 0, after_listing=after_listing)
+def test_a_commit_after_the_seal_is_refused_not_lost(store_url: str) -> None:
+    """The writer passed its pre-check before the seal started; the seal takes the next position first. The
+    writer learns from the log that its records are not in the step."""
+    routelog.create_store(store_url, SPEC)
+    early, late = make_records(SPEC, 2, seed=1)
+    with routelog.open_store(store_url).writer(0, "early", background=False) as writer:
+        writer.append(early)
+    thread, outcome, release = _late_writer(store_url, late)
+    seal = seal_step(routelog.open_store(store_url), 0)
+    release.set()
     thread.join(_WAIT)
     assert not thread.is_alive()
     assert "committed" not in outcome, "a commit left out of the seal was reported committed"
     assert isinstance(outcome["error"].__cause__, StepSealedError)
     assert outcome["error"].sample_ids == [late.sample_id]
-    assert seal.commits == ["early.00000000.json"]
+    assert seal.commits == ["0000000000.json"]
     assert routelog.open_store(store_url).step(0).sample_ids == [early.sample_id]
     with pytest.raises(StepSealedError):
-        late_writer.append(make_records(SPEC, 3, seed=2, prefix="again")[0])
+        outcome["writer"].append(make_records(SPEC, 3, seed=2, prefix="again")[0])
 
 
-def test_a_commit_before_the_intent_is_in_the_seal(store_url: str) -> None:
+def test_a_commit_before_the_seal_is_in_it(store_url: str) -> None:
+    """The sealer has read the log and consolidated it when the writer's commit takes the next position: the sealer
+    reads it and seals after it, so the writer is right to report it committed."""
     routelog.create_store(store_url, SPEC)
-    records = make_records(SPEC, 3, seed=3)
-    writer = routelog.open_store(store_url).writer(0, "w", background=False)
-    for record in records:
-        writer.append(record)
-    assert len(writer.flush()) == 1
-    seal = routelog.open_store(store_url).seal(0)
-    assert seal.commits == ["w.00000000.json"]
-    assert sorted(routelog.open_store(store_url).step(0).sample_ids) == sorted(r.sample_id for r in records)
+    early, late = make_records(SPEC, 2, seed=1)
+    with routelog.open_store(store_url).writer(0, "early", background=False) as writer:
+        writer.append(early)
+    thread, outcome, release = _late_writer(store_url, late)
+    listings: list[list[str]] = []
+
+    def after_listing(names: Sequence[str]) -> None:
+        listings.append(list(names))
+        if len(listings) == 1:  # let the held commit land between the sealer's read and its seal
+            release.set()
+            thread.join(_WAIT)
+
+    seal = seal_step(routelog.open_store(store_url), 0, after_listing=after_listing)
+    assert not thread.is_alive()
+    assert outcome.get("committed"), outcome
+    assert listings == [["0000000000.json"], ["0000000000.json", "0000000001.json"]]
+    assert seal.commits == ["0000000000.json", "0000000001.json"] and seal.position == 2
+    assert sorted(routelog.open_store(store_url).step(0).sample_ids) == sorted([early.sample_id, late.sample_id])
 
 
-def test_a_seal_that_never_finishes_leaves_the_commit_undecided(memory_url: str) -> None:
-    """A sealer that died after its intent: the writer cannot know whether a later seal lists its commit, so it
-    says so (and how to finish the seal) instead of claiming success."""
+def test_a_sealer_that_died_blocks_uploads_until_the_seal_is_run_again(memory_url: str) -> None:
+    """A sealer that died after its intent: writers start no upload (the step is being sealed) and say how to
+    finish; a commit made before is committed, and running the seal again seals it in."""
     store = routelog.create_store(memory_url, SPEC)
-    writer = store.writer(0, "w", background=False, seal_wait=0.3)
+    writer = store.writer(0, "w", background=False)
     writer.append(make_records(SPEC, 1, seed=4)[0])
-    original = store.storage.create
-
-    def create(key: str, data: bytes) -> bool:
-        result = original(key, data)
-        if "/commits/" in key:  # the sealer starts right after the create, then dies
-            store.storage.create(keys.sealing_key(0), b"{}")
-        return result
-
-    store.storage.create = create  # type: ignore[method-assign]
-    with pytest.raises(WriterError) as info:
-        writer.flush()
-    assert isinstance(info.value.__cause__, CommitUndecidedError)
-    assert "routelog seal" in str(info.value)
-    with pytest.raises(StepSealedError, match="being sealed"):
+    assert len(writer.flush()) == 1
+    store.storage.create(keys.sealing_key(0), b"{}")  # the sealer's intent, then it died
+    with pytest.raises(StepSealedError, match="routelog seal"):
         store.writer(0, "other")
-    finished = store.seal(0)  # running the seal again finishes it, with the undecided commit
-    assert finished.commits == ["w.00000000.json"]
+    finished = store.seal(0)
+    assert finished.commits == ["0000000000.json"]
+
+
+def test_a_sealer_that_died_before_its_copy_is_completed(memory_url: str) -> None:
+    """The seal entry exists but ``_SEALED.json`` does not: readers and writers find the seal in the log, and
+    running the seal again writes the copy."""
+    store = routelog.create_store(memory_url, SPEC)
+    with store.writer(0, "w") as writer:
+        writer.append(make_records(SPEC, 1, seed=4)[0])
+    seal = store.seal(0)
+    store.storage.delete([keys.seal_key(0)])
+    assert routelog.open_store(memory_url).step(0).sealed
+    with pytest.raises(StepSealedError):
+        store.writer(0, "other")
+    assert store.seal(0) == seal
+    assert store.storage.exists(keys.seal_key(0))
 
 
 def _stress(url: str, *, writers: int, records_each: int, seed: int) -> None:
@@ -156,7 +162,7 @@ def _stress(url: str, *, writers: int, records_each: int, seed: int) -> None:
                 confirmed.update(sample_ids)
 
         try:
-            writer = store.writer(0, f"w{index}", background=False, on_commit=on_commit, seal_wait=_WAIT)
+            writer = store.writer(0, f"w{index}", background=False, on_commit=on_commit)
         except StepSealedError:
             started.wait(_WAIT)
             return
