@@ -23,8 +23,17 @@ was not running (preempted, or waiting for the GIL) and keeps only slower instru
 with the writer). ``--pin`` puts the loop on the first CPU and the writer process on the others
 (``ProcessWriter(cpus=...)``), as on a host that keeps cores free beside the engine's. Goal (issue #15): <= 1.01 x.
 
+Durability (issue #29): on local disk a writer fsyncs each object, its log entry and their directories before it
+reports a commit. ``--durability`` measures what that costs, in the same run: one writer to local disk with fsync,
+and the same with fsync made a no-op, alternating (``--rounds`` each); with ``--baseline-ref REF`` also the routelog
+of a git revision (checked out into a temporary worktree and run the same way), so the ratio covers everything the
+revision changed (the step log's listing and reads, the flush-time checks). Goal: >= 0.95 x. The cost that remains
+is the disk's write bandwidth for the part's bytes (fsyncs of one flush run concurrently, so per-call latency is
+hidden): synthetic uniform routing, the least compressible, stores 5 bytes per token-layer.
+
     python tools/bench_writers.py [--json] [--quick] [--records N --tokens T --layers L]
     python tools/bench_writers.py --scheduler [--pin] [--json] [--rate R --trials N --seconds S]
+    python tools/bench_writers.py --durability [--baseline-ref REF] [--rounds N] [--json] [--quick]
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ def _routing(args: argparse.Namespace, seed: int) -> list[np.ndarray]:
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One writer: generate its routing, then append everything and close, timed."""
+    if args.no_fsync:  # the durability benchmark's baseline: the same writes, never forced to disk
+        os.fsync = lambda fd: None
     arrays = _routing(args, seed=args.writer)
     spec = synthetic_spec(args.layers, 128, 8)
     store = routelog.create_store(args.url, spec)
@@ -300,7 +311,9 @@ def baseline(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     return {"seconds": seconds, "raw_bytes": raw, "MBps": raw / seconds / 1e6}
 
 
-def run_writers(args: argparse.Namespace, url: str, writers: int, env: dict[str, str]) -> dict[str, Any]:
+def run_writers(
+    args: argparse.Namespace, url: str, writers: int, env: dict[str, str], extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     procs = [
         subprocess.Popen(
             [
@@ -319,6 +332,7 @@ def run_writers(args: argparse.Namespace, url: str, writers: int, env: dict[str,
                 str(args.layers),
                 "--flush-mb",
                 str(args.flush_mb),
+                *extra,
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -347,14 +361,49 @@ def run_writers(args: argparse.Namespace, url: str, writers: int, env: dict[str,
     }
 
 
+def durability(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """One writer to local disk: with fsync, without, and (``--baseline-ref``) the revision's routelog; alternating
+    rounds, medians of MB/s, ratios against each baseline."""
+    sides: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+        "fsync": (dict(os.environ), ()),
+        "no fsync": (dict(os.environ), ("--no-fsync",)),
+    }
+    if args.baseline_ref:
+        tree = root / "baseline"
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(tree), args.baseline_ref],
+            check=True,
+            capture_output=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        sides[f"routelog at {args.baseline_ref}"] = ({**os.environ, "PYTHONPATH": str(tree)}, ())
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    try:
+        for round_ in range(args.rounds):
+            for name, (env, extra) in sides.items():
+                url = str(root / f"{name.replace(' ', '-')}-{round_}")
+                rates[name].append(run_writers(args, url, 1, env, extra)["MBps"])
+    finally:
+        if args.baseline_ref:
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(root / "baseline")],
+                check=False,
+                capture_output=True,
+                cwd=Path(__file__).resolve().parents[1],
+            )
+    medians = {name: float(np.median(values)) for name, values in rates.items()}
+    ratios = {f"fsync / {name}": medians["fsync"] / value for name, value in medians.items() if name != "fsync"}
+    return {"MBps": medians, "rounds": rates, "ratios": ratios, "goal": ">= 0.95 x each"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--records", type=int, default=32, help="records per writer")
+    parser.add_argument("--records", type=int, default=None, help="records per writer (32; --durability: 256)")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--flush-mb", type=int, default=16)
+    parser.add_argument("--flush-mb", type=int, default=None, help="(16; --durability: 64, the writer's default)")
     parser.add_argument("--writers", default="1,2,4")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -366,9 +415,17 @@ def main() -> None:
     parser.add_argument(
         "--pin", action="store_true", help="--scheduler: the engine on one CPU, the writer process on the rest"
     )
+    parser.add_argument("--durability", action="store_true", help="measure the cost of fsync (and of a revision)")
+    parser.add_argument("--baseline-ref", help="--durability: also run the routelog of this git revision")
+    parser.add_argument("--rounds", type=int, default=5, help="--durability: alternating rounds per side")
+    parser.add_argument("--no-fsync", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scheduler-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    # Durability is measured over several flushes of the writer's default size: a few small flushes measure the
+    # latency of one fsync, not what it costs a writer's throughput.
+    args.records = args.records or (256 if args.durability else 32)
+    args.flush_mb = args.flush_mb or (64 if args.durability else 16)
     if args.quick:
         args.records, args.tokens, args.layers, args.flush_mb, args.writers = 4, 256, 8, 1, "1,2"
         args.seconds, args.trials = 1.0, 1
@@ -377,6 +434,21 @@ def main() -> None:
         return
     if args.scheduler_child:
         print(json.dumps(scheduler_child(args)))
+        return
+    if args.durability:
+        if args.quick:
+            args.rounds = 1
+        with tempfile.TemporaryDirectory(prefix="routelog-bench-durability-") as tmp:
+            report = durability(args, Path(tmp))
+        if args.json:
+            print(json.dumps(report, indent=1))
+            return
+        print(f"one writer, local disk, {args.records} records x {args.tokens} tokens x {args.layers} layers:")
+        for name, value in report["MBps"].items():
+            print(f"  {name:28s} {value:8.1f} MB/s (rounds: {', '.join(f'{v:.0f}' for v in report['rounds'][name])})")
+        for name, ratio in report["ratios"].items():
+            print(f"  {name:28s} {ratio:8.3f} x")
+        print(f"goal: {report['goal']}")
         return
     if args.scheduler:
         if not args.quick:
