@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -137,3 +139,13 @@ def s3_fault_proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
     after."""
     with FaultProxy(upstream=s3_endpoint) as proxy:
         yield proxy
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """How much of the store protocol the model-based test ran (``tests/test_protocol.py``)."""
+    protocol = sys.modules.get("tests.test_protocol")
+    for backend, runs in getattr(protocol, "RUNS", {}).items():
+        terminalreporter.write_line(
+            f"protocol model: {len(runs)} interleavings, {sum(runs)} operations on {backend}, every view checked "
+            "after each"
+        )

@@ -60,6 +60,8 @@ EXAMPLES = int(os.environ.get("ROUTELOG_PROTOCOL_EXAMPLES", "0")) or None
 STEPS = int(os.environ.get("ROUTELOG_PROTOCOL_STEPS", "0")) or None
 CI_SEED = int(os.environ.get("ROUTELOG_PROTOCOL_SEED", "29"))
 """The seed of derandomized (CI) runs."""
+RUNS: dict[str, list[int]] = {}
+"""Operations of each interleaving run, by backend (the session's terminal summary reports them)."""
 STATS = os.environ.get("ROUTELOG_PROTOCOL_STATS")
 """A file the machine appends one JSON line per run to: operations, faults and checks (the soak tool reads it)."""
 
@@ -120,6 +122,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     faults_factory: Callable[[], Faults]
     storage_options: dict[str, Any] | None = None
     process_writers: bool = True
+    backend: str = "local disk"
 
     def __init__(self) -> None:
         super().__init__()
@@ -619,6 +622,8 @@ class ProtocolMachine(RuleBasedStateMachine):
                     writer.real.close()
             else:
                 writer.real.abort()
+        checks = self.counts.get("check", 0) + self.counts.get("as_of_check", 0)
+        RUNS.setdefault(self.backend, []).append(sum(self.counts.values()) - checks)
         if STATS:
             with open(STATS, "a") as file:
                 file.write(json.dumps({"counts": self.counts, "faults": self.faults.fired}) + "\n")
@@ -718,6 +723,7 @@ def test_protocol_on_s3_behind_a_fault_proxy(s3_fault_proxy: Any, s3_bucket: str
 
     class S3Machine(ProtocolMachine):
         process_writers = False  # a writer process per run is covered on local disk
+        backend = "moto S3 behind the fault proxy"
         storage_options = options
         url_factory = staticmethod(lambda: f"s3://{s3_bucket}/{uuid.uuid4().hex[:12]}")  # type: ignore[assignment]
         faults_factory = staticmethod(lambda: Faults(proxy=s3_fault_proxy))  # type: ignore[assignment]
