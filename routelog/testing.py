@@ -1,4 +1,5 @@
-"""Test helpers shipped with routelog: a fault-injecting filesystem to exercise retries and failure paths, and
+"""Test helpers shipped with routelog: a fault-injecting filesystem to exercise retries and failure paths, a hook
+that runs another process's operation inside a writer's commit window (:func:`before_first_log_create`), and
 megatron-core on CPU (:func:`megatron_on_cpu`) for tests and examples.
 
 ``FaultyFileSystem`` wraps any fsspec filesystem and makes a seeded fraction of calls fail the way object stores
@@ -143,6 +144,27 @@ def faulty_storage(
         retry=RetryPolicy(attempts=12, base_delay=0.001, max_delay=0.01),
     )
     return storage, faulty
+
+
+def before_first_log_create(storage: Storage, action: Callable[[], object]) -> Callable[[], None]:
+    """Run ``action`` once, just before ``storage``'s first create of a step-log entry (a writer's commit, a drop, a
+    seal): what happens there happens after the writer read the log to decide and before its entry lands (another
+    writer's commit, a drop, a seal, a barrier two racing writers meet at, or an exception: a crash). Returns the
+    function that removes the hook."""
+    original, done = storage.create, [False]
+
+    def create(key: str, data: bytes) -> bool:
+        if "/log/" in key and not done[0]:
+            done[0] = True
+            action()
+        return original(key, data)
+
+    storage.create = create  # type: ignore[method-assign]
+
+    def remove() -> None:
+        storage.create = original  # type: ignore[method-assign]
+
+    return remove
 
 
 def megatron_on_cpu() -> None:

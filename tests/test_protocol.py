@@ -47,6 +47,7 @@ from routelog.errors import (
 from routelog.format import CommitRecord, DropRecord, parse_log_document
 from routelog.gc import MIN_GRACE
 from routelog.process_writer import ProcessWriter
+from routelog.testing import before_first_log_create
 from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
 from routelog.verify import verify_store
 from routelog.writer import StepWriter, WriterError
@@ -352,15 +353,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         writers = []
         for writer_id, variant in zip(racers, variants, strict=True):
             store = self._open_store()
-            original, waited = store.storage.create, []
-
-            def create(key: str, data: bytes, original: Any = original, waited: list[bool] = waited) -> bool:
-                if "/log/" in key and not waited:
-                    waited.append(True)
-                    both_built.wait()
-                return bool(original(key, data))
-
-            store.storage.create = create  # type: ignore[method-assign]
+            before_first_log_create(store.storage, both_built.wait)
             writer = store.writer(STEP, writer_id, background=False, flush_bytes=1 << 40, flush_seconds=None)
             writer.append(record_of(sample, variant)[0])
             writers.append(writer)
@@ -403,15 +396,11 @@ class ProtocolMachine(RuleBasedStateMachine):
             writer.real.close()
             return
         assert writer.store is not None
-        storage = writer.store.storage
-        original = storage.create
 
-        def crash(key: str, payload: bytes) -> bool:
-            if "/log/" in key:
-                raise SimulatedCrash
-            return bool(original(key, payload))
+        def crash() -> None:
+            raise SimulatedCrash
 
-        storage.create = crash  # type: ignore[method-assign]
+        before_first_log_create(writer.store.storage, crash)
         expected, _, _ = self._flush_outcome(writer)
         if expected is None:  # nothing to upload: the crash changes nothing
             writer.real.abort()
@@ -431,21 +420,14 @@ class ProtocolMachine(RuleBasedStateMachine):
         writer = self.writers[writer_id]
         self._count("seal_in_window")
         assert writer.store is not None
-        storage, sealed = writer.store.storage, []
-        original = storage.create
-
-        def create(key: str, payload: bytes) -> bool:
-            if "/log/" in key and not sealed:
-                sealed.append(self.store.seal(STEP))
-            return bool(original(key, payload))
-
+        sealed: list[Any] = []
         entry = Entry("seal")
         self.model.entries.append(entry)
-        storage.create = create  # type: ignore[method-assign]
+        remove = before_first_log_create(writer.store.storage, lambda: sealed.append(self.store.seal(STEP)))
         try:
             self._flush(writer_id, close=False)
         finally:
-            storage.create = original  # type: ignore[method-assign]
+            remove()
         self.intent = True
         assert sealed and sealed[0].position == len(self.model.entries) - 1
         entry.created_at = sealed[0].sealed_at

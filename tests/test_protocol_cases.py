@@ -38,6 +38,7 @@ from routelog.errors import (
 from routelog.fault_proxy import Fault, FaultProxy
 from routelog.fidelity import StepFidelity, write_fidelity
 from routelog.gc import GcRefusedError
+from routelog.testing import before_first_log_create
 from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
 from routelog.verify import verify_store
 from routelog.writer import WriterError
@@ -78,15 +79,7 @@ def _race(url: str, record: Record, writer_ids: tuple[str, str]) -> list[routelo
     writers = []
     for writer_id in writer_ids:
         store = routelog.open_store(url)
-        original, waited = store.storage.create, []
-
-        def create(key: str, data: bytes, original: Any = original, waited: list[bool] = waited) -> bool:
-            if "/log/" in key and not waited:
-                waited.append(True)
-                both_built.wait()
-            return bool(original(key, data))
-
-        store.storage.create = create  # type: ignore[method-assign]
+        before_first_log_create(store.storage, both_built.wait)
         writer = store.writer(0, writer_id, background=False)
         writer.append(record)
         writers.append(writer)
@@ -287,20 +280,6 @@ def test_the_winner_of_a_race_does_not_depend_on_the_writers_clocks(tmp_path: Pa
     np.testing.assert_array_equal(_reads(url)["s0"], first)
 
 
-def _in_the_commit_window(writer_store: routelog.Store, operation: Any) -> None:
-    """Run ``operation`` (another process's drop or seal) once, after the writer read the log to decide and before
-    its commit's create: the entry it appends lands between the two."""
-    original, done = writer_store.storage.create, []
-
-    def create(key: str, data: bytes) -> bool:
-        if "/log/" in key and not done:
-            done.append(True)
-            operation()
-        return bool(original(key, data))
-
-    writer_store.storage.create = create  # type: ignore[method-assign]
-
-
 def test_a_drop_in_the_commit_window_of_a_re_send_writes_it_after_all(tmp_path: Path) -> None:
     """A re-send found present when the writer decided, whose present copy a drop removed before the writer's
     commit landed: the writer writes it after all (never reports present what no reader reads)."""
@@ -310,7 +289,7 @@ def test_a_drop_in_the_commit_window_of_a_re_send_writes_it_after_all(tmp_path: 
     writer = writer_store.writer(0, "b", background=False)
     for record in _records("s0", "s1"):
         writer.append(record)
-    _in_the_commit_window(writer_store, lambda: routelog.open_store(url).drop(0, sample_ids=["s0"]))
+    before_first_log_create(writer_store.storage, lambda: routelog.open_store(url).drop(0, sample_ids=["s0"]))
     writer.close()
     assert writer.already_present == [] and sum(c.n_records for c in writer.commits) == 2
     assert sorted(_reads(url)) == ["s0", "s1"]
@@ -325,7 +304,7 @@ def test_a_seal_in_the_commit_window_refuses_the_commit(tmp_path: Path) -> None:
     writer_store = routelog.open_store(url)
     writer = writer_store.writer(0, "b", background=False)
     writer.append(_records("s1")[0])
-    _in_the_commit_window(writer_store, lambda: routelog.open_store(url).seal(0))
+    before_first_log_create(writer_store.storage, lambda: routelog.open_store(url).seal(0))
     with pytest.raises(WriterError, match="sealed") as raised:
         writer.close()
     assert raised.value.sample_ids == ["s1"] and writer.commits == []

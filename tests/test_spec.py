@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 import tracemalloc
 from typing import Any
 
@@ -362,7 +361,6 @@ def test_in_range_hf_configs_still_parse() -> None:
 )
 def test_huge_layer_counts_are_refused_before_allocating(build: Any) -> None:
     tracemalloc.start()
-    started = time.perf_counter()
     try:
         with pytest.raises(ModelSpecError, match="layers"):
             build()
@@ -370,7 +368,6 @@ def test_huge_layer_counts_are_refused_before_allocating(build: Any) -> None:
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, f"{peak} bytes allocated to refuse the spec"
-    assert time.perf_counter() - started < 5
 
 
 SPEC = {"num_layers": 4, "moe_layers": (1,), "num_experts": 8, "topk": 2}

@@ -20,6 +20,7 @@ import numpy as np
 import routelog
 from routelog import ModelSpec, PartOptions, Record, Segment
 from routelog.format import FORMAT_VERSION
+from routelog.testing import before_first_log_create
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / f"golden-v{FORMAT_VERSION}"
 
@@ -324,15 +325,7 @@ def write_history(root: Path, expected: dict[str, np.ndarray]) -> None:
     racers = []
     for writer_id in ("gamma", "delta"):  # both decide to write "r" before either commits: one copy is shadowed
         racer = routelog.open_store(url)
-        original, waited = racer.storage.create, []
-
-        def create(key: str, data: bytes, original: Callable[..., bool] = original, waited: list[int] = waited) -> bool:
-            if "/log/" in key and not waited:
-                waited.append(1)
-                both_built.wait()
-            return original(key, data)
-
-        racer.storage.create = create  # type: ignore[method-assign]
+        before_first_log_create(racer.storage, both_built.wait)
         writer = racer.writer(0, writer_id, background=False)
         writer.append(raced)
         racers.append(writer)
