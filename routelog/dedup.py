@@ -129,8 +129,10 @@ class _Part:
     """A part whose rows candidates point at."""
 
     source: RowSource
-    key: str | None
-    """``steps/<step>/parts/<name>`` once committed; None for the part being built."""
+    key: str
+    """``steps/<step>/parts/<name>``: what spans pointing at its rows name."""
+    committed: bool
+    """False while its writer builds, uploads and commits it (only its own later parts may point at it then)."""
 
 
 @dataclass(frozen=True)
@@ -153,29 +155,30 @@ class PrefixIndex:
     _by_probe: dict[bytes, list[_Placed]] = field(default_factory=dict)
     _ids: dict[str, int] = field(default_factory=dict)
     _building: dict[int, PartRows] = field(default_factory=dict)
-    """Parts being built (not committed yet), whose rows grow as records are placed."""
+    """Parts of this writer not committed yet, whose rows grow as records are placed."""
     _next_id: int = 0
     _token_bytes: int = 0
 
     # -- parts --------------------------------------------------------------------------------------------------
-    def begin_part(self, rows: PartRows) -> int:
-        """Register the part being built; its records are placed with :meth:`place`."""
-        part = self._add(rows, None)
+    def begin_part(self, rows: PartRows, key: str) -> int:
+        """Register the part being built as ``key``; its records are placed with :meth:`place`. The writer's later
+        parts may point at its rows before it is committed: they are committed after it, and fail with it
+        (:meth:`abandon`)."""
+        part = self._add(rows, key, committed=False)
         self._building[part] = rows
         return part
 
     def part_id(self, key: str) -> int | None:
-        """The id of the committed part ``key``, if it is registered (and not forgotten)."""
+        """The id of the part ``key``, if it is registered (and not forgotten)."""
         return self._ids.get(key)
 
     def add_committed(self, source: RowSource, key: str) -> int:
         """Register a committed part (another writer's) whose records :meth:`add_record` will list."""
-        return self._add(source, key)
+        return self._add(source, key, committed=True)
 
-    def committed(self, part: int, key: str) -> None:
-        """The part being built was committed as ``key``: later parts may point at it."""
-        self._parts[part].key = key
-        self._ids[key] = part
+    def committed(self, part: int) -> None:
+        """The part was committed: it is kept until the budget or a drop forgets it."""
+        self._parts[part].committed = True
         self._building.pop(part, None)
         self._evict()
 
@@ -190,11 +193,10 @@ class PrefixIndex:
         if parts:
             self._forget(parts)
 
-    def _add(self, source: RowSource, key: str | None) -> int:
+    def _add(self, source: RowSource, key: str, *, committed: bool) -> int:
         part, self._next_id = self._next_id, self._next_id + 1
-        self._parts[part] = _Part(source, key)
-        if key is not None:
-            self._ids[key] = part
+        self._parts[part] = _Part(source, key, committed)
+        self._ids[key] = part
         return part
 
     # -- records ----------------------------------------------------------------------------------------------
@@ -307,10 +309,10 @@ class PrefixIndex:
         return self._token_bytes + sum(p.source.nbytes for p in self._parts.values())
 
     def _evict(self) -> None:
-        """Forget the oldest committed parts (and the records pointing at them) while over the budget; the part
-        being built is never forgotten."""
+        """Forget the oldest committed parts (and the records pointing at them) while over the budget; parts not
+        committed yet are never forgotten."""
         while self.nbytes > self.budget_bytes:
-            oldest = next((p for p, entry in self._parts.items() if entry.key is not None), None)
+            oldest = next((p for p, entry in self._parts.items() if entry.committed), None)
             if oldest is None:
                 return
             self._forget({oldest})
@@ -319,7 +321,7 @@ class PrefixIndex:
         for part in parts:
             self._building.pop(part, None)
             entry = self._parts.pop(part, None)
-            if entry is not None and entry.key is not None:
+            if entry is not None:
                 self._ids.pop(entry.key, None)
         kept: dict[bytes, list[_Placed]] = {}
         self._token_bytes = 0

@@ -138,20 +138,27 @@ class BuiltPart:
 
 
 def build_part(
-    records: Sequence[PreparedRecord], spec: ModelSpec, options: PartOptions, prefixes: PrefixIndex | None = None
+    records: Sequence[PreparedRecord],
+    spec: ModelSpec,
+    options: PartOptions,
+    prefixes: PrefixIndex | None = None,
+    key: str = "",
 ) -> BuiltPart:
     """Concatenate the records' stored rows into one sharded zarr array (and one per extra stream the records
     carry, and one of routing weights when some record has them) and write their Parquet index.
 
     With ``dedup="step"``, ``prefixes`` is the writer's index of the step's earlier records (a fresh one when
-    None): shared prefixes may then point at earlier committed parts."""
+    None): shared prefixes may then point at its earlier parts, and its later parts at this one, which they name
+    by ``key`` (the part's ``steps/<step>/parts/<name>``, required with ``prefixes``)."""
     capacity = sum(r.rows.shape[1] for r in records)  # at most: shared prefixes only make it smaller
     routing = PartRows(spec.num_moe_layers, spec.topk, spec.id_dtype, capacity, options.weights_dtype)
     if options.dedup == "off":
         prefixes = None
     elif options.dedup == "part" or prefixes is None:
-        prefixes = PrefixIndex()
-    part_id = None if prefixes is None else prefixes.begin_part(routing)
+        prefixes = PrefixIndex()  # nothing outside the part names it
+    elif not key:
+        raise ValueError("build_part: a part placed in a shared prefix index needs its key")
+    part_id = None if prefixes is None else prefixes.begin_part(routing, key)
     try:
         return _build(records, spec, options, routing, prefixes, part_id)
     except BaseException:

@@ -6,11 +6,12 @@ Readers only follow commits, so a writer that dies before its commit leaves orph
 half-visible part. No shared object is ever read, modified and written back, so any number of writers append to a
 step without coordination.
 
-Streaming: ``append`` validates and canonicalises a record on the caller's thread (so a bad record raises there
-and nothing else is affected, at about 1 GB/s of routing); compression, upload and commit run on a background
-thread. A bounded queue of parts gives backpressure, so memory stays within about ``(max_pending + 2) x
-flush_bytes`` plus the shared-prefix index's budget (:data:`routelog.dedup.DEFAULT_BUDGET_BYTES`) whatever the run
-length. Parts are flushed by size and by age.
+Streaming: ``append`` validates and canonicalises a record on the caller's thread (so a bad record raises there and
+nothing else is affected, at about 1 GB/s of routing); compression runs on a background thread, upload and commit on
+another, so a part is compressed while the one before it is written and made durable (a part that shares rows with
+an earlier part of the writer is committed after it, or fails with it). A bound on the parts pending gives
+backpressure, so memory stays within about ``(max_pending + 2) x flush_bytes`` plus the shared-prefix index's budget
+(:data:`routelog.dedup.DEFAULT_BUDGET_BYTES`) whatever the run length. Parts are flushed by size and by age.
 
 What a writer reports is true at its commit's position in the log, where every entry before it is known to it:
 
@@ -48,13 +49,14 @@ import pyarrow as pa
 from routelog import keys
 from routelog.dedup import PrefixIndex
 from routelog.errors import DuplicateSampleError, InvalidRecordError, RoutelogError, StepSealedError, StoreError
-from routelog.format import INDEX_SCHEMA, CommitRecord, SealRecord, utc_now
+from routelog.format import INDEX_SCHEMA, CommitRecord, ObjectInfo, SealRecord, utc_now
 from routelog.history import StepHistory
 from routelog.part import BuiltPart, PartOptions, build_part
 from routelog.peers import PeerParts
 from routelog.record import PreparedRecord, Record, prepare_record
 from routelog.root import StoreRoot
 from routelog.steplog import Entry, StepLog
+from routelog.storage import Storage
 
 DEFAULT_FLUSH_BYTES = 64 << 20
 """Raw-equivalent bytes of routing buffered before a part is written (zarr's >= 1 MB advice, S3's 8-16 MB GETs)."""
@@ -99,6 +101,22 @@ class _Outcome:
     """Sample id -> why it is not committed."""
     rewrite: list[PreparedRecord] = field(default_factory=list)
     """Records found present whose present copy a concurrent drop removed: written by a follow-up part."""
+
+
+@dataclass
+class _Staged:
+    """A batch decided and built, waiting for its upload and commit."""
+
+    batch: _Batch
+    outcome: _Outcome
+    """What was decided before the build (records found present or refused)."""
+    records: list[PreparedRecord]
+    """The records built into the part."""
+    built: BuiltPart | None
+    """None when no record is left to write."""
+    name: str
+    started: float
+    """When the writer last read the step before the build (its commit must follow within ``max_commit_delay``)."""
 
 
 _PRESENT = "present"
@@ -165,6 +183,10 @@ class StepWriter:
         self._prefixes = PrefixIndex()
         self._peers = PeerParts(store, self.step, self._prefixes) if self.options.dedup == "step" else None
         self._history = StepHistory(StepLog(store, self.step), columns=_DECIDING_COLUMNS)
+        self._state = threading.RLock()
+        """The step as this writer knows it (log, live records, shared-prefix index): one thread at a time."""
+        self._uncommitted: set[str] = set()
+        """Keys of this writer's parts that were built and not (or not surely) committed."""
         self._live: dict[str, tuple[str | None, int, int]] = {}
         self._sealed: StepSealedError | None = None
         self._evaluated = -1
@@ -184,28 +206,33 @@ class StepWriter:
         self._error: WriterError | None = None
         self._closed = False
         self._aborted = False
-        self._queue: queue.Queue[_Batch | None] = queue.Queue(maxsize=max(1, max_pending))
-        self._worker: threading.Thread | None = None
+        self.max_pending = max(1, max_pending)
+        self._queue: queue.Queue[_Batch | None] = queue.Queue()
+        self._staged: queue.Queue[_Staged | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
         if background:
-            self._worker = threading.Thread(target=self._run, name=f"routelog-writer-{self.writer_id}", daemon=True)
-            self._worker.start()
+            for target, role in ((self._run_builder, "builder"), (self._run_committer, "committer")):
+                thread = threading.Thread(target=target, name=f"routelog-{role}-{self.writer_id}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
     # -- the step as this writer knows it ---------------------------------------------------------------------------
     def _refresh(self) -> None:
         """Read the step's new log entries (and the indexes of new commits); other writers' parts become shared-
         prefix candidates, parts dropped whole stop being ones."""
-        _, tables = self._history.refresh()
-        if len(self._history.log.entries) == self._evaluated:  # nothing new (appends read entries too)
-            return
-        self._evaluated = len(self._history.log.entries)
-        view = self._history.view()
-        self._live = view.live_records()
-        if self._peers is not None:
-            self._peers.absorb(view, tables)
-        if view.seal is not None:
-            self._sealed = self._sealed or StepSealedError(
-                f"step {self.step} of {self.store.url} is sealed and accepts no more records"
-            )
+        with self._state:
+            _, tables = self._history.refresh()
+            if len(self._history.log.entries) == self._evaluated:  # nothing new (appends read entries too)
+                return
+            self._evaluated = len(self._history.log.entries)
+            view = self._history.view()
+            self._live = view.live_records()  # replaced, never changed in place: appends read it without the lock
+            if self._peers is not None:
+                self._peers.absorb(view, tables)
+            if view.seal is not None:
+                self._sealed = self._sealed or StepSealedError(
+                    f"step {self.step} of {self.store.url} is sealed and accepts no more records"
+                )
 
     def _check_not_sealed(self) -> None:
         """Refuse to upload into a step that is sealed or being sealed (its commits would be refused)."""
@@ -300,26 +327,43 @@ class StepWriter:
             batch = self._take_buffer()
         if batch is None:
             return
-        if self._worker is None:
-            self._process(batch)
-        else:
-            self._queue.put(batch)  # backpressure: waits while max_pending parts are queued
+        if not self._threads:
+            staged = self._stage_or_fail(batch)
+            if staged is not None:
+                self._complete(staged)
+            return
+        self._queue.put(batch)
+        with self._done:  # backpressure: max_pending parts waiting, one being built or committed
+            while self._pending > self.max_pending + 1:
+                self._done.wait(timeout=1.0)
 
-    # -- background ------------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            try:
-                item = self._queue.get(timeout=self._wait_time())
-            except queue.Empty:
-                with self._lock:
-                    due = self._buffer_since is not None and self._age() >= (self.flush_seconds or float("inf"))
-                    batch = self._take_buffer() if due else None
-                if batch is not None:
-                    self._process(batch)
-                continue
-            if item is None:
-                return
-            self._process(item)
+    # -- background: a builder thread and a committer thread -------------------------------------------------------
+    # The builder decides and compresses part k + 1 while the committer uploads part k, waits for the storage to
+    # make it durable and commits it. Part k + 1 may share rows with part k before k is committed: the committer
+    # commits parts in order, and fails a part that shares rows with one of this writer's parts that was not
+    # committed (its records are reported, never pointed at a part that may vanish).
+    def _run_builder(self) -> None:
+        try:
+            while True:
+                try:
+                    item = self._queue.get(timeout=self._wait_time())
+                except queue.Empty:
+                    with self._lock:
+                        due = self._buffer_since is not None and self._age() >= (self.flush_seconds or float("inf"))
+                        item = self._take_buffer() if due else None
+                    if item is None:
+                        continue
+                if item is None:
+                    return
+                staged = self._stage_or_fail(item)
+                if staged is not None:
+                    self._staged.put(staged)
+        finally:
+            self._staged.put(None)
+
+    def _run_committer(self) -> None:
+        while (staged := self._staged.get()) is not None:
+            self._complete(staged)
 
     def _age(self) -> float:
         return 0.0 if self._buffer_since is None else time.monotonic() - self._buffer_since
@@ -330,15 +374,67 @@ class StepWriter:
                 return 1.0
             return max(0.01, min(1.0, self.flush_seconds - self._age()))
 
-    def _process(self, batch: _Batch) -> None:
+    def _stage_or_fail(self, batch: _Batch) -> _Staged | None:
+        """The batch built as a part, or None when it failed (reported) or the writer was aborted."""
+        try:
+            if not self._aborted:
+                return self._stage(batch, share=True)
+        except Exception as exc:  # surfaced to the caller at its next call
+            self._fail(batch, exc, _ids([*batch.records, *batch.presumed]))
+        self._finished()
+        return None
+
+    def _stage(self, batch: _Batch, *, share: bool) -> _Staged:
+        """Decide on the step as it is now which records to write, and build them as a part. ``share``: place them
+        in the writer's shared-prefix index (parts built out of order, the committer's rewrites, never are)."""
+        with self._state:
+            self._check_not_sealed()
+            started = time.monotonic()  # shared prefixes point at what this refresh saw: the commit must follow soon
+            self._refresh()
+            if self._sealed is not None:
+                raise self._sealed
+            outcome = _Outcome()
+            records = []
+            for record in [*batch.records, *batch.presumed]:
+                verdict = self._verdict(record, self._live.get(record.row.sample_id))
+                if verdict is None:
+                    records.append(record)
+                elif verdict == _PRESENT:
+                    outcome.present.append(record.row.sample_id)
+                else:
+                    outcome.refused[record.row.sample_id] = verdict
+            name = keys.new_part_name(self.writer_id, batch.seq)
+            staged = _Staged(batch, outcome, records, None, name, started)
+            if not records:
+                return staged
+            options, prefixes = self.options, self._prefixes if share else None
+            if not share and options.dedup == "step":
+                options = replace(options, dedup="part")
+            key = keys.part_dir(self.step, name)
+            spec = self.store.model_spec
+            try:
+                staged.built = build_part(records, spec, options, prefixes, key)
+            except Exception:  # append validated these records: find the one that still fails
+                staged.records, refused = _isolate_failures(records, self.store, self.options)
+                outcome.refused.update(refused)
+                if staged.records:
+                    staged.built = build_part(staged.records, spec, options, prefixes, key)
+            return staged
+
+    def _complete(self, staged: _Staged) -> None:
+        """Upload and commit a built part, report what happened to each of its records, and write the records a
+        concurrent drop left without their present copy."""
+        batch = staged.batch
         try:
             for _ in range(_REWRITE_ROUNDS):
                 if self._aborted:
+                    self._abandon(staged)
                     break
-                if self._sealed is not None:  # learned since the batch was taken: its records are not committed
+                if self._sealed is not None:  # learned since the part was built: its records are not committed
+                    self._abandon(staged)
                     self._fail(batch, self._sealed, _ids([*batch.records, *batch.presumed]))
                     break
-                outcome = self._publish(batch)
+                outcome = self._commit(staged)
                 if outcome.commit is not None:
                     with self._lock:
                         self.commits.append(outcome.commit)
@@ -352,14 +448,27 @@ class StepWriter:
                 with self._lock:  # present copies a drop removed meanwhile: written in a part of their own
                     batch = _Batch(self._next_seq, outcome.rewrite)
                     self._next_seq += 1
+                staged = self._stage(batch, share=False)
             else:
                 self._fail(batch, RoutelogError("drops kept removing the copies found present"), _ids(batch.records))
         except Exception as exc:  # surfaced to the caller at its next call
             self._fail(batch, exc, _ids([*batch.records, *batch.presumed]))
         finally:
-            with self._done:
-                self._pending -= 1
-                self._done.notify_all()
+            self._finished()
+
+    def _finished(self) -> None:
+        with self._done:
+            self._pending -= 1
+            self._done.notify_all()
+
+    def _abandon(self, staged: _Staged) -> None:
+        """The part will not be committed: the writer's later parts that share its rows fail with it."""
+        if staged.built is None:
+            return
+        with self._state:
+            self._uncommitted.add(keys.part_dir(self.step, staged.name))
+            if staged.built.prefix_part is not None:
+                self._prefixes.abandon(staged.built.prefix_part)
 
     def _settle(self, outcome: _Outcome) -> None:
         """Move records between the counts once their fate at the commit's position is known."""
@@ -393,56 +502,49 @@ class StepWriter:
             else:  # several parts failed before the caller looked: report them together
                 self._error = WriterError(f"{self._error}; and {error}", [*self._error.sample_ids, *sample_ids])
 
-    def _publish(self, batch: _Batch) -> _Outcome:
-        """Decide, build, upload and commit a part; the outcome says what happened to each record at the commit's
-        position in the log (see the module docs)."""
-        self._check_not_sealed()
-        started = time.monotonic()  # shared prefixes point at what this refresh saw: the commit must follow soon
-        self._refresh()
-        if self._sealed is not None:
-            raise self._sealed
-        outcome = _Outcome()
-        candidates = [*batch.records, *batch.presumed]
-        records = []
-        for record in candidates:
-            verdict = self._verdict(record, self._live.get(record.row.sample_id))
-            if verdict is None:
-                records.append(record)
-            elif verdict == _PRESENT:
-                outcome.present.append(record.row.sample_id)
-            else:
-                outcome.refused[record.row.sample_id] = verdict
-        spec = self.store.model_spec
-        if records:
-            try:
-                built = build_part(records, spec, self.options, self._prefixes)
-            except Exception:  # append validated these records: find the one that still fails
-                records, refused = _isolate_failures(records, self.store, self.options)
-                outcome.refused.update(refused)
-                if not records:
-                    return outcome
-                built = build_part(records, spec, self.options, self._prefixes)
-            try:
-                entry = publish_part(
+    def _commit(self, staged: _Staged) -> _Outcome:
+        """Upload and commit a built part; the outcome says what happened to each record at the commit's position
+        in the log (see the module docs)."""
+        built = staged.built
+        if built is None:  # nothing left to write: decide on the log as it is now
+            with self._state:
+                self._refresh()
+                return self._decided(staged, self._history.log.next_position)
+        try:
+            base = next((s.part for r in built.rows for s in r.spans if s.part in self._uncommitted), None)
+            if base is not None:
+                raise StoreError(
+                    f"part {staged.name} shares rows with part {base} of this writer, which was not committed"
+                )
+            infos = upload_part(self.store.storage, self.step, staged.name, built)
+            with self._state:
+                entry = commit_part(
                     self._history.log,
                     self.writer_id,
-                    batch.seq,
+                    staged.batch.seq,
+                    staged.name,
                     built,
-                    started=started,
+                    infos,
+                    started=staged.started,
                     max_commit_delay=self.max_commit_delay,
                 )
-            except BaseException:  # not (or not surely) part of the step: never point at it
-                if built.prefix_part is not None:
-                    self._prefixes.abandon(built.prefix_part)
-                raise
-            outcome.commit = _commit(entry)
+        except BaseException:  # not (or not surely) part of the step: never point at it
+            self._abandon(staged)
+            raise
+        with self._state:
+            staged.outcome.commit = _commit(entry)
             self._history.tables[entry.key] = _deciding_table(built)
             if built.prefix_part is not None:
-                self._prefixes.committed(built.prefix_part, keys.part_dir(self.step, outcome.commit.part))
-        self._refresh()  # every entry before this commit is known now: decide on them
-        position = self._history.log.next_position if not records else entry.position
+                self._prefixes.committed(built.prefix_part)
+            self._refresh()  # every entry before this commit is known now: decide on them
+            return self._decided(staged, entry.position)
+
+    def _decided(self, staged: _Staged, position: int) -> _Outcome:
+        """Under the state lock: the fate of the staged records, on the log read up to ``position`` (where their
+        commit is, or would be)."""
+        outcome = staged.outcome
         winners = self._live
-        for record in records:
+        for record in staged.records:
             sid = record.row.sample_id
             winner = winners.get(sid)
             if winner is not None and winner[2] == position:
@@ -453,7 +555,7 @@ class StepWriter:
                 outcome.present.append(sid)
             elif verdict is not None:
                 outcome.refused[sid] = verdict
-        found = {r.row.sample_id: r for r in candidates}
+        found = {r.row.sample_id: r for r in [*staged.batch.records, *staged.batch.presumed]}
         for sid in list(outcome.present):
             winner = winners.get(sid)
             if winner is None or winner[2] >= position:  # a drop removed the present copy: write it after all
@@ -517,9 +619,10 @@ class StepWriter:
         if self._closed:
             return
         self._closed = True
-        if self._worker is not None:
-            self._queue.put(None)
-            self._worker.join()
+        if self._threads:
+            self._queue.put(None)  # the builder passes it on to the committer
+            for thread in self._threads:
+                thread.join()
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -566,49 +669,55 @@ def _isolate_failures(
     return good, refused
 
 
-def publish_part(
+def upload_part(storage: Storage, step: int, name: str, built: BuiltPart) -> list[ObjectInfo]:
+    """Write a part's objects under its fresh directory ``name`` (on local disk durably, see
+    :meth:`~routelog.storage.Storage.write_many`); returns what its commit lists of them."""
+    _check_within_step(built, step)
+    infos = built.object_infos()
+    base = keys.part_dir(step, name)
+    storage.write_many({f"{base}/{key}": data for key, data in built.objects.items()})
+    return infos
+
+
+def commit_part(
     log: StepLog,
     writer_id: str,
     seq: int,
+    name: str,
     built: BuiltPart,
+    infos: list[ObjectInfo],
     *,
-    started: float | None = None,
+    started: float,
     max_commit_delay: float = MAX_COMMIT_DELAY,
 ) -> Entry:
-    """Upload a part's objects, then create its commit as the next entry of the step's log (the part becomes
-    visible); returns the entry.
+    """Create the commit of an uploaded part as the next entry of the step's log (the part becomes visible);
+    returns the entry.
 
     The create is only attempted within ``max_commit_delay`` seconds of ``started`` (the writer's last read of the
-    step, whose parts the part's shared prefixes may point at; default: the upload's start), so ``routelog gc``
-    (whose grace period is longer) never collects a part that is about to be committed, nor one that a commit is
-    about to point at. Raises :class:`~routelog.errors.StepSealedError` when a seal precedes the position the
-    commit would take.
+    step, whose parts the part's shared prefixes may point at), so ``routelog gc`` (whose grace period is longer)
+    never collects a part that is about to be committed, nor one that a commit is about to point at. Raises
+    :class:`~routelog.errors.StepSealedError` when a seal precedes the position the commit would take.
     """
-    storage = log.store.storage
     step = log.step
-    _check_within_step(built, step)
-    deadline = (time.monotonic() if started is None else started) + max_commit_delay
-    part = keys.new_part_name(writer_id, seq)
-    base = keys.part_dir(step, part)
-    storage.write_many({f"{base}/{name}": data for name, data in built.objects.items()})
+    deadline = started + max_commit_delay
 
     def no_seal(new: Sequence[Entry]) -> None:
         sealed = next((e for e in new if isinstance(e.doc, SealRecord)), None)
         if sealed is not None:
             raise StepSealedError(
-                f"step {step} of {log.store.url} was sealed (log entry {sealed.name}) before part {part} could be "
+                f"step {step} of {log.store.url} was sealed (log entry {sealed.name}) before part {name} could be "
                 "committed; its records are not part of the step"
             )
         if time.monotonic() > deadline:
             raise StoreError(
-                f"step {step}: part {part} could not be committed within {max_commit_delay:.0f} s of reading the "
+                f"step {step}: part {name} could not be committed within {max_commit_delay:.0f} s of reading the "
                 "step (the storage is too slow for gc's grace period); not committed"
             )
 
     def commit(position: int) -> CommitRecord:
         return CommitRecord(
             step=step,
-            part=part,
+            part=name,
             writer_id=writer_id,
             seq=seq,
             position=position,
@@ -616,7 +725,7 @@ def publish_part(
             n_records=len(built.rows),
             n_tokens=built.n_tokens,
             routing=built.routing,
-            objects=built.object_infos(),
+            objects=infos,
             values=built.values,
             streams=built.streams,
             weights=built.weights,

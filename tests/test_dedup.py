@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import routelog
 from routelog import ModelSpec, PartOptions, Record, keys
+from routelog import writer as writer_module
 from routelog.dedup import CANDIDATES, MIN_SHARED_TOKENS, PrefixIndex
 from routelog.part import build_part
 from routelog.record import prepare_record
 from routelog.synth import synthetic_spec
 from routelog.verify import verify_store
+from routelog.writer import WriterError
 from tests.records import random_routing
 
 SPEC = synthetic_spec(layers=4, experts=32, topk=4)
@@ -346,10 +349,152 @@ def test_the_prefix_index_stays_within_its_budget() -> None:
     index = PrefixIndex(budget_bytes=30_000)
     options = PartOptions()
     for i, record in enumerate(records):
-        part = build_part([prepare_record(record, SPEC, 0, "sorted")], SPEC, options, index)
+        part = build_part(
+            [prepare_record(record, SPEC, 0, "sorted")], SPEC, options, index, keys.part_dir(0, f"w.{i:08d}.00")
+        )
         assert part.prefix_part is not None
-        index.committed(part.prefix_part, keys.part_dir(0, f"w.{i:08d}.00"))
+        index.committed(part.prefix_part)
         assert index.nbytes <= 30_000 + part.routing.n_rows * SPEC.num_moe_layers * SPEC.topk
     assert part.routing.n_rows == int(records[-1].valid.sum()), (
         "the first part (and all that pointed at it) was forgotten"
     )
+
+
+# -- a writer's pipeline: part k + 1 is built while part k is uploaded and committed --------------------------------
+def _pipelined_writer(
+    store: routelog.Store, monkeypatch: pytest.MonkeyPatch, parts: int, fail: tuple[str, int] | None
+) -> tuple[routelog.StepWriter, list[str]]:
+    """A writer whose every record is a part of its own (``parts`` of them), and whose part ``fail[1]`` (0-based)
+    fails at its upload or its commit (``fail[0]``) only once the part after it is built (so that one may share its
+    rows). Returns the writer and the names of the parts it uploaded."""
+    builds, built = [0], threading.Condition()
+    real_build = writer_module.build_part
+
+    def counted_build(*args: Any, **kwargs: Any) -> Any:  # the real build, counted
+        part = real_build(*args, **kwargs)
+        with built:
+            builds[0] += 1
+            built.notify_all()
+        return part
+
+    monkeypatch.setattr(writer_module, "build_part", counted_build)
+    storage = store.storage
+    uploads: list[str] = []
+    real_write_many, real_create = storage.write_many, storage.create
+
+    def wait_for_next_build() -> None:
+        with built:  # every part up to the one after this one
+            assert built.wait_for(lambda: builds[0] >= min(len(uploads) + 1, parts), timeout=30), "never built"
+
+    def write_many(objects: Any) -> None:
+        uploads.append(next(iter(objects)).split("/")[3])
+        if fail is not None and fail == ("upload", len(uploads) - 1):
+            wait_for_next_build()
+            raise OSError(28, "No space left on device (injected)")
+        real_write_many(objects)
+
+    def create(key: str, data: bytes) -> bool:
+        if fail is not None and fail == ("commit", len(uploads) - 1) and "/log/" in key:
+            wait_for_next_build()
+            raise OSError(5, "Input/output error (injected)")
+        return real_create(key, data)
+
+    monkeypatch.setattr(storage, "write_many", write_many)
+    monkeypatch.setattr(storage, "create", create)
+    return store.writer(0, "w", flush_bytes=1, flush_seconds=None), uploads
+
+
+def _check_no_span_leaves_the_step(store: routelog.Store) -> None:
+    """Every span of every committed record points at a committed part."""
+    snapshot = store.step(0)
+    parts = {keys.part_dir(0, c.part) for c in snapshot.commits}
+    for sample_id in snapshot.sample_ids:
+        for span in snapshot.info(sample_id).spans:
+            assert span.part is None or span.part in parts, (sample_id, span.part)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 2**16),
+    groups=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    fail=st.none() | st.tuples(st.sampled_from(["upload", "commit"]), st.integers(0, 6)),
+)
+def test_a_pipelined_part_that_fails_takes_only_the_parts_built_on_it(
+    monkeypatch: pytest.MonkeyPatch, seed: int, groups: list[int], fail: tuple[str, int] | None
+) -> None:
+    """Part k + 1 is built (and may point at part k's rows) while part k is uploaded and committed. When part k
+    fails, exactly its records and those of the later parts built on it are reported not committed; everything else
+    is committed and reads back exactly, no committed record points at a part that was not committed, and the
+    records reported can be written again."""
+    rng = np.random.default_rng(seed)
+    records = [r for g, n in enumerate(groups) for r in _grpo_group(rng, f"g{g}", n, prompt_len=40)]
+    with monkeypatch.context() as patch:
+        store = routelog.create_store(f"memory://dedup-tests/{uuid.uuid4().hex}", SPEC)
+        writer, uploads = _pipelined_writer(
+            store, patch, len(records), fail if fail is None or fail[1] < len(records) else None
+        )
+        errors: list[WriterError] = []
+        for record in records:
+            try:
+                writer.append(record)
+            except WriterError as exc:  # a failed part, reported at the next call: the writer stays usable
+                errors.append(exc)
+                writer.append(record)
+        try:
+            writer.close()
+        except WriterError as exc:
+            errors.append(exc)
+    failing = fail is not None and fail[1] < len(records)
+    assert bool(errors) == failing
+    reopened = routelog.open_store(store.url)
+    committed = set(reopened.step(0).sample_ids) if reopened.steps() else set()
+    not_committed = {sid for error in errors for sid in error.sample_ids}
+    assert committed | not_committed == {r.sample_id for r in records}
+    assert not committed & not_committed
+    if failing:
+        assert fail is not None and records[fail[1]].sample_id in not_committed
+        reported = " ".join(map(str, errors))
+        if len(not_committed) > 1:  # the later parts built on it say so
+            assert f"shares rows with part {keys.part_dir(0, uploads[fail[1]])}" in reported, reported
+    if committed:
+        _check_no_span_leaves_the_step(reopened)
+    _assert_reads_back(reopened, [r for r in records if r.sample_id in committed])
+    with reopened.writer(0, "again") as again:  # what was reported may be written again
+        for record in records:
+            if record.sample_id in not_committed:
+                again.append(record)
+    _assert_reads_back(routelog.open_store(store.url), records)
+
+
+def test_a_part_is_built_while_the_one_before_it_commits_and_shares_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline overlaps: the second part of a group is built before the first one's upload, and points at it."""
+    rng = np.random.default_rng(3)
+    records = _grpo_group(rng, "g", 3, prompt_len=60)
+    store = routelog.create_store(f"memory://dedup-tests/{uuid.uuid4().hex}", SPEC)
+    gate = threading.Event()
+    real_build = writer_module.build_part
+
+    def build_then_open(*args: Any, **kwargs: Any) -> Any:
+        part = real_build(*args, **kwargs)
+        if args[0][0].row.sample_id == "g/1":
+            gate.set()
+        return part
+
+    real_write_many = store.storage.write_many
+    uploads: list[str] = []
+
+    def held_write_many(objects: Any) -> None:
+        uploads.append(next(iter(objects)).split("/")[3])
+        if len(uploads) == 1:  # the first part's upload waits for the second part's build
+            assert gate.wait(timeout=30), "the second part was not built while the first one was in flight"
+        real_write_many(objects)
+
+    monkeypatch.setattr(writer_module, "build_part", build_then_open)
+    monkeypatch.setattr(store.storage, "write_many", held_write_many)
+    with store.writer(0, "w", flush_bytes=1, flush_seconds=None) as writer:
+        for record in records:
+            writer.append(record)
+    snapshot = routelog.open_store(store.url).step(0)
+    assert [c.part for c in snapshot.commits] == uploads, "committed in the order they were built"
+    assert snapshot.info("g/1").spans[0].part == keys.part_dir(0, uploads[0]), "it points at the first part's rows"
+    _assert_reads_back(routelog.open_store(store.url), records)
