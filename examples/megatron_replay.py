@@ -7,10 +7,12 @@ loads only its share in the background, and hands each micro-batch to the router
                          RankCoords(tp=tp_rank, cp=cp_rank, pp=pp_rank), micro_batches)
     replay = MegatronReplay(model_chunks, plan, config=model_config)   # refuses fused routers, sinkhorn, ...
     for mb in ReplayLoader(url, step, plan):                            # prefetches the next micro-batches
-        with replay.forward(mb, vp_stage=chunk, tokens=token_ids_of(mb)):
+        with replay.forward(mb, vp_stage=chunk):
             output = forward_step(...)                                  # routers select the rollout's experts
     ...backward (recomputation pops the same targets)...
-    replay.end_step()                                                   # after optimizer.step()
+    replay.check()                                  # before optimizer.step(): tokens fed row by row, routes taken
+    optimizer.step()
+    replay.end_step()
 
 This script runs that flow for real on CPU with megatron-core 0.16: a tiny GPT model with dense and MoE layers,
 routing written to a local store, and every MoE layer's routing checked against the store.
@@ -88,7 +90,11 @@ with routelog.open_writer(url, step=0, model_spec=spec) as writer:
 plan = AlignmentPlan(spec, ParallelLayout(), Packing("verl"), RankCoords(), tuple(parse_micro_batches("s0,s1|s2")))
 replay = MegatronReplay([model], plan, config=config)
 for mb in ReplayLoader(url, 0, plan):
-    with replay.forward(mb, tokens=[tokens[sid] for sid in mb.sample_ids]):
+    fed = torch.from_numpy(np.concatenate([tokens[sid] for sid in mb.sample_ids]))[None]  # veRL's packing, TP = 1
+    with replay.forward(mb):
+        # A forward starts at the embedding: routelog compares the token fed at every router row with the token
+        # its routing was recorded for (a reordered or changed micro-batch fails the step before the optimizer).
+        model.embedding(input_ids=fed, position_ids=torch.arange(fed.shape[1])[None])
         for j, layer in enumerate(layer for layer in model.decoder.layers if hasattr(layer.mlp, "router")):
             hidden = torch.randn(mb.ids.shape[1], 1, 32)  # this rank's packed tokens, as the MoE layer sees them
             _, routing_map = layer.mlp.router(hidden)
@@ -98,5 +104,5 @@ for mb in ReplayLoader(url, 0, plan):
         f"micro-batch {mb.index}: {mb.ids.shape[1]} rows x {len(mb.routers)} routers replayed "
         f"({int(mb.mask.sum())} recorded, {int((~mb.mask).sum())} padding/missing with distinct dummies)"
     )
-replay.end_step()
+replay.end_step()  # judges the step: tokens row by row, routes taken by every router
 dist.destroy_process_group()

@@ -107,8 +107,10 @@ for mb, samples in zip(micro_batches, order, strict=True):
     inputs = transformer_impl.MegatronEngineWithLMHead.prepare_model_inputs(None, mb)
     set_model_router_replay_action(model, RouterReplayAction.REPLAY_FORWARD)
     transformer_impl.set_router_replay_data(inputs["routed_experts"], None, config, vp_rank=0, model=model)
-    _, packed, _ = preprocess_thd_engine(mb["input_ids"], pre_process=True)
+    input_ids, packed, _ = preprocess_thd_engine(mb["input_ids"], pre_process=True)
     replay._pre_forward(model, (), {"packed_seq_params": packed})  # the hook the chunk's forward triggers
+    # The forward starts at the embedding: the token fed at each row is checked against the recorded one.
+    model.embedding(input_ids=input_ids, position_ids=torch.arange(input_ids.shape[1])[None])
     rows = int(packed.cu_seqlens_q_padded[-1])
     starts = packed.cu_seqlens_q_padded.tolist()
     for layer in model.decoder.layers:

@@ -12,6 +12,7 @@ exceeds a threshold, or when a rank was about to install routing recorded for ot
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,38 +68,60 @@ class StepFidelity:
         return out
 
 
+def wilson_lower_bound(successes: int, trials: int, z: float) -> float:
+    """The lower end of the Wilson score interval of a binomial proportion, ``z`` standard deviations wide: the
+    smallest rate the counts are consistent with (0 without trials)."""
+    if trials <= 0:
+        return 0.0
+    p = successes / trials
+    z2 = z * z
+    centre = p + z2 / (2 * trials)
+    spread = z * math.sqrt(p * (1 - p) / trials + z2 / (4 * trials * trials))
+    return max(0.0, (centre - spread) / (1 + z2 / trials))
+
+
 @dataclass(frozen=True)
 class FidelityGate:
-    """When to stop training: a layer whose router diff exceeds ``max_router_diff`` (checked once it has seen
-    ``min_rows`` replayed rows, so a tiny first micro-batch cannot trip it), or routing recorded for other tokens.
-    ``"warn"`` reports instead of raising."""
+    """When to stop training: a layer whose router diff is above ``max_router_diff`` beyond doubt, or routing
+    recorded for other tokens. ``"warn"`` reports instead of raising.
+
+    A layer fails when even the lower end of its router diff's Wilson score interval (``z`` standard deviations)
+    is above the threshold: a few rows that happen to differ cannot trip the gate, and a disagreement far above it
+    trips it on a small step (with ``z = 3``, three rows that all differ are enough for a 20 % gate)."""
 
     max_router_diff: float | None = 0.5
-    min_rows: int = 1024
+    z: float = 3.0
     on_exceed: Literal["raise", "warn"] = "raise"
     on_token_mismatch: Literal["raise", "warn"] = "raise"
 
     def __post_init__(self) -> None:
         if self.max_router_diff is not None and not 0.0 <= self.max_router_diff <= 1.0:
             raise ValueError(f"max_router_diff must lie in [0, 1], got {self.max_router_diff}")
+        if not 0.0 <= self.z <= 10.0:
+            raise ValueError(f"z must lie in [0, 10] standard deviations, got {self.z}")
         if self.on_exceed not in ("raise", "warn") or self.on_token_mismatch not in ("raise", "warn"):
             raise ValueError("on_exceed and on_token_mismatch take 'raise' or 'warn'")
 
-    def check(self, counts: StepFidelity, where: str) -> None:
-        """Raise (or warn) when a layer's router diff is above the threshold."""
+    def exceeded(self, counts: StepFidelity) -> dict[int, float]:
+        """Per layer over the gate beyond doubt, its router diff."""
         if self.max_router_diff is None:
-            return
-        over = {
+            return {}
+        return {
             layer: diff
             for layer, diff in counts.router_diff().items()
-            if counts.replayed[layer] >= self.min_rows and diff > self.max_router_diff
+            if wilson_lower_bound(counts.differing[layer], counts.replayed[layer], self.z) > self.max_router_diff
         }
-        if over:
+
+    def check(self, counts: StepFidelity, where: str) -> None:
+        """Raise (or warn) when a layer's router diff is above the threshold beyond doubt."""
+        over = self.exceeded(counts)
+        if over and self.max_router_diff is not None:
             worst = max(over, key=over.__getitem__)
             self._act(
                 self.on_exceed,
                 f"{where}: the trainer's router disagrees with the replayed routing on {over[worst]:.1%} of layer "
-                f"{worst}'s rows (gate: {self.max_router_diff:.1%}; {len(over)} layers over it). The trainer's "
+                f"{worst}'s {counts.replayed[worst]} rows (gate: {self.max_router_diff:.1%}; {len(over)} layers "
+                "over it). The trainer's "
                 "weights or numerics have drifted far from the engine's, or the routing belongs to other tokens: "
                 "check the policy version of the rollout, the model spec and the alignment",
             )

@@ -21,6 +21,7 @@ from routelog.fidelity import (
     fidelity_over_steps,
     read_fidelity,
     step_fidelity,
+    wilson_lower_bound,
     write_fidelity,
 )
 from routelog.format import FidelityRecord, utc_now
@@ -71,7 +72,7 @@ def _train_step(replay: object, chunk: object, url: str, step: int) -> dict[int,
     for mb, native in zip(mbs, natives, strict=True):
         tokens = [np.arange(LENGTHS[int(s[1:])]) + 100 * int(s[1:]) for s in mb.sample_ids]
         with replay.forward(mb, tokens=tokens):
-            run_moe_layers(chunk, mb.ids.shape[1], seed=step + 11)
+            run_moe_layers(chunk, mb.ids.shape[1], seed=step + 11, mb=mb)
         for j, router in enumerate(mb.routers):
             rows, differing = expected.get(router.layer_number, (0, 0))
             replayed = np.sort(mb.ids[j], axis=-1)[mb.mask]
@@ -127,11 +128,11 @@ def test_the_gate_stops_training_when_the_router_diff_is_too_high(store_url: str
     from routelog.megatron import MegatronReplay
 
     (chunk,) = build_chunks(megatron_config())
-    replay = MegatronReplay([chunk], _plan(), gate=FidelityGate(max_router_diff=0.05, min_rows=10))
+    replay = MegatronReplay([chunk], _plan(), gate=FidelityGate(max_router_diff=0.05))
     _train_step(replay, chunk, store_url, 0)
     with pytest.raises(ReplayFidelityError, match=r"disagrees with the replayed routing on .*% of layer"):
         replay.end_step()
-    lenient = MegatronReplay([chunk], _plan(), gate=FidelityGate(max_router_diff=0.05, min_rows=10, on_exceed="warn"))
+    lenient = MegatronReplay([chunk], _plan(), gate=FidelityGate(max_router_diff=0.05, on_exceed="warn"))
     _train_step(lenient, chunk, store_url, 0)
     with pytest.warns(RuntimeWarning, match="disagrees"):
         lenient.end_step()
@@ -140,6 +141,7 @@ def test_the_gate_stops_training_when_the_router_diff_is_too_high(store_url: str
     relaxed.end_step()
 
 
+@pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning")  # megatron-core's
 def test_the_gate_refuses_routing_recorded_for_other_tokens(store_url: str) -> None:
     from routelog.megatron import MegatronReplay
 
@@ -151,8 +153,30 @@ def test_the_gate_refuses_routing_recorded_for_other_tokens(store_url: str) -> N
         pass
     monitor = MegatronReplay([chunk], _plan(), gate=FidelityGate(on_token_mismatch="warn", max_router_diff=None))
     with pytest.warns(RuntimeWarning, match="tokens fed hash"), monitor.forward(mb, tokens=wrong):
-        pass
+        run_moe_layers(chunk, mb.ids.shape[1], mb=mb)
     assert monitor.end_step().token_mismatches == 1
+
+
+def test_a_total_disagreement_fails_even_a_small_step() -> None:
+    """The gate's noise floor is statistical: every row differing fails a 20 % gate from three rows on, and a few
+    rows that differ by chance do not trip it."""
+    gate = FidelityGate(max_router_diff=0.2)
+
+    def counts(rows: int, differing: int) -> StepFidelity:
+        out = StepFidelity()
+        out.add(3, rows, differing)
+        return out
+
+    for rows in (3, 10, 1000):
+        with pytest.raises(ReplayFidelityError, match=f"100.0% of layer 3's {rows} rows"):
+            gate.check(counts(rows, rows), "step 0")
+    gate.check(counts(2, 2), "step 0")  # two rows prove nothing
+    gate.check(counts(40, 12), "step 0")  # 30 % of 40 rows: not beyond doubt above 20 %
+    with pytest.raises(ReplayFidelityError):
+        gate.check(counts(4000, 1200), "step 0")  # 30 % of 4000 rows is
+    assert wilson_lower_bound(0, 0, 3.0) == 0.0
+    assert wilson_lower_bound(50, 100, 0.0) == 0.5
+    assert 0.35 < wilson_lower_bound(50, 100, 3.0) < 0.5
 
 
 def test_a_fidelity_document_must_be_consistent() -> None:

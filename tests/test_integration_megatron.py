@@ -16,7 +16,7 @@ from routelog.align.plan import MicroBatchReplay
 from routelog.fidelity import FidelityGate, ReplayFidelityError, read_fidelity
 from routelog.integrations.megatron import ReplayHook
 from tests.test_fidelity import LENGTHS, store_url  # noqa: F401  (store_url: the fixture)
-from tests.test_megatron import HIDDEN, SPEC, build_chunks, megatron_config, moe_layers, selected
+from tests.test_megatron import HIDDEN, SPEC, build_chunks, embed, fed_tokens, megatron_config, moe_layers, selected
 
 pytestmark = pytest.mark.usefixtures("megatron_env")
 torch = pytest.importorskip("torch")
@@ -47,6 +47,7 @@ def _drive(
         m = calls[chunk]
         calls[chunk] += 1
         rows = hook.micro_batch(m).ids.shape[1]
+        embed(model, fed_tokens(hook.micro_batch(m)))  # the first stage's embedding takes the micro-batch's tokens
         routed: dict[int, np.ndarray] = {}
         total = None
         for layer in moe_layers(model):
@@ -113,12 +114,13 @@ def test_the_hook_fails_closed(store_url: str) -> None:  # noqa: F811
         layout=ParallelLayout(),
         rank=RankCoords(),
         packing=Packing("verl"),
-        gate=FidelityGate(max_router_diff=0.01, min_rows=1),
+        gate=FidelityGate(max_router_diff=0.01),
     )
     hook.begin_step(0, MICRO_BATCHES)
-    _drive(hook, [chunk], [0, 0], {})
-    with pytest.raises(ReplayFidelityError, match="disagrees"):
-        hook.end_step()
+    with pytest.raises(ReplayFidelityError, match="disagrees"):  # judged at the step's last forward
+        _drive(hook, [chunk], [0, 0], {})
+    assert all(layer.mlp.router.weight.grad is None for layer in moe_layers(chunk)), "no backward ran, no update"
+    hook.end_step()
     hook.begin_step(0, MICRO_BATCHES)
     with pytest.raises(ReplayFidelityError, match="tokens fed hash"):  # the trainer fed s1's tokens as s0's
         _drive(hook, [chunk], [0, 0], {}, tokens_of=lambda mb: [_tokens(mb)[-1]] * len(mb.sample_ids))

@@ -326,6 +326,7 @@ def test_mtp_routers_never_receive_decoder_routes() -> None:
         assert mtp_router.router_replay.router_replay_action is None
         assert mtp_router.router_replay.target_topk_idx is None
         assert all(r.router_replay.target_topk_idx is not None for r in routers(chunk).values())
+        route(chunk, torch.randn(rank["micro_batches"][0]["rows"], 1, HIDDEN))  # the forward's decoder routers
         replay.set_router_replay_backward(unexpected, chunk)
         assert mtp_router.router_replay.router_replay_action is None, "recomputation would pop an empty list"
         replay.clear_router_replay(nothing, chunk)

@@ -28,6 +28,7 @@ import pytest
 import routelog
 from routelog import AlignmentError, DuplicateSampleError, IngestError, ModelSpecError, ReplayConfigError
 from routelog.align import RankCoords
+from routelog.fidelity import ReplayFidelityError
 from routelog.integrations import slime
 from routelog.integrations.slime import SlimeReplay
 from routelog.part import PartOptions
@@ -395,7 +396,7 @@ def test_the_router_diff_is_measured_judged_and_published(
 
     args = fixture.args()
     args.use_rollout_routing_replay = True
-    gate = FidelityGate(max_router_diff=0.5, min_rows=1)
+    gate = FidelityGate(max_router_diff=0.5)
     replay = slime.install(args, url=url, actor_class=MegatronTrainRayActor, gate=gate, fidelity_writer="train")
     actor = MegatronTrainRayActor(args, megatron_chunks(fixture))
     for tp in range(2):
@@ -410,7 +411,7 @@ def test_the_router_diff_is_measured_judged_and_published(
     diff = total.router_diff()
     assert all(0.15 < d < 0.35 for d in diff.values()), diff  # about every 4th row
     assert replay.meter is None  # ended with the rollout
-    replay.gate = FidelityGate(max_router_diff=0.1, min_rows=1)
+    replay.gate = FidelityGate(max_router_diff=0.1)
     fake_slime.registry.all_routing_replays = [SlimeRoutingReplay() for _ in range(6)]
     with pytest.raises(ReplayFidelityError, match="rollout 7"):
         actor.train(ROLLOUT, fixture.rollout_data(0))
@@ -595,9 +596,19 @@ def test_failures_name_the_sample_and_the_fix(tmp_path: Path) -> None:
     with pytest.raises(AlignmentError, match=r"sample '7/\d+': the trainer feeds \d+ tokens, its routing was"):
         record(shorter)
     other = {**data, "tokens": [t + 1 for t in data["tokens"]]}
-    with pytest.raises(AlignmentError, match=r"sample '7/\d+': the tokens fed hash to"):
+    with pytest.raises(
+        ReplayFidelityError, match=r"row 0 feeds token \d+ where sample '7/\d+' had token \d+ at position 0"
+    ):
         record(other)
     record(other, check_tokens=False)  # only the lengths are checked then
+    one = [t.clone() for t in data["tokens"]]
+    one[0][3] += 1  # one token of the first sample, same length
+    with pytest.raises(ReplayFidelityError, match=r"at position 3 \(1 of \d+ rows differ\)"):
+        record({**data, "tokens": one})
+    without = {k: v for k, v in data.items() if k != "tokens"}
+    with pytest.raises(ReplayFidelityError, match=r"rollout_data has no 'tokens'.*check_tokens=False"):
+        record(without)
+    record(without, check_tokens=False)  # turned off by name
     with pytest.raises(ModelSpecError, match=r"num_experts=16 \(store: 10\)"):
         SlimeReplay(url, rank=rank).record(ROLLOUT, SimpleNamespace(**{**vars(args), "num_experts": 16}), data, [])
     with pytest.raises(AlignmentError, match="'partition'"):

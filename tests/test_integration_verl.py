@@ -16,7 +16,7 @@ import pytest
 
 import routelog
 from routelog.align import ParallelLayout
-from tests.test_megatron import HIDDEN, SPEC, megatron_config, moe_layers, selected
+from tests.test_megatron import HIDDEN, SPEC, embed, megatron_config, moe_layers, selected
 
 pytestmark = [
     pytest.mark.usefixtures("megatron_env"),
@@ -190,8 +190,9 @@ def test_each_micro_batch_installs_the_rows_the_model_computes_on(
         set_model_router_replay_action(chunk, verl_replay.RouterReplayAction.REPLAY_FORWARD)
         impl.set_router_replay_data(inputs["routed_experts"], None, config, vp_rank=0, model=chunk)
         # What veRL's forward hands the model: its own THD packing of the micro-batch.
-        _, params, _ = preprocess_thd_engine(mb["input_ids"], pre_process=True, use_fp8_padding=fp8 is not None)
+        fed, params, _ = preprocess_thd_engine(mb["input_ids"], pre_process=True, use_fp8_padding=fp8 is not None)
         replay._pre_forward(chunk, (), {"packed_seq_params": params})
+        embed(chunk, fed)  # the model's first stage takes veRL's packed input_ids
         rows = int(params.cu_seqlens_q_padded[-1])
         seen: dict[int, np.ndarray] = {}
         for layer in moe_layers(chunk):
@@ -286,6 +287,7 @@ def test_bshd_without_remove_padding_replays_where_the_model_computes(
     set_model_router_replay_action(chunk, verl_replay.RouterReplayAction.REPLAY_FORWARD)
     impl.set_router_replay_data(inputs["routed_experts"], None, config, vp_rank=0, model=chunk)
     replay._pre_forward(chunk, (), {"input_ids": bshd})
+    embed(chunk, bshd)
     for layer in moe_layers(chunk):
         _, routing_map = layer.mlp.router(torch.randn(width, len(order), HIDDEN))  # [S, B, H], as Megatron runs it
         chosen = selected(routing_map.detach())

@@ -31,7 +31,7 @@ import pytest
 
 import routelog
 from tests.test_integration_verl import agent_loop_batch, verl_patched  # noqa: F401  (fixture: veRL's RouterReplay patch, undone after)
-from tests.test_megatron import HIDDEN, SPEC, build_chunks, megatron_config, moe_layers, selected
+from tests.test_megatron import HIDDEN, SPEC, build_chunks, embed, megatron_config, moe_layers, selected
 
 pytestmark = [
     pytest.mark.usefixtures("megatron_env", "verl_patched", "engine_restored"),
@@ -132,6 +132,9 @@ def _routelog_forward(replay: Any, mb: Any, config: Any, chunk: Any, vp: int, pa
     set_model_router_replay_action(chunk, RouterReplayAction.REPLAY_FORWARD)
     impl.set_router_replay_data(inputs["routed_experts"], None, config, vp_rank=vp, model=chunk)
     replay._pre_forward(chunk, (), {"packed_seq_params": params})
+    from verl.models.mcore.util import preprocess_thd_engine
+
+    embed(chunk, preprocess_thd_engine(mb["input_ids"], pre_process=True)[0])  # the rank's packed input_ids
     seen = _route(chunk, rows)
     set_model_router_replay_action(chunk, RouterReplayAction.REPLAY_BACKWARD)
     return seen

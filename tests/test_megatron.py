@@ -12,6 +12,8 @@ import pytest
 import routelog
 from routelog import AlignmentError, ModelSpec, Record, ReplayConfigError
 from routelog.align import AlignmentPlan, Packing, ParallelLayout, RankCoords, parse_micro_batches
+from routelog.align.plan import MicroBatchReplay
+from routelog.fidelity import FidelityGate, ReplayFidelityError
 from routelog.loader import ReplayLoader
 
 pytestmark = pytest.mark.usefixtures("megatron_env")
@@ -65,7 +67,7 @@ def build_chunks(config: Any, pp_rank: int = 0) -> list[Any]:
             GPTModel(
                 config=config,
                 transformer_layer_spec=block,
-                vocab_size=64,
+                vocab_size=512,
                 max_sequence_length=256,
                 pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
                 vp_stage=v if vpp > 1 else None,
@@ -120,8 +122,29 @@ def selected(routing_map: Any) -> np.ndarray:
     return np.sort(np.nonzero(routing_map.numpy())[1].reshape(routing_map.shape[0], -1), axis=-1)
 
 
-def run_moe_layers(chunk: Any, rows: int, seed: int = 1) -> tuple[dict[int, np.ndarray], Any]:
-    """Forward every MoE layer of a chunk on random hidden states [T, 1, H]; returns each router's selection."""
+def embed(chunk: Any, input_ids: Any) -> None:
+    """Run the chunk's embedding on ``input_ids`` (``[B, S]``; 1-D: one packed row), as the forward of a chunk of
+    the first pipeline stage does before any router (other chunks have no embedding)."""
+    if not getattr(chunk, "pre_process", False):
+        return
+    ids = torch.as_tensor(np.asarray(input_ids, np.int64))
+    ids = ids[None] if ids.dim() == 1 else ids
+    chunk.embedding(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1))
+
+
+def fed_tokens(mb: MicroBatchReplay) -> np.ndarray:
+    """The tokens a trainer feeds for ``mb`` when it feeds what the rollout generated (0 on padding rows)."""
+    assert mb.tokens is not None
+    return np.where(mb.tokens >= 0, mb.tokens, 0)
+
+
+def run_moe_layers(
+    chunk: Any, rows: int, seed: int = 1, mb: MicroBatchReplay | None = None
+) -> tuple[dict[int, np.ndarray], Any]:
+    """Forward every MoE layer of a chunk on random hidden states [T, 1, H]; returns each router's selection. With
+    ``mb``, the chunk's embedding first takes the micro-batch's own tokens (as a forward of the first stage does)."""
+    if mb is not None:
+        embed(chunk, fed_tokens(mb))
     torch.manual_seed(seed)
     seen: dict[int, np.ndarray] = {}
     total = None
@@ -151,7 +174,7 @@ def test_routers_select_exactly_the_stored_experts_and_gradients_flow(store_url:
                 for s, n in zip(mb.sample_ids, [13, 22, 9, 17][int(mb.sample_ids[0][1:]) :], strict=False)
             ],
         ):
-            seen, loss = run_moe_layers(chunk, mb.ids.shape[1])
+            seen, loss = run_moe_layers(chunk, mb.ids.shape[1], mb=mb)
         for j, router in enumerate(mb.routers):
             np.testing.assert_array_equal(seen[router.layer_number], np.sort(mb.ids[j], axis=-1))
         loss.backward()
@@ -171,7 +194,7 @@ def test_recompute_pops_the_same_targets_in_order(store_url: str) -> None:
     mbs = list(ReplayLoader(store_url, 0, plan()))
     for mb in mbs:  # forward of micro-batch 0 then 1 (activation recomputation deferred to backward)
         with replay.forward(mb):
-            run_moe_layers(chunk, mb.ids.shape[1])
+            run_moe_layers(chunk, mb.ids.shape[1], mb=mb)
     first = next(moe_layers(chunk)).mlp.router
     for mb in mbs:  # recomputation in backward order of 1F1B: oldest first
         _, routing_map = first(torch.randn(mb.ids.shape[1], 1, HIDDEN))
@@ -201,8 +224,11 @@ def test_row_count_mismatch_fails_loudly(store_url: str) -> None:
     replay = MegatronReplay([chunk], plan())
     mb = next(iter(ReplayLoader(store_url, 0, plan())))
     with replay.forward(mb), pytest.raises(AlignmentError, match="the router sees"):
-        run_moe_layers(chunk, mb.ids.shape[1] + 1)
-    replay.end_step()
+        run_moe_layers(chunk, mb.ids.shape[1] + 1, mb=mb)
+    with pytest.raises(ReplayFidelityError, match="inert"):  # the step stays failed: no router took the routes
+        replay.end_step()
+    for layer in moe_layers(chunk):
+        assert layer.mlp.router.router_replay.target_topk_idx is None, "and its routes are cleared all the same"
 
 
 def test_tokens_that_do_not_match_the_routing_are_refused(store_url: str) -> None:
@@ -292,7 +318,7 @@ def test_mtp_routers_are_never_replayed_and_their_recordings_become_the_mtp_stre
     model = GPTModel(
         config=config,
         transformer_layer_spec=block,
-        vocab_size=64,
+        vocab_size=512,
         max_sequence_length=256,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
         mtp_block_spec=get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=False),
@@ -308,7 +334,7 @@ def test_mtp_routers_are_never_replayed_and_their_recordings_become_the_mtp_stre
         mb = next(iter(loader))
     rows = mb.ids.shape[1]
     with replay.forward(mb):
-        seen, _ = run_moe_layers(model, rows)
+        seen, _ = run_moe_layers(model, rows, mb=mb)
         hidden = torch.randn(rows, 1, HIDDEN)
         native = selected(mtp_router(hidden)[1])  # the MTP router routes on its own logits
     for j, router in enumerate(mb.routers):
@@ -361,6 +387,7 @@ def test_missing_rows_take_the_routers_own_choice_with_the_router_policy(
                     prompt_len=2,
                     response_len=n - 2,
                     valid=valid,
+                    token_ids=rng.integers(0, 64, n),
                 )
             )
     p = AlignmentPlan(
@@ -371,7 +398,7 @@ def test_missing_rows_take_the_routers_own_choice_with_the_router_policy(
     native, _ = run_moe_layers(chunk, mb.ids.shape[1], seed=5)  # no replay action: the routers' own choice
     replay = MegatronReplay([chunk], p, config=megatron_config())
     with replay.forward(mb):
-        seen, loss = run_moe_layers(chunk, mb.ids.shape[1], seed=5)
+        seen, loss = run_moe_layers(chunk, mb.ids.shape[1], seed=5, mb=mb)
     loss.backward()
     assert not mb.mask.all() and mb.mask.any()
     for j, router in enumerate(mb.routers):
@@ -386,3 +413,122 @@ def test_missing_rows_take_the_routers_own_choice_with_the_router_policy(
     replay.end_step()
     replay.remove()
     assert not isinstance(next(moe_layers(chunk)).mlp.router.router_replay.get_replay_topk, MaskedTopk), "restored"
+
+
+# -- replay that cannot go wrong quietly ----------------------------------------------------------------------------
+def _embedded_forward(replay: Any, chunk: Any, mb: MicroBatchReplay, input_ids: np.ndarray) -> None:
+    """A first-stage forward: the embedding takes ``input_ids``, then every MoE layer routes."""
+    with replay.forward(mb):
+        embed(chunk, input_ids)
+        run_moe_layers(chunk, mb.ids.shape[1])
+
+
+def test_reordered_samples_are_refused_row_by_row(store_url: str) -> None:
+    """The trainer feeds s0 then s1 while the routing was gathered for s1 then s0: same rows in all (no padding),
+    so counts and shapes agree; only the tokens row by row tell, and the step fails before the optimizer."""
+    from routelog.megatron import MegatronReplay
+
+    (chunk,) = build_chunks(megatron_config())
+    claimed = AlignmentPlan(SPEC, ParallelLayout(), Packing("verl"), RankCoords(), tuple(parse_micro_batches("s1,s0")))
+    fed = np.concatenate([np.arange(13), np.arange(22) + 1])  # s0's tokens, then s1's (see the fixture)
+    replay = MegatronReplay([chunk], claimed)
+    mb = next(iter(ReplayLoader(store_url, 0, claimed)))
+    _embedded_forward(replay, chunk, mb, fed)
+    with pytest.raises(ReplayFidelityError, match=r"row 0 feeds token 0 where sample 's1' had token 1 at position 0"):
+        replay.check()
+    truthful = MegatronReplay([chunk], claimed)
+    _embedded_forward(truthful, chunk, mb, np.concatenate([np.arange(22) + 1, np.arange(13)]))
+    truthful.end_step()  # the same micro-batch fed as recorded passes
+
+
+def test_one_changed_token_is_named_with_its_sample_and_position(store_url: str) -> None:
+    from routelog.megatron import MegatronReplay
+
+    (chunk,) = build_chunks(megatron_config())
+    replay = MegatronReplay([chunk], plan())
+    mb = next(iter(ReplayLoader(store_url, 0, plan())))
+    fed = fed_tokens(mb).copy()
+    fed[13 + 7] = 63  # s1's token at position 7 (s0 takes the first 13 rows)
+    _embedded_forward(replay, chunk, mb, fed)
+    with pytest.raises(ReplayFidelityError, match=r"row 20 feeds token 63 where sample 's1' had token 8 at position 7"):
+        replay.end_step()
+
+
+def test_records_without_token_ids_are_refused_unless_the_check_is_off_by_name(
+    make_routing: Callable[..., np.ndarray],
+) -> None:
+    import uuid
+
+    from routelog.megatron import MegatronReplay
+
+    url = f"memory://megatron/{uuid.uuid4().hex}"
+    rng = np.random.default_rng(4)
+    with routelog.open_writer(url, 0, model_spec=SPEC) as writer:
+        for i in range(2):
+            writer.append(
+                Record(sample_id=f"s{i}", expert_ids=make_routing(rng, 9, 6, 8, 2), prompt_len=3, response_len=6)
+            )
+    p = AlignmentPlan(SPEC, ParallelLayout(), Packing("verl"), RankCoords(), tuple(parse_micro_batches("s0,s1")))
+    (chunk,) = build_chunks(megatron_config())
+    mb = next(iter(ReplayLoader(url, 0, p)))
+    with pytest.raises(ReplayFidelityError, match=r"\['s0', 's1'\] were stored without token ids.*check_tokens='off'"):
+        MegatronReplay([chunk], p).install(mb)
+    unchecked = MegatronReplay([chunk], p, check_tokens="off")
+    with unchecked.forward(mb):
+        seen, _ = run_moe_layers(chunk, mb.ids.shape[1])
+    for j, router in enumerate(mb.routers):
+        np.testing.assert_array_equal(seen[router.layer_number], np.sort(mb.ids[j], axis=-1))
+    unchecked.end_step()
+
+
+def test_routes_no_router_takes_fail_the_step(store_url: str) -> None:
+    """The trainer's replay switch is off: routes are handed over, the routers route natively. Inert, so the step
+    fails; the same forward with the action set passes."""
+    from routelog.megatron import MegatronReplay
+
+    (chunk,) = build_chunks(megatron_config())
+    replay = MegatronReplay([chunk], plan())
+    mb = next(iter(ReplayLoader(store_url, 0, plan())))
+    replay.install(mb)  # as a trainer that sets the replay action itself would, and then does not
+    run_moe_layers(chunk, mb.ids.shape[1], mb=mb)
+    with pytest.raises(ReplayFidelityError, match=r"layers \[2, 3, 4, 6, 7, 8\] and no forward took them"):
+        replay.end_step()
+    with replay.forward(mb):
+        run_moe_layers(chunk, mb.ids.shape[1], mb=mb)
+    replay.end_step()
+
+
+def test_a_token_check_that_could_not_run_fails_the_step(store_url: str) -> None:
+    """Routes installed for two micro-batches with no forward of the first stage between them: the first one's
+    tokens were never seen."""
+    from routelog.megatron import MegatronReplay
+
+    (chunk,) = build_chunks(megatron_config())
+    replay = MegatronReplay([chunk], plan())
+    first, second = list(ReplayLoader(store_url, 0, plan()))
+    with replay.forward(first):
+        run_moe_layers(chunk, first.ids.shape[1])  # the layers ran, the embedding did not
+    with replay.forward(second):
+        run_moe_layers(chunk, second.ids.shape[1], mb=second)
+    with pytest.raises(ReplayFidelityError, match="could not be checked for micro-batch 0 on virtual stage 0"):
+        replay.end_step()
+
+
+def test_remove_restores_each_router_exactly(store_url: str) -> None:
+    """After ``remove()`` no per-router override is left: a class-level patch made later reaches every router."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from routelog.megatron import MegatronReplay
+
+    (chunk,) = build_chunks(megatron_config())
+    replays = [layer.mlp.router.router_replay for layer in moe_layers(chunk)]
+    replay = MegatronReplay([chunk], plan(), gate=FidelityGate(max_router_diff=None))
+    assert all("get_replay_topk" in vars(r) for r in replays)
+    replay.remove()
+    assert not any("get_replay_topk" in vars(r) for r in replays)
+    original = RouterReplay.get_replay_topk
+    try:
+        RouterReplay.get_replay_topk = lambda self, *args, **kwargs: "patched"  # type: ignore[method-assign]
+        assert all(r.get_replay_topk() == "patched" for r in replays)
+    finally:
+        RouterReplay.get_replay_topk = original  # type: ignore[method-assign]

@@ -172,6 +172,19 @@ class MicroBatchReplay:
     mask: npt.NDArray[np.bool_]
     """``[T_local]``: rows that replay a recorded route."""
     token_hashes: tuple[str | None, ...] = ()
+    tokens: npt.NDArray[np.int64] | None = None
+    """``[T_local]``: the token id each row's record was written with at that position; -1 for padding rows and
+    rows of records stored without token ids (:attr:`unverified`)."""
+    unverified: tuple[str, ...] = ()
+    """Sample ids of the micro-batch stored without token ids: nothing proves their routing belongs to the tokens
+    fed."""
+    first_index: int = 0
+    """The flat index of ``sample_ids[0]`` in :attr:`positions`."""
+
+    def sample_at(self, row: int) -> tuple[str, int]:
+        """(sample id, token position) of a non-padding row."""
+        sample, position = (int(v) for v in self.positions[row])
+        return self.sample_ids[sample - self.first_index], position
 
     def layer_ids(self, layer_number: int) -> npt.NDArray[np.int64]:
         """The ``[T_local, K]`` tensor of the router with Megatron ``layer_number``."""
@@ -205,6 +218,19 @@ def gather(plan: AlignmentPlan, m: int, routings: Mapping[str, RecordRouting]) -
     ids = np.empty((len(routers), n_rows, spec.topk), dtype=np.int64)
     ids[:] = dummy_routes(n_rows, spec.topk, spec.num_experts)
     mask = np.zeros(n_rows, dtype=bool)
+    first = plan.first_index(m)
+    real = np.flatnonzero(positions[:, 0] != PAD)
+    offsets = np.cumsum([0] + [r.info.n_tokens for r in records])
+    source = offsets[positions[real, 0] - first] + positions[real, 1]
+    tokens = np.full(n_rows, -1, dtype=np.int64)
+    if records:
+        stored = [
+            np.full(r.info.n_tokens, -1, np.int64)
+            if r.info.token_ids is None
+            else np.asarray(r.info.token_ids, np.int64)
+            for r in records
+        ]
+        tokens[real] = np.concatenate(stored)[source]
     if routers and records:
         wanted = plan.moe_layers
         for record in records:
@@ -216,9 +242,6 @@ def gather(plan: AlignmentPlan, m: int, routings: Mapping[str, RecordRouting]) -
         axis = [wanted.index(r.moe_index) for r in routers]
         stacked = np.concatenate([r.by_layer for r in records], axis=1)  # [L_read, sum T, K]
         valid = np.concatenate([_replayable(r, plan.policy_versions) for r in records])
-        offsets = np.cumsum([0] + [r.info.n_tokens for r in records])
-        real = np.flatnonzero(positions[:, 0] != PAD)
-        source = offsets[positions[real, 0] - plan.first_index(m)] + positions[real, 1]
         replay = valid[source]
         rows, source = real[replay], source[replay]
         mask[rows] = True
@@ -231,4 +254,7 @@ def gather(plan: AlignmentPlan, m: int, routings: Mapping[str, RecordRouting]) -
         ids=ids,
         mask=mask,
         token_hashes=tuple(r.info.token_hash for r in records),
+        tokens=tokens,
+        unverified=tuple(r.sample_id for r in records if r.info.token_ids is None),
+        first_index=first,
     )

@@ -3,8 +3,9 @@
 megatron-core calls ``forward_step_func(data_iterator, model)`` once per micro-batch and model chunk; with virtual
 pipeline stages the chunks interleave, but each chunk sees the micro-batches in order. :class:`ReplayHook` keeps a
 cursor per chunk, installs that micro-batch's routes (loaded in the background, only this rank's records and
-layers) around the call, and at the end of the step clears them, lets a :class:`~routelog.fidelity.FidelityGate`
-judge the router diff it measured, and publishes it to the store::
+layers) around the call. At the step's last forward it judges the step (tokens fed row by row, routes taken, the
+router diff a :class:`~routelog.fidelity.FidelityGate` checks), so a bad step raises before its backward and the
+optimizer step; at the end of the step it clears the routes and publishes the router diff to the store::
 
     hook = ReplayHook(url, model_chunks, spec=spec, layout=layout, rank=rank, packing=Packing("megatron"),
                       config=model_config, gate=FidelityGate(max_router_diff=0.2), fidelity_writer="train-r3")
@@ -30,7 +31,7 @@ from routelog.align.plan import MicroBatchReplay, MissingPolicy
 from routelog.errors import AlignmentError
 from routelog.fidelity import FidelityGate, StepFidelity, write_fidelity
 from routelog.loader import ReplayLoader
-from routelog.megatron import MegatronReplay
+from routelog.megatron import MegatronReplay, TokenCheck
 from routelog.spec import ModelSpec
 from routelog.store import Store, open_store
 from routelog.values import LOGPROB_TRAIN
@@ -57,6 +58,7 @@ class ReplayHook:
         fidelity_writer: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
         prefetch: int = 2,
+        check_tokens: TokenCheck = "rows",
     ) -> None:
         self.store = store if isinstance(store, Store) else open_store(store, storage_options=storage_options)
         self.spec = spec or self.store.model_spec
@@ -66,13 +68,16 @@ class ReplayHook:
         self.prefetch = prefetch
         if gate is None and fidelity_writer is not None:
             gate = _MEASURE_ONLY  # measure the router diff to publish it, judge nothing
-        self.replay = MegatronReplay(self.model_chunks, self._plan(()), config=config, gate=gate)
+        self.replay = MegatronReplay(
+            self.model_chunks, self._plan(()), config=config, gate=gate, check_tokens=check_tokens
+        )
         self.step: int | None = None
         self._logprobs: dict[str, npt.NDArray[Any]] = {}
         self._loader: ReplayLoader | None = None
         self._loaded: list[MicroBatchReplay] = []
         self._iterator: Any = None
         self._cursor: dict[int, int] = {}
+        self._micro_batches = self._forwards = 0
 
     def _plan(self, micro_batches: Sequence[MicroBatch]) -> AlignmentPlan:
         return AlignmentPlan(self.spec, self.layout, self.packing, self.rank, tuple(micro_batches), self.missing)
@@ -87,6 +92,7 @@ class ReplayHook:
         self._iterator = iter(self._loader)
         self._loaded = []
         self._cursor = {}
+        self._micro_batches, self._forwards = len(batches), 0
 
     def micro_batch(self, m: int) -> MicroBatchReplay:
         """Micro-batch ``m`` of the step, loaded in order (earlier ones are kept until the step ends)."""
@@ -103,8 +109,9 @@ class ReplayHook:
         return self._loaded[m]
 
     def wrap(self, forward_step: Callable[..., Any], *, tokens_of: TokensOf | None = None) -> Callable[..., Any]:
-        """``forward_step`` with the current micro-batch's routes installed around it. ``tokens_of(mb)`` returns
-        the token ids the micro-batch feeds (in ``mb.sample_ids`` order) to have their hashes checked."""
+        """``forward_step`` with the current micro-batch's routes installed around it; the tokens fed are checked
+        row by row at the first stage's embedding. ``tokens_of(mb)`` (optional) also returns the token ids the
+        micro-batch feeds, per sample in ``mb.sample_ids`` order, to have their hashes checked."""
 
         def forward_step_with_replay(data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
             chunk = self._chunk_of(model)
@@ -113,7 +120,11 @@ class ReplayHook:
             mb = self.micro_batch(m)
             tokens = tokens_of(mb) if tokens_of is not None else None
             with self.replay.forward(mb, vp_stage=chunk, tokens=tokens):
-                return forward_step(data_iterator, model, *args, **kwargs)
+                out = forward_step(data_iterator, model, *args, **kwargs)
+            self._forwards += 1
+            if self._forwards == self._micro_batches * len(self.model_chunks):
+                self.replay.check()  # the step's last forward: judged before its backward and the optimizer step
+            return out
 
         return forward_step_with_replay
 

@@ -77,7 +77,7 @@ from routelog.engines.common import Payload, payload_to_record
 from routelog.errors import AlignmentError, IngestError, RecordNotFoundError, ReplayConfigError
 from routelog.fidelity import FidelityGate, StepFidelity, write_fidelity
 from routelog.loader import ReplayLoader
-from routelog.megatron import MegatronReplay
+from routelog.megatron import MegatronReplay, rows_of_sequences
 from routelog.record import Record
 from routelog.spec import ModelSpec
 from routelog.store import Store, create_store, open_store
@@ -722,7 +722,10 @@ class NemoRLReplay:
         state.step = handle.step
         replay = handle.batch.get(handle.index, state)
         fed = handle.batch.fed[handle.index]
-        forward = state.replay.forward(replay, device=_device(model), tokens=fed.tokens())
+        tokens = fed.tokens()  # NeMo-RL's own micro-batch, as it feeds the model: checked row by row
+        forward = state.replay.forward(
+            replay, device=_device(model), tokens=tokens, fed_rows=rows_of_sequences(replay, tokens)
+        )
         forward.__enter__()
         state.forward = forward
 

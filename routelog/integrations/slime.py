@@ -65,9 +65,9 @@ from routelog.align.plan import MicroBatchReplay
 from routelog.align.positions import PAD
 from routelog.engines.slime import record_from_sample
 from routelog.errors import AlignmentError, IngestError, ModelSpecError, RecordNotFoundError, ReplayConfigError
-from routelog.fidelity import FidelityGate, StepFidelity, write_fidelity
+from routelog.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
 from routelog.loader import ReplayLoader
-from routelog.megatron import check_tokens
+from routelog.megatron import row_mismatch, rows_of_sequences
 from routelog.part import PartOptions
 from routelog.reader import StepSnapshot
 from routelog.record import token_hash
@@ -392,8 +392,11 @@ class SlimeReplay:
     """One training process's replay from a store into slime's ``RoutingReplay`` instances.
 
     ``layout`` and ``rank`` default to slime's arguments and megatron-core's ``parallel_state``; ``spec`` to the
-    store's. ``check_tokens`` compares each record's token hash with the tokens the trainer feeds (one host copy of
-    the token ids per sample and rollout).
+    store's. ``check_tokens`` compares, row by row, the token each record's routing was recorded for with the token
+    slime feeds there (``rollout_data["tokens"]``, one host copy per sample and rollout): a micro-batch whose samples
+    were reordered or changed fails before training, naming the sample, position and both tokens. Without
+    ``tokens`` in the train data, or for records stored without token ids, it refuses; ``check_tokens=False`` turns
+    it off, by name.
 
     With a ``gate`` or a ``fidelity_writer``, :func:`patch` also wraps slime's replaying ``compute_topk``: in
     each ``replay_forward`` call the router's own top-k is computed too (one extra top-k per router and forward,
@@ -525,8 +528,8 @@ class SlimeReplay:
         try:
             snapshot, tokens = self._check_samples(plan, rollout_id, rollout_data, _snapshot(loader))
             for replay in loader:
-                if self.check_tokens and tokens:
-                    check_tokens(replay, [tokens[sid] for sid in replay.sample_ids])
+                if self.check_tokens:
+                    _check_rows(replay, [tokens[sid] for sid in replay.sample_ids])
                 ids = to_slime_rows(plan, replay, [snapshot.info(s).n_tokens for s in replay.sample_ids])
                 host = _host_tensor(ids)  # one pinned buffer per micro-batch; each router records its own view
                 for j, target in enumerate(replays):
@@ -576,7 +579,13 @@ class SlimeReplay:
             )
         fed = rollout_data.get("tokens")
         if fed is None:
-            return snapshot, {}
+            if not self.check_tokens:
+                return snapshot, {}
+            raise ReplayFidelityError(
+                f"rollout {rollout_id}: rollout_data has no 'tokens', so nothing proves the routing belongs to the "
+                "tokens the trainer feeds; keep slime's 'tokens' key in the train data, or turn the check off by "
+                "name: install(..., check_tokens=False)"
+            )
         local = {sample_id(rollout_id, int(p)): j for j, p in enumerate(rollout_data["partition"])}
         tokens: dict[str, npt.NDArray[np.int64]] = {}
         for sid in plan.sample_ids:
@@ -741,6 +750,20 @@ def _check_args(spec: ModelSpec, args: Any) -> None:
             "slime's arguments do not describe the model the routing was recorded for: "
             + ", ".join(f"{name}={got} (store: {want})" for name, (got, want) in wrong.items())
         )
+
+
+def _check_rows(replay: MicroBatchReplay, tokens: Sequence[npt.ArrayLike]) -> None:
+    """The micro-batch's routing belongs to the tokens slime feeds, row by row (records stored without token ids
+    are refused: nothing proves theirs)."""
+    if replay.unverified:
+        raise ReplayFidelityError(
+            f"micro-batch {replay.index}: samples {list(replay.unverified[:5])} were stored without token ids, so "
+            "nothing proves their routing belongs to the tokens fed; write the rollout with token ids, or turn the "
+            "check off by name: install(..., check_tokens=False)"
+        )
+    why = row_mismatch(replay, rows_of_sequences(replay, tokens))
+    if why is not None:
+        raise ReplayFidelityError(why)
 
 
 def _check_routers(plan: AlignmentPlan, model_chunks: Sequence[Any]) -> None:
