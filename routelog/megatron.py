@@ -252,12 +252,9 @@ class MaskedTopk:
         self.use_native_for_missing = use_native_for_missing
         self.current: Any = None
         self.queued: list[Any] = []
-        self.rows = 0
-        """Replayed rows seen by forward passes."""
-        self.differing = 0
-        """Of those, rows whose native top-k set differs from the replayed one."""
-        self.fallback = 0
-        """Rows without a recorded route seen by forward passes (they take the router's own top-k)."""
+        self.tally: Any = None
+        """On the router's device, the forward passes' (replayed rows, of those the rows whose native top-k set
+        differs from the replayed one, rows without a recorded route): added to without reading the device."""
         self._undo = _override(router_replay, "get_replay_topk", self)
         self._original = self._undo.original
 
@@ -296,9 +293,8 @@ class MaskedTopk:
         _, native = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         if forward:
             same = (torch.sort(native, dim=1).values == torch.sort(target, dim=1).values).all(dim=1)
-            self.rows += int(mask.sum())
-            self.differing += int((mask & ~same).sum())
-            self.fallback += int((~mask).sum())
+            counts = torch.stack([mask.sum(), (mask & ~same).sum(), (~mask).sum()])
+            self.tally = counts if self.tally is None else self.tally + counts.to(self.tally.device)
         indices = torch.where(mask[:, None], target, native) if self.use_native_for_missing else target
         return scores.gather(1, indices), indices
 
@@ -384,10 +380,23 @@ class MegatronReplay:
         """Per layer number: micro-batches whose routes it was handed this step."""
         self._taken_before = {n: t.forwards for n, t in self._taken.items()}
         self._judged = False
+        self._read: dict[int, tuple[int, int, int]] | None = None
+        """The tallies the last judgement read (what the step counted, once judged)."""
 
     def router_diff(self) -> dict[int, tuple[int, int]]:
         """Per ``layer_number``: (replayed rows, rows whose native top-k differs), since construction."""
-        return {n: (m.rows, m.differing) for n, m in self._masked.items()}
+        return {n: (rows, differing) for n, (rows, differing, _) in self._tallies().items()}
+
+    def _tallies(self) -> dict[int, tuple[int, int, int]]:
+        """Per ``layer_number``, every :class:`MaskedTopk`'s tally since construction: one read of the device."""
+        if not self._masked:
+            return {}
+        import torch
+
+        zero = torch.zeros(3, dtype=torch.int64)
+        tallies = [zero if m.tally is None else m.tally.to("cpu", non_blocking=True) for m in self._masked.values()]
+        values = torch.stack(tallies).tolist()  # the step's one read (of all routers at once)
+        return {n: (int(v[0]), int(v[1]), int(v[2])) for n, v in zip(self._masked, values, strict=True)}
 
     def _check_rows_hook(self, router: ChunkRouter) -> Any:
         def check(module: Any, args: tuple[Any, ...]) -> None:
@@ -509,9 +518,9 @@ class MegatronReplay:
     def _counts(self) -> StepFidelity:
         """The step's counts so far (per global layer index)."""
         counts = StepFidelity(samples=self._step.samples, token_mismatches=self._step.token_mismatches)
-        for layer_number, masked in self._masked.items():
+        self._read = self._tallies()
+        for layer_number, now in self._read.items():
             before = self._counted.get(layer_number, (0, 0, 0))
-            now = (masked.rows, masked.differing, masked.fallback)
             counts.add(layer_number - 1, *(a - b for a, b in zip(now, before, strict=True)))
         return counts
 
@@ -562,17 +571,14 @@ class MegatronReplay:
         """Clear every target and the action after the optimizer step; returns the step's replay-fidelity counts
         (per global layer index; empty unless measured), judged by :meth:`check` unless it already ran."""
         try:
-            if not self._judged:
-                self.check()
-            return self._counts()
+            return self._counts() if self._judged else self.check()
         finally:
             for router in self.routers:
                 router.module.router_replay.clear_indices()
                 router.module.router_replay.clear_router_replay_action()
             for masked in self._masked.values():
                 masked.clear()
-            for layer_number, masked in self._masked.items():
-                self._counted[layer_number] = (masked.rows, masked.differing, masked.fallback)
+            self._counted = self._read if self._read is not None else self._tallies()
             self._step = StepFidelity()
             self._reset_step()
 

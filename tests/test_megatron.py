@@ -3,6 +3,7 @@ experts, gradients reach the router, recomputation pops the same targets, and wr
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -532,3 +533,33 @@ def test_remove_restores_each_router_exactly(store_url: str) -> None:
         assert all(r.get_replay_topk() == "patched" for r in replays)
     finally:
         RouterReplay.get_replay_topk = original  # type: ignore[method-assign]
+
+
+def test_the_hot_path_never_reads_the_device(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the router diff measured and the tokens checked, no forward makes routelog read a tensor back to the
+    host (on a GPU, a synchronisation per router); judging the step reads twice: the tallies and the token check."""
+    from pathlib import Path
+
+    from routelog.megatron import MegatronReplay
+
+    package = str(Path(routelog.__file__).parent)
+    reads: list[str] = []
+    for name in ("__int__", "__bool__", "__float__", "item", "tolist", "numpy", "cpu"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: Any, *args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(package):
+                reads.append(f"{_name} at {caller}:{sys._getframe(1).f_lineno}")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    (chunk,) = build_chunks(megatron_config())
+    replay = MegatronReplay([chunk], plan(), gate=FidelityGate(max_router_diff=1.0))
+    for mb in ReplayLoader(store_url, 0, plan()):
+        with replay.forward(mb):
+            run_moe_layers(chunk, mb.ids.shape[1], mb=mb)
+    assert reads == [], reads
+    counts = replay.end_step()
+    assert len(reads) == 2, reads
+    assert sum(counts.replayed.values()) > 0

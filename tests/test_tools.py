@@ -88,6 +88,16 @@ def test_bench_loader_compares_with_the_whole_step_baseline() -> None:
     }
 
 
+def test_bench_replay_hook_times_both_sides_and_counts_device_reads() -> None:
+    result = _tool(str(TOOLS / "bench_replay_hook.py"), "--quick", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report["seconds_per_micro_batch"]) == {"native", "replay"}
+    assert all(seconds > 0 for seconds in report["seconds_per_micro_batch"].values())
+    assert report["device_reads"]["per_router_and_forward"] == 0, "no forward waits for the device"
+    assert report["device_reads"]["per_step_judgement"] == 2, "the router diff's tallies and the token check"
+
+
 def test_bench_writers_commits_every_record_and_reports_the_np_save_baseline() -> None:
     result = _tool(str(TOOLS / "bench_writers.py"), "--quick", "--json")
     assert result.returncode == 0, result.stderr
