@@ -299,3 +299,57 @@ def test_bshd_without_remove_padding_replays_where_the_model_computes(
     set_model_router_replay_action(chunk, verl_replay.RouterReplayAction.REPLAY_BACKWARD)
     replay.end_step()
     replay.remove()
+
+
+@pytest.mark.parametrize("mode", ["disabled", "R2"])
+def test_a_training_pass_that_never_asks_for_routes_fails(
+    verl_patched: None, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """veRL's replay switch off (or R2, which replays the trainer's own recording): the batch carries routelog's
+    sample ids, veRL's forward step prepares each micro-batch and never asks for routes. The training pass fails,
+    naming the switch, before veRL's optimizer step; a forward-only pass (a reference model's log-probs) is not
+    judged, and with the switch on the same pass passes."""
+    from types import SimpleNamespace
+
+    from verl.utils.seqlen_balancing import rearrange_micro_batches
+    from verl.workers.engine.megatron import transformer_impl as impl
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from routelog.fidelity import ReplayFidelityError
+    from routelog.integrations import verl as integration
+
+    for name in ("prepare_model_inputs",):
+        monkeypatch.setattr(impl.MegatronEngineWithLMHead, name, getattr(impl.MegatronEngineWithLMHead, name))
+    monkeypatch.setattr(impl, "set_router_replay_data", impl.set_router_replay_data)
+    url, batch, _ = _write(np.random.default_rng(5))
+    config = megatron_config()
+    config.fp8 = None
+    chunk = _gpt(config)
+    micro_batches, _ = rearrange_micro_batches(left_right_2_no_padding(batch.to_tensordict()), max_token_len=60)
+
+    def verl_forward_backward_batch(self: Any, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+        """veRL's loop as far as replay goes: each micro-batch's inputs prepared; routes asked for only when its
+        engine's replay is on (``MegatronEngine.forward_step``)."""
+        for mb in data:
+            inputs = impl.MegatronEngineWithLMHead.prepare_model_inputs(None, mb)
+            if self.enable_routing_replay and self.engine_config.router_replay.mode == "R3":
+                impl.set_router_replay_data(inputs["routed_experts"], None, config, vp_rank=0, model=chunk)
+        return {}
+
+    monkeypatch.setattr(impl.MegatronEngine, "forward_backward_batch", verl_forward_backward_batch)
+    replay = integration.install(url)
+
+    def engine(mode: str) -> Any:
+        return SimpleNamespace(
+            enable_routing_replay=mode != "disabled",
+            engine_config=SimpleNamespace(router_replay=SimpleNamespace(mode=mode)),
+        )
+
+    try:
+        with pytest.raises(ReplayFidelityError, match=rf"replayed none of them.*router_replay.mode='{mode}'"):
+            impl.MegatronEngine.forward_backward_batch(engine(mode), micro_batches, None)
+        impl.MegatronEngine.forward_backward_batch(engine(mode), micro_batches, None, forward_only=True)
+        impl.MegatronEngine.forward_backward_batch(engine("R3"), micro_batches, None)
+        assert replay.armed == len(micro_batches)
+    finally:
+        replay.remove()

@@ -36,7 +36,7 @@ from routelog.align import AlignmentPlan, MicroBatch, Packing
 from routelog.align.plan import MicroBatchReplay, MissingPolicy
 from routelog.engines.verl import records_from_batch
 from routelog.errors import AlignmentError
-from routelog.fidelity import FidelityGate, StepFidelity, write_fidelity
+from routelog.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
 from routelog.integrations.megatron import layout_from_config, rank_from_parallel_state
 from routelog.loader import ReplayLoader
 from routelog.megatron import MegatronReplay
@@ -141,6 +141,10 @@ class VerlReplay:
         cache: int = 4,
     ) -> None:
         self.store = store if isinstance(store, Store) else open_store(store, storage_options=storage_options)
+        self.noted = 0
+        """Micro-batches carrying routelog's sample ids that veRL prepared for a forward (``prepare_model_inputs``)."""
+        self.armed = 0
+        """Micro-batches veRL asked routes for (``set_router_replay_data``): fewer on a training pass is inert."""
         self.spec = spec or self.store.model_spec
         self.missing = missing
         self.gate = gate or FidelityGate(max_router_diff=None)
@@ -175,6 +179,7 @@ class VerlReplay:
             tokens = tuple(rows[i][mask[i]].astype(np.int64) for i in range(rows.shape[0]))
         self._local.current = _MicroBatchInput(int(step), tuple(str(s) for s in ids), tokens)
         self._step = int(step)
+        self.noted += 1
 
     def arm(self, config: Any, vp_stage: int | None, local_cp_size: int | None, model: Any) -> None:
         """From ``set_router_replay_data``: the chunk about to run this micro-batch gets its rows at its forward."""
@@ -185,6 +190,7 @@ class VerlReplay:
                 "model): apply routelog.integrations.verl.install() before the engine is built"
             )
         chunk = _unwrap(model)
+        self.armed += 1
         self._armed[id(chunk)] = _Armed(current, config, vp_stage or 0, local_cp_size)
         if id(chunk) not in self._hooked:
             self._hooked[id(chunk)] = chunk.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
@@ -334,10 +340,20 @@ def install(
         replay.arm(tf_config, vp_rank, local_cp_size, model)
 
     def forward_backward_batch(self: Any, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+        noted, armed = replay.noted, replay.armed
         try:
-            return forward_backward(self, data, loss_function, forward_only)
+            result = forward_backward(self, data, loss_function, forward_only)
         finally:
             replay.end_step(phase="logprob" if forward_only else "train")
+        if not forward_only and replay.noted > noted and replay.armed == armed:
+            mode = getattr(getattr(getattr(self, "engine_config", None), "router_replay", None), "mode", None)
+            raise ReplayFidelityError(
+                f"a training pass over {replay.noted - noted} micro-batches carrying routelog's sample ids replayed "
+                f"none of them: veRL never asked for their routes (router_replay.mode={mode!r}). Set "
+                "actor_rollout_ref.actor.router_replay.mode='R3' (R2 replays the trainer's own recording, not the "
+                "rollout's), or drop routelog.integrations.verl.install() from the worker"
+            )
+        return result
 
     engine.prepare_model_inputs = prepare_model_inputs
     impl.set_router_replay_data = set_router_replay_data
