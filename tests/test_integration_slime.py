@@ -419,6 +419,38 @@ def test_the_router_diff_is_measured_judged_and_published(
     assert module.get_routing_replay_compute_topk is original_factory  # type: ignore[attr-defined]
 
 
+def test_a_measured_replay_that_no_router_takes_or_cannot_measure_fails(
+    fake_slime: types.SimpleNamespace, megatron_chunks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Never silently inert: the routes are recorded into slime's RoutingReplay and no replaying forward pops them
+    (slime's switch off in its forward), so the rollout fails; and without slime's compute_topk factory (its API
+    drifted) a gate cannot measure anything, so installing it fails, naming the API."""
+    from routelog.fidelity import FidelityGate, ReplayFidelityError
+
+    fixture = load("tp2_sp")
+    url = written(fixture)
+    module = sys.modules["slime.utils.routing_replay"]
+    args = fixture.args()
+    args.use_rollout_routing_replay = True
+
+    class NoFactory(Actor):
+        pass
+
+    with pytest.raises(ReplayConfigError, match="no get_routing_replay_compute_topk"):
+        slime.install(args, url=url, actor_class=NoFactory, gate=FidelityGate(max_router_diff=0.5))
+    module.get_routing_replay_compute_topk = slime_compute_topk_factory(module)  # type: ignore[attr-defined]
+
+    class MegatronTrainRayActor(Actor):
+        pass  # trains without ever reaching the replaying compute_topk
+
+    replay = slime.install(args, url=url, actor_class=MegatronTrainRayActor, gate=FidelityGate(max_router_diff=0.5))
+    actor = MegatronTrainRayActor(args, megatron_chunks(fixture))
+    fake_slime.registry.all_routing_replays = [SlimeRoutingReplay() for _ in range(6)]
+    with pytest.raises(ReplayFidelityError, match=r"rollout 7: routes of \d+ micro-batches .* inert"):
+        actor.train(ROLLOUT, fixture.rollout_data(0))
+    slime.patch(MegatronTrainRayActor, replay)()
+
+
 def test_patch_is_idempotent_and_undone(tmp_path: Path) -> None:
     class MegatronTrainRayActor(Actor):
         pass

@@ -632,6 +632,12 @@ class SlimeReplay:
         meter, self.meter = self.meter, None
         if meter is None:
             return None
+        if meter.masks and not meter.observed:
+            raise ReplayFidelityError(
+                f"rollout {rollout_id}: routes of {len(meter.masks)} micro-batches were recorded into slime's "
+                "RoutingReplay and no router forward replayed them: replay is inert (slime's replay_forward stage "
+                "never ran its compute_topk: --use-rollout-routing-replay off, or slime's routing API changed)"
+            )
         counts = meter.counts()
         if self.fidelity_writer is not None and counts.replayed:
             write_fidelity(
@@ -661,6 +667,8 @@ class FidelityMeter:
         self.samples = 0
         self.replayed = [0] * len(routers)
         self.differing: list[Any] = [0] * len(routers)
+        self.observed = 0
+        """Router forwards that replayed a recorded micro-batch (none after recording: the replay is inert)."""
         self._device_masks: dict[tuple[int, str], Any] = {}
 
     def add_micro_batch(self, mask: npt.NDArray[np.bool_], *, samples: int) -> None:
@@ -673,6 +681,7 @@ class FidelityMeter:
         m = int(getattr(replay, "forward_index", 0)) - 1
         if j is None or not 0 <= m < len(self.masks) or own.shape != replayed.shape:
             return
+        self.observed += 1
         import torch
 
         key = (m, str(own.device))
@@ -887,6 +896,12 @@ def patch(actor_class: Any, replay: SlimeReplay) -> Callable[[], None]:
 
     routing_replay = importlib.import_module("slime.utils.routing_replay") if replay.measures else None
     original_factory = getattr(routing_replay, "get_routing_replay_compute_topk", None)
+    if routing_replay is not None and original_factory is None:
+        raise ReplayConfigError(
+            "slime.utils.routing_replay has no get_routing_replay_compute_topk (slime's API changed since "
+            "624b824a), so the router diff a gate or a fidelity writer asks for cannot be measured; use slime at "
+            "624b824a, or install without gate= and fidelity_writer="
+        )
     if routing_replay is not None and original_factory is not None:
         # megatron's patched topk_routing_with_score_function imports this factory at every call
         measuring = measuring_compute_topk(original_factory, lambda: state["replay"].meter)
