@@ -40,29 +40,34 @@ class ChunkRouter:
     module: Any
 
 
-def _decoder(chunk: Any) -> Any:
-    """The ``decoder`` of a model chunk, through wrappers (DDP, Float16Module) that keep it in ``.module``."""
+def language_model(chunk: Any) -> Any:
+    """The GPT model of a model chunk (the module holding ``decoder`` and, on the first stage, ``embedding``),
+    through wrappers that keep it in ``.module`` (DDP, Float16Module) and vision-language models that keep it in
+    ``.language_model``; None when there is none."""
     current = chunk
     for _ in range(8):
         if hasattr(current, "decoder"):
-            return current.decoder
-        current = getattr(current, "module", None)
+            return current
+        current = getattr(current, "module", None) or getattr(current, "language_model", None)
         if current is None:
             break
-    raise ReplayConfigError(f"{type(chunk).__name__} has no decoder (expected a megatron-core GPTModel chunk)")
+    return None
+
+
+def _decoder(chunk: Any) -> Any:
+    model = language_model(chunk)
+    if model is None:
+        raise ReplayConfigError(f"{type(chunk).__name__} has no decoder (expected a megatron-core GPTModel chunk)")
+    return model.decoder
 
 
 def _embedding(chunk: Any) -> Any:
     """The embedding of a model chunk that has one (the first pipeline stage), else None: it takes the chunk's
     ``input_ids`` before any router runs."""
-    current = chunk
-    for _ in range(8):
-        if hasattr(current, "decoder"):
-            return getattr(current, "embedding", None) if getattr(current, "pre_process", True) else None
-        current = getattr(current, "module", None)
-        if current is None:
-            break
-    return None
+    model = language_model(chunk)
+    if model is None or not getattr(model, "pre_process", True):
+        return None
+    return getattr(model, "embedding", None)
 
 
 def find_routers(model_chunks: Sequence[Any], vp_stages: Sequence[int] | None = None) -> list[ChunkRouter]:

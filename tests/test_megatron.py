@@ -563,3 +563,32 @@ def test_the_hot_path_never_reads_the_device(store_url: str, monkeypatch: pytest
     counts = replay.end_step()
     assert len(reads) == 2, reads
     assert sum(counts.replayed.values()) > 0
+
+
+def test_a_vision_language_models_decoder_is_found_under_language_model(store_url: str) -> None:
+    """Vision-language MoE models (Qwen-VL-style megatron models) keep the GPT model in ``language_model``, under
+    the usual wrappers: routers and the embedding are found there, and replay checks and installs as for a GPT."""
+    from routelog.megatron import MegatronReplay
+
+    (chunk,) = build_chunks(megatron_config())
+
+    class VisionLanguageModel(torch.nn.Module):
+        def __init__(self, language: Any) -> None:
+            super().__init__()
+            self.vision_model = torch.nn.Linear(4, 4)
+            self.language_model = language
+
+    class Wrapper(torch.nn.Module):  # DDP / Float16Module keep the model in .module
+        def __init__(self, module: Any) -> None:
+            super().__init__()
+            self.module = module
+
+    model = Wrapper(VisionLanguageModel(chunk))
+    replay = MegatronReplay([model], plan())
+    assert [r.layer_number for r in replay.routers] == [r.layer_number for r in plan().routers]
+    for mb in ReplayLoader(store_url, 0, plan()):
+        with replay.forward(mb):
+            seen, _ = run_moe_layers(chunk, mb.ids.shape[1], mb=mb)
+        for j, router in enumerate(mb.routers):
+            np.testing.assert_array_equal(seen[router.layer_number], np.sort(mb.ids[j], axis=-1))
+    replay.end_step()

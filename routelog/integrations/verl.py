@@ -39,7 +39,7 @@ from routelog.errors import AlignmentError
 from routelog.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
 from routelog.integrations.megatron import layout_from_config, rank_from_parallel_state
 from routelog.loader import ReplayLoader
-from routelog.megatron import MegatronReplay
+from routelog.megatron import MegatronReplay, language_model
 from routelog.reader import StepSnapshot
 from routelog.spec import ModelSpec
 from routelog.store import Store, open_store
@@ -134,7 +134,7 @@ class VerlReplay:
         store: Store | str,
         *,
         spec: ModelSpec | None = None,
-        missing: MissingPolicy = "dummy",
+        missing: MissingPolicy = "router",
         gate: FidelityGate | None = None,
         fidelity_writer: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
@@ -249,15 +249,10 @@ class VerlReplay:
 
 
 def _unwrap(model: Any) -> Any:
-    """The GPTModel under DDP / Float16Module wrappers (the module whose forward takes ``packed_seq_params``)."""
-    current = model
-    for _ in range(8):
-        if hasattr(current, "decoder"):
-            return current
-        current = getattr(current, "module", None)
-        if current is None:
-            break
-    return model
+    """The GPTModel under DDP / Float16Module wrappers or a vision-language model (the module whose forward takes
+    ``packed_seq_params``)."""
+    found = language_model(model)
+    return model if found is None else found
 
 
 def _cp_layout(config: Any) -> Any:
@@ -300,12 +295,15 @@ def install(
     store: Store | str,
     *,
     spec: ModelSpec | None = None,
-    missing: MissingPolicy = "dummy",
+    missing: MissingPolicy = "router",
     gate: FidelityGate | None = None,
     fidelity_writer: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> VerlReplay:
     """Patch veRL's Megatron engine in this process to replay from ``store``; returns the :class:`VerlReplay`.
+
+    Rows without a recorded route (each sequence's final token, padding) are left to the router by default, as
+    veRL's own replay does (``missing="dummy"`` gives them placeholder experts instead).
 
     Call it in every training worker before the engine is built (e.g. at the top of a custom worker's
     ``init_model``). The patched functions are looked up by veRL in ``transformer_impl``'s namespace, which is why
