@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -353,3 +354,33 @@ def test_a_training_pass_that_never_asks_for_routes_fails(
         assert replay.armed == len(micro_batches)
     finally:
         replay.remove()
+
+
+@pytest.mark.parametrize("configured", [True, False])
+def test_the_verl_plugin_installs_replay_by_configuration(tmp_path: Path, configured: bool) -> None:
+    """veRL loads routelog's ``verl.plugins`` entry point at ``import verl`` in every process: with ``ROUTELOG_URL``
+    in the environment (a Ray job's runtime env), veRL's Megatron engine is patched as soon as it is imported, with
+    no code in the worker; without it, veRL runs untouched."""
+    import os
+    import subprocess
+    import sys
+
+    url = str(tmp_path / "store")
+    routelog.create_store(url, SPEC)
+    probe = (
+        "import verl\n"
+        "from verl.workers.engine.megatron import transformer_impl as impl\n"
+        "print(impl.set_router_replay_data.__module__, impl.MegatronEngine.forward_backward_batch.__module__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROUTELOG_")}
+    if configured:
+        env |= {"ROUTELOG_URL": url, "ROUTELOG_FIDELITY_WRITER": "train", "ROUTELOG_MAX_ROUTER_DIFF": "0.2"}
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", probe], capture_output=True, text=True, timeout=300, env=env, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    owners = result.stdout.split()[-2:]
+    if configured:
+        assert owners == ["routelog.integrations.verl"] * 2, result.stdout
+    else:
+        assert not any(owner.startswith("routelog") for owner in owners), result.stdout
