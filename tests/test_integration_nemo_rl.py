@@ -35,7 +35,7 @@ import pytest
 import routelog
 from routelog import AlignmentError, IngestError, ReplayConfigError
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
-from routelog.fidelity import read_fidelity
+from routelog.fidelity import ReplayFidelityError, read_fidelity
 from routelog.integrations import nemo_rl
 from tests.test_megatron import HIDDEN, SPEC, megatron_config, selected
 
@@ -561,6 +561,9 @@ def test_without_sample_ids_nemo_rls_own_code_runs() -> None:
     assert check(lambda **kw: False, enabled=True, data={nemo_rl.SAMPLE_ID_KEY: []}, stage="train", require=True)
     assert not check(lambda **kw: False, enabled=True, data={nemo_rl.SAMPLE_ID_KEY: []}, stage="ref", require=False)
     assert check(lambda **kw: kw["stage"] == "x", enabled=True, data={}, stage="x", require=True)
+    with pytest.raises(ReplayFidelityError, match=r"policy\.router_replay\.enabled=true"):  # never inert
+        check(lambda **kw: False, enabled=False, data={nemo_rl.SAMPLE_ID_KEY: []}, stage="train", require=False)
+    assert not check(lambda **kw: False, enabled=False, data={}, stage="train", require=False)  # NeMo-RL's own
 
 
 # -- installing and publishing ---------------------------------------------------------------------------------------

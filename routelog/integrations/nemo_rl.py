@@ -75,7 +75,7 @@ from routelog.align.plan import MicroBatchReplay
 from routelog.engines import nemo_rl as envelope
 from routelog.engines.common import Payload, payload_to_record
 from routelog.errors import AlignmentError, IngestError, RecordNotFoundError, ReplayConfigError
-from routelog.fidelity import FidelityGate, StepFidelity, write_fidelity
+from routelog.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
 from routelog.loader import ReplayLoader
 from routelog.megatron import MegatronReplay, rows_of_sequences
 from routelog.record import Record
@@ -764,9 +764,16 @@ class NemoRLReplay:
     def should_use_router_replay(
         self, original: Callable[..., bool], *, enabled: bool, data: Any, stage: str, require: bool
     ) -> bool:
-        """NeMo-RL's check, satisfied by a batch carrying sample ids instead of ``routed_experts``."""
+        """NeMo-RL's check, satisfied by a batch carrying sample ids instead of ``routed_experts``. A training batch
+        that carries them while the worker's replay is off would train on native routes: refused (never inert)."""
         if enabled and require and SAMPLE_ID_KEY in data:
             return True
+        if not enabled and stage == "train" and SAMPLE_ID_KEY in data:
+            raise ReplayFidelityError(
+                f"a training batch carries routelog's sample ids ({SAMPLE_ID_KEY!r}) but this policy worker's router "
+                "replay is off, so nothing would replay their routes: set policy.router_replay.enabled=true, or stop "
+                "carrying the ids (routelog_nemo_rl.install_driver)"
+            )
         return original(enabled=enabled, data=data, stage=stage, require=require)
 
     # -- fidelity --------------------------------------------------------------------------------------------------
