@@ -161,6 +161,16 @@ def rows_of_sequences(replay: MicroBatchReplay, sequences: Sequence[npt.ArrayLik
     return out
 
 
+def refuse_unverified(replay: MicroBatchReplay, opt_out: str) -> None:
+    """Raise :class:`~routelog.fidelity.ReplayFidelityError` when records of ``replay`` were stored without token ids
+    (nothing proves their routing belongs to the tokens fed); ``opt_out`` says how the caller turns the check off."""
+    if replay.unverified:
+        raise ReplayFidelityError(
+            f"micro-batch {replay.index}: samples {list(replay.unverified[:5])} were stored without token ids, so "
+            f"nothing proves their routing belongs to the tokens fed; store token ids (Record.token_ids), or {opt_out}"
+        )
+
+
 def row_mismatch(replay: MicroBatchReplay, fed: npt.NDArray[np.int64]) -> str | None:
     """Why the routing of ``replay`` does not belong to the tokens ``fed`` at its rows (one token id per router
     row), naming the first row that differs; None when every row whose token is known matches."""
@@ -423,15 +433,17 @@ class MegatronReplay:
         return check
 
     def _token_hook(self, vp_stage: int) -> Any:
+        import torch
+
         def fed(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             input_ids = kwargs.get("input_ids", args[0] if args else None)
             replay = self._owed.pop(vp_stage, None)  # the first embedding call of the forward (MTP calls it again)
             if replay is None or input_ids is None:
                 return
-            import torch
-
+            if replay.tokens is None:  # a micro-batch built without its records' tokens: the check cannot run
+                self._unchecked.append(f"micro-batch {replay.index} on virtual stage {vp_stage} (no stored tokens)")
+                return
             rows = router_rows(input_ids, self.plan)
-            assert replay.tokens is not None  # gathered with the micro-batch
             if int(rows.shape[0]) != replay.tokens.shape[0]:
                 raise AlignmentError(
                     f"micro-batch {replay.index}: the model is fed {int(rows.shape[0])} token rows, the routing has "
@@ -483,12 +495,8 @@ class MegatronReplay:
         :func:`rows_of_sequences`), checked row by row now instead of at the chunk's embedding."""
         import torch
 
-        if self.check_tokens == "rows" and replay.unverified:
-            raise ReplayFidelityError(
-                f"micro-batch {replay.index}: samples {list(replay.unverified[:5])} were stored without token ids, "
-                "so nothing proves their routing belongs to the tokens fed; store token ids (Record.token_ids), or "
-                "replay them unchecked with check_tokens='off'"
-            )
+        if self.check_tokens == "rows":
+            refuse_unverified(replay, "replay them unchecked with check_tokens='off'")
         if tokens is not None:
             try:
                 check_tokens(replay, tokens)

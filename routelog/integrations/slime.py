@@ -67,7 +67,7 @@ from routelog.engines.slime import record_from_sample
 from routelog.errors import AlignmentError, IngestError, ModelSpecError, RecordNotFoundError, ReplayConfigError
 from routelog.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
 from routelog.loader import ReplayLoader
-from routelog.megatron import row_mismatch, rows_of_sequences
+from routelog.megatron import refuse_unverified, row_mismatch, rows_of_sequences
 from routelog.part import PartOptions
 from routelog.reader import StepSnapshot
 from routelog.record import token_hash
@@ -764,12 +764,7 @@ def _check_args(spec: ModelSpec, args: Any) -> None:
 def _check_rows(replay: MicroBatchReplay, tokens: Sequence[npt.ArrayLike]) -> None:
     """The micro-batch's routing belongs to the tokens slime feeds, row by row (records stored without token ids
     are refused: nothing proves theirs)."""
-    if replay.unverified:
-        raise ReplayFidelityError(
-            f"micro-batch {replay.index}: samples {list(replay.unverified[:5])} were stored without token ids, so "
-            "nothing proves their routing belongs to the tokens fed; write the rollout with token ids, or turn the "
-            "check off by name: install(..., check_tokens=False)"
-        )
+    refuse_unverified(replay, "turn the check off by name: install(..., check_tokens=False)")
     why = row_mismatch(replay, rows_of_sequences(replay, tokens))
     if why is not None:
         raise ReplayFidelityError(why)
