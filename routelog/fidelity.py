@@ -30,6 +30,11 @@ class ReplayFidelityError(RoutelogError):
     gate allows, or a rank was handed routing recorded for other tokens."""
 
 
+class StaleRoutingError(ReplayFidelityError):
+    """Routing recorded under another policy version than the one a replay takes (another step's, or tokens of a
+    partial rollout generated before a weight update)."""
+
+
 @dataclass
 class StepFidelity:
     """One rank's counts for one step, per global layer index."""

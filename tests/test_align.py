@@ -3,6 +3,7 @@ routing is replayed exactly once, with the stored experts; everything else is a 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import uuid
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from routelog.align import (
     parse_micro_batches,
     zigzag_chunks,
 )
+from routelog.fidelity import StaleRoutingError
 from routelog.routing import RecordRouting
 
 N_LAYERS = 8
@@ -257,7 +259,8 @@ def test_nemo_pads_every_micro_batch_to_one_total_under_pp(make_routing: Callabl
 
 
 def test_policy_version_filter_replays_only_the_chosen_weights(make_routing: Callable[..., np.ndarray]) -> None:
-    """A partial rollout resumed after a weight update: the tokens of the old weights are not replayed."""
+    """A partial rollout resumed after a weight update: by default the old weights' tokens are refused as stale
+    (naming the sample and span); with ``other_versions="missing"`` they are not replayed, the rest is."""
     spec = spec_with_dense_prefix(0)
     rng = np.random.default_rng(4)
     url = f"memory://align/{uuid.uuid4().hex}"
@@ -285,8 +288,18 @@ def test_policy_version_filter_replays_only_the_chosen_weights(make_routing: Cal
         (MicroBatch(("resumed",)),),
         policy_versions=frozenset({8}),
     )
-    replay = gather(plan, 0, {"resumed": routing})
+    with pytest.raises(StaleRoutingError, match=r"sample 'resumed': tokens 0\.\.4 .*policy version 7.*version 8"):
+        gather(plan, 0, {"resumed": routing})
+    replay = gather(dataclasses.replace(plan, other_versions="missing"), 0, {"resumed": routing})
     assert replay.mask[:12].sum() == 0 and replay.mask[12:20].all()
+    assert gather(dataclasses.replace(plan, policy_versions=frozenset({7, 8})), 0, {"resumed": routing}).mask.all()
+    unversioned = dataclasses.replace(
+        routing, info=routing.info.model_copy(update={"policy_version": None, "segments": []})
+    )
+    with pytest.raises(StaleRoutingError, match="no recorded policy version"):
+        gather(plan, 0, {"resumed": unversioned})
+    with pytest.raises(AlignmentError, match="other_versions"):
+        dataclasses.replace(plan, other_versions="ignore")  # type: ignore[arg-type]
 
 
 def test_bad_layouts_are_typed_errors() -> None:

@@ -52,6 +52,7 @@ def store_url(make_routing: Callable[..., np.ndarray]) -> str:
                         response_len=n - 5,
                         valid=valid,
                         token_ids=np.arange(n) + 100 * i,
+                        policy_version=step,
                     )
                 )
     return url

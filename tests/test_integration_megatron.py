@@ -13,7 +13,8 @@ import pytest
 import routelog
 from routelog.align import Packing, ParallelLayout, RankCoords
 from routelog.align.plan import MicroBatchReplay
-from routelog.fidelity import FidelityGate, ReplayFidelityError, read_fidelity
+from routelog.errors import AlignmentError
+from routelog.fidelity import FidelityGate, ReplayFidelityError, StaleRoutingError, read_fidelity
 from routelog.integrations.megatron import ReplayHook
 from tests.test_fidelity import LENGTHS, store_url  # noqa: F401  (store_url: the fixture)
 from tests.test_megatron import HIDDEN, SPEC, build_chunks, embed, fed_tokens, megatron_config, moe_layers, selected
@@ -124,6 +125,31 @@ def test_the_hook_fails_closed(store_url: str) -> None:  # noqa: F811
     hook.begin_step(0, MICRO_BATCHES)
     with pytest.raises(ReplayFidelityError, match="tokens fed hash"):  # the trainer fed s1's tokens as s0's
         _drive(hook, [chunk], [0, 0], {}, tokens_of=lambda mb: [_tokens(mb)[-1]] * len(mb.sample_ids))
+
+
+def test_stale_routing_is_refused_by_default(store_url: str) -> None:  # noqa: F811
+    """Each step's records carry the step as their policy version: a hook that takes another version (one-step
+    off-policy training pointed at on-policy routing) refuses at the first micro-batch's load, before any forward;
+    ``policy_versions="any"`` is the explicit opt-out."""
+    config = megatron_config()
+    (chunk,) = build_chunks(config)
+    common: dict[str, Any] = {"layout": ParallelLayout(), "rank": RankCoords(), "packing": Packing("verl")}
+    lagged = ReplayHook(store_url, [chunk], policy_versions=lambda step: {step - 1}, **common)
+    lagged.begin_step(1, MICRO_BATCHES)
+    with pytest.raises(StaleRoutingError, match=r"sample 's0'.*policy version 1.*takes version 0 only"):
+        _drive(lagged, [chunk], [0, 0], {})
+    lagged.end_step()
+    lagged.remove()
+    for rule in ("step", "any"):
+        hook = ReplayHook(store_url, [chunk], policy_versions=rule, **common)  # type: ignore[arg-type]
+        hook.begin_step(1, MICRO_BATCHES)
+        seen: dict[tuple[int, int], dict[int, np.ndarray]] = {}
+        _drive(hook, [chunk], [0, 0], seen)
+        _check(hook, seen)
+        hook.end_step()
+        hook.remove()
+    with pytest.raises(AlignmentError, match="policy_versions must be"):
+        ReplayHook(store_url, [chunk], policy_versions="latest", **common)  # type: ignore[arg-type]
 
 
 def test_virtual_pipeline_chunks_interleave_each_with_its_own_cursor(store_url: str) -> None:  # noqa: F811

@@ -28,7 +28,7 @@ import pytest
 import routelog
 from routelog import AlignmentError, DuplicateSampleError, IngestError, ModelSpecError, ReplayConfigError
 from routelog.align import RankCoords
-from routelog.fidelity import ReplayFidelityError
+from routelog.fidelity import ReplayFidelityError, StaleRoutingError
 from routelog.integrations import slime
 from routelog.integrations.slime import SlimeReplay
 from routelog.part import PartOptions
@@ -647,6 +647,13 @@ def test_failures_name_the_sample_and_the_fix(tmp_path: Path) -> None:
         record({k: v for k, v in data.items() if k != "partition"})
     with pytest.raises(AlignmentError, match="num_microbatches sums to 9"):
         SlimeReplay(url, rank=rank).record(ROLLOUT, args, data, [], num_microbatches=[9])
+    with pytest.raises(StaleRoutingError, match=r"sample '7/\d+'.*policy version 7.*takes version 6 only"):
+        record(data, policy_versions=lambda rollout: {rollout - 1})  # one-step off-policy, on-policy routing
+    record(data, policy_versions="any")  # turned off by name
+    stale = f"memory://slime/{fixture.name}/{uuid.uuid4().hex}"
+    slime.write_samples(stale, ROLLOUT, fixture.samples(), spec=slime.spec_from_args(args), policy_version=3)
+    with pytest.raises(StaleRoutingError, match=r"policy version 3.*takes version 7 only"):
+        SlimeReplay(stale, rank=rank).record(ROLLOUT, args, data, [StubReplay() for _ in range(6)])
     samples = fixture.samples()
     samples[3].rollout_routed_experts = None
     with pytest.raises(IngestError, match=r"sample '1/3' \(Sample.index 3\).*--use-rollout-routing-replay"):

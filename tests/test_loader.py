@@ -248,13 +248,27 @@ ALIGN_CASES: list[tuple[list[str], dict[str, Any], dict[str, Any], dict[str, Any
         {"rank": RankCoords(pp=1)},
     ),
     (
-        ["--cp", "4", "--micro-batch-cp", "2,4,2", "--rank", "cp=1", "--policy-version", "1", "--missing", "router"],
+        [
+            "--cp",
+            "4",
+            "--micro-batch-cp",
+            "2,4,2",
+            "--rank",
+            "cp=1",
+            "--policy-version",
+            "1",
+            "--other-versions",
+            "missing",
+            "--missing",
+            "router",
+        ],
         {"cp": 4},
         {"kind": "verl"},
         {
             "batches": [{"cp": 2}, {"cp": 4}, {"cp": 2}],
             "rank": RankCoords(cp=1),
             "policy_versions": frozenset({1}),
+            "other_versions": "missing",
             "missing": "router",
         },
     ),
@@ -299,6 +313,7 @@ def test_align_cli_and_api_give_identical_arrays(
         batches,
         missing=extras.get("missing", "dummy"),
         policy_versions=extras.get("policy_versions"),
+        other_versions=extras.get("other_versions", "refuse"),
     )
     direct = list(ReplayLoader(url, 0, plan, prefetch=0))
     with np.load(out, allow_pickle=False) as written:

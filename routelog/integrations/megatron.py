@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
 from routelog.align.layout import CpLayout
-from routelog.align.plan import MicroBatchReplay, MissingPolicy
+from routelog.align.plan import MicroBatchReplay, MissingPolicy, OtherVersions, PolicyVersions, versions_for
 from routelog.errors import AlignmentError
 from routelog.fidelity import FidelityGate, StepFidelity, write_fidelity
 from routelog.loader import ReplayLoader
@@ -59,17 +59,21 @@ class ReplayHook:
         storage_options: Mapping[str, Any] | None = None,
         prefetch: int = 2,
         check_tokens: TokenCheck = "rows",
+        policy_versions: PolicyVersions = "step",
+        other_versions: OtherVersions = "refuse",
     ) -> None:
         self.store = store if isinstance(store, Store) else open_store(store, storage_options=storage_options)
         self.spec = spec or self.store.model_spec
         self.layout, self.rank, self.packing, self.missing = layout, rank, packing, missing
+        self.policy_versions, self.other_versions = policy_versions, other_versions
+        versions_for(policy_versions, 0)  # a bad rule fails here, not at the first step
         self.model_chunks = list(model_chunks)
         self.fidelity_writer = fidelity_writer
         self.prefetch = prefetch
         if gate is None and fidelity_writer is not None:
             gate = _MEASURE_ONLY  # measure the router diff to publish it, judge nothing
         self.replay = MegatronReplay(
-            self.model_chunks, self._plan(()), config=config, gate=gate, check_tokens=check_tokens
+            self.model_chunks, self._plan((), 0), config=config, gate=gate, check_tokens=check_tokens
         )
         self.step: int | None = None
         self._logprobs: dict[str, npt.NDArray[Any]] = {}
@@ -79,8 +83,17 @@ class ReplayHook:
         self._cursor: dict[int, int] = {}
         self._micro_batches = self._forwards = 0
 
-    def _plan(self, micro_batches: Sequence[MicroBatch]) -> AlignmentPlan:
-        return AlignmentPlan(self.spec, self.layout, self.packing, self.rank, tuple(micro_batches), self.missing)
+    def _plan(self, micro_batches: Sequence[MicroBatch], step: int) -> AlignmentPlan:
+        return AlignmentPlan(
+            self.spec,
+            self.layout,
+            self.packing,
+            self.rank,
+            tuple(micro_batches),
+            self.missing,
+            policy_versions=versions_for(self.policy_versions, step),
+            other_versions=self.other_versions,
+        )
 
     def begin_step(self, step: int, micro_batches: Sequence[Sequence[str] | MicroBatch]) -> None:
         """Start loading ``step``'s routing for this rank's micro-batches (in the order the schedule runs them)."""
@@ -88,7 +101,7 @@ class ReplayHook:
             raise AlignmentError(f"step {self.step} was begun and not ended: call end_step() after the optimizer step")
         batches = [b if isinstance(b, MicroBatch) else MicroBatch(tuple(b)) for b in micro_batches]
         self.step = step
-        self._loader = ReplayLoader(self.store, step, self._plan(batches), prefetch=self.prefetch)
+        self._loader = ReplayLoader(self.store, step, self._plan(batches, step), prefetch=self.prefetch)
         self._iterator = iter(self._loader)
         self._loaded = []
         self._cursor = {}

@@ -62,7 +62,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
 
@@ -71,7 +71,7 @@ import numpy.typing as npt
 
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
 from routelog.align.packing import pack
-from routelog.align.plan import MicroBatchReplay
+from routelog.align.plan import MicroBatchReplay, OtherVersions, PolicyVersions, versions_for
 from routelog.engines import nemo_rl as envelope
 from routelog.engines.common import Payload, payload_to_record
 from routelog.errors import AlignmentError, IngestError, RecordNotFoundError, ReplayConfigError
@@ -326,11 +326,13 @@ class RolloutRecorder:
 
     def record(self, records: Sequence[Record]) -> tuple[int, list[str]]:
         """Write one batch of records to the next step (committed, and sealed unless ``seal=False``); returns the
-        step and the sample ids in order."""
+        step and the sample ids in order. A record without a policy version gets the recorder's, else the step's
+        (what the training side's replay takes by default)."""
         step = self.next_step()
+        version = step if self.policy_version is None else self.policy_version
         with self.store.writer(step, self.writer_id) as writer:
             for record in records:
-                writer.append(record)
+                writer.append(record if record.policy_version is not None else replace(record, policy_version=version))
         if self.seal:
             self.store.seal(step)
         self._next_step = step + 1
@@ -533,7 +535,16 @@ class _BatchReplay:
                         "config's make_sequence_length_divisible_by, fp8_cfg or dispatcher differs from the model's"
                     )
             batches = tuple(MicroBatch(f.sample_ids, pad_to=self.pad_to) for f in self.fed)
-        return AlignmentPlan(state.spec, state.layout, packing, state.rank, batches, missing="router")
+        return AlignmentPlan(
+            state.spec,
+            state.layout,
+            packing,
+            state.rank,
+            batches,
+            missing="router",
+            policy_versions=versions_for(self.owner.policy_versions, self.step),
+            other_versions=self.owner.other_versions,
+        )
 
     def get(self, m: int, state: _ModelState) -> MicroBatchReplay:
         with self._lock:
@@ -625,11 +636,16 @@ class NemoRLReplay:
         fidelity_writer: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
         prefetch: int = 2,
+        policy_versions: PolicyVersions = "step",
+        other_versions: OtherVersions = "refuse",
     ) -> None:
         self.store = store if isinstance(store, Store) else open_store(store, storage_options=storage_options)
         self.spec = spec
         self.layout = layout
         self.rank = rank
+        self.policy_versions = policy_versions
+        self.other_versions = other_versions
+        versions_for(policy_versions, 0)  # a bad rule fails here, not at the first step
         self.gate = gate
         self.fidelity_writer = fidelity_writer
         self.prefetch = prefetch

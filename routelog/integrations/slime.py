@@ -61,7 +61,7 @@ from routelog.align import (
     pack,
     rank_positions,
 )
-from routelog.align.plan import MicroBatchReplay
+from routelog.align.plan import MicroBatchReplay, OtherVersions, PolicyVersions, versions_for
 from routelog.align.positions import PAD
 from routelog.engines.slime import record_from_sample
 from routelog.errors import AlignmentError, IngestError, ModelSpecError, RecordNotFoundError, ReplayConfigError
@@ -155,7 +155,8 @@ def write_samples(
         target = open_store(store, storage_options=storage_options)
     model = target.model_spec
     ids = [sample_id(rollout_id, position) for position in range(len(flat))]
-    records = (_record(sample, sid, model, policy_version) for sample, sid in zip(flat, ids, strict=True))
+    version = rollout_id if policy_version is None else policy_version
+    records = (_record(sample, sid, model, version) for sample, sid in zip(flat, ids, strict=True))
     if on_conflict == "drop" and rollout_id in target.steps():
         _drop_stale(target, rollout_id, flat, ids)
     with target.writer(
@@ -417,8 +418,13 @@ class SlimeReplay:
         check_tokens: bool = True,
         gate: FidelityGate | None = None,
         fidelity_writer: str | None = None,
+        policy_versions: PolicyVersions = "step",
+        other_versions: OtherVersions = "refuse",
     ) -> None:
         self._store = store
+        self.policy_versions = policy_versions
+        self.other_versions = other_versions
+        versions_for(policy_versions, 0)  # a bad rule fails here, not at the first rollout
         self.storage_options = storage_options
         self.spec = spec
         self.layout = layout
@@ -496,6 +502,8 @@ class SlimeReplay:
             packing,
             self.rank or rank_from_megatron(),
             tuple(self.micro_batches(rollout_id, rollout_data, num_microbatches)),
+            policy_versions=versions_for(self.policy_versions, rollout_id),
+            other_versions=self.other_versions,
         )
 
     def record(

@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from routelog.align import AlignmentPlan, MicroBatch, Packing
-from routelog.align.plan import MicroBatchReplay, MissingPolicy
+from routelog.align.plan import MicroBatchReplay, MissingPolicy, OtherVersions, PolicyVersions, versions_for
 from routelog.engines.verl import records_from_batch
 from routelog.errors import AlignmentError
 from routelog.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
@@ -99,7 +99,7 @@ def write_batch(
         input_ids=tensors["input_ids"].cpu().numpy(),
         sample_ids=ids,
         group_ids=None if uids is None else [str(u) for u in uids],
-        policy_version=policy_version,
+        policy_version=writer.step if policy_version is None else policy_version,
     )
     for record in records:
         writer.append(record)
@@ -139,6 +139,8 @@ class VerlReplay:
         fidelity_writer: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
         cache: int = 4,
+        policy_versions: PolicyVersions = "step",
+        other_versions: OtherVersions = "refuse",
     ) -> None:
         self.store = store if isinstance(store, Store) else open_store(store, storage_options=storage_options)
         self.noted = 0
@@ -147,6 +149,8 @@ class VerlReplay:
         """Micro-batches veRL asked routes for (``set_router_replay_data``): fewer on a training pass is inert."""
         self.spec = spec or self.store.model_spec
         self.missing = missing
+        self.policy_versions, self.other_versions = policy_versions, other_versions
+        versions_for(policy_versions, 0)  # a bad rule fails here, not at the first step
         self.gate = gate or FidelityGate(max_router_diff=None)
         self.fidelity_writer = fidelity_writer
         self._local = threading.local()
@@ -204,8 +208,18 @@ class VerlReplay:
         layout = layout_from_config(config, cp=micro.cp, cp_layout=_cp_layout(config))
         rank = rank_from_parallel_state(cp_rank=micro.cp_rank)
         packing = Packing("thd") if micro.cu_seqlens_padded is not None else Packing("bshd")
-        plan = AlignmentPlan(self.spec, layout, packing, rank, (micro,), self.missing)
-        mb = self._load(armed.micro_batch.step, plan)
+        step = armed.micro_batch.step
+        plan = AlignmentPlan(
+            self.spec,
+            layout,
+            packing,
+            rank,
+            (micro,),
+            self.missing,
+            policy_versions=versions_for(self.policy_versions, step),
+            other_versions=self.other_versions,
+        )
+        mb = self._load(step, plan)
         replay = self._replay_for(module, plan, armed.vp_stage)
         tokens = list(armed.micro_batch.tokens) if armed.vp_stage == 0 else None
         replay.install(mb, vp_stage=armed.vp_stage, tokens=tokens)
@@ -299,11 +313,15 @@ def install(
     gate: FidelityGate | None = None,
     fidelity_writer: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    policy_versions: PolicyVersions = "step",
+    other_versions: OtherVersions = "refuse",
 ) -> VerlReplay:
     """Patch veRL's Megatron engine in this process to replay from ``store``; returns the :class:`VerlReplay`.
 
     Rows without a recorded route (each sequence's final token, padding) are left to the router by default, as
-    veRL's own replay does (``missing="dummy"`` gives them placeholder experts instead).
+    veRL's own replay does (``missing="dummy"`` gives them placeholder experts instead). Routing of another policy
+    version than the step's (what :func:`write_batch` records by default) is refused: ``policy_versions`` and
+    ``other_versions`` say otherwise (:data:`~routelog.align.plan.PolicyVersions`).
 
     Call it in every training worker before the engine is built (e.g. at the top of a custom worker's
     ``init_model``). The patched functions are looked up by veRL in ``transformer_impl``'s namespace, which is why
@@ -312,7 +330,14 @@ def install(
     from verl.workers.engine.megatron import transformer_impl as impl
 
     replay = VerlReplay(
-        store, spec=spec, missing=missing, gate=gate, fidelity_writer=fidelity_writer, storage_options=storage_options
+        store,
+        spec=spec,
+        missing=missing,
+        gate=gate,
+        fidelity_writer=fidelity_writer,
+        storage_options=storage_options,
+        policy_versions=policy_versions,
+        other_versions=other_versions,
     )
     engine = impl.MegatronEngineWithLMHead
     prepare = engine.prepare_model_inputs

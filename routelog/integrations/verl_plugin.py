@@ -5,7 +5,8 @@ each Ray worker; ``VERL_USE_EXTERNAL_PLUGINS`` chooses which). routelog register
 nothing unless :data:`URL_ENV` is set in the process's environment (put it in the Ray job's runtime env, which
 reaches every worker); then, once veRL's Megatron engine module is imported, it is patched by
 :func:`routelog.integrations.verl.install` with the store at that URL. :data:`FIDELITY_ENV` names the fidelity
-writer and :data:`GATE_ENV` the gate's ``max_router_diff`` (both optional).
+writer, :data:`GATE_ENV` the gate's ``max_router_diff`` and :data:`VERSIONS_ENV` the policy versions replayed (all
+optional).
 
 The engine module is patched right after it is first imported, not at ``import verl``: the plugin is loaded while
 ``verl`` itself is being imported, before its engine can be.
@@ -20,6 +21,10 @@ import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the plugin loads at every ``import verl``: nothing of routelog until it is configured
+    from routelog.align.plan import PolicyVersions
 
 URL_ENV = "ROUTELOG_URL"
 """The store's URL: set, the plugin installs routelog's replay in the process."""
@@ -27,6 +32,9 @@ FIDELITY_ENV = "ROUTELOG_FIDELITY_WRITER"
 """Optional: the writer id the router diff is published under."""
 GATE_ENV = "ROUTELOG_MAX_ROUTER_DIFF"
 """Optional: a :class:`~routelog.fidelity.FidelityGate`'s ``max_router_diff``."""
+VERSIONS_ENV = "ROUTELOG_POLICY_VERSIONS"
+"""Optional: ``step`` (the default: only routing of the step's own policy version), ``any`` (not checked), or
+``step-N`` (routing of version ``step - N``: N-step off-policy training)."""
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 
 
@@ -36,7 +44,23 @@ def _install() -> None:
 
     limit = os.environ.get(GATE_ENV)
     gate = FidelityGate(max_router_diff=float(limit)) if limit else None
-    verl.install(os.environ[URL_ENV], gate=gate, fidelity_writer=os.environ.get(FIDELITY_ENV) or None)
+    verl.install(
+        os.environ[URL_ENV],
+        gate=gate,
+        fidelity_writer=os.environ.get(FIDELITY_ENV) or None,
+        policy_versions=_versions(os.environ.get(VERSIONS_ENV) or "step"),
+    )
+
+
+def _versions(text: str) -> PolicyVersions:
+    from routelog.errors import ReplayConfigError
+
+    if text in ("step", "any"):
+        return text  # type: ignore[return-value]
+    lag = text.removeprefix("step-")
+    if lag != text and lag.isdigit():
+        return lambda step: {step - int(lag)}
+    raise ReplayConfigError(f"{VERSIONS_ENV}={text!r}: expected 'step', 'any' or 'step-N' (N-step off-policy)")
 
 
 class _Patching(importlib.abc.Loader):
