@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from routelog import keys
 from routelog.codec import TopkOrder
-from routelog.engines import ms_swift, nemo_rl, sglang, slime, verl, vllm
+from routelog.engines import megatron_server, ms_swift, nemo_rl, sglang, slime, verl, vllm
 from routelog.engines.common import list_field, load_npy, malformed, npy_header_nbytes, to_full_axis
 from routelog.errors import IngestError, InvalidRecordError, RoutingAbsentError, WriteInterruptedError
 from routelog.format import load_json
@@ -29,12 +29,13 @@ from routelog.reader import StepSnapshot
 from routelog.record import Record, prepare_record
 from routelog.spec import ModelSpec
 
-Engine = Literal["vllm", "sglang", "verl", "slime", "nemo-rl", "ms-swift"]
-HTTP_ENGINES = ("vllm", "sglang", "nemo-rl", "ms-swift")
-"""Engines whose routing arrives in HTTP responses (NeMo-RL's and ms-swift's envelopes wrap vLLM responses)."""
+Engine = Literal["vllm", "sglang", "verl", "slime", "nemo-rl", "ms-swift", "megatron"]
+HTTP_ENGINES = ("vllm", "sglang", "nemo-rl", "ms-swift", "megatron")
+"""Engines whose routing arrives in HTTP responses (NeMo-RL's and ms-swift's envelopes wrap vLLM responses;
+``megatron`` is megatron-core's own inference server)."""
 MAX_LINE_BYTES = 1 << 30
 """One JSONL line (a response with base64 routing of a long sequence is tens of MB)."""
-ExportLayout = Literal["verl", "slime", "full", "moe", "vllm", "vllm-0.21", "sglang", "nemo-rl", "ms-swift"]
+ExportLayout = Literal["verl", "slime", "full", "moe", "vllm", "vllm-0.21", "sglang", "nemo-rl", "ms-swift", "megatron"]
 
 
 def _field(obj: Any, path: str) -> Any:
@@ -81,7 +82,7 @@ def _http_records(
     try:
         with malformed(where):
             if chunks is not None:
-                if engine == "sglang":
+                if engine != "vllm":
                     raise IngestError("streamed chunks are read for vLLM's generate endpoint only")
                 return vllm.records_from_stream(
                     list_field(chunks, where, "chunks"),
@@ -91,7 +92,7 @@ def _http_records(
                     on_absent=on_absent,
                     **common,
                 )
-            module = sglang if engine == "sglang" else vllm
+            module = {"sglang": sglang, "megatron": megatron_server}.get(engine, vllm)
             records: list[Record] = module.records_from_http(
                 response, spec, request=request, sample_ids=sample_ids, on_absent=on_absent, **common
             )
@@ -407,7 +408,7 @@ class NpzWriter:
         self._zip.close()
 
 
-WIRE_LAYOUTS = ("vllm", "vllm-0.21", "sglang", "nemo-rl", "ms-swift")
+WIRE_LAYOUTS = ("vllm", "vllm-0.21", "sglang", "nemo-rl", "ms-swift", "megatron")
 """Layouts with an HTTP wire form, written as JSONL (one ``{"sample_id", "routed_experts", ...}`` line a record)."""
 ARRAY_LAYOUTS = ("verl", "slime", "full", "moe", "vllm", "sglang")
 """Layouts written as ``.npz`` arrays."""
@@ -428,7 +429,9 @@ def export_step(
     ``.jsonl`` output holds each record's routing as the engine sends it over HTTP: ``vllm`` (0.22+ base64
     ``.npy``), ``vllm-0.21`` (nested lists, with ``prompt_routed_experts``), ``sglang`` (base64 int32),
     ``nemo-rl`` (``nrlre1:`` envelope) or ``ms-swift`` (``__ndarray__`` object), rows from the record's payload
-    start. ``.npz`` output holds arrays: ``full`` / ``moe``: ``<sample_id>`` int16 ``[n_tokens, layers, K]``, -1 for
+    start; ``megatron``: one megatron-core server response a line (``id`` the sample id, one choice with
+    ``moe_topk_indices`` and the token ids), which ``ingest --engine megatron`` reads back.
+    ``.npz`` output holds arrays: ``full`` / ``moe``: ``<sample_id>`` int16 ``[n_tokens, layers, K]``, -1 for
     missing rows and dense layers; ``vllm`` / ``sglang``: ``<sample_id>`` the engine's array; ``slime``:
     ``<sample_id>/<field>``; ``verl``: one batch padded to ``prompt_length`` + ``response_length`` (default: the
     longest prompt and response). Records stored as sorted sets (the default) keep their experts but not the
@@ -475,6 +478,9 @@ def export_step(
 
 
 def _wire(record: Record, spec: ModelSpec, layout: str) -> dict[str, Any]:
+    if layout == "megatron":
+        choice = megatron_server.encode(record, spec)
+        return {"id": record.sample_id, "sample_id": record.sample_id, "choices": [choice]}
     line: dict[str, Any] = {"sample_id": record.sample_id}
     if layout == "vllm":
         line["routed_experts"] = vllm.to_http_choice(record, spec)

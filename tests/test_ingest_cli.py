@@ -96,6 +96,58 @@ def test_vllm_jsonl_ingest_and_convert_back(tmp_path: Path, spec_file: Path) -> 
         assert (first[:, :3] == -1).all() and (first[-1] == -1).all()
 
 
+def test_megatron_server_responses_ingest_and_convert_back_exactly(tmp_path: Path, spec_file: Path) -> None:
+    """megatron-core's completions server: ``moe_topk_indices`` ``[n - 1, num_moe_layers, K]`` int32 in each of the
+    three JSON forms it reaches a log in, token ids in the choice (chat: in ``message``). Ingested, exported with
+    ``convert --to megatron`` and ingested again, every record is identical."""
+    routes = {f"cmpl-{i}": truth(DSV3, 9 + i, seed=20 + i) for i in range(3)}
+    forms = [
+        lambda rows: rows.tolist(),
+        lambda rows: {"data": rows.tolist(), "dtype": "int32"},
+        lambda rows: ["ndarray", {"data": rows.tolist(), "dtype": "int32"}],
+    ]
+    lines = []
+    for (rid, ids), form in zip(routes.items(), forms, strict=True):
+        prompt, generated = list(range(100, 104)), list(range(200, 200 + ids.shape[0] - 4))
+        rows = ids[:-1].astype(np.int32)  # the last generated token is never forwarded
+        choice = {
+            "index": 0,
+            "text": "...",
+            "prompt_token_ids": prompt,
+            "generation_token_ids": generated,
+            "generation_log_probs": [-0.5] * len(generated),
+            "moe_topk_indices": form(rows),
+            "prompt_moe_topk_indices": form(rows[:4]),
+        }
+        if rid == "cmpl-2":  # chat completions: the token ids and routing under message
+            choice = {"index": 0, "message": {"role": "assistant", **choice}}
+        lines.append({"id": rid, "object": "text_completion", "choices": [choice]})
+    log = tmp_path / "megatron.jsonl"
+    log.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    url = str(tmp_path / "store")
+    common = ["--engine", "megatron", "--model-spec", str(spec_file), "--topk-order", "score"]
+    _run("ingest", str(log), *common, "--to", url, "--step", "0")
+    snapshot = routelog.open_store(url).step(0)
+    assert snapshot.sample_ids == [f"cmpl-{i}/0" for i in range(3)]
+    for rid, ids in routes.items():
+        got = snapshot.read(f"{rid}/0")
+        np.testing.assert_array_equal(got.expert_ids[:-1], ids[:-1])
+        assert not got.valid[-1] and got.info.engine == "megatron"
+        assert got.info.token_ids is not None and list(got.info.token_ids[:4]) == [100, 101, 102, 103]
+    exported = tmp_path / "back.jsonl"
+    _run("convert", url, "--to", "megatron", "--step", "0", str(exported))
+    again = str(tmp_path / "again")
+    _run("ingest", str(exported), *common, "--to", again, "--step", "0", "--sample-id-field", "sample_id")
+    second = routelog.open_store(again).step(0)
+    assert second.sample_ids == snapshot.sample_ids
+    for sid in snapshot.sample_ids:
+        first, back = snapshot.read(sid), second.read(sid)
+        np.testing.assert_array_equal(back.expert_ids, first.expert_ids)
+        np.testing.assert_array_equal(back.valid, first.valid)
+        assert back.info.token_hash == first.info.token_hash
+        assert (back.info.prompt_len, back.info.response_len) == (first.info.prompt_len, first.info.response_len)
+
+
 def test_sglang_jsonl_ingest(tmp_path: Path, spec_file: Path) -> None:
     ids = truth(DSV3, 10, seed=5)
     line = {
@@ -193,3 +245,28 @@ def test_ingest_errors_name_file_line_and_request(tmp_path: Path, spec_file: Pat
     )
     assert isinstance(result.exception, routelog.IngestError)
     assert f"{log}:2" in str(result.exception) and "cmpl-x" in str(result.exception)
+
+
+def test_megatron_server_payload_errors_name_the_choice_and_the_fix() -> None:
+    from routelog.engines import megatron_server
+    from routelog.errors import IngestError, RoutingAbsentError
+
+    ids = truth(DSV3, 9, seed=3)
+    choice = {"index": 1, "prompt_token_ids": [1, 2, 3], "generation_token_ids": list(range(6))}
+    with pytest.raises(RoutingAbsentError, match=r"choice 1: no moe_topk_indices.*moe_enable_routing_replay"):
+        megatron_server.records_from_http({"id": "r", "choices": [choice]}, DSV3)
+    short = {**choice, "moe_topk_indices": ids[:-2].tolist()}
+    with pytest.raises(IngestError, match=r"request r choice 1: 7 routing rows, expected 8"):
+        megatron_server.records_from_http({"id": "r", "choices": [short]}, DSV3)
+    floats = {**choice, "moe_topk_indices": {"data": ids[:-1].tolist(), "dtype": "float32"}}
+    with pytest.raises(IngestError, match=r"moe_topk_indices.dtype is 'float32'"):
+        megatron_server.records_from_http({"id": "r", "choices": [floats]}, DSV3)
+    no_prompt = {**choice, "prompt_token_ids": None, "moe_topk_indices": ids[:-1].tolist()}
+    with pytest.raises(IngestError, match="return_prompt_tokens"):
+        megatron_server.records_from_http({"id": "r", "choices": [no_prompt]}, DSV3)
+    record = megatron_server.records_from_http(
+        {"id": "r", "choices": [{**choice, "moe_topk_indices": ids[:-1].tolist()}]}, DSV3
+    )[0]
+    record.valid[2] = False
+    with pytest.raises(IngestError, match=r"row 2 has no route"):
+        megatron_server.encode(record, DSV3)

@@ -147,14 +147,18 @@ def spec(hf_config: Annotated[Path, typer.Option("--hf-config", help="A HF confi
 def convert(
     url: UrlArgument,
     to: Annotated[
-        str, typer.Option("--to", help="vllm | vllm-0.21 | sglang | nemo-rl | ms-swift | verl | slime | full | moe")
+        str,
+        typer.Option(
+            "--to", help="vllm | vllm-0.21 | sglang | nemo-rl | ms-swift | megatron | verl | slime | full | moe"
+        ),
     ],
     step: Annotated[int, typer.Option(help="Step to export.")],
     out: Annotated[
         Path,
         typer.Argument(
-            help=".jsonl for an engine's HTTP form (vllm, vllm-0.21, sglang, nemo-rl, ms-swift): one line per record, "
-            '{"sample_id", "routed_experts", ...} as the engine sends them; .npz for arrays (verl, slime, full, moe, '
+            help=".jsonl for an engine's HTTP form (vllm, vllm-0.21, sglang, nemo-rl, ms-swift, megatron): one line "
+            'per record, {"sample_id", "routed_experts", ...} as the engine sends them (megatron: a server response); '
+            ".npz for arrays (verl, slime, full, moe, "
             "vllm, sglang): one array per record named by its sample id ('<sample id>/<field>' for slime), or one "
             "padded batch for verl."
         ),

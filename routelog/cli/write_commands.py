@@ -199,10 +199,10 @@ def ingest(
     inputs: Annotated[
         list[Path],
         typer.Argument(
-            help="JSONL of HTTP responses (vllm, sglang, nemo-rl, ms-swift); .npz/.safetensors (verl, slime)."
+            help="JSONL of HTTP responses (vllm, sglang, nemo-rl, ms-swift, megatron); .npz/.safetensors (verl, slime)."
         ),
     ],
-    engine: Annotated[str, typer.Option(help="vllm | sglang | nemo-rl | ms-swift | verl | slime")],
+    engine: Annotated[str, typer.Option(help="vllm | sglang | nemo-rl | ms-swift | megatron | verl | slime")],
     to: Annotated[str, typer.Option("--to", help="Store URL.")],
     step: Annotated[int, typer.Option(help="RL step the records belong to.")],
     model_spec: Annotated[
@@ -266,7 +266,7 @@ def ingest(
     from routelog.ingest import IngestSource, read_table
     from routelog.ingest import ingest as run_ingest
 
-    kind = _choice(engine, "--engine", ("vllm", "sglang", "nemo-rl", "ms-swift", "verl", "slime"))
+    kind = _choice(engine, "--engine", ("vllm", "sglang", "nemo-rl", "ms-swift", "megatron", "verl", "slime"))
     order = _choice(topk_order, "--topk-order", ("sorted", "score"))
     duplicate = _choice(on_duplicate, "--on-duplicate", ("skip", "error"))
     source = IngestSource(
