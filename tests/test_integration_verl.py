@@ -157,11 +157,16 @@ def verl_patched(monkeypatch: pytest.MonkeyPatch) -> None:
     apply_router_replay_patch()
 
 
-@pytest.mark.parametrize("fp8", [None, "e4m3"])
-@pytest.mark.parametrize("max_token_len", [24, 60])
+@pytest.mark.parametrize(
+    ("fp8", "max_token_len", "prefetch"),
+    [(None, 24, True), (None, 60, False), ("e4m3", 24, False), ("e4m3", 60, True)],
+)
 def test_each_micro_batch_installs_the_rows_the_model_computes_on(
-    verl_patched: None, monkeypatch: pytest.MonkeyPatch, fp8: str | None, max_token_len: int
+    verl_patched: None, monkeypatch: pytest.MonkeyPatch, fp8: str | None, max_token_len: int, prefetch: bool
 ) -> None:
+    """veRL's own split and THD packing; each router gets the true route of the token it computes on, whether the
+    pass's records were read ahead in the background (``begin_pass``, as the wrapped ``forward_backward_batch``
+    does) or at each forward."""
     from verl.models.mcore.util import preprocess_thd_engine
     from verl.utils.megatron import router_replay_patch as verl_replay
     from verl.utils.megatron.router_replay_utils import set_model_router_replay_action
@@ -184,6 +189,8 @@ def test_each_micro_batch_installs_the_rows_the_model_computes_on(
     replay = integration.install(url, fidelity_writer="train-dp0")
 
     data = left_right_2_no_padding(batch.to_tensordict())
+    if prefetch:
+        replay.begin_pass(data, config)
     micro_batches, indices = rearrange_micro_batches(data, max_token_len=max_token_len)
     assert len(micro_batches) > 1
     for mb, order in zip(micro_batches, indices, strict=True):
@@ -219,6 +226,7 @@ def test_each_micro_batch_installs_the_rows_the_model_computes_on(
             want = np.sort(packed[0, :, number - 1].numpy().astype(np.int64), axis=-1)
             np.testing.assert_array_equal(seen[number][real], want[real])
         set_model_router_replay_action(chunk, verl_replay.RouterReplayAction.REPLAY_BACKWARD)
+    assert replay.prefetched == (len(micro_batches) if prefetch else 0), "every forward aligned rows read ahead"
     counts = replay.end_step(phase="train")
     assert counts.samples == len(PROMPTS)
     (record,) = routelog.fidelity.read_fidelity(routelog.open_store(url), 7)

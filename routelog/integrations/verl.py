@@ -13,7 +13,9 @@ through every DP dispatch and micro-batch split, and each worker packs it again 
   of packing a tensor; and a forward pre-hook on the chunk installs the rows when the model is called, aligned to
   the ``packed_seq_params`` (THD) or the input width (BSHD) **the model is actually given**, never re-derived, so
   FP8 padding, length buckets, dynamic CP and BSHD without remove-padding land where the model computes. Each rank
-  reads only its own records and pipeline-stage layers. ``forward_backward_batch`` is wrapped to end the step:
+  reads only its own records and pipeline-stage layers. ``forward_backward_batch`` is wrapped to start reading the
+  pass's records in the background before its first micro-batch (``prefetch``: where the rank's rows are whole
+  sequences, without CP or sequence-parallel splits, so nothing beyond its share is read) and to end the step:
   the router diff is judged by the gate and published (:mod:`routelog.fidelity`).
 
 veRL sets the replay actions itself (its own ``RouterReplay`` class and enum, which :mod:`routelog.megatron`
@@ -26,6 +28,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from routelog.align import AlignmentPlan, MicroBatch, Packing
-from routelog.align.plan import MicroBatchReplay, MissingPolicy, OtherVersions, PolicyVersions, versions_for
+from routelog.align.plan import MicroBatchReplay, MissingPolicy, OtherVersions, PolicyVersions, gather, versions_for
 from routelog.engines.verl import records_from_batch
 from routelog.errors import AlignmentError
 from routelog.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
@@ -41,6 +44,7 @@ from routelog.integrations.megatron import layout_from_config, rank_from_paralle
 from routelog.loader import ReplayLoader
 from routelog.megatron import MegatronReplay, language_model
 from routelog.reader import StepSnapshot
+from routelog.routing import RecordRouting
 from routelog.spec import ModelSpec
 from routelog.store import Store, open_store
 from routelog.writer import StepWriter
@@ -126,6 +130,16 @@ class _Armed:
     local_cp_size: int | None
 
 
+@dataclass(frozen=True)
+class _Ahead:
+    """A pass's records being read in the background (:meth:`VerlReplay.begin_pass`)."""
+
+    step: int
+    sample_ids: frozenset[str]
+    layers: tuple[int, ...]
+    routings: Future[dict[str, RecordRouting]]
+
+
 class VerlReplay:
     """One worker's replay: see the module docs; :func:`install` creates one and patches veRL with it."""
 
@@ -141,8 +155,14 @@ class VerlReplay:
         cache: int = 4,
         policy_versions: PolicyVersions = "step",
         other_versions: OtherVersions = "refuse",
+        prefetch: bool = True,
     ) -> None:
         self.store = store if isinstance(store, Store) else open_store(store, storage_options=storage_options)
+        self.prefetch = prefetch
+        self.prefetched = 0
+        """Micro-batches whose rows came from the pass's background read (no read of the store at their forward)."""
+        self._ahead: _Ahead | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self.noted = 0
         """Micro-batches carrying routelog's sample ids that veRL prepared for a forward (``prepare_model_inputs``)."""
         self.armed = 0
@@ -224,8 +244,35 @@ class VerlReplay:
         tokens = list(armed.micro_batch.tokens) if armed.vp_stage == 0 else None
         replay.install(mb, vp_stage=armed.vp_stage, tokens=tokens)
 
+    def begin_pass(self, data: Any, config: Any) -> None:
+        """From ``forward_backward_batch``'s start: read the pass's records (this stage's layers) in the background,
+        so each micro-batch's forward aligns rows already in memory. Only where a rank's rows are whole sequences
+        (no CP, no sequence-parallel split): elsewhere each forward reads just its share."""
+        from verl.utils import tensordict_utils as tu
+
+        self._ahead = None
+        ids, step = tu.get(data, SAMPLE_ID_KEY), tu.get(data, STEP_KEY)
+        if not self.prefetch or ids is None or step is None or config is None:
+            return
+        layout = layout_from_config(config)
+        if layout.cp > 1 or layout.sp:
+            return
+        rank = rank_from_parallel_state()
+        layers = AlignmentPlan(self.spec, layout, Packing("thd"), rank, ()).moe_layers
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="routelog-verl-prefetch")
+        wanted = [str(s) for s in ids]
+        future = self._executor.submit(self._read_ahead, int(step), wanted, layers)
+        self._ahead = _Ahead(int(step), frozenset(wanted), tuple(layers), future)
+
+    def _read_ahead(self, step: int, ids: list[str], layers: list[int]) -> dict[str, RecordRouting]:
+        snapshot = self._snapshot if self._snapshot is not None and self._snapshot.step == step else None
+        snapshot = snapshot or self.store.step(step)
+        return {r.sample_id: r for r in snapshot.read_many(ids, moe_layers=layers)}
+
     def end_step(self, *, phase: str | None = None) -> StepFidelity:
         """From ``forward_backward_batch``'s end: clear, judge and publish the router diff of this forward pass."""
+        self._ahead = None
         counts = StepFidelity()
         for replay in self._replays.values():
             counts = counts.merge(replay.end_step())
@@ -238,6 +285,18 @@ class VerlReplay:
     def _load(self, step: int, plan: AlignmentPlan) -> MicroBatchReplay:
         """The micro-batch's rows for this rank (every model chunk of the rank shares one read)."""
         key = (step, plan)
+        ahead = self._ahead
+        ids = plan.micro_batches[0].sample_ids
+        if (
+            key not in self._loaded
+            and ahead is not None
+            and ahead.step == step
+            and ahead.layers == tuple(plan.moe_layers)
+            and ahead.sample_ids.issuperset(ids)
+        ):
+            routings = ahead.routings.result()  # the background read's errors surface here, at the forward
+            self._loaded[key] = gather(plan, 0, {sid: routings[sid] for sid in ids})
+            self.prefetched += 1
         if key not in self._loaded:
             if self._snapshot is None or self._snapshot.step != step:  # the step's commits and index, read once
                 self._snapshot = self.store.step(step)
@@ -254,6 +313,9 @@ class VerlReplay:
         return self._replays[key]
 
     def remove(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
         for handle in self._hooked.values():
             handle.remove()
         self._hooked.clear()
@@ -364,6 +426,7 @@ def install(
 
     def forward_backward_batch(self: Any, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
         noted, armed = replay.noted, replay.armed
+        replay.begin_pass(data, getattr(self, "tf_config", None))
         try:
             result = forward_backward(self, data, loss_function, forward_only)
         finally:
