@@ -364,7 +364,8 @@ def test_the_router_diff_is_measured_judged_and_published(
 ) -> None:
     """With a gate and a fidelity writer, each replaying ``compute_topk`` also runs the router's own top-k: rows
     where it disagrees count (padding and final tokens never do), the gate judges the rollout after
-    ``train_actor``, and each rank publishes its counts."""
+    ``train_actor``, and before each optimizer step within it, so a failing rollout updates no weight; and each rank
+    publishes its counts."""
     from routelog.fidelity import FidelityGate, ReplayFidelityError, read_fidelity
 
     fixture = load("tp2_sp")
@@ -393,12 +394,22 @@ def test_the_router_diff_is_measured_judged_and_published(
                     compute_topk = module.get_routing_replay_compute_topk(native)  # type: ignore[attr-defined]
                     _, chosen = compute_topk(scores, topk)
                     assert torch.equal(chosen, replay.top_indices_list[m])  # replay itself is untouched
+            self.optimizer.step()  # slime's train_one_step, after the training forward and backward
+
+    class Optimizer:
+        def __init__(self) -> None:
+            self.updates = 0
+
+        def step(self) -> tuple[bool, float, int]:
+            self.updates += 1
+            return True, 1.0, 0
 
     args = fixture.args()
     args.use_rollout_routing_replay = True
     gate = FidelityGate(max_router_diff=0.5)
     replay = slime.install(args, url=url, actor_class=MegatronTrainRayActor, gate=gate, fidelity_writer="train")
     actor = MegatronTrainRayActor(args, megatron_chunks(fixture))
+    actor.optimizer = Optimizer()  # type: ignore[attr-defined]
     for tp in range(2):
         fake_slime.ranks.tp = tp
         fake_slime.registry.all_routing_replays = [SlimeRoutingReplay() for _ in range(6)]
@@ -413,8 +424,11 @@ def test_the_router_diff_is_measured_judged_and_published(
     assert replay.meter is None  # ended with the rollout
     replay.gate = FidelityGate(max_router_diff=0.1)
     fake_slime.registry.all_routing_replays = [SlimeRoutingReplay() for _ in range(6)]
+    assert actor.optimizer.updates == 2  # type: ignore[attr-defined]
     with pytest.raises(ReplayFidelityError, match="rollout 7"):
         actor.train(ROLLOUT, fixture.rollout_data(0))
+    assert actor.optimizer.updates == 2, "judged before the optimizer step: no update"  # type: ignore[attr-defined]
+    assert "step" not in vars(actor.optimizer), "the optimizer's own step is back"  # type: ignore[attr-defined]
     slime.patch(MegatronTrainRayActor, replay)()  # undo restores slime's factory
     assert module.get_routing_replay_compute_topk is original_factory  # type: ignore[attr-defined]
 

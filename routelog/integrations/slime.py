@@ -402,7 +402,8 @@ class SlimeReplay:
     With a ``gate`` or a ``fidelity_writer``, :func:`patch` also wraps slime's replaying ``compute_topk``: in
     each ``replay_forward`` call the router's own top-k is computed too (one extra top-k per router and forward,
     no host synchronisation), and the rows whose own set differs from the replayed one are counted (the R3
-    paper's router diff, on the trainer's weights). After each ``train_actor`` the counts are judged by the gate
+    paper's router diff, on the trainer's weights). Before each optimizer step inside ``train_actor`` (slime's ``optimizer.step()``, wrapped for the rollout) and
+    after it, the counts so far are judged by the gate
     (:class:`~routelog.fidelity.ReplayFidelityError` when a layer exceeds it) and published as the rank's
     fidelity document ``<fidelity_writer>-r<global rank>`` of the step (``routelog mismatch`` shows them)."""
 
@@ -634,10 +635,11 @@ class SlimeReplay:
             iterator.reset()
         return report
 
-    def end_rollout(self, rollout_id: int) -> StepFidelity | None:
-        """After training on rollout ``rollout_id``: judge the router diff measured on this rank and publish it
-        (with a gate or a fidelity writer; None otherwise)."""
-        meter, self.meter = self.meter, None
+    def judge(self, rollout_id: int) -> StepFidelity | None:
+        """Before each optimizer step of rollout ``rollout_id`` (and at its end): fail if the routes recorded were
+        never replayed, or if the router diff measured so far exceeds the gate; the counts so far (None when not
+        measuring). One read of the device."""
+        meter = self.meter
         if meter is None:
             return None
         if meter.masks and not meter.observed:
@@ -647,6 +649,20 @@ class SlimeReplay:
                 "never ran its compute_topk: --use-rollout-routing-replay off, or slime's routing API changed)"
             )
         counts = meter.counts()
+        if self.gate is not None:
+            self.gate.check(counts, f"rollout {rollout_id}, rank {_global_rank()}")
+        return counts
+
+    def end_rollout(self, rollout_id: int) -> StepFidelity | None:
+        """After training on rollout ``rollout_id``: publish the router diff measured on this rank and judge it
+        (with a gate or a fidelity writer; None otherwise)."""
+        meter = self.meter
+        if meter is None:
+            return None
+        if meter.masks and not meter.observed:
+            self.judge(rollout_id)  # inert: raises
+        counts = meter.counts()
+        self.meter = None
         if self.fidelity_writer is not None and counts.replayed:
             write_fidelity(
                 self.store,
@@ -701,12 +717,25 @@ class FidelityMeter:
         self.replayed[j] += int(self.masks[m].sum())
 
     def counts(self) -> StepFidelity:
-        """The rank's counts per global layer (one host synchronisation per router)."""
+        """The rank's counts per global layer (one host synchronisation for all routers)."""
         out = StepFidelity(samples=self.samples)
+        on_device = [d for d in self.differing if not isinstance(d, int)]
+        read = iter(_read_all(on_device))
         for layer, rows, differing in zip(self.layers, self.replayed, self.differing, strict=True):
+            value = differing if isinstance(differing, int) else next(read)
             if rows:
-                out.add(layer, rows, int(differing))
+                out.add(layer, rows, value)
         return out
+
+
+def _read_all(tensors: Sequence[Any]) -> list[int]:
+    """Scalar device tensors as ints, in one transfer."""
+    if not tensors:
+        return []
+    import torch
+
+    values: list[int] = torch.stack([t.reshape(()) for t in tensors]).tolist()
+    return values
 
 
 def _global_rank() -> int:
@@ -890,9 +919,11 @@ def patch(actor_class: Any, replay: SlimeReplay) -> Callable[[], None]:
 
     def train_actor(self: Any, rollout_id: int, rollout_data: Any, *args: Any, **kwargs: Any) -> Any:
         setattr(self, _STEP_ATTRIBUTE, rollout_id)
+        restore = _judge_before_steps(getattr(self, "optimizer", None), lambda: state["replay"].judge(rollout_id))
         try:
             result = original_train_actor(self, rollout_id, rollout_data, *args, **kwargs)
         finally:
+            restore()
             setattr(self, _STEP_ATTRIBUTE, None)
         state["replay"].end_rollout(rollout_id)
         return result
@@ -925,6 +956,29 @@ def patch(actor_class: Any, replay: SlimeReplay) -> Callable[[], None]:
     actor_class.train_actor = train_actor
     state["undo"] = undo
     setattr(actor_class, _PATCHED, state)
+    return undo
+
+
+def _judge_before_steps(optimizer: Any, judge: Callable[[], Any]) -> Callable[[], None]:
+    """While a rollout trains, each ``optimizer.step()`` (slime's ``train_one_step``) first runs ``judge``: a step
+    whose replay failed raises before it updates any weight. Returns the undo."""
+    step = getattr(optimizer, "step", None)
+    if step is None:
+        return lambda: None
+    shadowed = "step" in vars(optimizer)
+
+    def judged_step(*args: Any, **kwargs: Any) -> Any:
+        judge()
+        return step(*args, **kwargs)
+
+    optimizer.step = judged_step
+
+    def undo() -> None:
+        if shadowed:
+            optimizer.step = step
+        else:
+            del optimizer.step
+
     return undo
 
 
