@@ -402,10 +402,10 @@ class SlimeReplay:
     With a ``gate`` or a ``fidelity_writer``, :func:`patch` also wraps slime's replaying ``compute_topk``: in
     each ``replay_forward`` call the router's own top-k is computed too (one extra top-k per router and forward,
     no host synchronisation), and the rows whose own set differs from the replayed one are counted (the R3
-    paper's router diff, on the trainer's weights). Before each optimizer step inside ``train_actor`` (slime's ``optimizer.step()``, wrapped for the rollout) and
-    after it, the counts so far are judged by the gate
-    (:class:`~routelog.fidelity.ReplayFidelityError` when a layer exceeds it) and published as the rank's
-    fidelity document ``<fidelity_writer>-r<global rank>`` of the step (``routelog mismatch`` shows them)."""
+    paper's router diff, on the trainer's weights). Before each optimizer step inside ``train_actor`` (slime's
+    ``optimizer.step()``, wrapped for the rollout) and after it, the counts so far are judged by the gate
+    (:class:`~routelog.fidelity.ReplayFidelityError` when a layer exceeds it); after it they are published as the
+    rank's fidelity document ``<fidelity_writer>-r<global rank>`` of the step (``routelog mismatch`` shows them)."""
 
     def __init__(
         self,
