@@ -149,3 +149,25 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             f"protocol model: {len(runs)} interleavings, {sum(runs)} operations on {backend}, every view checked "
             "after each"
         )
+
+
+@pytest.fixture
+def verl_patched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """veRL's own RouterReplay patch of megatron-core (undone after the test)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
+
+    for cls, names in (
+        (TopKRouter, ("__init__", "routing", "_router_replay_patched")),
+        (TransformerConfig, ("__init__", "_verl_router_patched")),
+        (MoEAlltoAllTokenDispatcher, ("preprocess", "_preprocess_patched")),
+    ):
+        for name in names:
+            monkeypatch.setattr(cls, name, getattr(cls, name, None), raising=False)
+            if getattr(cls, name) is None:
+                monkeypatch.delattr(cls, name)
+    # veRL also rewrites the config constructor's signature object in place: keep the original's.
+    monkeypatch.setattr(TransformerConfig.__init__, "__signature__", None, raising=False)
+    apply_router_replay_patch()

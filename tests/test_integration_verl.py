@@ -135,38 +135,23 @@ def _gpt(config: Any) -> Any:
     )
 
 
-@pytest.fixture
-def verl_patched(monkeypatch: pytest.MonkeyPatch) -> None:
-    """veRL's own RouterReplay patch of megatron-core (undone after the test)."""
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
+def restore_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Undo ``routelog.integrations.verl.install``'s patches of veRL's engine module after the test."""
+    from verl.workers.engine.megatron import transformer_impl as impl
 
-    for cls, names in (
-        (TopKRouter, ("__init__", "routing", "_router_replay_patched")),
-        (TransformerConfig, ("__init__", "_verl_router_patched")),
-        (MoEAlltoAllTokenDispatcher, ("preprocess", "_preprocess_patched")),
-    ):
-        for name in names:
-            monkeypatch.setattr(cls, name, getattr(cls, name, None), raising=False)
-            if getattr(cls, name) is None:
-                monkeypatch.delattr(cls, name)
-    # veRL also rewrites the config constructor's signature object in place: keep the original's.
-    monkeypatch.setattr(TransformerConfig.__init__, "__signature__", None, raising=False)
-    apply_router_replay_patch()
+    engine = impl.MegatronEngineWithLMHead
+    monkeypatch.setattr(engine, "prepare_model_inputs", engine.prepare_model_inputs)
+    monkeypatch.setattr(impl, "set_router_replay_data", impl.set_router_replay_data)
+    monkeypatch.setattr(impl.MegatronEngine, "forward_backward_batch", impl.MegatronEngine.forward_backward_batch)
 
 
-@pytest.mark.parametrize(
-    ("fp8", "max_token_len", "prefetch"),
-    [(None, 24, True), (None, 60, False), ("e4m3", 24, False), ("e4m3", 60, True)],
-)
-def test_each_micro_batch_installs_the_rows_the_model_computes_on(
-    verl_patched: None, monkeypatch: pytest.MonkeyPatch, fp8: str | None, max_token_len: int, prefetch: bool
-) -> None:
-    """veRL's own split and THD packing; each router gets the true route of the token it computes on, whether the
-    pass's records were read ahead in the background (``begin_pass``, as the wrapped ``forward_backward_batch``
-    does) or at each forward."""
+def replay_micro_batches(
+    replay: Any, batch: Any, routes: np.ndarray, *, fp8: str | None, max_token_len: int, prefetch: bool
+) -> list[Any]:
+    """veRL's training side on ``batch`` (a rollout ``DataProto`` carrying routelog's ids): its own split into
+    micro-batches, ``prepare_model_inputs`` and ``set_router_replay_data`` (patched by ``replay``) and its THD packing
+    of each micro-batch; every MoE router of a megatron-core chunk must choose the true route (``routes``, the dense
+    ``[B, P+R, layers, K]`` veRL itself would have carried) of the token it computes on. Returns the micro-batches."""
     from verl.models.mcore.util import preprocess_thd_engine
     from verl.utils.megatron import router_replay_patch as verl_replay
     from verl.utils.megatron.router_replay_utils import set_model_router_replay_action
@@ -174,20 +159,10 @@ def test_each_micro_batch_installs_the_rows_the_model_computes_on(
     from verl.workers.engine.megatron import transformer_impl as impl
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    from routelog.integrations import verl as integration
-
-    for name in ("prepare_model_inputs",):
-        monkeypatch.setattr(impl.MegatronEngineWithLMHead, name, getattr(impl.MegatronEngineWithLMHead, name))
-    monkeypatch.setattr(impl, "set_router_replay_data", impl.set_router_replay_data)
-    monkeypatch.setattr(impl.MegatronEngine, "forward_backward_batch", impl.MegatronEngine.forward_backward_batch)
-
-    url, batch, routes = _write(np.random.default_rng(1))
     config = megatron_config()
     config.fp8 = fp8  # only veRL's packing reads it here: FP8 pads each sequence to 16 and the total to 128
     chunk = _gpt(config)
     assert all(isinstance(layer.mlp.router.router_replay, verl_replay.RouterReplay) for layer in moe_layers(chunk))
-    replay = integration.install(url, fidelity_writer="train-dp0")
-
     data = left_right_2_no_padding(batch.to_tensordict())
     if prefetch:
         replay.begin_pass(data, config)
@@ -226,6 +201,25 @@ def test_each_micro_batch_installs_the_rows_the_model_computes_on(
             want = np.sort(packed[0, :, number - 1].numpy().astype(np.int64), axis=-1)
             np.testing.assert_array_equal(seen[number][real], want[real])
         set_model_router_replay_action(chunk, verl_replay.RouterReplayAction.REPLAY_BACKWARD)
+    return list(micro_batches)
+
+
+@pytest.mark.parametrize(
+    ("fp8", "max_token_len", "prefetch"),
+    [(None, 24, True), (None, 60, False), ("e4m3", 24, False), ("e4m3", 60, True)],
+)
+def test_each_micro_batch_installs_the_rows_the_model_computes_on(
+    verl_patched: None, monkeypatch: pytest.MonkeyPatch, fp8: str | None, max_token_len: int, prefetch: bool
+) -> None:
+    """veRL's own split and THD packing; each router gets the true route of the token it computes on, whether the
+    pass's records were read ahead in the background (``begin_pass``, as the wrapped ``forward_backward_batch``
+    does) or at each forward."""
+    from routelog.integrations import verl as integration
+
+    restore_engine(monkeypatch)
+    url, batch, routes = _write(np.random.default_rng(1))
+    replay = integration.install(url, fidelity_writer="train-dp0")
+    micro_batches = replay_micro_batches(replay, batch, routes, fp8=fp8, max_token_len=max_token_len, prefetch=prefetch)
     assert replay.prefetched == (len(micro_batches) if prefetch else 0), "every forward aligned rows read ahead"
     counts = replay.end_step(phase="train")
     assert counts.samples == len(PROMPTS)

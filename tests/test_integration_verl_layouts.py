@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 import routelog
-from tests.test_integration_verl import agent_loop_batch, verl_patched  # noqa: F401  (fixture: veRL's RouterReplay patch, undone after)
+from tests.test_integration_verl import agent_loop_batch
 from tests.test_megatron import HIDDEN, SPEC, build_chunks, embed, megatron_config, moe_layers, selected
 
 pytestmark = [

@@ -113,6 +113,37 @@ def write_batch(
     return ids
 
 
+def carried_ids(batch: Any) -> tuple[tuple[str, ...], int]:
+    """The sample ids and store step a micro-batch carries: columns written by :func:`write_batch` (ids per row,
+    the step in ``meta_info``), or each row's ``extra_fields`` written by the agent-loop workers
+    (:mod:`routelog.integrations.verl_agent_loop`; the only form on veRL's V1 TransferQueue path)."""
+    from verl.utils import tensordict_utils as tu
+
+    ids, step = tu.get(batch, SAMPLE_ID_KEY), tu.get(batch, STEP_KEY)
+    extra = tu.get(batch, "extra_fields") if ids is None else None
+    if ids is None and extra is not None:
+        rows = [e if isinstance(e, Mapping) else {} for e in _listed(extra)]
+        ids = [r.get(SAMPLE_ID_KEY) for r in rows]
+        step = [r.get(STEP_KEY) for r in rows]
+    if ids is None or step is None or any(i is None for i in _listed(ids)):
+        raise AlignmentError(
+            f"the micro-batch carries no {SAMPLE_ID_KEY!r} / {STEP_KEY!r} (in its columns or extra_fields): write "
+            "the rollout with routelog.integrations.verl.write_batch on the driver, or let the agent-loop workers "
+            "write it (ROUTELOG_URL in their environment, routelog.integrations.verl_agent_loop), before computing "
+            "log-probs or updating the actor"
+        )
+    steps = {int(s) for s in (_listed(step) if not isinstance(step, int | np.integer) else [step])}
+    if len(steps) != 1:
+        raise AlignmentError(f"one micro-batch mixes store steps {sorted(steps)}: its rows' routing cannot be read")
+    return tuple(str(i) for i in _listed(ids)), steps.pop()
+
+
+def _listed(value: Any) -> list[Any]:
+    """A per-row non-tensor column as a list (numpy object arrays, tensordict stacks, lists)."""
+    tolist = getattr(value, "tolist", None)
+    return list(tolist() if callable(tolist) else value)
+
+
 @dataclass(frozen=True)
 class _MicroBatchInput:
     """What ``prepare_model_inputs`` saw of the micro-batch about to be forwarded."""
@@ -185,15 +216,7 @@ class VerlReplay:
     # -- the three patched points ------------------------------------------------------------------------------
     def note_inputs(self, batch: Any) -> None:
         """From ``prepare_model_inputs``: the micro-batch's sample ids, store step and token ids."""
-        from verl.utils import tensordict_utils as tu
-
-        ids = tu.get(batch, SAMPLE_ID_KEY)
-        step = tu.get(batch, STEP_KEY)
-        if ids is None or step is None:
-            raise AlignmentError(
-                f"the micro-batch carries no {SAMPLE_ID_KEY!r} / {STEP_KEY!r}: write the rollout with "
-                "routelog.integrations.verl.write_batch before computing log-probs or updating the actor"
-            )
+        ids, step = carried_ids(batch)
         input_ids = batch["input_ids"]
         if getattr(input_ids, "is_nested", False):
             tokens = tuple(t.cpu().numpy().astype(np.int64) for t in input_ids.unbind())
@@ -201,8 +224,8 @@ class VerlReplay:
             mask = batch["attention_mask"].bool().cpu().numpy()
             rows = input_ids.cpu().numpy()
             tokens = tuple(rows[i][mask[i]].astype(np.int64) for i in range(rows.shape[0]))
-        self._local.current = _MicroBatchInput(int(step), tuple(str(s) for s in ids), tokens)
-        self._step = int(step)
+        self._local.current = _MicroBatchInput(step, ids, tokens)
+        self._step = step
         self.noted += 1
 
     def arm(self, config: Any, vp_stage: int | None, local_cp_size: int | None, model: Any) -> None:
@@ -248,11 +271,12 @@ class VerlReplay:
         """From ``forward_backward_batch``'s start: read the pass's records (this stage's layers) in the background,
         so each micro-batch's forward aligns rows already in memory. Only where a rank's rows are whole sequences
         (no CP, no sequence-parallel split): elsewhere each forward reads just its share."""
-        from verl.utils import tensordict_utils as tu
-
         self._ahead = None
-        ids, step = tu.get(data, SAMPLE_ID_KEY), tu.get(data, STEP_KEY)
-        if not self.prefetch or ids is None or step is None or config is None:
+        if not self.prefetch or config is None:
+            return
+        try:
+            ids, step = carried_ids(data)
+        except AlignmentError:  # not routelog's batch (or a broken one: its micro-batches' forwards will say so)
             return
         layout = layout_from_config(config)
         if layout.cp > 1 or layout.sp:
@@ -261,9 +285,8 @@ class VerlReplay:
         layers = AlignmentPlan(self.spec, layout, Packing("thd"), rank, ()).moe_layers
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="routelog-verl-prefetch")
-        wanted = [str(s) for s in ids]
-        future = self._executor.submit(self._read_ahead, int(step), wanted, layers)
-        self._ahead = _Ahead(int(step), frozenset(wanted), tuple(layers), future)
+        future = self._executor.submit(self._read_ahead, step, list(ids), layers)
+        self._ahead = _Ahead(step, frozenset(ids), tuple(layers), future)
 
     def _read_ahead(self, step: int, ids: list[str], layers: list[int]) -> dict[str, RecordRouting]:
         snapshot = self._snapshot if self._snapshot is not None and self._snapshot.step == step else None
