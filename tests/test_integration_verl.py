@@ -151,7 +151,8 @@ def replay_micro_batches(
     """veRL's training side on ``batch`` (a rollout ``DataProto`` carrying routelog's ids): its own split into
     micro-batches, ``prepare_model_inputs`` and ``set_router_replay_data`` (patched by ``replay``) and its THD packing
     of each micro-batch; every MoE router of a megatron-core chunk must choose the true route (``routes``, the dense
-    ``[B, P+R, layers, K]`` veRL itself would have carried) of the token it computes on. Returns the micro-batches."""
+    ``[B, P+R, layers, K]`` veRL itself would have carried) of the token it computes on, while the same routers on the
+    same input without replay (the control) choose otherwise on most rows. Returns the micro-batches."""
     from verl.models.mcore.util import preprocess_thd_engine
     from verl.utils.megatron import router_replay_patch as verl_replay
     from verl.utils.megatron.router_replay_utils import set_model_router_replay_action
@@ -168,24 +169,31 @@ def replay_micro_batches(
         replay.begin_pass(data, config)
     micro_batches, indices = rearrange_micro_batches(data, max_token_len=max_token_len)
     assert len(micro_batches) > 1
-    for mb, order in zip(micro_batches, indices, strict=True):
-        inputs = impl.MegatronEngineWithLMHead.prepare_model_inputs(None, mb)  # veRL's own, patched
-        set_model_router_replay_action(chunk, verl_replay.RouterReplayAction.REPLAY_FORWARD)
-        impl.set_router_replay_data(inputs["routed_experts"], None, config, vp_rank=0, model=chunk)
-        # What veRL's forward hands the model: its own THD packing of the micro-batch.
-        fed, params, _ = preprocess_thd_engine(mb["input_ids"], pre_process=True, use_fp8_padding=fp8 is not None)
-        replay._pre_forward(chunk, (), {"packed_seq_params": params})
-        embed(chunk, fed)  # the model's first stage takes veRL's packed input_ids
-        rows = int(params.cu_seqlens_q_padded[-1])
+
+    def route(hidden: torch.Tensor) -> dict[int, np.ndarray]:
+        """Each MoE layer's chosen experts for ``hidden`` (sorted per row)."""
         seen: dict[int, np.ndarray] = {}
         for layer in moe_layers(chunk):
             handle = layer.mlp.router.register_forward_hook(
-                lambda module, args, out, seen=seen: seen.__setitem__(
-                    int(module.layer_number), selected(out[1].detach())
-                )
+                lambda module, args, out: seen.__setitem__(int(module.layer_number), selected(out[1].detach()))
             )
-            layer.mlp(torch.randn(rows, 1, HIDDEN))
+            layer.mlp(hidden)
             handle.remove()
+        return seen
+
+    for mb, order in zip(micro_batches, indices, strict=True):
+        inputs = impl.MegatronEngineWithLMHead.prepare_model_inputs(None, mb)  # veRL's own, patched
+        fed, params, _ = preprocess_thd_engine(mb["input_ids"], pre_process=True, use_fp8_padding=fp8 is not None)
+        rows = int(params.cu_seqlens_q_padded[-1])
+        hidden = torch.randn(rows, 1, HIDDEN)
+        set_model_router_replay_action(chunk, None)
+        native = route(hidden)  # the control: the same routers on the same input, no replay
+        set_model_router_replay_action(chunk, verl_replay.RouterReplayAction.REPLAY_FORWARD)
+        impl.set_router_replay_data(inputs["routed_experts"], None, config, vp_rank=0, model=chunk)
+        # What veRL's forward hands the model: its own THD packing of the micro-batch.
+        replay._pre_forward(chunk, (), {"packed_seq_params": params})
+        embed(chunk, fed)  # the model's first stage takes veRL's packed input_ids
+        seen = route(hidden)
         # veRL's own packing of the true routes puts each token's row where the model computes it.
         truth = [torch.from_numpy(routes[i][batch.batch["attention_mask"][i].bool().numpy()]) for i in order]
         packed, _, _ = preprocess_thd_engine(
@@ -200,6 +208,8 @@ def replay_micro_batches(
             number = int(layer.layer_number)
             want = np.sort(packed[0, :, number - 1].numpy().astype(np.int64), axis=-1)
             np.testing.assert_array_equal(seen[number][real], want[real])
+            changed = (native[number][real] != want[real]).any(axis=-1).mean()
+            assert changed > 0.5, f"layer {number}: the routers' own choice already equals the routes ({changed})"
         set_model_router_replay_action(chunk, verl_replay.RouterReplayAction.REPLAY_BACKWARD)
     return list(micro_batches)
 
