@@ -395,6 +395,7 @@ class MegatronReplay:
         """Per layer number: micro-batches whose routes it was handed this step."""
         self._taken_before = {n: t.forwards for n, t in self._taken.items()}
         self._judged = False
+        self._taken_at_judgement: dict[int, int] = {}
         self._read: dict[int, tuple[int, int, int]] | None = None
         """The tallies the last judgement read (what the step counted, once judged)."""
 
@@ -528,10 +529,11 @@ class MegatronReplay:
                 if router.layer_number in self._masked:
                     self._masked[router.layer_number].push(mask if device is None else mask.to(device))
 
-    def _counts(self) -> StepFidelity:
-        """The step's counts so far (per global layer index)."""
+    def _counts(self, *, reread: bool = True) -> StepFidelity:
+        """The step's counts so far (per global layer index); ``reread=False`` reuses the last read of the tallies."""
         counts = StepFidelity(samples=self._step.samples, token_mismatches=self._step.token_mismatches)
-        self._read = self._tallies()
+        if reread or self._read is None:
+            self._read = self._tallies()
         for layer_number, now in self._read.items():
             before = self._counted.get(layer_number, (0, 0, 0))
             counts.add(layer_number - 1, *(a - b for a, b in zip(now, before, strict=True)))
@@ -543,6 +545,7 @@ class MegatronReplay:
         never took the routes it was handed, or the ``gate`` finds the router diff too high. Reads the device once.
         Returns the step's counts so far."""
         self._judged = True
+        self._taken_at_judgement = {n: t.forwards for n, t in self._taken.items()}
         counts = self._counts()
         unchecked = self._unchecked + [
             f"micro-batch {r.index} on virtual stage {stage}" for stage, r in sorted(self._owed.items())
@@ -584,7 +587,12 @@ class MegatronReplay:
         """Clear every target and the action after the optimizer step; returns the step's replay-fidelity counts
         (per global layer index; empty unless measured), judged by :meth:`check` unless it already ran."""
         try:
-            return self._counts() if self._judged else self.check()
+            if not self._judged:
+                return self.check()
+            # No router forward since the judgement (the generic hook judges at the step's last forward): the
+            # tallies it read are the step's, and the device is not read again.
+            forwards = {n: t.forwards for n, t in self._taken.items()}
+            return self._counts(reread=forwards != self._taken_at_judgement)
         finally:
             for router in self.routers:
                 router.module.router_replay.clear_indices()

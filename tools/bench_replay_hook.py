@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,40 +86,67 @@ def _store(url: str, spec: Any, samples: int, tokens: int) -> dict[str, np.ndarr
                     prompt_len=tokens // 4,
                     response_len=tokens - tokens // 4,
                     token_ids=fed[f"s{i}"],
+                    policy_version=0,
                 )
             )
     return fed
 
 
 class _DeviceReads:
-    """Counts the reads of a tensor back to the host made by routelog's own code."""
+    """Counts the reads of a tensor back to the host made by routelog's own code: those of a step's judgement
+    (:meth:`MegatronReplay.check`, wherever it runs: the generic hook judges inside the step's last forward) apart
+    from the others."""
 
     NAMES = ("__int__", "__bool__", "__float__", "item", "tolist", "numpy", "cpu")
+    JUDGING = ("check", "_counts")
 
     def __init__(self) -> None:
         import torch
 
         import routelog
+        from routelog.megatron import MegatronReplay
 
         self.count = 0
+        self.judgement = 0
+        self._judging = 0
         self._package = str(Path(routelog.__file__).parent)
         self._originals = {name: getattr(torch.Tensor, name) for name in self.NAMES}
         for name, original in self._originals.items():
             setattr(torch.Tensor, name, self._counting(original))
+        self._judges = {name: getattr(MegatronReplay, name) for name in self.JUDGING}
+        for name, original in self._judges.items():
+            setattr(MegatronReplay, name, self._judged(original))
 
     def _counting(self, original: Any) -> Any:
         def counted(tensor: Any, *args: Any, **kwargs: Any) -> Any:
             if sys._getframe(1).f_code.co_filename.startswith(self._package):
-                self.count += 1
+                if self._judging:
+                    self.judgement += 1
+                else:
+                    self.count += 1
             return original(tensor, *args, **kwargs)
 
         return counted
 
+    def _judged(self, original: Any) -> Any:
+        def judged(replay: Any, *args: Any, **kwargs: Any) -> Any:
+            self._judging += 1
+            try:
+                return original(replay, *args, **kwargs)
+            finally:
+                self._judging -= 1
+
+        return judged
+
     def close(self) -> None:
         import torch
 
+        from routelog.megatron import MegatronReplay
+
         for name, original in self._originals.items():
             setattr(torch.Tensor, name, original)
+        for name, original in self._judges.items():
+            setattr(MegatronReplay, name, original)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -127,6 +155,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import routelog
     from routelog.align import AlignmentPlan, Packing, ParallelLayout, RankCoords, parse_micro_batches
     from routelog.fidelity import FidelityGate
+    from routelog.integrations.megatron import ReplayHook
     from routelog.loader import ReplayLoader
     from routelog.megatron import MegatronReplay
 
@@ -135,14 +164,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         num_layers=args.layers, num_moe_experts=8, moe_router_topk=2, moe_layer_freq=[0] + [1] * (args.layers - 1)
     )
     samples = args.micro_batches * 2
-    with tempfile.TemporaryDirectory(prefix="routelog-bench-hook-") as url:
-        fed = _store(url, spec, samples, args.tokens)
-        batches = "|".join(f"s{2 * m},s{2 * m + 1}" for m in range(args.micro_batches))
-        plan = AlignmentPlan(spec, ParallelLayout(), Packing("verl"), RankCoords(), tuple(parse_micro_batches(batches)))
-        loaded = list(ReplayLoader(url, 0, plan, prefetch=0))
+    workdir = tempfile.TemporaryDirectory(prefix="routelog-bench-hook-")
+    url = workdir.name
+    fed = _store(url, spec, samples, args.tokens)
+    batches = "|".join(f"s{2 * m},s{2 * m + 1}" for m in range(args.micro_batches))
+    plan = AlignmentPlan(spec, ParallelLayout(), Packing("verl"), RankCoords(), tuple(parse_micro_batches(batches)))
+    loaded = list(ReplayLoader(url, 0, plan, prefetch=0))
     inputs = [torch.from_numpy(np.concatenate([fed[s] for s in mb.sample_ids]))[None] for mb in loaded]
     moe = [layer for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
     hidden = [torch.randn(int(ids.shape[1]), 1, 64) for ids in inputs]
+    gate = FidelityGate(max_router_diff=1.0)
 
     def forward(m: int) -> None:
         ids = inputs[m]
@@ -151,50 +182,137 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for layer in moe:
                 layer.mlp(hidden[m])
 
-    replay = MegatronReplay([model], plan, config=config, gate=FidelityGate(max_router_diff=1.0))
-    replay.remove()
-    times: dict[str, list[float]] = {"native": [], "replay": []}
-    forward_reads = step_reads = 0
+    def native() -> tuple[list[float], Any]:
+        return [_timed(forward, m) for m in range(len(loaded))], None
+
+    def installer() -> tuple[list[float], Any]:
+        """MegatronReplay with the rows already in memory: what every Megatron integration installs through."""
+        replay = MegatronReplay([model], plan, config=config, gate=gate)
+
+        def one(m: int) -> None:
+            with replay.forward(loaded[m]):
+                forward(m)
+
+        return [_timed(one, m) for m in range(len(loaded))], (replay.end_step, replay.remove)
+
+    def megatron_hook() -> tuple[list[float], Any]:
+        """ReplayHook around a forward step, reading the store in the background (its default prefetch)."""
+        hook = ReplayHook(
+            url, [model], layout=ParallelLayout(), rank=RankCoords(), packing=Packing("verl"), config=config, gate=gate
+        )
+        hook.begin_step(0, [mb.sample_ids for mb in loaded])
+        step = hook.wrap(lambda data_iterator, chunk, m: forward(m))
+        return [_timed(lambda m: step(None, model, m), m) for m in range(len(loaded))], (hook.end_step, hook.remove)
+
+    sides: dict[str, Callable[[], tuple[list[float], Any]]] = {
+        "native": native,
+        "installer": installer,
+        "megatron-hook": megatron_hook,
+    }
+    verl_side = _verl_side(url, spec, model, config, gate, loaded, inputs, forward)
+    if verl_side is not None:
+        sides["verl"] = verl_side
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    reads: dict[str, dict[str, float]] = {}
     for round_ in range(args.rounds):
-        for side in ("native", "replay") if round_ % 2 == 0 else ("replay", "native"):
-            if side == "native":
-                for m in range(len(loaded)):
-                    start = time.perf_counter()
-                    forward(m)
-                    times[side].append(time.perf_counter() - start)
-                continue
-            replay = MegatronReplay([model], plan, config=config, gate=FidelityGate(max_router_diff=1.0))
-            reads = _DeviceReads()
+        order = list(sides) if round_ % 2 == 0 else list(reversed(sides))
+        for side in order:
+            counter = _DeviceReads() if side != "native" else None
             try:
-                for m, mb in enumerate(loaded):
-                    start = time.perf_counter()
-                    with replay.forward(mb):
-                        forward(m)
-                    times[side].append(time.perf_counter() - start)
-                forward_reads = reads.count
-                replay.end_step()
-                step_reads = reads.count - forward_reads
+                measured, finish = sides[side]()
+                times[side].extend(measured)
+                if counter is not None:
+                    end_step, remove = finish
+                    end_step()
+                    remove()
+                    reads[side] = {
+                        "per_router_and_forward": counter.count / (len(loaded) * len(moe)),
+                        "per_forward": counter.count / len(loaded),
+                        "per_step_judgement": counter.judgement,
+                    }
             finally:
-                reads.close()
-                replay.remove()
-    native, replayed = statistics.median(times["native"]), statistics.median(times["replay"])
-    forwards = len(loaded)
+                if counter is not None:
+                    counter.close()
+    workdir.cleanup()
+    base = statistics.median(times["native"])
+    per_side = {
+        side: {
+            "seconds_per_micro_batch": statistics.median(values),
+            "over_native": statistics.median(values) / base,
+            "added_ms_per_micro_batch": 1e3 * (statistics.median(values) - base),
+            **({"device_reads": reads[side]} if side in reads else {}),
+        }
+        for side, values in times.items()
+    }
     return {
         "config": {
             "tokens_per_micro_batch": 2 * args.tokens,
-            "micro_batches": forwards,
+            "micro_batches": len(loaded),
             "moe_layers": len(moe),
             "rounds": args.rounds,
         },
-        "seconds_per_micro_batch": {"native": native, "replay": replayed},
-        "replay_over_native": replayed / native,
-        "added_ms_per_micro_batch": 1e3 * (replayed - native),
-        "device_reads": {
-            "per_router_and_forward": forward_reads / (forwards * len(moe)),
-            "per_step_judgement": step_reads,
-        },
+        "sides": per_side,
         "goal": "0 device reads per router and forward",
     }
+
+
+def _timed(fn: Callable[[int], None], m: int) -> float:
+    start = time.perf_counter()
+    fn(m)
+    return time.perf_counter() - start
+
+
+def _verl_side(
+    url: str, spec: Any, model: Any, config: Any, gate: Any, loaded: list[Any], inputs: list[Any], forward: Any
+) -> Callable[[], tuple[list[float], Any]] | None:
+    """veRL's path through routelog: the pass read ahead (``begin_pass``), then per micro-batch what veRL's engine
+    calls (``prepare_model_inputs``' note, ``set_router_replay_data``'s arm, the model's forward pre-hook with the
+    THD ``packed_seq_params`` veRL gives it); None without veRL installed."""
+    try:
+        import torch
+        from megatron.core.packed_seq_params import PackedSeqParams
+        from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+        from routelog.integrations.verl import VerlReplay
+    except ImportError:
+        return None
+    micro = []
+    for mb, ids in zip(loaded, inputs, strict=True):
+        lengths = [int(n) for n in np.bincount(mb.positions[:, 0] - mb.first_index)]
+        parts = torch.split(ids[0], lengths)
+        batch = TensorDict({"input_ids": torch.nested.as_nested_tensor(list(parts), layout=torch.jagged)}, [len(parts)])
+        batch["routelog_sample_id"] = NonTensorStack(*mb.sample_ids)
+        batch["routelog_step"] = NonTensorData(0)
+        cu = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32)
+        micro.append((batch, PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu)))
+    whole = TensorDict({}, [sum(len(mb.sample_ids) for mb in loaded)])
+    whole["routelog_sample_id"] = NonTensorStack(*[s for mb in loaded for s in mb.sample_ids])
+    whole["routelog_step"] = NonTensorData(0)
+
+    def side() -> tuple[list[float], Any]:
+        replay = VerlReplay(url, spec=spec, gate=gate)
+        replay.begin_pass(whole, config)
+
+        def one(m: int) -> None:
+            batch, params = micro[m]
+            replay.note_inputs(batch)
+            for layer in model.decoder.layers:  # veRL sets the action before its forward step
+                router = getattr(layer.mlp, "router", None)
+                if router is not None:
+                    router.router_replay.set_router_replay_action(_forward_action(router.router_replay))
+            replay.arm(config, 0, None, model)
+            replay._pre_forward(model, (), {"packed_seq_params": params})
+            forward(m)
+
+        return [_timed(one, m) for m in range(len(loaded))], (lambda: replay.end_step(phase="train"), replay.remove)
+
+    return side
+
+
+def _forward_action(router_replay: Any) -> Any:
+    from routelog.megatron import _action
+
+    return _action(router_replay, "REPLAY_FORWARD")
 
 
 def main() -> None:
@@ -213,17 +331,24 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=1))
         return
-    seconds = report["seconds_per_micro_batch"]
-    reads = report["device_reads"]
+    config = report["config"]
     print(
-        f"{report['config']['tokens_per_micro_batch']} tokens x {report['config']['moe_layers']} MoE layers per "
-        f"micro-batch: native {1e3 * seconds['native']:.2f} ms, with replay {1e3 * seconds['replay']:.2f} ms "
-        f"({report['replay_over_native']:.3f} x, +{report['added_ms_per_micro_batch']:.2f} ms)"
+        f"{config['tokens_per_micro_batch']} tokens x {config['moe_layers']} MoE layers per micro-batch, "
+        f"{config['micro_batches']} micro-batches x {config['rounds']} rounds "
+        "(medians; ratios against native, same run)"
     )
     print(
-        f"device reads: {reads['per_router_and_forward']:g} per router and forward, "
-        f"{reads['per_step_judgement']} to judge the step (goal: {report['goal']})"
+        f"{'side':<15}{'ms/micro-batch':>15}{'x native':>10}{'+ms':>8}{'reads/router/fwd':>18}{'reads/fwd':>11}"
+        f"{'reads to judge':>16}"
     )
+    for side, values in report["sides"].items():
+        reads = values.get("device_reads", {})
+        print(
+            f"{side:<15}{1e3 * values['seconds_per_micro_batch']:>15.2f}{values['over_native']:>10.3f}"
+            f"{values['added_ms_per_micro_batch']:>8.2f}{reads.get('per_router_and_forward', 0):>18.3g}"
+            f"{reads.get('per_forward', 0):>11.3g}{reads.get('per_step_judgement', 0):>16g}"
+        )
+    print(f"goal: {report['goal']}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from routelog.align import AlignmentPlan, MicroBatch, Packing
 from routelog.align.plan import MicroBatchReplay, MissingPolicy, OtherVersions, PolicyVersions, gather, versions_for
@@ -150,7 +149,6 @@ class _MicroBatchInput:
 
     step: int
     sample_ids: tuple[str, ...]
-    tokens: tuple[npt.NDArray[np.int64], ...]
 
 
 @dataclass(frozen=True)
@@ -215,16 +213,11 @@ class VerlReplay:
 
     # -- the three patched points ------------------------------------------------------------------------------
     def note_inputs(self, batch: Any) -> None:
-        """From ``prepare_model_inputs``: the micro-batch's sample ids, store step and token ids."""
+        """From ``prepare_model_inputs``: the micro-batch's sample ids and store step."""
         ids, step = carried_ids(batch)
-        input_ids = batch["input_ids"]
-        if getattr(input_ids, "is_nested", False):
-            tokens = tuple(t.cpu().numpy().astype(np.int64) for t in input_ids.unbind())
-        else:
-            mask = batch["attention_mask"].bool().cpu().numpy()
-            rows = input_ids.cpu().numpy()
-            tokens = tuple(rows[i][mask[i]].astype(np.int64) for i in range(rows.shape[0]))
-        self._local.current = _MicroBatchInput(step, ids, tokens)
+        # The tokens are checked row by row where the model takes them (the first stage's embedding, on the
+        # device): nothing of the micro-batch is read back here.
+        self._local.current = _MicroBatchInput(step, ids)
         self._step = step
         self.noted += 1
 
@@ -264,8 +257,7 @@ class VerlReplay:
         )
         mb = self._load(step, plan)
         replay = self._replay_for(module, plan, armed.vp_stage)
-        tokens = list(armed.micro_batch.tokens) if armed.vp_stage == 0 else None
-        replay.install(mb, vp_stage=armed.vp_stage, tokens=tokens)
+        replay.install(mb, vp_stage=armed.vp_stage)
 
     def begin_pass(self, data: Any, config: Any) -> None:
         """From ``forward_backward_batch``'s start: read the pass's records (this stage's layers) in the background,
