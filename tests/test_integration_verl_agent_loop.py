@@ -327,3 +327,41 @@ def test_the_plugin_patches_the_agent_loop_workers_by_configuration(tmp_path: Pa
         assert owners == ["routelog.integrations.verl_agent_loop"] * 3, result.stdout
     else:
         assert owners == ["builtins"] * 3, result.stdout  # veRL's own functions
+
+
+def test_concurrent_trajectories_share_commits_and_each_waits_for_its_own(unpatched: None) -> None:
+    """A worker runs its trajectories concurrently: their records are group-committed (fewer parts than
+    trajectories), each postprocessing returns only once its record is readable; a trajectory postprocessed again
+    (a retried task) finds its record already there, and one generated again with other tokens gets the next
+    attempt's id, which it carries to the trainer."""
+    from routelog.integrations import verl_agent_loop
+    from routelog.integrations.verl import SAMPLE_ID_KEY
+
+    keys = prepare(np.random.default_rng(13))
+    url = f"memory://verl-agent-loop/{uuid.uuid4().hex}"
+    store = routelog.create_store(url, SPEC)
+    verl_agent_loop.install(url)
+    one = worker(agent_loop.AgentLoopWorker)
+
+    async def trajectory(position: int, key: str) -> Any:
+        uid, session = key.split("/")
+        trajectory = {"step": STEP, "sample_index": position // 2, "rollout_n": int(session), "validate": False}
+        out = await one._run_agent_loop(
+            {}, trajectory, agent_name="routelog_prepared", trace=False, uid=uid, raw_prompt=[], prepared=key
+        )
+        sid = out.extra_fields[SAMPLE_ID_KEY]
+        assert sid in store.step(STEP), "handed on only once its routing is committed"
+        return sid
+
+    async def run() -> list[Any]:
+        return await asyncio.gather(*(trajectory(p, k) for p, k in enumerate(keys)))
+
+    assert asyncio.run(run()) == keys
+    commits = store.step(STEP).commits
+    assert 1 <= len(commits) < len(keys), f"{len(commits)} parts for {len(keys)} trajectories"
+    assert asyncio.run(trajectory(0, keys[0])) == keys[0]  # retried: already there, returns at once
+    assert len(store.step(STEP).commits) == len(commits)
+    OUTPUTS[keys[0]].response_ids = [int(t) % 62 + 2 for t in np.add(OUTPUTS[keys[0]].response_ids, 1)]
+    assert asyncio.run(trajectory(0, keys[0])) == f"{keys[0]}#1", "regenerated: the next attempt's id"
+    again = store.step(STEP).read(f"{keys[0]}#1")
+    assert list(again.info.token_ids) == OUTPUTS[keys[0]].prompt_ids + OUTPUTS[keys[0]].response_ids

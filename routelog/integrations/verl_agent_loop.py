@@ -30,20 +30,22 @@ import threading
 import types
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import numpy as np
 
 from routelog.engines.verl import records_from_batch
-from routelog.errors import StoreNotFoundError, WriteInterruptedError
+from routelog.errors import DuplicateSampleError, StoreNotFoundError, WriteInterruptedError
 from routelog.format import CommitRecord
 from routelog.integrations.verl import SAMPLE_ID_KEY, STEP_KEY
-from routelog.record import Record
+from routelog.record import Record, token_hash
 from routelog.spec import ModelSpec
 from routelog.store import Store, create_store, open_store
 from routelog.writer import StepWriter
 
+MAX_ATTEMPTS = 64
+"""Regenerations of one trajectory id in one step before its writer gives up."""
 FLUSH_SECONDS = 0.2
 """How long a record waits for others of its process and step before its part is written (group commit)."""
 COMMIT_TIMEOUT = 120.0
@@ -94,12 +96,15 @@ class AgentLoopRecorder:
         self._lock = threading.Lock()
         self._writers: dict[int, StepWriter] = {}
         self._waiting: dict[tuple[int, str], list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = {}
+        self._written: dict[tuple[int, str], str] = {}
+        """(step, sample id) -> token hash of each record this process appended."""
 
     def _writer(self, step: int) -> StepWriter:
         writer = self._writers.get(step)
         if writer is None:
             for older in [s for s in self._writers if s < step]:  # a later step began: the earlier ones are done
                 self._writers.pop(older).close()
+                self._written = {key: value for key, value in self._written.items() if key[0] >= step}
             writer = self._writers[step] = self.store.writer(
                 step,
                 f"{self.writer_prefix}-{uuid.uuid4().hex[:12]}",
@@ -115,31 +120,62 @@ class AgentLoopRecorder:
         for loop, future in waiters:
             loop.call_soon_threadsafe(_resolve, future)
 
-    async def write(self, record: Record, step: int) -> None:
-        """Append ``record`` to ``step`` and return once it is committed (or was already there)."""
+    async def write(self, record: Record, step: int) -> str:
+        """Append ``record`` to ``step`` and return its sample id once it is committed (or was already there).
+
+        A trajectory postprocessed again with the same tokens (a retried task) finds its record; one generated again
+        under the same id with other tokens gets the next attempt's id (``<id>#1``, ``#2``...): the id travels with
+        the trajectory, so the trainer reads the attempt it trains on. The append runs off the event loop: a writer
+        whose uploads are behind blocks its caller, never the worker's other trajectories."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-        key = (step, record.sample_id)
-        with self._lock:
-            writer = self._writer(step)
-            self._waiting.setdefault(key, []).append((loop, future))
-            try:
-                writer.append(record)
-            except BaseException:
-                self._waiting.pop(key, None)
-                raise
-            if record.sample_id in writer.already_present:
-                self._waiting.pop(key, None)
-                _resolve(future)
+        writer, sid = await loop.run_in_executor(None, self._append, record, step, loop, future)
         try:
             await asyncio.wait_for(asyncio.shield(future), timeout=COMMIT_TIMEOUT)
         except TimeoutError:
             await loop.run_in_executor(None, writer.flush)  # raises the part's failure, if one failed
             if not future.done():
                 raise WriteInterruptedError(
-                    f"sample {record.sample_id!r} of step {step}: its part was not committed within "
-                    f"{COMMIT_TIMEOUT:.0f} s and its writer reports no failure; the store may be unreachable"
+                    f"sample {sid!r} of step {step}: its part was not committed within {COMMIT_TIMEOUT:.0f} s and "
+                    "its writer reports no failure; the store may be unreachable"
                 ) from None
+        return sid
+
+    def _append(
+        self, record: Record, step: int, loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]
+    ) -> tuple[StepWriter, str]:
+        tokens = token_hash(np.asarray(record.token_ids))
+        base = record.sample_id
+        with self._lock:
+            writer = self._writer(step)
+            for attempt in range(MAX_ATTEMPTS):
+                sid = base if attempt == 0 else f"{base}#{attempt}"
+                written = self._written.get((step, sid))
+                if written == tokens:  # this process wrote it: committed, or its waiters are queued already
+                    if (step, sid) in self._waiting:
+                        self._waiting[(step, sid)].append((loop, future))
+                    else:
+                        loop.call_soon_threadsafe(_resolve, future)
+                    return writer, sid
+                if written is not None:
+                    continue  # an earlier attempt of this trajectory, with other tokens
+                self._waiting.setdefault((step, sid), []).append((loop, future))
+                try:
+                    writer.append(replace(record, sample_id=sid))
+                except DuplicateSampleError:  # another process's attempt, with other tokens
+                    self._waiting.pop((step, sid), None)
+                    continue
+                except BaseException:
+                    self._waiting.pop((step, sid), None)
+                    raise
+                self._written[(step, sid)] = tokens
+                if sid in writer.already_present:  # another process wrote these very tokens
+                    self._waiting.pop((step, sid), None)
+                    loop.call_soon_threadsafe(_resolve, future)
+                return writer, sid
+        raise DuplicateSampleError(
+            base, "sample_id", f"{MAX_ATTEMPTS} attempts of it in step {step} hold other tokens", "stop regenerating it"
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -230,7 +266,7 @@ class AgentLoopRouting:
             if getattr(one, "routed_experts", None) is None:
                 continue
             sid = where.sample_id if len(outputs) == 1 else f"{where.sample_id}/{i}"
-            await recorder.write(record_of(one, sid, spec, where.step), where.step)
+            sid = await recorder.write(record_of(one, sid, spec, where.step), where.step)
             one.routed_experts = None
             one.extra_fields[SAMPLE_ID_KEY] = sid
             one.extra_fields[STEP_KEY] = where.step
