@@ -187,3 +187,89 @@ def test_the_trainers_logprobs_become_an_annotation_next_to_the_engines(store_ur
     assert snapshot.value_columns() == ["logprob_train"]
     result = audit.mismatch(store_url, [0])
     assert [d.step for d in result.router_diff] == [0], "the router diff of the step is published beside them"
+
+
+def test_megatron_lms_train_step_is_wrapped_in_one_line(store_url: str) -> None:  # noqa: F811
+    """``hook.train_step(train_step, micro_batches=...)``: Megatron-LM's ``train_step`` signature, its
+    ``forward_backward_func`` called with ``forward_step_func=`` (twice when its rerun state machine reruns the
+    step), then the optimizer. Every forward replays its micro-batch's routes, the step ends after the optimizer and
+    publishes its router diff; a step that fails its judgement raises before the optimizer and is cleared."""
+    config = megatron_config()
+    (chunk,) = build_chunks(config)
+    common: dict[str, Any] = {"layout": ParallelLayout(), "rank": RankCoords(), "packing": Packing("verl")}
+    seen: dict[tuple[int, int], dict[int, np.ndarray]] = {}
+    wanted: dict[tuple[int, int], dict[int, np.ndarray]] = {}
+    updates: list[int] = []
+    position = {"m": 0}
+
+    def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Callable[..., Any]]:
+        """The user's forward step: the micro-batch's tokens into the embedding, then every MoE layer."""
+        m = position["m"]
+        position["m"] += 1
+        replay = hook.micro_batch(m)
+        embed(model, fed_tokens(replay))
+        routed: dict[int, np.ndarray] = {}
+        total = None
+        for layer in moe_layers(model):
+            handle = layer.mlp.router.register_forward_hook(
+                lambda module, args, out: routed.__setitem__(int(module.layer_number), selected(out[1].detach()))
+            )
+            out, _ = layer.mlp(torch.randn(replay.ids.shape[1], 1, HIDDEN, requires_grad=True))
+            handle.remove()
+            total = out.sum() if total is None else total + out.sum()
+        seen[(0, m)] = routed
+        wanted[(0, m)] = {r.layer_number: np.sort(replay.ids[j], axis=-1) for j, r in enumerate(replay.routers)}
+        return total, lambda output: (output, {"loss": output.detach()})
+
+    def forward_backward_func(*, forward_step_func: Any, data_iterator: Any, model: Any, num_microbatches: int) -> Any:
+        """megatron-core's schedule as far as replay goes: the forward step per micro-batch, then the backward."""
+        position["m"] = 0
+        outputs = [forward_step_func(data_iterator, model[0])[0] for _ in range(num_microbatches)]
+        for output in outputs:
+            output.backward()
+        return outputs
+
+    def train_step(
+        forward_step_func: Any,
+        data_iterator: Any,
+        model: Any,
+        optimizer: Any,
+        opt_param_scheduler: Any,
+        config: Any,
+        forward_backward_func: Any,
+        iteration: int | None = None,
+    ) -> str:
+        """Megatron-LM's ``train_step`` as far as replay goes (its rerun state machine reruns once here)."""
+        for _ in range(2):
+            forward_backward_func(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model, num_microbatches=2
+            )
+        updates.append(iteration or 0)
+        return "ok"
+
+    hook = ReplayHook(store_url, [chunk], config=config, fidelity_writer="train-dp0", **common)
+    wrapped = hook.train_step(train_step, micro_batches=lambda iteration: MICRO_BATCHES)
+    for iteration in (0, 1):
+        seen.clear()
+        assert wrapped(forward_step, iter(()), [chunk], None, None, config, forward_backward_func, iteration=iteration)
+        assert sorted(seen) == [(0, 0), (0, 1)]
+        for key, routed in seen.items():
+            assert routed.keys() == wanted[key].keys()
+            for number, ids in routed.items():
+                np.testing.assert_array_equal(ids, wanted[key][number])
+    assert updates == [0, 1]
+    store = routelog.open_store(store_url)
+    assert [r.trainer_step for step in (0, 1) for r in read_fidelity(store, step)] == [0, 1]
+    assert hook.step is None, "each step ended after the optimizer"
+    hook.remove()
+
+    strict = ReplayHook(store_url, [chunk], config=config, gate=FidelityGate(max_router_diff=0.01), **common)
+    hook = strict  # the forward step reads the hook being driven
+    failing = strict.train_step(train_step, micro_batches=lambda iteration: MICRO_BATCHES)
+    with pytest.raises(ReplayFidelityError, match="disagrees"):
+        failing(forward_step, iter(()), [chunk], None, None, config, forward_backward_func, iteration=0)
+    assert updates == [0, 1], "no optimizer step"
+    assert strict.step is None and all(
+        layer.mlp.router.router_replay.target_topk_idx is None for layer in moe_layers(chunk)
+    ), "the failed step was cleared"
+    strict.remove()

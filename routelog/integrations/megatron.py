@@ -14,10 +14,16 @@ optimizer step; at the end of the step it clears the routes and publishes the ro
         forward_backward_func(forward_step_func=hook.wrap(forward_step), data_iterator=..., model=model_chunks, ...)
         optimizer.step()
         hook.end_step(trainer_step=iteration)
+
+With Megatron-LM's own training loop, one line wires all of it into ``train_step``
+(:meth:`ReplayHook.train_step`)::
+
+    training.train_step = hook.train_step(training.train_step, micro_batches=lambda iteration: my_micro_batches)
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -28,7 +34,7 @@ import numpy.typing as npt
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
 from routelog.align.layout import CpLayout
 from routelog.align.plan import MicroBatchReplay, MissingPolicy, OtherVersions, PolicyVersions, versions_for
-from routelog.errors import AlignmentError
+from routelog.errors import AlignmentError, RoutelogError
 from routelog.fidelity import FidelityGate, StepFidelity, write_fidelity
 from routelog.loader import ReplayLoader
 from routelog.megatron import MegatronReplay, TokenCheck
@@ -140,6 +146,81 @@ class ReplayHook:
             return out
 
         return forward_step_with_replay
+
+    def train_step(
+        self,
+        train_step: Callable[..., Any],
+        micro_batches: Callable[[int | None], Sequence[Sequence[str] | MicroBatch]],
+        *,
+        store_step: Callable[[int | None], int] | None = None,
+    ) -> Callable[..., Any]:
+        """Megatron-LM's ``train_step`` (``megatron.training.training.train_step``) with this rank's routes replayed:
+        ``train_step = hook.train_step(train_step, micro_batches=...)`` before Megatron's training loop calls it.
+
+        ``micro_batches(iteration)`` names this rank's micro-batches of the iteration in the order the schedule runs
+        them (lists of sample ids); the store step is the iteration unless ``store_step(iteration)`` says otherwise.
+        Each call begins the step, wraps the ``forward_step_func`` Megatron hands its ``forward_backward_func``
+        (again at each rerun of Megatron's rerun state machine, from the first micro-batch), and ends the step after
+        the optimizer (the step is judged at its last forward, before the backward and the optimizer step). A step
+        that raised is cleared without publishing; its own error is the one raised."""
+
+        def train_step_with_replay(
+            forward_step_func: Any,
+            data_iterator: Any,
+            model: Any,
+            optimizer: Any,
+            opt_param_scheduler: Any,
+            config: Any,
+            forward_backward_func: Callable[..., Any],
+            *args: Any,
+            iteration: int | None = None,
+            **kwargs: Any,
+        ) -> Any:
+            step = store_step(iteration) if store_step is not None else iteration
+            if step is None:
+                raise AlignmentError("train_step was called without iteration=: pass store_step= to name the step")
+            self.begin_step(step, micro_batches(iteration))
+
+            def forward_backward(*fb_args: Any, **fb_kwargs: Any) -> Any:
+                self._rewind()  # a rerun replays the step's micro-batches from the first
+                if "forward_step_func" in fb_kwargs:
+                    fb_kwargs["forward_step_func"] = self.wrap(fb_kwargs["forward_step_func"])
+                else:
+                    fb_args = (self.wrap(fb_args[0]), *fb_args[1:])
+                return forward_backward_func(*fb_args, **fb_kwargs)
+
+            try:
+                result = train_step(
+                    forward_step_func,
+                    data_iterator,
+                    model,
+                    optimizer,
+                    opt_param_scheduler,
+                    config,
+                    forward_backward,
+                    *args,
+                    iteration=iteration,
+                    **kwargs,
+                )
+            except BaseException:
+                with contextlib.suppress(RoutelogError):
+                    self._abandon_step()
+                raise
+            self.end_step(trainer_step=iteration)
+            return result
+
+        return train_step_with_replay
+
+    def _rewind(self) -> None:
+        self._cursor = {}
+        self._forwards = 0
+
+    def _abandon_step(self) -> None:
+        """Clear a step that failed: routes and loader, nothing published."""
+        if self._loader is not None:
+            self._loader.close()
+        self.step, self._loader, self._iterator, self._loaded, self._logprobs = None, None, None, [], {}
+        self.replay.end_step()
 
     def _chunk_of(self, model: Any) -> int:
         for i, chunk in enumerate(self.model_chunks):
