@@ -94,8 +94,16 @@ def test_the_hook_replays_every_micro_batch_of_megatrons_schedule(store_url: str
         _drive(hook, [chunk], [0, 0], seen)
         assert len(seen) == 2
         _check(hook, seen)
+        first = hook.micro_batch(0)
         counts = hook.end_step(trainer_step=step)
         assert counts.samples == 3
+        # The control: with the routes cleared, the same routers choose other experts on most rows.
+        hidden = torch.randn(first.ids.shape[1], 1, HIDDEN)
+        for j, router in enumerate(first.routers):
+            (layer,) = [layer for layer in moe_layers(chunk) if layer.layer_number == router.layer_number]
+            with torch.no_grad():
+                native = selected(layer.mlp.router(hidden.reshape(-1, HIDDEN))[1])
+            assert (native != np.sort(first.ids[j], axis=-1))[first.mask].any(axis=-1).mean() > 0.5
     store = routelog.open_store(store_url)
     for step in (0, 1):
         (record,) = read_fidelity(store, step)

@@ -261,6 +261,8 @@ def test_replacement_installs_nemo_rls_rows_into_real_routers(config: str) -> No
                     sentinel = (nemo == nemo_rl.MISSING).all(axis=1)
                     replays = real & ~final & ~sentinel
                     np.testing.assert_array_equal(seen[n][replays], np.sort(nemo[replays], axis=1))
+                    if replays.any():  # the control: without replay the same routers chose otherwise
+                        assert (native[n][replays] != seen[n][replays]).any(axis=1).mean() > 0.5
                     left = ~replays
                     np.testing.assert_array_equal(seen[n][left], native[n][left])
                     # what NeMo-RL puts on the rows left to the router: -1, or arange(K) on padding and final rows
