@@ -414,8 +414,9 @@ def test_a_training_pass_that_never_asks_for_routes_fails(
 @pytest.mark.parametrize("configured", [True, False])
 def test_the_verl_plugin_installs_replay_by_configuration(tmp_path: Path, configured: bool) -> None:
     """veRL loads routelog's ``verl.plugins`` entry point at ``import verl`` in every process: with ``ROUTELOG_URL``
-    in the environment (a Ray job's runtime env), veRL's Megatron engine is patched as soon as it is imported, with
-    no code in the worker; without it, veRL runs untouched."""
+    in the environment (a Ray job's runtime env), veRL's Megatron engine and its agent-loop workers (the legacy and
+    the V1 ones, Ray's copy of the V1 class included) are patched as soon as they are imported, with no code in the
+    workers; without it, veRL runs untouched."""
     import os
     import subprocess
     import sys
@@ -425,7 +426,13 @@ def test_the_verl_plugin_installs_replay_by_configuration(tmp_path: Path, config
     probe = (
         "import verl\n"
         "from verl.workers.engine.megatron import transformer_impl as impl\n"
-        "print(impl.set_router_replay_data.__module__, impl.MegatronEngine.forward_backward_batch.__module__)\n"
+        "from verl.trainer.ppo.v1 import agent_loop_tq as v1\n"
+        "from verl.experimental.agent_loop import agent_loop as legacy\n"
+        "ray_class = v1.AgentLoopWorkerTQ.__ray_metadata__.modified_class\n"
+        "workers = [type(vars(c)[m]).__module__ for c, m in ((legacy.AgentLoopWorker, '_agent_loop_postprocess'),"
+        " (legacy.AgentLoopWorker, '_run_agent_loop'), (ray_class, '_agent_loop_postprocess'))]\n"
+        "engine = [impl.set_router_replay_data.__module__, impl.MegatronEngine.forward_backward_batch.__module__]\n"
+        "print(*engine, *workers)\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROUTELOG_")}
     if configured:
@@ -434,11 +441,13 @@ def test_the_verl_plugin_installs_replay_by_configuration(tmp_path: Path, config
         [sys.executable, "-W", "ignore", "-c", probe], capture_output=True, text=True, timeout=300, env=env, check=False
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    owners = result.stdout.split()[-2:]
+    owners = result.stdout.split()[-5:]
     if configured:
-        assert owners == ["routelog.integrations.verl"] * 2, result.stdout
+        assert owners[:2] == ["routelog.integrations.verl"] * 2, result.stdout
+        assert owners[2:] == ["routelog.integrations.verl_agent_loop"] * 3, result.stdout
     else:
         assert not any(owner.startswith("routelog") for owner in owners), result.stdout
+        assert owners[2:] == ["builtins"] * 3, result.stdout  # veRL's own functions
 
 
 def test_the_plugins_policy_versions_setting() -> None:

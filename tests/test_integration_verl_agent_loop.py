@@ -298,37 +298,6 @@ def test_rays_copy_of_the_v1_worker_class_carries_the_wrapper_to_an_actor_proces
     assert result.returncode == 0 and "shipped" in result.stdout, result.stderr[-2000:]
 
 
-@pytest.mark.parametrize("configured", [True, False])
-def test_the_plugin_patches_the_agent_loop_workers_by_configuration(tmp_path: Path, configured: bool) -> None:
-    """With ``ROUTELOG_URL`` in a process's environment, importing veRL's V1 agent-loop module (which imports the
-    legacy one) patches both workers, Ray's copy of the V1 class included; without it, nothing is touched."""
-    url = str(tmp_path / "store")
-    routelog.create_store(url, SPEC)
-    probe = (
-        "import verl\n"
-        "from verl.trainer.ppo.v1 import agent_loop_tq as v1\n"
-        "from verl.experimental.agent_loop import agent_loop as legacy\n"
-        "ray_class = v1.AgentLoopWorkerTQ.__ray_metadata__.modified_class\n"
-        "owners = [type(vars(c)[m]).__module__ for c, m in ((legacy.AgentLoopWorker, '_agent_loop_postprocess'),"
-        " (legacy.AgentLoopWorker, '_run_agent_loop'), (ray_class, '_agent_loop_postprocess'))]\n"
-        "print(*owners)\n"
-    )
-    if _v1() is None:
-        pytest.skip("TransferQueue is not installed")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROUTELOG_")}
-    if configured:
-        env["ROUTELOG_URL"] = url
-    result = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", probe], capture_output=True, text=True, timeout=300, env=env, check=False
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    owners = result.stdout.split()[-3:]
-    if configured:
-        assert owners == ["routelog.integrations.verl_agent_loop"] * 3, result.stdout
-    else:
-        assert owners == ["builtins"] * 3, result.stdout  # veRL's own functions
-
-
 def test_concurrent_trajectories_share_commits_and_each_waits_for_its_own(unpatched: None) -> None:
     """A worker runs its trajectories concurrently: their records are group-committed (fewer parts than
     trajectories), each postprocessing returns only once its record is readable; a trajectory postprocessed again
