@@ -334,3 +334,29 @@ def test_concurrent_trajectories_share_commits_and_each_waits_for_its_own(unpatc
     assert asyncio.run(trajectory(0, keys[0])) == f"{keys[0]}#1", "regenerated: the next attempt's id"
     again = store.step(STEP).read(f"{keys[0]}#1")
     assert list(again.info.token_ids) == OUTPUTS[keys[0]].prompt_ids + OUTPUTS[keys[0]].response_ids
+
+
+def test_a_later_step_closes_the_earlier_writer_without_blocking_its_commits() -> None:
+    """Trajectories of two global steps finish together in one process: the later step's first record closes the
+    earlier step's writer while that writer's part is still committing (its commit calls back into the recorder):
+    both records are committed and both postprocessings return."""
+    from routelog.integrations.verl_agent_loop import AgentLoopRecorder, record_of
+
+    keys = prepare(np.random.default_rng(14))
+    url = f"memory://verl-agent-loop/{uuid.uuid4().hex}"
+    store = routelog.create_store(url, SPEC)
+    recorder = AgentLoopRecorder(store)
+
+    async def write(key: str, step: int) -> str:
+        return await recorder.write(record_of(OUTPUTS[key], key, SPEC, step), step)
+
+    async def run() -> list[str]:
+        earlier = asyncio.ensure_future(write(keys[0], STEP))
+        await asyncio.sleep(0.05)  # appended, its part not yet flushed (group commit every 0.2 s)
+        later = await asyncio.wait_for(write(keys[1], STEP + 1), timeout=60)  # closes the earlier step's writer
+        return [await asyncio.wait_for(earlier, timeout=60), later]
+
+    assert asyncio.run(run()) == keys[:2]
+    recorder.close()
+    assert store.step(STEP).sample_ids == [keys[0]]
+    assert store.step(STEP + 1).sample_ids == [keys[1]]

@@ -99,11 +99,14 @@ class AgentLoopRecorder:
         self._written: dict[tuple[int, str], str] = {}
         """(step, sample id) -> token hash of each record this process appended."""
 
-    def _writer(self, step: int) -> StepWriter:
+    def _writer(self, step: int) -> tuple[StepWriter, list[StepWriter]]:
+        """The step's writer (opened on first use) and the writers of earlier steps, now done, for the caller to
+        close once it has released the lock (their commits call back into it)."""
+        done: list[StepWriter] = []
         writer = self._writers.get(step)
         if writer is None:
             for older in [s for s in self._writers if s < step]:  # a later step began: the earlier ones are done
-                self._writers.pop(older).close()
+                done.append(self._writers.pop(older))
                 self._written = {key: value for key, value in self._written.items() if key[0] >= step}
             writer = self._writers[step] = self.store.writer(
                 step,
@@ -111,7 +114,7 @@ class AgentLoopRecorder:
                 flush_seconds=FLUSH_SECONDS,
                 on_commit=functools.partial(self._committed, step),
             )
-        return writer
+        return writer, done
 
     def _committed(self, step: int, commit: CommitRecord, ids: list[str]) -> None:
         del commit
@@ -145,34 +148,54 @@ class AgentLoopRecorder:
         self, record: Record, step: int, loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]
     ) -> tuple[StepWriter, str]:
         tokens = token_hash(np.asarray(record.token_ids))
-        base = record.sample_id
         with self._lock:
-            writer = self._writer(step)
-            for attempt in range(MAX_ATTEMPTS):
-                sid = base if attempt == 0 else f"{base}#{attempt}"
-                written = self._written.get((step, sid))
-                if written == tokens:  # this process wrote it: committed, or its waiters are queued already
-                    if (step, sid) in self._waiting:
-                        self._waiting[(step, sid)].append((loop, future))
+            writer, done = self._writer(step)
+        for older in done:
+            older.close()
+        return self._append_to(writer, record, tokens, step, loop, future)
+
+    def _append_to(
+        self,
+        writer: StepWriter,
+        record: Record,
+        tokens: str,
+        step: int,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[None],
+    ) -> tuple[StepWriter, str]:
+        """Claim the first attempt id free for these tokens and append under it. The lock is never held across the
+        append: a full writer blocks there until a part commits, and its commit calls back into the lock."""
+        base = record.sample_id
+        for attempt in range(MAX_ATTEMPTS):
+            sid = base if attempt == 0 else f"{base}#{attempt}"
+            key = (step, sid)
+            with self._lock:
+                claimed = self._written.get(key)
+                if claimed is not None and claimed != tokens:
+                    continue  # an earlier attempt of this trajectory, with other tokens
+                if claimed == tokens:  # this process wrote it: committed, or its waiters are queued already
+                    if key in self._waiting:
+                        self._waiting[key].append((loop, future))
                     else:
                         loop.call_soon_threadsafe(_resolve, future)
                     return writer, sid
-                if written is not None:
-                    continue  # an earlier attempt of this trajectory, with other tokens
-                self._waiting.setdefault((step, sid), []).append((loop, future))
-                try:
-                    writer.append(replace(record, sample_id=sid))
-                except DuplicateSampleError:  # another process's attempt, with other tokens
-                    self._waiting.pop((step, sid), None)
-                    continue
-                except BaseException:
-                    self._waiting.pop((step, sid), None)
-                    raise
-                self._written[(step, sid)] = tokens
-                if sid in writer.already_present:  # another process wrote these very tokens
-                    self._waiting.pop((step, sid), None)
-                    loop.call_soon_threadsafe(_resolve, future)
-                return writer, sid
+                self._written[key] = tokens
+                self._waiting.setdefault(key, []).append((loop, future))
+            try:
+                writer.append(replace(record, sample_id=sid))
+            except BaseException as exc:
+                with self._lock:
+                    self._written.pop(key, None)
+                    self._waiting.pop(key, None)
+                if isinstance(exc, DuplicateSampleError):
+                    continue  # another process's attempt, with other tokens
+                raise
+            if sid in writer.already_present:  # another process wrote these very tokens: nothing to commit
+                with self._lock:
+                    waiters = self._waiting.pop(key, [])
+                for waiting_loop, waiting in waiters:
+                    waiting_loop.call_soon_threadsafe(_resolve, waiting)
+            return writer, sid
         raise DuplicateSampleError(
             base, "sample_id", f"{MAX_ATTEMPTS} attempts of it in step {step} hold other tokens", "stop regenerating it"
         )
