@@ -68,6 +68,17 @@ def list_field(value: Any, where: str, name: str) -> list[Any]:
     return value
 
 
+def response_choices(response: Mapping[str, Any], where: str) -> list[Mapping[str, Any]]:
+    """An OpenAI-style response's ``choices``, each a JSON object; at least one."""
+    choices = [
+        mapping_field(c, where, f"choices[{i}]")
+        for i, c in enumerate(list_field(response.get("choices"), where, "choices"))
+    ]
+    if not choices:
+        raise IngestError(f"{where}: the response has no choices")
+    return choices
+
+
 def int_field(
     value: Any, where: str, name: str, *, default: int | None = None, lo: int = 0, hi: int = 2**31 - 1
 ) -> int:

@@ -24,10 +24,10 @@ import numpy.typing as npt
 from routelog.engines.common import (
     Payload,
     int_array,
-    list_field,
     malformed,
     mapping_field,
     payload_to_record,
+    response_choices,
     token_ids_field,
 )
 from routelog.errors import IngestError, RoutingAbsentError
@@ -80,14 +80,8 @@ def records_from_http(
     if physical_to_logical is not None or eplb:
         raise IngestError(f"{where}: megatron-core records logical expert ids; drop physical_to_logical / eplb")
     with malformed(where):
-        choices = [
-            mapping_field(c, where, f"choices[{i}]")
-            for i, c in enumerate(list_field(response.get("choices"), where, "choices"))
-        ]
-        if not choices:
-            raise IngestError(f"{where}: the response has no choices")
         records = []
-        for position, choice in enumerate(choices):
+        for position, choice in enumerate(response_choices(response, where)):
             index = choice.get("index", position)
             here = f"{where} choice {index}"
             message = mapping_field(choice.get("message"), here, "message", optional=True)

@@ -43,6 +43,7 @@ from routelog.engines.common import (
     malformed,
     mapping_field,
     payload_to_record,
+    response_choices,
     to_full_axis,
     token_ids_field,
     weight_version_spans,
@@ -201,12 +202,7 @@ def _records_from_http(
     on_absent: Callable[[RoutingAbsentError], None] | None,
 ) -> list[Record]:
     where = f"request {response_id}"
-    choices = [
-        mapping_field(c, where, f"choices[{i}]")
-        for i, c in enumerate(list_field(response.get("choices"), where, "choices"))
-    ]
-    if not choices:
-        raise IngestError(f"{where}: the response has no choices")
+    choices = response_choices(response, where)
     start = _prompt_start(request, where)
     per_prompt = int_field(request.get("n"), where, "n", default=1, lo=1)
     request_prompts = _request_prompts(request, where)

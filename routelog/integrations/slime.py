@@ -636,33 +636,22 @@ class SlimeReplay:
         return report
 
     def judge(self, rollout_id: int) -> StepFidelity | None:
-        """Before each optimizer step of rollout ``rollout_id`` (and at its end): fail if the routes recorded were
-        never replayed, or if the router diff measured so far exceeds the gate; the counts so far (None when not
-        measuring). One read of the device."""
-        meter = self.meter
-        if meter is None:
+        """Before each optimizer step of rollout ``rollout_id``: fail if the routes recorded were never replayed,
+        or if the router diff measured so far exceeds the gate; the counts so far (None when not measuring). One
+        read of the device."""
+        if self.meter is None:
             return None
-        if meter.masks and not meter.observed:
-            raise ReplayFidelityError(
-                f"rollout {rollout_id}: routes of {len(meter.masks)} micro-batches were recorded into slime's "
-                "RoutingReplay and no router forward replayed them: replay is inert (slime's replay_forward stage "
-                "never ran its compute_topk: --use-rollout-routing-replay off, or slime's routing API changed)"
-            )
-        counts = meter.counts()
-        if self.gate is not None:
-            self.gate.check(counts, f"rollout {rollout_id}, rank {_global_rank()}")
+        counts = _refuse_inert(self.meter, rollout_id).counts()
+        self._check_gate(counts, rollout_id)
         return counts
 
     def end_rollout(self, rollout_id: int) -> StepFidelity | None:
-        """After training on rollout ``rollout_id``: publish the router diff measured on this rank and judge it
-        (with a gate or a fidelity writer; None otherwise)."""
-        meter = self.meter
+        """After training on rollout ``rollout_id``: judge the router diff measured on this rank as :meth:`judge`
+        does, having published it (with a gate or a fidelity writer; None otherwise)."""
+        meter, self.meter = self.meter, None
         if meter is None:
             return None
-        if meter.masks and not meter.observed:
-            self.judge(rollout_id)  # inert: raises
-        counts = meter.counts()
-        self.meter = None
+        counts = _refuse_inert(meter, rollout_id).counts()
         if self.fidelity_writer is not None and counts.replayed:
             write_fidelity(
                 self.store,
@@ -672,9 +661,23 @@ class SlimeReplay:
                 trainer_step=rollout_id,
                 phase="slime",
             )
+        self._check_gate(counts, rollout_id)
+        return counts
+
+    def _check_gate(self, counts: StepFidelity, rollout_id: int) -> None:
         if self.gate is not None:
             self.gate.check(counts, f"rollout {rollout_id}, rank {_global_rank()}")
-        return counts
+
+
+def _refuse_inert(meter: FidelityMeter, rollout_id: int) -> FidelityMeter:
+    """``meter``, unless routes were recorded into slime's ``RoutingReplay`` and no router forward replayed them."""
+    if meter.masks and not meter.observed:
+        raise ReplayFidelityError(
+            f"rollout {rollout_id}: routes of {len(meter.masks)} micro-batches were recorded into slime's "
+            "RoutingReplay and no router forward replayed them: replay is inert (slime's replay_forward stage "
+            "never ran its compute_topk: --use-rollout-routing-replay off, or slime's routing API changed)"
+        )
+    return meter
 
 
 class FidelityMeter:

@@ -282,7 +282,8 @@ class VerlReplay:
 
     def _read_ahead(self, step: int, ids: list[str], layers: list[int]) -> dict[str, RecordRouting]:
         snapshot = self._snapshot if self._snapshot is not None and self._snapshot.step == step else None
-        snapshot = snapshot or self.store.step(step)
+        if snapshot is None:  # kept for the forwards that read on their own: the step's commits are read once
+            snapshot = self._snapshot = self.store.step(step)
         return {r.sample_id: r for r in snapshot.read_many(ids, moe_layers=layers)}
 
     def end_step(self, *, phase: str | None = None) -> StepFidelity:

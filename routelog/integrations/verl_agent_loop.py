@@ -64,7 +64,6 @@ _trajectory: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.Cont
 class Trajectory:
     step: int
     sample_id: str
-    validate: bool
 
 
 def trajectory_of(trajectory: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> Trajectory:
@@ -79,7 +78,7 @@ def trajectory_of(trajectory: Mapping[str, Any] | None, kwargs: Mapping[str, Any
         )
     first = kwargs.get("uid", trajectory.get("sample_index"))
     second = kwargs.get("session_id", trajectory.get("rollout_n", 0))
-    return Trajectory(int(_scalar(step)), f"{_scalar(first)}/{_scalar(second)}", bool(trajectory.get("validate")))
+    return Trajectory(int(_scalar(step)), f"{_scalar(first)}/{_scalar(second)}")
 
 
 def _scalar(value: Any) -> Any:

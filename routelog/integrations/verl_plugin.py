@@ -16,6 +16,7 @@ Each module is patched right after it is first imported, not at ``import verl``:
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -57,16 +58,18 @@ def _install_engine(module: ModuleType) -> None:
     )
 
 
-_ROUTING: list[Any] = []
-"""This process's agent-loop routing writer, once one of the agent-loop modules is imported."""
+@functools.cache
+def _routing() -> Any:
+    """This process's agent-loop routing writer (one, however many agent-loop modules are imported)."""
+    from routelog.integrations import verl_agent_loop
+
+    return verl_agent_loop.AgentLoopRouting(os.environ[URL_ENV])
 
 
 def _install_agent_loop(module: ModuleType) -> None:
     from routelog.integrations import verl_agent_loop
 
-    if not _ROUTING:
-        _ROUTING.append(verl_agent_loop.AgentLoopRouting(os.environ[URL_ENV]))
-    verl_agent_loop.patch_module(module, _ROUTING[0])
+    verl_agent_loop.patch_module(module, _routing())
 
 
 def _versions(text: str) -> PolicyVersions:
