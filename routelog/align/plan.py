@@ -185,8 +185,8 @@ def _replayable(record: RecordRouting, plan: AlignmentPlan) -> npt.NDArray[np.bo
                 + ("no recorded policy version" if version is None else f"policy version {version}")
                 + f", and this replay takes version {', '.join(map(str, sorted(versions)))} only: stale routing "
                 "(another step's or another policy's) is refused. Write records with the policy_version of the "
-                "weights that generated them; for partial rollouts pass other_versions='missing' to let the router "
-                "choose those rows"
+                "weights that generated them; for partial rollouts pass other_versions='missing' (routelog align: "
+                "--other-versions missing) to leave those rows to the missing rule"
             )
         keep[start:end] = False
     return keep

@@ -129,7 +129,10 @@ def encode(record: Record, spec: ModelSpec) -> dict[str, Any]:
     """``record`` as one completions choice of megatron-core's server: every input row but the final one is routed
     there, so a record missing an earlier row cannot be written in this form."""
     if record.token_ids is None:
-        raise IngestError(f"sample {record.sample_id!r}: megatron-core's choice carries token ids; the record has none")
+        raise IngestError(
+            f"sample {record.sample_id!r}: megatron-core's choice carries the token ids and the record was stored "
+            "without them: export it to a layout without token ids (vllm, sglang, verl, full)"
+        )
     n = record.n_tokens
     valid = np.ones(n, bool) if record.valid is None else np.asarray(record.valid, bool)
     if n and not valid[: n - 1].all():
