@@ -17,8 +17,8 @@ wrapped), or call ``write_samples`` / ``strip_routing`` inside it. An init hook 
 This script runs both halves on CPU without slime: a rollout of slime-shaped samples (``Sample.tokens``,
 ``response_length``, ``rollout_routed_experts`` ``[len(tokens) - 1, num_layers, K]`` int32 with zeros in dense
 layers) goes through the rollout wrapper, then every rank of a TP=2 (sequence parallel) x CP=2 x PP=2 layout fills
-stand-ins of slime's ``RoutingReplay`` for its DP rank's micro-batches, and the script checks each rank's rows
-against the rollout.
+stand-ins of slime's ``RoutingReplay`` for its DP rank's micro-batches, its routers pop them, and the script checks
+each popped tensor against what slime's own replay records from the routing it ships.
 
     python examples/slime_r3.py [STORE_URL]
 """
@@ -36,8 +36,8 @@ import torch
 
 import routelog
 from routelog.align import RankCoords
-from routelog.align.positions import PAD
 from routelog.integrations import slime
+from routelog.testing import slime_prepare
 
 LAYERS, EXPERTS, TOPK = 8, 16, 2
 FREQ = [0, 1, 1, 1, 0, 1, 1, 1]  # Megatron's moe_layer_freq: layers 0 and 4 are dense
@@ -94,7 +94,6 @@ samples = [s for group in output.samples for s in group]  # the order slime trai
 assert all(s.rollout_routed_experts is None for s in samples), "only ids travel to training"
 print(f"rollout {ROLLOUT_ID}: {len(samples)} samples written, ids {samples[0].metadata[slime.SAMPLE_ID_KEY]!r}...")
 store = routelog.open_store(url)
-snapshot = store.step(ROLLOUT_ID)
 
 # -- slime's DP split: what RolloutManager._split_train_data_by_dp ships to each DP rank (no routing) -----------
 partitions = [[0, 3, 4, 7, 8, 11, 12, 15], [1, 2, 5, 6, 9, 10, 13, 14]]
@@ -110,38 +109,53 @@ rollout_data = [
 
 
 class RoutingReplay:
-    """Stand-in for slime.utils.routing_replay.RoutingReplay (one per MoE router of a rank, build order)."""
+    """Stand-in for slime.utils.routing_replay.RoutingReplay (one per MoE router of a rank, build order): it keeps
+    what it records, and a router's forward pops the next micro-batch, materializing routelog's lazy reference."""
 
     def __init__(self) -> None:
-        self.top_indices_list: list[torch.Tensor] = []
+        self.top_indices_list: list[Any] = []
+        self.forward_index = 0
 
-    def record(self, top_indices: torch.Tensor) -> None:
+    def record(self, top_indices: Any) -> None:
         self.top_indices_list.append(top_indices)
 
+    def pop_forward(self) -> Any:
+        self.forward_index += 1
+        return self.top_indices_list[self.forward_index - 1].materialize_for_routing_replay("forward")
 
-# -- training side: what the patched MegatronTrainRayActor.fill_routing_replay does on each rank -----------------
+
+# -- training side: what the patched MegatronTrainRayActor.fill_routing_replay and the routers do on each rank ---
 payload = sum(ROUTES[j].nbytes for j in partitions[0])  # what slime ships every rank of DP rank 0
 for dp, tp, cp, pp in itertools.product(range(2), range(2), range(2), range(2)):
     rank = RankCoords(tp=tp, cp=cp, pp=pp)
-    replay = slime.SlimeReplay(store, rank=rank)  # in slime: install() builds it, ranks come from megatron's mpu
+    # In slime: install() builds the replay, ranks come from megatron's mpu, and slime's own
+    # prepare_routed_experts_for_routing_replay places the rows; slime_prepare stands in for it here.
+    place = slime_prepare(tp_rank=tp, tp_size=2, cp_rank=cp, cp_size=2)
+    replay = slime.SlimeReplay(store, rank=rank, prepare=place)
     plan = replay.plan(ROLLOUT_ID, args, rollout_data[dp])
     replays = [RoutingReplay() for _ in plan.routers]
-    report = replay.record(ROLLOUT_ID, args, rollout_data[dp], replays)
-    # Check: every row a rank replays is the rollout's route for that token; the rest is slime's padding.
-    for m, batch in enumerate(plan.micro_batches):
-        lengths = [snapshot.info(sid).n_tokens for sid in batch.sample_ids]
-        rows = plan.positions(m, lengths)
-        for j, router in enumerate(plan.routers):
-            recorded = replays[j].top_indices_list[m].numpy()
-            for row, (flat, pos) in enumerate(rows):
-                if flat == PAD or pos == lengths[flat - plan.first_index(m)] - 1:
-                    continue  # padding, and each sequence's final token (no route): slime's pad values
-                position = int(plan.sample_ids[flat].split("/")[1])
-                assert (recorded[row] == ROUTES[position][pos, router.layer]).all(), (rank, m, router.layer, row)
+    report = replay.record(ROLLOUT_ID, args, rollout_data[dp], replays)  # lazy references: nothing read yet
+    # Check: each router pops exactly what slime's own fill_routing_replay would have recorded from the routing it
+    # ships (padding rows included).
+    popped = 0
+    for batch in plan.micro_batches:
+        positions = [int(sid.split("/")[1]) for sid in batch.sample_ids]
+        native = place(
+            [torch.from_numpy(ROUTES[p]) for p in positions],
+            [torch.tensor(samples[p].tokens) for p in positions],
+            num_experts=EXPERTS,
+            data_pad_size_multiplier=args.data_pad_size_multiplier,
+            sequence_parallel=args.sequence_parallel,
+            allgather_cp=args.allgather_cp,
+        )
+        for router, target in zip(plan.routers, replays, strict=True):
+            got = target.pop_forward()
+            assert torch.equal(got, native[:, router.layer]), (rank, batch, router.layer)
+            popped += got.nbytes
     if dp == 0 and tp == 1 and cp == 1:
         print(
-            f"dp={dp} {rank}: {report.micro_batches} micro-batches x {report.routers} routers, "
-            f"{report.rows} rows per router, {report.recorded_bytes} B recorded (slime ships the DP rank's whole "
-            f"payload, {payload} B, to every rank)"
+            f"dp={dp} {rank}: {report.micro_batches} micro-batches x {report.routers} routers, {popped} B popped "
+            f"(slime ships the DP rank's whole payload, {payload} B, to every rank)"
         )
-print("every rank's replayed rows are the rollout's routes at its tokens")
+    replay.close()
+print("every rank's routers pop what slime's own replay would have recorded")

@@ -1,6 +1,7 @@
 """Test helpers shipped with routelog: a fault-injecting filesystem to exercise retries and failure paths, a hook
 that runs another process's operation inside a writer's commit window (:func:`before_first_log_create`), and
-megatron-core on CPU (:func:`megatron_on_cpu`) for tests and examples.
+megatron-core on CPU (:func:`megatron_on_cpu`) for tests and examples, and a stand-in for slime's routing
+preparation (:func:`slime_prepare`) where slime is not installed.
 
 ``FaultyFileSystem`` wraps any fsspec filesystem and makes a seeded fraction of calls fail the way object stores
 fail: timeouts, dropped connections, throttling (``SlowDown``) and 500s, either before the operation or after it
@@ -187,3 +188,57 @@ def megatron_on_cpu() -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
+
+
+def slime_prepare(*, tp_rank: int = 0, tp_size: int = 1, cp_rank: int = 0, cp_size: int = 1) -> Callable[..., Any]:
+    """A stand-in, for one rank, for slime's ``prepare_routed_experts_for_routing_replay`` (slime 624b824a,
+    ``slime/backends/megatron_utils/cp_utils.py``), which :mod:`routelog.integrations.slime` calls where slime is
+    installed; slime is not on PyPI. Each sample's ``[T - 1, L, K]`` routing gets one pad row (its final token), is
+    cut into ``2 * CP`` chunks of which the rank keeps chunk ``cp_rank`` and its mirror (or, with ``allgather_cp``,
+    the samples are joined, padded to ``CP * TP * data_pad_size_multiplier`` and cut into CP contiguous parts),
+    the stream is padded to a multiple of ``TP * data_pad_size_multiplier`` and, with sequence parallelism, the rank
+    keeps its TP share. Every pad block of ``P`` rows holds ``arange(P * L * K).reshape(P, L, K) % num_experts``.
+    ``tests/test_integration_slime.py`` checks that what routelog records through it is, rank by rank, what slime's
+    real code recorded on the captured rollouts."""
+    import torch
+
+    def padded(rows: Any, count: int, num_experts: int) -> Any:
+        if count == 0:
+            return rows
+        _, layers, topk = rows.shape
+        block = torch.arange(count * layers * topk, dtype=rows.dtype).reshape(count, layers, topk) % num_experts
+        return torch.cat([rows, block])
+
+    def zigzag(rows: Any, num_experts: int) -> Any:
+        if cp_size == 1:
+            return rows
+        chunk = -(-rows.shape[0] // (2 * cp_size))
+        chunks = padded(rows, 2 * cp_size * chunk - rows.shape[0], num_experts).split(chunk)
+        return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]])
+
+    def prepare(
+        experts: list[Any],
+        tokens: list[Any],
+        *,
+        num_experts: int,
+        data_pad_size_multiplier: int,
+        sequence_parallel: bool,
+        allgather_cp: bool,
+    ) -> Any:
+        for rows, ids in zip(experts, tokens, strict=True):
+            if rows.shape[0] != ids.shape[0] - 1:
+                raise ValueError(f"routing of {rows.shape[0]} rows for {ids.shape[0]} tokens")
+        samples = [padded(rows, 1, num_experts) for rows in experts]
+        multiple = tp_size * data_pad_size_multiplier
+        if allgather_cp:
+            stream = torch.cat(samples)
+            stream = padded(stream, -stream.shape[0] % (cp_size * multiple), num_experts).chunk(cp_size)[cp_rank]
+        else:
+            stream = torch.cat([zigzag(rows, num_experts) for rows in samples])
+            stream = padded(stream, -stream.shape[0] % multiple, num_experts)
+        if sequence_parallel:
+            share = stream.shape[0] // tp_size
+            stream = stream[tp_rank * share : (tp_rank + 1) * share]
+        return stream
+
+    return prepare

@@ -5,8 +5,10 @@ by ``tools/make_slime_fixtures.py``: slime's ``build_dp_schedule`` split a rollo
 and for every (DP, TP, CP, PP) rank slime's real ``MegatronTrainRayActor.fill_routing_replay`` (with
 ``prepare_routed_experts_for_routing_replay`` and ``slice_with_cp``, ``mpu`` set to that rank, megatron-core's own
 layer split) recorded its tensors into slime's ``RoutingReplay``; each fixture stores the rollout and every tensor
-recorded. Here the same rollout goes through :func:`write_samples`, and :class:`SlimeReplay` must record, for every
-rank, the same tensors (values, int32, shape, router and micro-batch order), padding rows included.
+recorded. Here the same rollout goes through :func:`write_samples`, :class:`SlimeReplay` records its lazy references,
+and what they materialize when slime pops them must be, for every rank, the same tensors (values, int32, shape,
+router and micro-batch order), padding rows included. slime is not installable, so its row placement is
+:func:`routelog.testing.slime_prepare`; these comparisons are what proves that stand-in equal to slime's code.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from routelog.fidelity import ReplayFidelityError, StaleRoutingError
 from routelog.integrations import slime
 from routelog.integrations.slime import SlimeReplay
 from routelog.part import PartOptions
+from routelog.testing import slime_prepare
 
 torch = pytest.importorskip("torch")
 
@@ -42,14 +45,43 @@ ROLLOUT = 7
 
 
 class StubReplay:
-    """slime's ``RoutingReplay`` as ``fill_routing_replay`` uses it: ``record`` appends one tensor per
-    micro-batch (slime keeps a pinned contiguous CPU tensor as is, and copies anything else)."""
+    """slime's ``RoutingReplay`` as ``fill_routing_replay`` uses it: ``record`` appends one entry per micro-batch
+    (slime keeps an object with ``materialize_for_routing_replay`` as is)."""
 
     def __init__(self) -> None:
         self.top_indices_list: list[Any] = []
 
     def record(self, top_indices: Any) -> None:
+        assert hasattr(top_indices, "materialize_for_routing_replay"), "routelog records lazy references"
         self.top_indices_list.append(top_indices)
+
+
+def popped(replays: list[StubReplay], stage: str = "forward") -> list[list[Any]]:
+    """Per router, per micro-batch: the tensors slime's routers get when they pop, in slime's order (micro-batch by
+    micro-batch, each router once)."""
+    count = len(replays[0].top_indices_list) if replays else 0
+    out: list[list[Any]] = [[] for _ in replays]
+    for m in range(count):
+        for r, replay in enumerate(replays):
+            out[r].append(replay.top_indices_list[m].materialize_for_routing_replay(stage))
+    return out
+
+
+def prepare_of(fixture: Fixture | Any, rank: RankCoords) -> Any:
+    """The stand-in for slime's row placement on ``rank`` of the fixture's (or args') parallel sizes."""
+    c = (
+        fixture.config
+        if isinstance(fixture, Fixture)
+        else {
+            "tp": fixture.tensor_model_parallel_size,
+            "cp": fixture.context_parallel_size,
+        }
+    )
+    return slime_prepare(tp_rank=rank.tp, tp_size=c["tp"], cp_rank=rank.cp, cp_size=c["cp"])
+
+
+def replay_of(fixture: Fixture, url: str, rank: RankCoords, **options: Any) -> SlimeReplay:
+    return SlimeReplay(url, rank=rank, prepare=prepare_of(fixture, rank), **options)
 
 
 @dataclass
@@ -138,11 +170,21 @@ def written(fixture: Fixture) -> str:
     return url
 
 
-def assert_recorded(replays: list[StubReplay], expected: list[list[np.ndarray]], where: str) -> None:
+def assert_recorded(
+    replays: list[StubReplay], expected: list[list[np.ndarray]], where: str, stage: str = "forward"
+) -> None:
     assert len(replays) == len(expected), where
     for r, (replay, want) in enumerate(zip(replays, expected, strict=True)):
         assert len(replay.top_indices_list) == len(want), f"{where} router {r}"
-        for m, (got, ref) in enumerate(zip(replay.top_indices_list, want, strict=True)):
+    assert_tensors(popped(replays, stage), expected, where)
+
+
+def assert_tensors(tensors: list[list[Any]], expected: list[list[np.ndarray]], where: str) -> None:
+    """Per router, per micro-batch: the tensors slime's routers got are the ones slime's code recorded."""
+    assert len(tensors) == len(expected), where
+    for r, (got_r, want) in enumerate(zip(tensors, expected, strict=True)):
+        assert len(got_r) == len(want), f"{where} router {r}"
+        for m, (got, ref) in enumerate(zip(got_r, want, strict=True)):
             assert got.dtype == torch.int32 and got.device.type == "cpu" and got.is_contiguous(), (where, r, m)
             np.testing.assert_array_equal(got.numpy(), ref, err_msg=f"{where} router {r} micro-batch {m}")
 
@@ -175,13 +217,18 @@ def test_every_rank_records_exactly_what_slime_records(name: str) -> None:
     url = written(fixture)
     args = fixture.args()
     for dp, rank in fixture.ranks():
-        replay = SlimeReplay(url, rank=rank)
+        replay = replay_of(fixture, url, rank, prefetch=dp)  # no read-ahead, and one micro-batch ahead
         replays = [StubReplay() for _ in fixture.expected(dp, rank)]
         data = fixture.rollout_data(dp)
         report = replay.record(ROLLOUT, args, data, replays, num_microbatches=data["num_microbatches"])
         assert_recorded(replays, fixture.expected(dp, rank), f"{name} dp{dp} {rank}")
         assert report.micro_batches == sum(fixture.meta["num_microbatches"])
-        assert report.recorded_bytes == sum(t.nbytes for r in replays for t in r.top_indices_list)
+        source = replay.source
+        assert source is not None and source.builds == report.micro_batches  # each built once, kept for backward
+        assert source.host_bytes == sum(4 * e.size for want in fixture.expected(dp, rank) for e in want)
+        assert_recorded(replays, fixture.expected(dp, rank), f"{name} dp{dp} {rank} backward", "backward")
+        assert source.host_bytes == 0 and source.builds == report.micro_batches  # released after the backward pops
+        replay.close()
 
 
 def test_a_token_sglang_never_routed_gets_distinct_placeholder_experts() -> None:
@@ -198,10 +245,10 @@ def test_a_token_sglang_never_routed_gets_distinct_placeholder_experts() -> None
     dp = next(d for d, part in enumerate(fixture.meta["partitions"]) if 0 in part)
     rank = RankCoords(cp=0)  # zigzag: chunk 0 of sample 0 holds token 2
     replays = [StubReplay() for _ in fixture.expected(dp, rank)]
-    SlimeReplay(url, rank=rank).record(ROLLOUT, fixture.args(), fixture.rollout_data(dp), replays)
+    replay_of(fixture, url, rank).record(ROLLOUT, fixture.args(), fixture.rollout_data(dp), replays)
     differing = 0
-    for replay, want in zip(replays, fixture.expected(dp, rank), strict=True):
-        for got, ref in zip(replay.top_indices_list, want, strict=True):
+    for tensors, want in zip(popped(replays), fixture.expected(dp, rank), strict=True):
+        for got, ref in zip(tensors, want, strict=True):
             rows = np.flatnonzero((got.numpy() != ref).any(axis=1))
             differing += rows.size
             for row in rows:
@@ -237,18 +284,30 @@ def megatron_chunks() -> Any:
 
 @pytest.fixture
 def fake_slime(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
-    """``slime.utils.routing_replay`` (``RoutingReplay.all_routing_replays``) and ``mpu``'s rank getters, as a
-    training process sees them."""
+    """``slime.utils.routing_replay`` (``RoutingReplay.all_routing_replays`` and its lazy-resource registry), slime's
+    row placement (``cp_utils``, :func:`routelog.testing.slime_prepare` on the current rank) and ``mpu``'s rank
+    getters, as a training process sees them."""
     routing_replay = types.ModuleType("slime.utils.routing_replay")
-    registry = SimpleNamespace(all_routing_replays=[])
+    registry = SimpleNamespace(all_routing_replays=[], lazy_resources=[])
+    registry.register_lazy_resource = registry.lazy_resources.append
     routing_replay.RoutingReplay = registry  # type: ignore[attr-defined]
+    ranks = SimpleNamespace(tp=0, cp=0, pp=0, tp_size=1, cp_size=1)
+    cp_utils = types.ModuleType("slime.backends.megatron_utils.cp_utils")
+
+    def prepare_routed_experts_for_routing_replay(*args: Any, **kwargs: Any) -> Any:
+        place = slime_prepare(tp_rank=ranks.tp, tp_size=ranks.tp_size, cp_rank=ranks.cp, cp_size=ranks.cp_size)
+        return place(*args, **kwargs)
+
+    cp_utils.prepare_routed_experts_for_routing_replay = prepare_routed_experts_for_routing_replay  # type: ignore[attr-defined]
     for name, module in (
         ("slime", types.ModuleType("slime")),
         ("slime.utils", types.ModuleType("slime.utils")),
         ("slime.utils.routing_replay", routing_replay),
+        ("slime.backends", types.ModuleType("slime.backends")),
+        ("slime.backends.megatron_utils", types.ModuleType("slime.backends.megatron_utils")),
+        ("slime.backends.megatron_utils.cp_utils", cp_utils),
     ):
         monkeypatch.setitem(sys.modules, name, module)
-    ranks = SimpleNamespace(tp=0, cp=0, pp=0)
     pytest.importorskip("megatron.core")
     from megatron.core import parallel_state
 
@@ -274,12 +333,36 @@ class DataIterator:
         return self
 
 
+class SlimeRoutingReplay(StubReplay):
+    """slime's ``RoutingReplay`` with its forward and backward cursors: a lazy reference is materialized when
+    popped, in the stage that pops it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forward_index = self.backward_index = 0
+
+    def pop_forward(self) -> Any:
+        self.forward_index += 1
+        return self.top_indices_list[self.forward_index - 1].materialize_for_routing_replay("forward")
+
+    def pop_backward(self) -> Any:
+        self.backward_index += 1
+        return self.top_indices_list[self.backward_index - 1].materialize_for_routing_replay("backward")
+
+
+def registry() -> Any:
+    return sys.modules["slime.utils.routing_replay"].RoutingReplay
+
+
 class Actor:
-    """The parts of slime's ``MegatronTrainRayActor`` its R3 path touches: ``train`` calls ``train_actor``,
-    which calls ``fill_routing_replay`` before the log-prob and training passes."""
+    """The parts of slime's ``MegatronTrainRayActor`` its R3 path touches: ``train`` calls ``train_actor``, which
+    calls ``fill_routing_replay``, runs the log-prob pass (``replay_forward``: every router pops each micro-batch)
+    and the training pass (``replay_backward``), then ``RoutingReplay.clear_all`` (which closes the lazy
+    resources)."""
 
     def __init__(self, args: Any, model: list[Any]) -> None:
         self.args, self.model = args, model
+        self.popped: dict[str, list[list[Any]]] = {}
 
     def train(self, rollout_id: int, rollout_data: dict[str, Any]) -> None:
         self.train_actor(rollout_id, rollout_data)
@@ -289,6 +372,18 @@ class Actor:
         if self.args.use_rollout_routing_replay:
             self.fill_routing_replay(iterators, rollout_data["num_microbatches"], rollout_data)
         assert all(it.offset == 0 for it in iterators)
+        self.passes(sum(rollout_data["num_microbatches"]))
+        for resource in registry().lazy_resources:  # slime's RoutingReplay.clear_all
+            resource.close()
+        registry().lazy_resources.clear()
+
+    def passes(self, micro_batches: int) -> None:
+        replays = registry().all_routing_replays
+        for stage in ("forward", "backward"):
+            self.popped[stage] = [[] for _ in replays]
+            for _ in range(micro_batches):
+                for r, replay in enumerate(replays):
+                    self.popped[stage][r].append(getattr(replay, f"pop_{stage}")())
 
     def fill_routing_replay(self, data_iterator: Any, num_microbatches: Any, rollout_data: Any) -> None:
         raise AssertionError("slime's own fill_routing_replay needs rollout_routed_experts")
@@ -299,7 +394,8 @@ def test_the_patched_actor_replays_from_megatrons_ranks_and_layer_split(
     name: str, megatron_chunks: Any, fake_slime: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``install`` as ``--custom-megatron-init-path`` calls it: the rollout id comes from ``train_actor``, ranks
-    from megatron's ``parallel_state``, layers from megatron-core's split of the actor's own chunks."""
+    from megatron's ``parallel_state``, layers from megatron-core's split of the actor's own chunks, the rows'
+    places from slime's ``cp_utils``; the lazy resource is registered with slime and closed by its ``clear_all``."""
     fixture = load(name)
     url = written(fixture)
     monkeypatch.setenv(slime.URL_ENV, url)
@@ -312,44 +408,42 @@ def test_the_patched_actor_replays_from_megatrons_ranks_and_layer_split(
     replay = slime.install(args, actor_class=MegatronTrainRayActor)
     assert MegatronTrainRayActor.fill_routing_replay is not Actor.fill_routing_replay
     actor = MegatronTrainRayActor(args, megatron_chunks(fixture))
+    fake_slime.ranks.tp_size, fake_slime.ranks.cp_size = fixture.config["tp"], fixture.config["cp"]
     for dp, rank in fixture.ranks():
         fake_slime.ranks.tp, fake_slime.ranks.cp, fake_slime.ranks.pp = rank.tp, rank.cp, rank.pp
         expected = fixture.expected(dp, rank)
-        fake_slime.registry.all_routing_replays = [StubReplay() for _ in expected]
+        fake_slime.registry.all_routing_replays = [SlimeRoutingReplay() for _ in expected]
         data = fixture.rollout_data(dp)
         data["rollout_routed_experts"] = ["left by a custom convert function"]
         actor.train(ROLLOUT, data)
         assert "rollout_routed_experts" not in data  # deleted after filling, as slime does
-        assert_recorded(fake_slime.registry.all_routing_replays, expected, f"{name} dp{dp} {rank}")
+        for stage in ("forward", "backward"):
+            assert_tensors(actor.popped[stage], expected, f"{name} dp{dp} {rank} {stage}")
         assert replay.last_report is not None and replay.last_report.routers == len(expected)
+        assert replay.source is None  # the rollout ended
+        with pytest.raises(ReplayConfigError, match="after the rollout's routing was closed"):
+            fake_slime.registry.all_routing_replays[0].top_indices_list[0].materialize_for_routing_replay("forward")
     assert getattr(actor, "_routelog_rollout_id", None) is None
     with pytest.raises(ReplayConfigError, match="outside train_actor"):
         actor.fill_routing_replay([], [1], fixture.rollout_data(0))
-
-
-class SlimeRoutingReplay(StubReplay):
-    """slime's ``RoutingReplay`` with its forward cursor (``pop_forward``; nothing is consumed)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.forward_index = 0
-
-    def pop_forward(self) -> Any:
-        top_indices = self.top_indices_list[self.forward_index]
-        self.forward_index += 1
-        return top_indices.to(dtype=torch.int32)
+    args.use_rollout_routing_replay = False
+    with pytest.raises(ReplayConfigError, match="--use-rollout-routing-replay is off"):
+        actor.train(ROLLOUT, fixture.rollout_data(0))
 
 
 def slime_compute_topk_factory(module: types.ModuleType) -> Any:
     """slime's ``get_routing_replay_compute_topk`` (``slime/utils/routing_replay.py``), reduced to the stages
-    used here: ``replay_forward`` pops the current router's next micro-batch and gathers its probabilities."""
+    used here: ``replay_forward`` / ``replay_backward`` pop the current router's next micro-batch and gather its
+    probabilities."""
 
     def get_routing_replay_compute_topk(old_compute_topk: Any) -> Any:
         def compute_topk(scores: Any, topk: int, num_groups: Any = None, group_topk: Any = None) -> Any:
             import os
 
-            if os.environ.get("ROUTING_REPLAY_STAGE") == "replay_forward":
-                top_indices = module.ROUTING_REPLAY.pop_forward()
+            stage = os.environ.get("ROUTING_REPLAY_STAGE")
+            if stage in ("replay_forward", "replay_backward"):
+                replay = module.ROUTING_REPLAY
+                top_indices = replay.pop_forward() if stage == "replay_forward" else replay.pop_backward()
                 assert top_indices.shape == (scores.shape[0], topk)
                 return scores.gather(1, top_indices.long()), top_indices
             return old_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
@@ -359,13 +453,15 @@ def slime_compute_topk_factory(module: types.ModuleType) -> Any:
     return get_routing_replay_compute_topk
 
 
+@pytest.mark.parametrize("stages", [("replay_forward", "replay_backward"), ("replay_backward",)])
 def test_the_router_diff_is_measured_judged_and_published(
-    fake_slime: types.SimpleNamespace, megatron_chunks: Any, monkeypatch: pytest.MonkeyPatch
+    stages: tuple[str, ...], fake_slime: types.SimpleNamespace, megatron_chunks: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With a gate and a fidelity writer, each replaying ``compute_topk`` also runs the router's own top-k: rows
-    where it disagrees count (padding and final tokens never do), the gate judges the rollout after
-    ``train_actor``, and before each optimizer step within it, so a failing rollout updates no weight; and each rank
-    publishes its counts."""
+    where it disagrees count (padding and final tokens never do), once per router and micro-batch whether slime
+    runs its log-prob pass or reuses the training pass's; the gate judges the rollout after ``train_actor``, and
+    before each optimizer step within it, so a failing rollout updates no weight; and each rank publishes its
+    counts."""
     from routelog.fidelity import FidelityGate, ReplayFidelityError, read_fidelity
 
     fixture = load("tp2_sp")
@@ -373,27 +469,30 @@ def test_the_router_diff_is_measured_judged_and_published(
     module = sys.modules["slime.utils.routing_replay"]
     module.get_routing_replay_compute_topk = slime_compute_topk_factory(module)  # type: ignore[attr-defined]
     original_factory = module.get_routing_replay_compute_topk  # type: ignore[attr-defined]
-    monkeypatch.setenv("ROUTING_REPLAY_STAGE", "replay_forward")
     topk, experts = fixture.config["topk"], fixture.config["num_experts"]
+    fake_slime.ranks.tp_size = 2
+    expected = {tp: fixture.expected(0, RankCoords(tp=tp)) for tp in range(2)}
 
     def native(scores: Any, k: int, num_groups: Any = None, group_topk: Any = None) -> Any:
         return torch.topk(scores, k, dim=1)
 
     class MegatronTrainRayActor(Actor):
-        def train_actor(self, rollout_id: int, rollout_data: dict[str, Any]) -> None:
-            super().train_actor(rollout_id, rollout_data)
-            # the old-logp forward: every router of every micro-batch, in slime's order
-            for m in range(sum(rollout_data["num_microbatches"])):
-                for replay in fake_slime.registry.all_routing_replays:
-                    target = replay.top_indices_list[m].long()
-                    scores = torch.rand(target.shape[0], experts)
-                    scores.scatter_(1, target, 2.0)  # the router agrees with the replayed set...
-                    scores[::4] = torch.rand(target[::4].shape[0], experts)  # ...except on every 4th row
-                    scores[::4].scatter_(1, target[::4], -1.0)
-                    module.ROUTING_REPLAY = replay  # type: ignore[attr-defined]
-                    compute_topk = module.get_routing_replay_compute_topk(native)  # type: ignore[attr-defined]
-                    _, chosen = compute_topk(scores, topk)
-                    assert torch.equal(chosen, replay.top_indices_list[m])  # replay itself is untouched
+        def passes(self, micro_batches: int) -> None:
+            # each pass: every router of every micro-batch, in slime's order
+            want = expected[fake_slime.ranks.tp]
+            for stage in stages:
+                monkeypatch.setenv("ROUTING_REPLAY_STAGE", stage)
+                for m in range(micro_batches):
+                    for r, replay in enumerate(registry().all_routing_replays):
+                        target = torch.as_tensor(want[r][m]).long()
+                        scores = torch.rand(target.shape[0], experts)
+                        scores.scatter_(1, target, 2.0)  # the router agrees with the replayed set...
+                        scores[::4] = torch.rand(target[::4].shape[0], experts)  # ...except on every 4th row
+                        scores[::4].scatter_(1, target[::4], -1.0)
+                        module.ROUTING_REPLAY = replay  # type: ignore[attr-defined]
+                        compute_topk = module.get_routing_replay_compute_topk(native)  # type: ignore[attr-defined]
+                        _, chosen = compute_topk(scores, topk)
+                        assert torch.equal(chosen.long(), target)  # replay itself is untouched
             self.optimizer.step()  # slime's train_one_step, after the training forward and backward
 
     class Optimizer:
@@ -429,16 +528,18 @@ def test_the_router_diff_is_measured_judged_and_published(
         actor.train(ROLLOUT, fixture.rollout_data(0))
     assert actor.optimizer.updates == 2, "judged before the optimizer step: no update"  # type: ignore[attr-defined]
     assert "step" not in vars(actor.optimizer), "the optimizer's own step is back"  # type: ignore[attr-defined]
+    assert replay.source is None or replay.source.closed  # a failed rollout releases its routing too
     slime.patch(MegatronTrainRayActor, replay)()  # undo restores slime's factory
     assert module.get_routing_replay_compute_topk is original_factory  # type: ignore[attr-defined]
 
 
-def test_a_measured_replay_that_no_router_takes_or_cannot_measure_fails(
-    fake_slime: types.SimpleNamespace, megatron_chunks: Any, monkeypatch: pytest.MonkeyPatch
+def test_a_replay_that_no_router_takes_or_cannot_measure_fails(
+    fake_slime: types.SimpleNamespace, megatron_chunks: Any
 ) -> None:
     """Never silently inert: the routes are recorded into slime's RoutingReplay and no replaying forward pops them
-    (slime's switch off in its forward), so the rollout fails; and without slime's compute_topk factory (its API
-    drifted) a gate cannot measure anything, so installing it fails, naming the API."""
+    (slime's switch off in its forward), so the rollout fails before its optimizer step, gate or no gate; and
+    without slime's compute_topk factory (its API drifted) a gate cannot measure anything, so installing it fails,
+    naming the API; without slime's lazy-resource API or its row placement, the fill fails, naming them."""
     from routelog.fidelity import FidelityGate, ReplayFidelityError
 
     fixture = load("tp2_sp")
@@ -446,6 +547,7 @@ def test_a_measured_replay_that_no_router_takes_or_cannot_measure_fails(
     module = sys.modules["slime.utils.routing_replay"]
     args = fixture.args()
     args.use_rollout_routing_replay = True
+    fake_slime.ranks.tp_size = 2
 
     class NoFactory(Actor):
         pass
@@ -454,15 +556,49 @@ def test_a_measured_replay_that_no_router_takes_or_cannot_measure_fails(
         slime.install(args, url=url, actor_class=NoFactory, gate=FidelityGate(max_router_diff=0.5))
     module.get_routing_replay_compute_topk = slime_compute_topk_factory(module)  # type: ignore[attr-defined]
 
-    class MegatronTrainRayActor(Actor):
-        pass  # trains without ever reaching the replaying compute_topk
+    class Optimizer:
+        updates = 0
 
-    replay = slime.install(args, url=url, actor_class=MegatronTrainRayActor, gate=FidelityGate(max_router_diff=0.5))
-    actor = MegatronTrainRayActor(args, megatron_chunks(fixture))
+        def step(self) -> None:
+            Optimizer.updates += 1
+
+    class MegatronTrainRayActor(Actor):
+        def passes(self, micro_batches: int) -> None:
+            self.optimizer.step()  # trains without ever reaching the replaying compute_topk
+
+    for gate in (FidelityGate(max_router_diff=0.5), None):
+        replay = slime.install(args, url=url, actor_class=MegatronTrainRayActor, gate=gate)
+        actor = MegatronTrainRayActor(args, megatron_chunks(fixture))
+        actor.optimizer = Optimizer()  # type: ignore[attr-defined]
+        fake_slime.registry.all_routing_replays = [SlimeRoutingReplay() for _ in range(6)]
+        with pytest.raises(ReplayFidelityError, match=r"rollout 7: routes of \d+ micro-batches .* inert"):
+            actor.train(ROLLOUT, fixture.rollout_data(0))
+        assert Optimizer.updates == 0
+        slime.patch(MegatronTrainRayActor, replay)()
+
+    class Plain(Actor):
+        pass
+
+    replay = slime.install(args, url=url, actor_class=Plain)
+    actor = Plain(args, megatron_chunks(fixture))
     fake_slime.registry.all_routing_replays = [SlimeRoutingReplay() for _ in range(6)]
-    with pytest.raises(ReplayFidelityError, match=r"rollout 7: routes of \d+ micro-batches .* inert"):
+    cp_utils = sys.modules["slime.backends.megatron_utils.cp_utils"]
+    place = cp_utils.prepare_routed_experts_for_routing_replay  # type: ignore[attr-defined]
+    del cp_utils.prepare_routed_experts_for_routing_replay  # type: ignore[attr-defined]
+    with pytest.raises(ReplayConfigError, match="no prepare_routed_experts_for_routing_replay"):
         actor.train(ROLLOUT, fixture.rollout_data(0))
-    slime.patch(MegatronTrainRayActor, replay)()
+
+    def shifted(*a: Any, **kw: Any) -> Any:
+        return place(*a, **{**kw, "num_experts": kw["num_experts"] - 1})  # a slime whose pad routes changed
+
+    cp_utils.prepare_routed_experts_for_routing_replay = shifted  # type: ignore[attr-defined]
+    with pytest.raises(ReplayConfigError, match="slime's padding changed"):
+        actor.train(ROLLOUT, fixture.rollout_data(0))
+    cp_utils.prepare_routed_experts_for_routing_replay = place  # type: ignore[attr-defined]
+    del fake_slime.registry.register_lazy_resource
+    with pytest.raises(ReplayConfigError, match="no register_lazy_resource"):
+        actor.train(ROLLOUT, fixture.rollout_data(0))
+    slime.patch(Plain, replay)()
 
 
 def test_patch_is_idempotent_and_undone(tmp_path: Path) -> None:
@@ -537,10 +673,13 @@ def test_a_rank_reads_only_its_own_rows_and_layers(monkeypatch: pytest.MonkeyPat
     for pp in range(2):
         fetched.clear()
         replays = [StubReplay() for _ in range(3 if pp == 0 else 4)]  # layer 0 is dense
-        report = SlimeReplay(store, rank=RankCoords(tp=1, cp=1, pp=pp)).record(ROLLOUT, args, data, replays)
+        rank = RankCoords(tp=1, cp=1, pp=pp)
+        report = SlimeReplay(store, rank=rank, prepare=prepare_of(args, rank)).record(ROLLOUT, args, data, replays)
+        assert not fetched, "nothing is read before a router pops it"  # (the read-ahead waits for record to return)
+        recorded = sum(t.nbytes for tensors in popped(replays) for t in tensors)
         per_rank[pp] = sum(fetched)
         assert report.routers == len(replays) and report.micro_batches == 4
-        assert report.recorded_bytes < payload / 4  # its CP half, its SP half, its stage's layers
+        assert recorded < payload / 4  # its CP half, its SP half, its stage's layers
     stored = sum(o.size for c in store.step(ROLLOUT).commits for o in c.objects if "/c/" in o.key)
     print(f"slime ships {payload} B to every rank; routelog ranks read {per_rank} B of {stored} B stored")
     for pp, read in per_rank.items():
@@ -632,10 +771,12 @@ def test_failures_name_the_sample_and_the_fix(tmp_path: Path) -> None:
     data = fixture.rollout_data(0)
 
     def record(data: dict[str, Any], replays: int = 6, **kw: Any) -> None:
-        SlimeReplay(url, rank=rank, **kw).record(ROLLOUT, args, data, [StubReplay() for _ in range(replays)])
+        replay = replay_of(fixture, url, rank, **kw)
+        replay.record(ROLLOUT, args, data, [StubReplay() for _ in range(replays)])
+        replay.close()
 
     with pytest.raises(AlignmentError, match=r"no routing for samples \['8/0'.*generate_rollout"):
-        SlimeReplay(url, rank=rank).record(8, args, data, [StubReplay() for _ in range(6)])
+        replay_of(fixture, url, rank).record(8, args, data, [StubReplay() for _ in range(6)])
     with pytest.raises(ReplayConfigError, match=r"7 RoutingReplay instances.*MTP"):
         record(data, replays=7)
     shorter = {**data, "tokens": [t[:-1] for t in data["tokens"]]}
@@ -643,31 +784,30 @@ def test_failures_name_the_sample_and_the_fix(tmp_path: Path) -> None:
         record(shorter)
     other = {**data, "tokens": [t + 1 for t in data["tokens"]]}
     with pytest.raises(
-        ReplayFidelityError, match=r"row 0 feeds token \d+ where sample '7/\d+' had token \d+ at position 0"
+        ReplayFidelityError, match=r"sample '7/\d+': position 0 feeds token \d+ where the rollout had token \d+"
     ):
         record(other)
     record(other, check_tokens=False)  # only the lengths are checked then
     one = [t.clone() for t in data["tokens"]]
     one[0][3] += 1  # one token of the first sample, same length
-    with pytest.raises(ReplayFidelityError, match=r"at position 3 \(1 of \d+ rows differ\)"):
+    with pytest.raises(ReplayFidelityError, match=r"position 3 feeds .* \(1 of \d+ positions differ\)"):
         record({**data, "tokens": one})
     without = {k: v for k, v in data.items() if k != "tokens"}
-    with pytest.raises(ReplayFidelityError, match=r"rollout_data has no 'tokens'.*check_tokens=False"):
-        record(without)
-    record(without, check_tokens=False)  # turned off by name
+    with pytest.raises(ReplayFidelityError, match=r"rollout_data has no 'tokens'.*keep slime's 'tokens' key"):
+        record(without, check_tokens=False)  # slime itself places rows by them
     with pytest.raises(ModelSpecError, match=r"num_experts=16 \(store: 10\)"):
-        SlimeReplay(url, rank=rank).record(ROLLOUT, SimpleNamespace(**{**vars(args), "num_experts": 16}), data, [])
+        replay_of(fixture, url, rank).record(ROLLOUT, SimpleNamespace(**{**vars(args), "num_experts": 16}), data, [])
     with pytest.raises(AlignmentError, match="'partition'"):
         record({k: v for k, v in data.items() if k != "partition"})
     with pytest.raises(AlignmentError, match="num_microbatches sums to 9"):
-        SlimeReplay(url, rank=rank).record(ROLLOUT, args, data, [], num_microbatches=[9])
+        replay_of(fixture, url, rank).record(ROLLOUT, args, data, [], num_microbatches=[9])
     with pytest.raises(StaleRoutingError, match=r"sample '7/\d+'.*policy version 7.*takes version 6 only"):
         record(data, policy_versions=lambda rollout: {rollout - 1})  # one-step off-policy, on-policy routing
     record(data, policy_versions="any")  # turned off by name
     stale = f"memory://slime/{fixture.name}/{uuid.uuid4().hex}"
     slime.write_samples(stale, ROLLOUT, fixture.samples(), spec=slime.spec_from_args(args), policy_version=3)
     with pytest.raises(StaleRoutingError, match=r"policy version 3.*takes version 7 only"):
-        SlimeReplay(stale, rank=rank).record(ROLLOUT, args, data, [StubReplay() for _ in range(6)])
+        replay_of(fixture, stale, rank).record(ROLLOUT, args, data, [StubReplay() for _ in range(6)])
     samples = fixture.samples()
     samples[3].rollout_routed_experts = None
     with pytest.raises(IngestError, match=r"sample '1/3' \(Sample.index 3\).*--use-rollout-routing-replay"):
@@ -696,4 +836,4 @@ def test_the_example_runs() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert "every rank's replayed rows are the rollout's routes at its tokens" in result.stdout
+    assert "every rank's routers pop what slime's own replay would have recorded" in result.stdout

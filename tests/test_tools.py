@@ -92,14 +92,18 @@ def test_bench_replay_hook_times_every_integration_and_counts_device_reads() -> 
     result = _tool(str(TOOLS / "bench_replay_hook.py"), "--quick", "--json")
     assert result.returncode == 0, result.stderr
     sides = json.loads(result.stdout)["sides"]
-    assert set(sides) == {"native", "installer", "megatron-hook", "verl"}
+    assert set(sides) == {"native", "installer", "megatron-hook", "verl", "slime-native", "slime"}
     assert all(side["seconds_per_micro_batch"] > 0 for side in sides.values())
     assert sides["native"]["over_native"] == 1.0
+    assert sides["slime"]["over_slime_native"] > 0
     for name in ("installer", "megatron-hook"):
         assert sides[name]["device_reads"]["per_router_and_forward"] == 0, f"{name}: no forward waits for the device"
-        assert 2 <= sides[name]["device_reads"]["per_step_judgement"] <= 3, "the tallies, the token check (once)"
+        assert 2 <= sides[name]["device_reads"]["per_step"] <= 3, "the tallies, the token check (once)"
     # veRL's path reads the micro-batch's packed boundaries (cu_seqlens) once per forward, never per router.
     assert sides["verl"]["device_reads"]["per_forward"] == 1
+    # slime's: the tokens fed, in one transfer when the rollout's routing is recorded; nothing per forward.
+    assert sides["slime"]["device_reads"]["per_forward"] == 0
+    assert sides["slime"]["device_reads"]["per_step"] == 1
 
 
 def test_bench_writers_commits_every_record_and_reports_the_np_save_baseline() -> None:

@@ -2,18 +2,23 @@
 
 A real megatron-core GPT chunk (megatron-core 0.16 on CPU: dense and MoE layers, E = 8, K = 2) runs each
 micro-batch's first-stage forward as a trainer does: the embedding takes the packed token ids, then every MoE layer
-routes its hidden states. Two sides alternate, ``--rounds`` each, over the same micro-batches:
+routes its hidden states. The sides alternate, ``--rounds`` each, over the same micro-batches:
 
 * **native**: the routers choose their own experts (no routelog);
-* **replay**: :class:`~routelog.megatron.MegatronReplay` with everything on, the installation path every
-  integration uses (the generic hook; veRL's and NeMo-RL's patches install through it): targets handed to every
-  router, the router diff measured (a :class:`~routelog.fidelity.FidelityGate`), the tokens fed checked row by row,
-  the step judged.
+* **installer**, **megatron-hook**, **verl**: :class:`~routelog.megatron.MegatronReplay` with everything on, the
+  installation path every Megatron integration uses (the generic hook; veRL's and NeMo-RL's patches install through
+  it): targets handed to every router, the router diff measured (a :class:`~routelog.fidelity.FidelityGate`), the
+  tokens fed checked row by row, the step judged; with the rows in memory, around a forward step reading the store
+  in the background, and through veRL's engine patch;
+* **slime-native**, **slime**: each router pops its micro-batch's tensor from slime's ``RoutingReplay`` before the
+  forward, from slime's own R3 (the routing shipped with the data, padded, sliced and copied per layer at fill) and
+  from routelog's lazy references (read from the store a few micro-batches ahead, slime placing the rows).
 
-Reported: the median time per micro-batch of each side and their ratio (same run), and the host reads routelog's
-own code makes of a tensor (``int``, ``item``, ``tolist``, ``numpy``, ``cpu``...: on a GPU each one waits for the
-device) per forward and per step, counted. Goal (issue #30): 0 reads per router and forward; the step's judgement
-reads the device once for the router diff and once for the token check.
+Reported: the median time per micro-batch of each side and its ratio against native (and slime's against
+slime-native), same run, and the host reads routelog's own code makes of a tensor (``int``, ``item``, ``tolist``,
+``numpy``, ``cpu``...: on a GPU each one waits for the device) per forward and per step (a step's setup and
+judgement), counted. Goal (issue #30): 0 reads per router and forward; the step's judgement reads the device once
+for the router diff and once for the token check; slime's fill reads the tokens fed once.
 
     python tools/bench_replay_hook.py [--json] [--quick] [--rounds N] [--micro-batches M] [--tokens T]
 """
@@ -93,60 +98,66 @@ def _store(url: str, spec: Any, samples: int, tokens: int) -> dict[str, np.ndarr
 
 
 class _DeviceReads:
-    """Counts the reads of a tensor back to the host made by routelog's own code: those of a step's judgement
-    (:meth:`MegatronReplay.check`, wherever it runs: the generic hook judges inside the step's last forward) apart
-    from the others."""
+    """Counts the reads of a tensor back to the host made by routelog's own code: those of a step's setup and
+    judgement (:meth:`MegatronReplay.check`, wherever it runs: the generic hook judges inside the step's last
+    forward; slime's :meth:`SlimeReplay.record` and :meth:`SlimeReplay.end_rollout`) apart from the others."""
 
     NAMES = ("__int__", "__bool__", "__float__", "item", "tolist", "numpy", "cpu")
-    JUDGING = ("check", "_counts")
 
     def __init__(self) -> None:
         import torch
 
         import routelog
+        from routelog.integrations.slime import SlimeReplay
         from routelog.megatron import MegatronReplay
 
         self.count = 0
-        self.judgement = 0
-        self._judging = 0
+        self.per_step = 0
+        self._stepping = 0
         self._package = str(Path(routelog.__file__).parent)
         self._originals = {name: getattr(torch.Tensor, name) for name in self.NAMES}
         for name, original in self._originals.items():
             setattr(torch.Tensor, name, self._counting(original))
-        self._judges = {name: getattr(MegatronReplay, name) for name in self.JUDGING}
-        for name, original in self._judges.items():
-            setattr(MegatronReplay, name, self._judged(original))
+        self._once_per_step = [
+            (owner, name, getattr(owner, name))
+            for owner, name in (
+                (MegatronReplay, "check"),
+                (MegatronReplay, "_counts"),
+                (SlimeReplay, "record"),
+                (SlimeReplay, "end_rollout"),
+            )
+        ]
+        for owner, name, original in self._once_per_step:
+            setattr(owner, name, self._stepped(original))
 
     def _counting(self, original: Any) -> Any:
         def counted(tensor: Any, *args: Any, **kwargs: Any) -> Any:
             if sys._getframe(1).f_code.co_filename.startswith(self._package):
-                if self._judging:
-                    self.judgement += 1
+                if self._stepping:
+                    self.per_step += 1
                 else:
                     self.count += 1
             return original(tensor, *args, **kwargs)
 
         return counted
 
-    def _judged(self, original: Any) -> Any:
-        def judged(replay: Any, *args: Any, **kwargs: Any) -> Any:
-            self._judging += 1
+    def _stepped(self, original: Any) -> Any:
+        def stepped(replay: Any, *args: Any, **kwargs: Any) -> Any:
+            self._stepping += 1
             try:
                 return original(replay, *args, **kwargs)
             finally:
-                self._judging -= 1
+                self._stepping -= 1
 
-        return judged
+        return stepped
 
     def close(self) -> None:
         import torch
 
-        from routelog.megatron import MegatronReplay
-
         for name, original in self._originals.items():
             setattr(torch.Tensor, name, original)
-        for name, original in self._judges.items():
-            setattr(MegatronReplay, name, original)
+        for owner, name, original in self._once_per_step:
+            setattr(owner, name, original)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -212,12 +223,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     verl_side = _verl_side(url, spec, model, config, gate, loaded, inputs, forward)
     if verl_side is not None:
         sides["verl"] = verl_side
+    sides.update(_slime_sides(f"{url}-slime", args.layers, loaded, inputs, forward))
     times: dict[str, list[float]] = {side: [] for side in sides}
     reads: dict[str, dict[str, float]] = {}
     for round_ in range(args.rounds):
         order = list(sides) if round_ % 2 == 0 else list(reversed(sides))
         for side in order:
-            counter = _DeviceReads() if side != "native" else None
+            counter = _DeviceReads() if side not in ("native", "slime-native") else None
             try:
                 measured, finish = sides[side]()
                 times[side].extend(measured)
@@ -228,7 +240,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     reads[side] = {
                         "per_router_and_forward": counter.count / (len(loaded) * len(moe)),
                         "per_forward": counter.count / len(loaded),
-                        "per_step_judgement": counter.judgement,
+                        "per_step": counter.per_step,
                     }
             finally:
                 if counter is not None:
@@ -240,6 +252,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "seconds_per_micro_batch": statistics.median(values),
             "over_native": statistics.median(values) / base,
             "added_ms_per_micro_batch": 1e3 * (statistics.median(values) - base),
+            **(
+                {"over_slime_native": statistics.median(values) / statistics.median(times["slime-native"])}
+                if side == "slime"
+                else {}
+            ),
             **({"device_reads": reads[side]} if side in reads else {}),
         }
         for side, values in times.items()
@@ -309,6 +326,105 @@ def _verl_side(
     return side
 
 
+def _slime_sides(
+    url: str, layers: int, loaded: list[Any], inputs: list[Any], forward: Any
+) -> dict[str, Callable[[], tuple[list[float], Any]]]:
+    """slime's path, the same micro-batches: each router pops its micro-batch's tensor from slime's
+    ``RoutingReplay`` before the forward (slime's patched ``compute_topk`` replays it; that part is slime's).
+    ``slime-native``: slime's own R3, the DP rank's routing shipped with the data and, at fill, each micro-batch
+    padded and sliced by slime's code and each router's layer copied; ``slime``: routelog's lazy references
+    (:class:`~routelog.integrations.slime.SlimeReplay`, the store read a few micro-batches ahead in the background,
+    slime's row placement through ``prepare``). The fill is before the timed forwards in both."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from routelog.align import RankCoords
+    from routelog.integrations import slime
+    from routelog.testing import slime_prepare
+
+    rng = np.random.default_rng(1)
+    args = SimpleNamespace(
+        num_layers=layers,
+        num_experts=8,
+        moe_router_topk=2,
+        moe_layer_freq=[0] + [1] * (layers - 1),
+        tensor_model_parallel_size=1,
+        context_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        sequence_parallel=False,
+        allgather_cp=False,
+        data_pad_size_multiplier=128,
+    )
+    samples, schedule = [], []
+    for mb, ids in zip(loaded, inputs, strict=True):
+        lengths = [int(n) for n in np.bincount(mb.positions[:, 0] - mb.first_index)]
+        schedule.append(list(range(len(samples), len(samples) + len(lengths))))
+        for part in torch.split(ids[0], lengths):
+            routes = np.zeros((part.numel() - 1, layers, 2), np.int32)
+            routes[:, 1:] = np.argsort(rng.random((part.numel() - 1, layers - 1, 8)), axis=-1)[..., :2]
+            samples.append(SimpleNamespace(tokens=part.tolist(), response_length=part.numel() // 2, routes=routes))
+    shipped = [SimpleNamespace(**vars(s), rollout_routed_experts=s.routes) for s in samples]
+    slime.write_samples(url, 0, shipped, spec=slime.spec_from_args(args))
+    tokens = [torch.tensor(s.tokens) for s in samples]
+    rollout_data = {
+        "partition": list(range(len(samples))),
+        "tokens": tokens,
+        "micro_batch_indices": schedule,
+        "num_microbatches": [len(schedule)],
+    }
+    place = slime_prepare()
+    moe_layers = range(1, layers)
+
+    class RoutingReplay:
+        """slime's: keeps what it records; a router's forward pops the next one (a lazy reference materialized)."""
+
+        def __init__(self) -> None:
+            self.top_indices_list: list[Any] = []
+            self.forward_index = 0
+
+        def record(self, top_indices: Any) -> None:
+            self.top_indices_list.append(top_indices)
+
+        def pop_forward(self) -> Any:
+            self.forward_index += 1
+            top = self.top_indices_list[self.forward_index - 1]
+            if hasattr(top, "materialize_for_routing_replay"):
+                return top.materialize_for_routing_replay("forward")
+            return top.to(dtype=torch.int32)
+
+    def timed(replays: list[RoutingReplay]) -> list[float]:
+        def one(m: int) -> None:
+            for replay in replays:
+                replay.pop_forward()
+            forward(m)
+
+        return [_timed(one, m) for m in range(len(loaded))]
+
+    def native() -> tuple[list[float], Any]:
+        replays = [RoutingReplay() for _ in moe_layers]
+        for batch in schedule:
+            prepared = place(
+                [torch.from_numpy(samples[j].routes) for j in batch],
+                [tokens[j] for j in batch],
+                num_experts=8,
+                data_pad_size_multiplier=128,
+                sequence_parallel=False,
+                allgather_cp=False,
+            )
+            for replay, layer in zip(replays, moe_layers, strict=True):
+                replay.record(prepared[:, layer].contiguous())
+        return timed(replays), None
+
+    def routelog_side() -> tuple[list[float], Any]:
+        replay = slime.SlimeReplay(url, rank=RankCoords(), prepare=place)
+        replays = [RoutingReplay() for _ in moe_layers]
+        replay.record(0, args, rollout_data, replays)
+        return timed(replays), (lambda: replay.end_rollout(0), replay.close)
+
+    return {"slime-native": native, "slime": routelog_side}
+
+
 def _forward_action(router_replay: Any) -> Any:
     from routelog.megatron import _action
 
@@ -339,14 +455,14 @@ def main() -> None:
     )
     print(
         f"{'side':<15}{'ms/micro-batch':>15}{'x native':>10}{'+ms':>8}{'reads/router/fwd':>18}{'reads/fwd':>11}"
-        f"{'reads to judge':>16}"
+        f"{'reads per step':>16}"
     )
     for side, values in report["sides"].items():
         reads = values.get("device_reads", {})
         print(
             f"{side:<15}{1e3 * values['seconds_per_micro_batch']:>15.2f}{values['over_native']:>10.3f}"
             f"{values['added_ms_per_micro_batch']:>8.2f}{reads.get('per_router_and_forward', 0):>18.3g}"
-            f"{reads.get('per_forward', 0):>11.3g}{reads.get('per_step_judgement', 0):>16g}"
+            f"{reads.get('per_forward', 0):>11.3g}{reads.get('per_step', 0):>16g}"
         )
     print(f"goal: {report['goal']}")
 

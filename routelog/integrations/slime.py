@@ -1,24 +1,26 @@
-"""slime (THUDM/slime) Rollout Routing Replay through a routelog store: each training rank reads only its own rows.
+"""slime (THUDM/slime) Rollout Routing Replay through a routelog store: slime places the rows, each rank reads its own.
 
 **Why.** slime's R3 ships every sample's routing, ``Sample.rollout_routed_experts`` (``[len(tokens) - 1,
 num_layers, K]`` int32 from SGLang, all layers), inside each DP rank's ``rollout_data``; every TP x CP x PP rank of
 the DP group fetches that whole payload, then pads, CP-slices and SP-slices it and keeps its stage's layers in
 ``MegatronTrainRayActor.fill_routing_replay`` (slime #2384: host memory grows with DP-local tokens x all layers on
 every rank, and runs hosts out of memory on long responses). Here the rollout side writes the routing to a store
-once and sends nothing of it to training; each training rank reads through :class:`~routelog.loader.ReplayLoader`
-only the records of its own micro-batches, only its pipeline stage's layers, and records into slime's own
-``RoutingReplay`` instances exactly the tensors slime's code would have recorded (pinned int32 per router and
-micro-batch, padding rows included; only a token SGLang never routed differs: slime would replay its zeros,
-routelog gives it distinct placeholder experts), so slime's stage machine (``ROUTING_REPLAY_STAGE``, the forward
-and backward cursors) runs unchanged. The alignment is :mod:`routelog.align`'s ``slime`` / ``slime-allgather``
-packing; ``tests/test_integration_slime.py`` compares every rank's recorded tensors with those slime's real code
-(commit 624b824a) recorded on the same rollout.
+once and sends nothing of it to training. Each training rank hands slime's own ``RoutingReplay`` instances, per
+router and micro-batch, a lazy reference (slime's lazy-resource API, :mod:`routelog.integrations.slime_source`):
+when a router pops it, slime's own ``prepare_routed_experts_for_routing_replay`` decides where the micro-batch's
+rows land on the rank (final tokens, zigzag or all-gather CP, the pad multiple, the SP slice: slime pads and
+slices), and routelog reads only those rows of the micro-batch's records, only its pipeline stage's layers, a few
+micro-batches ahead. The tensor is the one slime's code would have recorded (int32 per router and micro-batch,
+padding rows included; only a token SGLang never routed differs: slime would replay its zeros, routelog gives it
+distinct placeholder experts), so slime's stage machine (``ROUTING_REPLAY_STAGE``, the forward and backward
+cursors) runs unchanged, and ``RoutingReplay.clear_all`` releases it. ``tests/test_integration_slime.py`` compares
+every rank's tensors with those slime's real code (commit 624b824a) recorded on the same rollout.
 
 **Sample ids.** A record's id is ``f"{rollout_id}/{position}"``: its position in the rollout's flattened sample
 list, which is what slime itself ships to each DP rank as ``rollout_data["partition"]`` (and how its debug dumps
 number samples). So nothing is added to slime's data: ``Sample.index`` is not unique in agentic rollouts (the
-samples a trajectory emits share it), the position is. Before replaying, each record's token count and token hash
-are checked against the tokens the trainer feeds.
+samples a trajectory emits share it), the position is. Before any router runs, each record's tokens are compared,
+position by position, with the tokens the trainer feeds.
 
 **Wiring** (slime at 624b824a; both hooks are slime's own arguments)::
 
@@ -30,10 +32,11 @@ are checked against the tokens the trainer feeds.
     # training side: every training actor swaps in routelog's fill_routing_replay
     --custom-megatron-init-path routelog.integrations.slime.install
     --use-rollout-routing-replay                    # still needed: SGLang returns routes, slime's replay stages run
+    #   (slime with RoutingReplay's lazy-resource API: a74ae3a0 on, 624b824a tested)
 
 From Python: :func:`write_samples` / :func:`strip_routing` (or :func:`wrap_rollout_function`) on the rollout side;
 :func:`install` / :func:`patch` with a :class:`SlimeReplay` on the training side, whose :meth:`SlimeReplay.record`
-is the whole training-side logic, usable without slime.
+is the whole training-side logic (with ``prepare=``, usable without slime).
 
 slime, megatron-core and torch are imported only inside the functions that need them.
 """
@@ -45,29 +48,26 @@ import itertools
 import logging
 import os
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from routelog.align import (
-    AlignmentPlan,
-    LocalRouter,
-    MicroBatch,
-    Packing,
-    ParallelLayout,
-    RankCoords,
-    pack,
-    rank_positions,
-)
-from routelog.align.plan import MicroBatchReplay, OtherVersions, PolicyVersions, versions_for
-from routelog.align.positions import PAD
+from routelog.align import AlignmentPlan, LocalRouter, MicroBatch, Packing, ParallelLayout, RankCoords
+from routelog.align.plan import OtherVersions, PolicyVersions, replayable_rows, versions_for
 from routelog.engines.slime import record_from_sample
 from routelog.errors import AlignmentError, IngestError, ModelSpecError, RecordNotFoundError, ReplayConfigError
 from routelog.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
+from routelog.integrations.slime_source import (
+    Prepare,
+    PreparedMicroBatch,
+    RolloutSource,
+    SlimeGeometry,
+    StoreRows,
+    check_pad_routes,
+)
 from routelog.loader import ReplayLoader
-from routelog.megatron import refuse_unverified, row_mismatch, rows_of_sequences
 from routelog.part import PartOptions
 from routelog.reader import StepSnapshot
 from routelog.record import token_hash
@@ -303,16 +303,13 @@ def _url_from_env(args: Any = None) -> str:
 # -- training side -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FillReport:
-    """What one :meth:`SlimeReplay.record` call put into slime's ``RoutingReplay`` instances."""
+    """What one :meth:`SlimeReplay.record` call put into slime's ``RoutingReplay`` instances: one
+    :class:`~routelog.integrations.slime_source.LayerRef` per router and micro-batch."""
 
     rollout_id: int
     micro_batches: int
     routers: int
     samples: int
-    rows: int
-    """Local rows per router, summed over the micro-batches."""
-    recorded_bytes: int
-    """Host memory of the recorded tensors (int32, every router and micro-batch)."""
 
 
 def layout_from_args(args: Any, model_chunks: Sequence[Any] | None = None) -> ParallelLayout:
@@ -393,17 +390,21 @@ class SlimeReplay:
     """One training process's replay from a store into slime's ``RoutingReplay`` instances.
 
     ``layout`` and ``rank`` default to slime's arguments and megatron-core's ``parallel_state``; ``spec`` to the
-    store's. ``check_tokens`` compares, row by row, the token each record's routing was recorded for with the token
-    slime feeds there (``rollout_data["tokens"]``, one host copy per sample and rollout): a micro-batch whose samples
-    were reordered or changed fails before training, naming the sample, position and both tokens. Without
-    ``tokens`` in the train data, or for records stored without token ids, it refuses; ``check_tokens=False`` turns
-    it off, by name.
+    store's; ``prepare`` to slime's own ``prepare_routed_experts_for_routing_replay`` (where rows land on a rank is
+    always slime's decision; :func:`routelog.testing.slime_prepare` stands in where slime is not installed).
+    ``check_tokens`` compares, row by row, the tokens each record's routing was recorded for with the tokens slime
+    feeds (``rollout_data["tokens"]``, one host copy per sample and rollout): a micro-batch whose samples were
+    reordered or changed fails before training, naming the sample, position and both tokens. Without ``tokens`` in
+    the train data, or for records stored without token ids, it refuses; ``check_tokens=False`` turns it off, by
+    name. ``prefetch`` micro-batches are read ahead of the one a router pops.
 
-    With a ``gate`` or a ``fidelity_writer``, :func:`patch` also wraps slime's replaying ``compute_topk``: in
-    each ``replay_forward`` call the router's own top-k is computed too (one extra top-k per router and forward,
-    no host synchronisation), and the rows whose own set differs from the replayed one are counted (the R3
-    paper's router diff, on the trainer's weights). Before each optimizer step inside ``train_actor`` (slime's
-    ``optimizer.step()``, wrapped for the rollout) and after it, the counts so far are judged by the gate
+    Routing that was recorded into slime's ``RoutingReplay`` and that no router popped by the rollout's first
+    optimizer step fails the step (:class:`~routelog.fidelity.ReplayFidelityError`: slime's replay is inert). With a
+    ``gate`` or a ``fidelity_writer``, :func:`patch` also wraps slime's replaying ``compute_topk``: in each replay
+    stage's first pop of a micro-batch the router's own top-k is computed too (one extra top-k per router and
+    micro-batch, no host synchronisation), and the rows whose own set differs from the replayed one are counted
+    (the R3 paper's router diff, on the trainer's weights). Before each optimizer step inside ``train_actor``
+    (slime's ``optimizer.step()``, wrapped for the rollout) and after it, the counts so far are judged by the gate
     (:class:`~routelog.fidelity.ReplayFidelityError` when a layer exceeds it); after it they are published as the
     rank's fidelity document ``<fidelity_writer>-r<global rank>`` of the step (``routelog mismatch`` shows them)."""
 
@@ -421,6 +422,7 @@ class SlimeReplay:
         fidelity_writer: str | None = None,
         policy_versions: PolicyVersions = "step",
         other_versions: OtherVersions = "refuse",
+        prepare: Prepare | None = None,
     ) -> None:
         self._store = store
         self.policy_versions = policy_versions
@@ -434,10 +436,14 @@ class SlimeReplay:
         self.check_tokens = check_tokens
         self.gate = gate
         self.fidelity_writer = fidelity_writer
+        self.prepare = prepare
         self.last_report: FillReport | None = None
         """What the last :meth:`record` call recorded."""
+        self.source: RolloutSource | None = None
+        """The rollout being trained: slime's lazy resource its routers pop."""
         self.meter: FidelityMeter | None = None
         """The router diff of the rollout being trained (measured only with a gate or a fidelity writer)."""
+        self._padding_checked: set[tuple[SlimeGeometry, RankCoords]] = set()
 
     @property
     def measures(self) -> bool:
@@ -488,8 +494,9 @@ class SlimeReplay:
         num_microbatches: Sequence[int] | None = None,
         model_chunks: Sequence[Any] | None = None,
     ) -> AlignmentPlan:
-        """This rank's plan: its micro-batches, slime's packing (``--allgather-cp`` picks ``slime-allgather``,
-        ``--data-pad-size-multiplier`` the pad), the layout and rank."""
+        """This rank's plan: its micro-batches, its routers (the layout and rank), the policy versions it replays.
+        Its packing (``--allgather-cp`` picks ``slime-allgather``, ``--data-pad-size-multiplier`` the pad) is
+        routelog's model of slime's for offline use (``routelog align``); at run time slime places the rows."""
         spec = self.spec or self.store.model_spec
         _check_args(spec, args)
         layout = self.layout or layout_from_args(args, model_chunks)
@@ -517,10 +524,15 @@ class SlimeReplay:
         num_microbatches: Sequence[int] | None = None,
         model_chunks: Sequence[Any] | None = None,
     ) -> FillReport:
-        """Read this rank's rows of rollout ``rollout_id`` and ``record`` them, micro-batch by micro-batch, into
-        ``replays`` (slime's ``RoutingReplay.all_routing_replays``: one per local MoE router in build order), as
-        pinned contiguous int32 ``[T_local, K]`` host tensors equal to what slime's ``fill_routing_replay`` records.
-        """
+        """Record into ``replays`` (slime's ``RoutingReplay.all_routing_replays``: one per local MoE router in build
+        order), for each of this rank's micro-batches of rollout ``rollout_id``, one
+        :class:`~routelog.integrations.slime_source.LayerRef` per router; slime's ``pop_forward`` / ``pop_backward``
+        turn it into the int32 ``[T_local, K]`` tensor slime's own ``fill_routing_replay`` would have recorded,
+        reading the rank's rows of the micro-batch's records (its stage's layers) from the store then.
+
+        Checked here, before any router runs: the router walk, slime's padding, every record present, the tokens
+        fed are the tokens recorded (row by row), and no stale routing. The rollout's resource is
+        :attr:`source`."""
         plan = self.plan(rollout_id, args, rollout_data, num_microbatches=num_microbatches, model_chunks=model_chunks)
         routers = plan.routers
         if model_chunks:
@@ -531,44 +543,53 @@ class SlimeReplay:
                 f"{len(routers)} MoE routers (layers {[r.layer for r in routers]}). MTP layers' routers register "
                 "too (slime #1556): R3 with MTP needs slime's skip_replay fix (f8879db2)"
             )
-        loader = ReplayLoader(self.store, rollout_id, plan, prefetch=self.prefetch)
-        meter = FidelityMeter(routers, replays) if self.measures else None
-        rows = recorded = 0
-        try:
-            snapshot, tokens = self._check_samples(plan, rollout_id, rollout_data, _snapshot(loader))
-            for replay in loader:
-                if self.check_tokens:
-                    _check_rows(replay, [tokens[sid] for sid in replay.sample_ids])
-                ids = to_slime_rows(plan, replay, [snapshot.info(s).n_tokens for s in replay.sample_ids])
-                host = _host_tensor(ids)  # one pinned buffer per micro-batch; each router records its own view
-                for j, target in enumerate(replays):
-                    target.record(host[j])
-                if meter is not None:
-                    meter.add_micro_batch(replay.mask, samples=len(replay.sample_ids))
-                recorded += ids.nbytes
-                rows += ids.shape[1]
-        finally:
-            loader.close()
-        self.meter = meter
+        prepare = self.prepare or _slime_prepare()
+        spec = plan.spec
+        geometry = SlimeGeometry.from_args(
+            args, num_layers=spec.num_layers, num_experts=spec.num_experts, topk=spec.topk
+        )
+        if (geometry, plan.rank) not in self._padding_checked:
+            check_pad_routes(prepare, geometry)
+            self._padding_checked.add((geometry, plan.rank))
+        loader = ReplayLoader(self.store, rollout_id, plan, prefetch=0)
+        snapshot, fed = self._check_samples(plan, rollout_id, rollout_data, _snapshot(loader))
+        # The rows each record may replay (policy versions, rows the engine routed): index metadata, no routing read.
+        replayable = {r.sample_id: replayable_rows(r, plan) for r in snapshot.read_many(plan.sample_ids, moe_layers=[])}
+        meter = FidelityMeter(routers, replays, samples=len(plan.sample_ids)) if self.measures else None
+        source = RolloutSource(
+            StoreRows(snapshot, plan, fed, replayable, prepare, geometry),
+            len(plan.micro_batches),
+            len(routers),
+            prefetch=self.prefetch,
+            on_build=None if meter is None else meter.add_micro_batch,
+        )
+        for m in range(len(plan.micro_batches)):
+            for target, ref in zip(replays, source.refs(m), strict=True):
+                target.record(ref)
+        self.close()
+        self.source, self.meter = source, meter
+        source.start()
         self.last_report = FillReport(
             rollout_id=rollout_id,
             micro_batches=len(plan.micro_batches),
             routers=len(routers),
             samples=len(plan.sample_ids),
-            rows=rows,
-            recorded_bytes=recorded,
         )
         logger.info(
-            "routelog: rollout %d, rank %s: %d micro-batches x %d routers replayed from %s (%d samples, %.1f MB host)",
+            "routelog: rollout %d, rank %s: %d micro-batches x %d routers to replay from %s (%d samples)",
             rollout_id,
             plan.rank,
             len(plan.micro_batches),
             len(routers),
             self.store.url,
             len(plan.sample_ids),
-            recorded / 1e6,
         )
         return self.last_report
+
+    def close(self) -> None:
+        """Release the rollout's routing (slime's ``RoutingReplay.clear_all`` does it too; idempotent)."""
+        if self.source is not None:
+            self.source.close()
 
     def _check_samples(
         self,
@@ -576,9 +597,11 @@ class SlimeReplay:
         rollout_id: int,
         rollout_data: Mapping[str, Any],
         snapshot: StepSnapshot | None,
-    ) -> tuple[StepSnapshot, dict[str, npt.NDArray[np.int64]]]:
-        """Every record present, with as many tokens as the trainer feeds; returns the step and the fed tokens by
-        id."""
+    ) -> tuple[StepSnapshot, dict[str, Any]]:
+        """Every record present, with the tokens the trainer feeds (row by row, unless ``check_tokens`` is off);
+        returns the step and the fed tokens by id (host tensors)."""
+        import torch
+
         absent = [sid for sid in plan.sample_ids if snapshot is None or sid not in snapshot]
         if snapshot is None or absent:
             raise AlignmentError(
@@ -588,70 +611,85 @@ class SlimeReplay:
             )
         fed = rollout_data.get("tokens")
         if fed is None:
-            if not self.check_tokens:
-                return snapshot, {}
             raise ReplayFidelityError(
-                f"rollout {rollout_id}: rollout_data has no 'tokens', so nothing proves the routing belongs to the "
-                "tokens the trainer feeds; keep slime's 'tokens' key in the train data, or turn the check off by "
-                "name: install(..., check_tokens=False)"
+                f"rollout {rollout_id}: rollout_data has no 'tokens', so neither slime nor routelog can place the "
+                "routing or prove it belongs to the tokens the trainer feeds; keep slime's 'tokens' key in the "
+                "train data"
             )
         local = {sample_id(rollout_id, int(p)): j for j, p in enumerate(rollout_data["partition"])}
-        tokens: dict[str, npt.NDArray[np.int64]] = {}
-        for sid in plan.sample_ids:
-            ids = np.asarray(_numpy(fed[local[sid]]), dtype=np.int64).reshape(-1)
-            n = snapshot.info(sid).n_tokens
-            if ids.shape[0] != n:
+        host = _host_sequences([fed[local[sid]] for sid in plan.sample_ids])
+        tokens: dict[str, Any] = {}
+        for sid, ids in zip(plan.sample_ids, host, strict=True):
+            info = snapshot.info(sid)
+            if ids.shape[0] != info.n_tokens:
                 raise AlignmentError(
-                    f"sample {sid!r}: the trainer feeds {ids.shape[0]} tokens, its routing was recorded for {n}. "
-                    "The rollout's samples were reordered or changed after the rollout function returned (a custom "
-                    "--custom-convert-samples-to-train-data-path must keep their order and tokens)"
+                    f"sample {sid!r}: the trainer feeds {ids.shape[0]} tokens, its routing was recorded for "
+                    f"{info.n_tokens}. The rollout's samples were reordered or changed after the rollout function "
+                    "returned (a custom --custom-convert-samples-to-train-data-path must keep their order and tokens)"
                 )
-            tokens[sid] = ids
+            if self.check_tokens:
+                _check_sample_tokens(sid, info.token_ids, ids)
+            tokens[sid] = torch.from_numpy(ids)
         return snapshot, tokens
 
     def fill_routing_replay(
         self, actor: Any, data_iterator: Sequence[Any], num_microbatches: Sequence[int], rollout_data: Any
     ) -> FillReport:
-        """The body of the patched ``MegatronTrainRayActor.fill_routing_replay``."""
+        """The body of the patched ``MegatronTrainRayActor.fill_routing_replay``: :meth:`record` into slime's
+        ``RoutingReplay.all_routing_replays``, the rollout's resource registered with
+        ``RoutingReplay.register_lazy_resource`` (slime's ``clear_all`` closes it)."""
         rollout_id = getattr(actor, _STEP_ATTRIBUTE, None)
         if rollout_id is None:
             raise ReplayConfigError(
                 "routelog's fill_routing_replay ran outside train_actor(rollout_id, ...): install it with "
                 "routelog.integrations.slime.install() / patch(), which also record the rollout id"
             )
-        replays = importlib.import_module("slime.utils.routing_replay").RoutingReplay.all_routing_replays
+        routing_replay = importlib.import_module("slime.utils.routing_replay").RoutingReplay
+        register = getattr(routing_replay, "register_lazy_resource", None)
+        if register is None:
+            raise ReplayConfigError(
+                "slime's RoutingReplay has no register_lazy_resource (its lazy-resource API, slime a74ae3a0 on): "
+                "routelog hands slime's routers the routing when they pop it; use slime at 624b824a or later"
+            )
         for iterator in data_iterator:
             iterator.reset()
         report = self.record(
             int(rollout_id),
             actor.args,
             rollout_data,
-            replays,
+            routing_replay.all_routing_replays,
             num_microbatches=num_microbatches,
             model_chunks=getattr(actor, "model", None),
         )
+        if self.source is not None:
+            register(self.source)
         strip_routing(rollout_data)  # as slime deletes its payload after filling (none travels with routelog)
         for iterator in data_iterator:
             iterator.reset()
         return report
 
     def judge(self, rollout_id: int) -> StepFidelity | None:
-        """Before each optimizer step of rollout ``rollout_id``: fail if the routes recorded were never replayed,
-        or if the router diff measured so far exceeds the gate; the counts so far (None when not measuring). One
-        read of the device."""
+        """Before each optimizer step of rollout ``rollout_id``: fail if the routes recorded were never popped by
+        a router, or if the router diff measured so far exceeds the gate; the counts so far (None when not
+        measuring). One read of the device."""
+        _refuse_inert(self.source, rollout_id)
         if self.meter is None:
             return None
-        counts = _refuse_inert(self.meter, rollout_id).counts()
+        counts = self.meter.counts()
         self._check_gate(counts, rollout_id)
         return counts
 
     def end_rollout(self, rollout_id: int) -> StepFidelity | None:
-        """After training on rollout ``rollout_id``: judge the router diff measured on this rank as :meth:`judge`
-        does, having published it (with a gate or a fidelity writer; None otherwise)."""
+        """After training on rollout ``rollout_id``: release its routing and judge it as :meth:`judge` does, having
+        published the router diff (with a gate or a fidelity writer; None otherwise)."""
+        source, self.source = self.source, None
         meter, self.meter = self.meter, None
+        if source is not None:
+            source.close()
+        _refuse_inert(source, rollout_id)
         if meter is None:
             return None
-        counts = _refuse_inert(meter, rollout_id).counts()
+        counts = meter.counts()
         if self.fidelity_writer is not None and counts.replayed:
             write_fidelity(
                 self.store,
@@ -669,55 +707,78 @@ class SlimeReplay:
             self.gate.check(counts, f"rollout {rollout_id}, rank {_global_rank()}")
 
 
-def _refuse_inert(meter: FidelityMeter, rollout_id: int) -> FidelityMeter:
-    """``meter``, unless routes were recorded into slime's ``RoutingReplay`` and no router forward replayed them."""
-    if meter.masks and not meter.observed:
+def _refuse_inert(source: RolloutSource | None, rollout_id: int) -> None:
+    """Raise unless the routes recorded into slime's ``RoutingReplay`` (if any) were popped by a router."""
+    if source is not None and source.micro_batches and source.routers and not source.materialized:
         raise ReplayFidelityError(
-            f"rollout {rollout_id}: routes of {len(meter.masks)} micro-batches were recorded into slime's "
-            "RoutingReplay and no router forward replayed them: replay is inert (slime's replay_forward stage "
-            "never ran its compute_topk: --use-rollout-routing-replay off, or slime's routing API changed)"
+            f"rollout {rollout_id}: routes of {source.micro_batches} micro-batches were recorded into slime's "
+            "RoutingReplay and no router popped them: replay is inert (slime's replay stages never ran its "
+            "compute_topk: ENABLE_ROUTING_REPLAY unset, the model built without moe_enable_routing_replay, or "
+            "slime's routing API changed)"
         )
-    return meter
+
+
+def _check_sample_tokens(sid: str, stored: Sequence[int] | None, fed: npt.NDArray[np.int64]) -> None:
+    """The routing of ``sid`` was recorded for exactly the tokens ``fed``, position by position."""
+    if stored is None:
+        raise ReplayFidelityError(
+            f"sample {sid!r} was stored without token ids, so nothing proves its routing belongs to the tokens fed; "
+            "store token ids (write_samples does), or turn the check off by name: install(..., check_tokens=False)"
+        )
+    recorded = np.asarray(stored, dtype=np.int64)
+    wrong = np.flatnonzero(recorded != fed)
+    if wrong.size:
+        position = int(wrong[0])
+        raise ReplayFidelityError(
+            f"sample {sid!r}: position {position} feeds token {int(fed[position])} where the rollout had token "
+            f"{int(recorded[position])} ({wrong.size} of {fed.size} positions differ); the rollout's samples were "
+            "reordered or changed after the rollout function returned, so the routing belongs to other tokens"
+        )
 
 
 class FidelityMeter:
     """Counts, per local router, the replayed rows whose router would have chosen another top-k set.
 
-    :meth:`observe` runs inside slime's ``replay_forward`` ``compute_topk``; the micro-batch is the replay
-    object's forward cursor (slime pops micro-batch ``m`` as its ``m``-th forward), so padding rows and tokens
-    without a recorded route are left out. Counts stay on the device until :meth:`counts`."""
+    :meth:`observe` runs inside slime's replaying ``compute_topk``; the micro-batch is the replay object's cursor
+    of the stage (slime pops micro-batch ``m`` as its ``m``-th forward of the stage), so padding rows and tokens
+    without a recorded route are left out, and each (router, micro-batch) is counted once per rollout, in whichever
+    stage pops it first (slime skips its log-prob pass when it can reuse the training pass's). Counts stay on the
+    device until :meth:`counts`."""
 
-    def __init__(self, routers: Sequence[LocalRouter], replays: Sequence[Any]) -> None:
+    def __init__(self, routers: Sequence[LocalRouter], replays: Sequence[Any], *, samples: int) -> None:
         self.layers = [r.layer for r in routers]
         self.index = {id(replay): j for j, replay in enumerate(replays)}
-        self.masks: list[npt.NDArray[np.bool_]] = []
-        self.samples = 0
+        self.masks: dict[int, npt.NDArray[np.bool_]] = {}
+        self.samples = samples
         self.replayed = [0] * len(routers)
         self.differing: list[Any] = [0] * len(routers)
         self.observed = 0
-        """Router forwards that replayed a recorded micro-batch (none after recording: the replay is inert)."""
+        """(router, micro-batch) pairs measured."""
+        self._seen: set[tuple[int, int]] = set()
         self._device_masks: dict[tuple[int, str], Any] = {}
 
-    def add_micro_batch(self, mask: npt.NDArray[np.bool_], *, samples: int) -> None:
-        self.masks.append(np.asarray(mask, dtype=bool))
-        self.samples += samples
+    def add_micro_batch(self, m: int, prepared: PreparedMicroBatch) -> None:
+        """Micro-batch ``m`` was built: its rows that replay a recorded route."""
+        self.masks[m] = prepared.mask
 
-    def observe(self, replay: Any, replayed: Any, own: Any) -> None:
-        """``replayed`` and ``own`` are ``[T_local, K]`` expert ids of one router's forward."""
+    def observe(self, replay: Any, stage: str, replayed: Any, own: Any) -> None:
+        """``replayed`` and ``own`` are ``[T_local, K]`` expert ids of one router's forward in ``stage``."""
         j = self.index.get(id(replay))
-        m = int(getattr(replay, "forward_index", 0)) - 1
-        if j is None or not 0 <= m < len(self.masks) or own.shape != replayed.shape:
+        m = int(getattr(replay, f"{stage}_index", 0)) - 1
+        mask = self.masks.get(m)
+        if j is None or mask is None or (j, m) in self._seen or own.shape != replayed.shape:
             return
+        self._seen.add((j, m))
         self.observed += 1
         import torch
 
         key = (m, str(own.device))
-        mask = self._device_masks.get(key)
-        if mask is None:
-            mask = self._device_masks[key] = torch.from_numpy(self.masks[m]).to(own.device)
+        on_device = self._device_masks.get(key)
+        if on_device is None:
+            on_device = self._device_masks[key] = torch.from_numpy(mask).to(own.device)
         same = torch.sort(own.long(), dim=-1).values == torch.sort(replayed.long(), dim=-1).values
-        self.differing[j] = self.differing[j] + ((~same.all(dim=-1)) & mask).sum()
-        self.replayed[j] += int(self.masks[m].sum())
+        self.differing[j] = self.differing[j] + ((~same.all(dim=-1)) & on_device).sum()
+        self.replayed[j] += int(mask.sum())
 
     def counts(self) -> StepFidelity:
         """The rank's counts per global layer (one host synchronisation for all routers)."""
@@ -750,10 +811,14 @@ def _global_rank() -> int:
         return 0
 
 
+_REPLAY_STAGES = {"replay_forward": "forward", "replay_backward": "backward"}
+"""slime's ``ROUTING_REPLAY_STAGE`` values that pop recorded routes, and the cursor each advances."""
+
+
 def measuring_compute_topk(factory: Callable[[Any], Any], meter_of: Callable[[], FidelityMeter | None]) -> Any:
     """slime's ``get_routing_replay_compute_topk`` with the router diff measured: the returned factory wraps
-    megatron's ``compute_topk`` as slime's does, and in the ``replay_forward`` stage also runs the router's own
-    top-k on the same scores and hands both to the current :class:`FidelityMeter`."""
+    megatron's ``compute_topk`` as slime's does, and in the replay stages also runs the router's own top-k on the
+    same scores and hands both to the current :class:`FidelityMeter`."""
 
     def get_routing_replay_compute_topk(old_compute_topk: Any) -> Any:
         replaying = factory(old_compute_topk)
@@ -761,18 +826,38 @@ def measuring_compute_topk(factory: Callable[[Any], Any], meter_of: Callable[[],
         def compute_topk(scores: Any, topk: int, num_groups: Any = None, group_topk: Any = None) -> Any:
             probs, top_indices = replaying(scores, topk, num_groups=num_groups, group_topk=group_topk)
             meter = meter_of()
-            if meter is not None and os.environ.get("ROUTING_REPLAY_STAGE") == "replay_forward":
+            stage = _REPLAY_STAGES.get(os.environ.get("ROUTING_REPLAY_STAGE", ""))
+            if meter is not None and stage is not None:
                 import torch
 
                 replay = getattr(importlib.import_module("slime.utils.routing_replay"), "ROUTING_REPLAY", None)
                 with torch.no_grad():
                     _, own = old_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-                meter.observe(replay, top_indices, own)
+                meter.observe(replay, stage, top_indices, own)
             return probs, top_indices
 
         return compute_topk
 
     return get_routing_replay_compute_topk
+
+
+def _slime_prepare() -> Prepare:
+    """slime's own ``prepare_routed_experts_for_routing_replay``."""
+    try:
+        module = importlib.import_module("slime.backends.megatron_utils.cp_utils")
+    except ImportError as exc:
+        raise ReplayConfigError(
+            f"slime's slime.backends.megatron_utils.cp_utils does not import here ({exc}): routelog lets slime place "
+            "the routing rows (prepare_routed_experts_for_routing_replay); run in slime's training actor, or pass "
+            "prepare= (routelog.testing.slime_prepare stands in for tests)"
+        ) from None
+    prepare = getattr(module, "prepare_routed_experts_for_routing_replay", None)
+    if prepare is None:
+        raise ReplayConfigError(
+            "slime's cp_utils has no prepare_routed_experts_for_routing_replay (slime's API changed since "
+            "624b824a): routelog lets slime place the routing rows; use slime at 624b824a, or pass prepare="
+        )
+    return prepare  # type: ignore[no-any-return]
 
 
 def _snapshot(loader: ReplayLoader) -> StepSnapshot | None:
@@ -801,15 +886,6 @@ def _check_args(spec: ModelSpec, args: Any) -> None:
         )
 
 
-def _check_rows(replay: MicroBatchReplay, tokens: Sequence[npt.ArrayLike]) -> None:
-    """The micro-batch's routing belongs to the tokens slime feeds, row by row (records stored without token ids
-    are refused: nothing proves theirs)."""
-    refuse_unverified(replay, "turn the check off by name: install(..., check_tokens=False)")
-    why = row_mismatch(replay, rows_of_sequences(replay, tokens))
-    if why is not None:
-        raise ReplayFidelityError(why)
-
-
 def _check_routers(plan: AlignmentPlan, model_chunks: Sequence[Any]) -> None:
     """The plan's routers are slime's walk: per model chunk, megatron-core's layers, dense ones skipped by slime's
     ``moe_layer_freq`` rule."""
@@ -828,74 +904,28 @@ def _check_routers(plan: AlignmentPlan, model_chunks: Sequence[Any]) -> None:
         )
 
 
-def to_slime_rows(plan: AlignmentPlan, replay: MicroBatchReplay, lengths: Sequence[int]) -> npt.NDArray[np.int32]:
-    """``[n_routers, T_local, K]`` int32: ``replay``'s rows with slime's own padding routes.
-
-    slime pads with ``arange(pad * num_layers * K).reshape(pad, num_layers, K) % num_experts`` per pad block (each
-    sequence's final token, each sequence's zigzag CP pad, the stream's pad tail), on the full layer axis; a pad
-    row's route depends on its place in its block, which this recomputes from routelog's own packing geometry.
-    Rows the engine never computed keep routelog's distinct dummy routes (slime would replay SGLang's zeros)."""
-    spec = plan.spec
-    codes = _pad_codes(plan, replay.index, lengths)
-    positions = replay.positions
-    real = positions[:, 0] != PAD
-    n = np.full(positions.shape[0], -1, dtype=np.int64)
-    n[real] = np.asarray(lengths, dtype=np.int64)[positions[real, 0] - plan.first_index(replay.index)]
-    replayed = real & (positions[:, 1] != n - 1)  # slime's own rows: every token but each sequence's last
-    if codes.shape != replayed.shape or not np.array_equal(codes < 0, replayed):
-        raise AlignmentError(
-            f"micro-batch {replay.index}: slime's padding geometry does not match the plan's rows (a routelog bug: "
-            "please report it with the micro-batch's lengths and the layout)"
-        )
-    out = replay.ids.astype(np.int32)
-    padded = np.flatnonzero(codes >= 0)
-    if padded.size:
-        width = spec.num_layers * spec.topk
-        slots = np.arange(spec.topk)
-        for j, router in enumerate(replay.routers):
-            values = codes[padded, None] * width + router.layer * spec.topk + slots[None, :]
-            out[j, padded] = values % spec.num_experts
-    return out
-
-
-def _pad_codes(plan: AlignmentPlan, m: int, lengths: Sequence[int]) -> npt.NDArray[np.int64]:
-    """Per local row of micro-batch ``m``: its index inside slime's pad block, -1 for a token slime replays."""
-    layout = plan.layout
-    packed = pack(lengths, plan.packing, layout)
-    # Every padded position made "real", and no SP split: the rows of this CP rank's local stream as
-    # (sequence, position), the tail rows PAD.
-    whole = replace(packed, lengths=packed.padded)
-    local = rank_positions(whole, replace(layout, tp=1, sequence_parallel=False), tp_rank=0, cp_rank=plan.rank.cp)
-    codes = np.full(local.shape[0], -1, dtype=np.int64)
-    real = local[:, 0] != PAD
-    n = np.asarray(lengths, dtype=np.int64)[local[real, 0]]
-    pos = local[real, 1]
-    codes[real] = np.where(pos == n - 1, 0, np.where(pos >= n, pos - n, -1))  # the final token: its own block
-    tail = np.flatnonzero(~real)
-    codes[tail] = np.arange(tail.size)
-    if layout.sp and layout.tp > 1:
-        share = codes.shape[0] // layout.tp
-        codes = codes[plan.rank.tp * share : (plan.rank.tp + 1) * share]
-    return codes
-
-
-def _host_tensor(array: npt.NDArray[np.int32]) -> Any:
-    """A contiguous int32 CPU tensor, pinned where an accelerator provides pinned memory (slime's
-    ``RoutingReplay.record`` keeps a pinned contiguous tensor, or a view of one along the first axis, as is
-    instead of copying it)."""
-    import torch
-
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if torch.cuda.is_available():
-        tensor = tensor.pin_memory()
-    return tensor
-
-
 def _numpy(value: Any) -> Any:
     """A torch tensor (any device) as a NumPy array; anything else unchanged."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):
         return value.detach().cpu().numpy()
     return value
+
+
+def _host_sequences(sequences: Sequence[Any]) -> list[npt.NDArray[np.int64]]:
+    """Token sequences (torch tensors on any device, arrays or lists) as int64 host arrays, the tensors in one
+    transfer (slime keeps ``rollout_data["tokens"]`` on the training device)."""
+    import torch
+
+    tensors = [i for i, s in enumerate(sequences) if isinstance(s, torch.Tensor)]
+    out = [
+        np.empty(0, np.int64) if isinstance(s, torch.Tensor) else np.asarray(s, np.int64).reshape(-1) for s in sequences
+    ]
+    if tensors:
+        joined = torch.cat([sequences[i].detach().reshape(-1).long() for i in tensors]).cpu()
+        parts = np.split(np.asarray(joined), np.cumsum([sequences[i].numel() for i in tensors])[:-1])
+        for i, part in zip(tensors, parts, strict=True):
+            out[i] = part
+    return out
 
 
 # -- installing into slime ---------------------------------------------------------------------------------------
@@ -921,10 +951,19 @@ def patch(actor_class: Any, replay: SlimeReplay) -> Callable[[], None]:
         state["replay"].fill_routing_replay(self, data_iterator, num_microbatches, rollout_data)
 
     def train_actor(self: Any, rollout_id: int, rollout_data: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(getattr(self, "args", None), "use_rollout_routing_replay", True):
+            raise ReplayConfigError(
+                f"rollout {rollout_id}: routelog's replay is installed but slime's --use-rollout-routing-replay is "
+                "off, so slime would train on its own routing and never ask for the rollout's; turn it on, or drop "
+                "routelog's --custom-megatron-init-path"
+            )
         setattr(self, _STEP_ATTRIBUTE, rollout_id)
         restore = _judge_before_steps(getattr(self, "optimizer", None), lambda: state["replay"].judge(rollout_id))
         try:
             result = original_train_actor(self, rollout_id, rollout_data, *args, **kwargs)
+        except BaseException:
+            state["replay"].close()
+            raise
         finally:
             restore()
             setattr(self, _STEP_ATTRIBUTE, None)
@@ -1022,7 +1061,6 @@ __all__ = [
     "sample_id",
     "spec_from_args",
     "strip_routing",
-    "to_slime_rows",
     "wrap_rollout_function",
     "write_samples",
 ]
