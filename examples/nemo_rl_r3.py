@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 import routelog
 from routelog.integrations import nemo_rl as routelog_nemo_rl
-from routelog.testing import megatron_on_cpu
+from routelog.testing import megatron_on_cpu, nemo_rl_local_rows
 
 # megatron-core on CPU: one gloo process, its parallel state, and the two shims its CPU path needs.
 megatron_on_cpu()
@@ -97,12 +97,20 @@ def make_processed_microbatch_iterator(
     delegate_mtp_loss_mask_to_model: bool = False,
     model_slices_context_parallel_inputs: bool = False,
 ) -> Iterator[Any]:
-    """Stand-in for NeMo-RL's: packs each sequence to ``pad_individual_seqs_to_multiple_of`` (CP = TP = 1)."""
+    """Stand-in for NeMo-RL's: packs each sequence, and its ``routed_experts`` rows, to
+    ``pad_individual_seqs_to_multiple_of`` (CP = TP = 1; pad rows take the route ``arange(K)``)."""
     for data in raw_iterator:
         padded = [-(-int(n) // pad_individual_seqs_to_multiple_of) * pad_individual_seqs_to_multiple_of
                   for n in data["input_lengths"]]  # fmt: skip
+        routed = data["routed_experts"]  # routelog's row codes, [B, S, 1, 1]
+        rows = []
+        for b, (n, width) in enumerate(zip(data["input_lengths"].tolist(), padded, strict=True)):
+            pad = torch.arange(routed.shape[-1], dtype=routed.dtype).expand(width - n, *routed.shape[2:])
+            rows.append(torch.cat([routed[b, :n], pad]))
         yield types.SimpleNamespace(
-            data_dict=data, cu_seqlens_padded=torch.tensor(np.cumsum([0, *padded])), routed_experts_cp_sharded=None
+            data_dict=data,
+            cu_seqlens_padded=torch.tensor(np.cumsum([0, *padded])),
+            routed_experts_cp_sharded=torch.cat(rows)[None],
         )
 
 
@@ -115,7 +123,9 @@ stand_ins["data"].make_processed_microbatch_iterator = make_processed_microbatch
 for name in ("set_router_replay_forward", "set_router_replay_backward", "clear_router_replay"):
     setattr(stand_ins["train"], name, lambda *args: None)
 stand_ins["worker"]._should_use_router_replay = lambda **kwargs: False  # type: ignore[attr-defined]
-routelog_nemo_rl.install(url, modules=stand_ins)  # in a real worker: install() with the store from URL_ENV
+# In a real worker: install() with the store from URL_ENV; NeMo-RL's own normalisation and sequence-parallel split
+# of the rows (router_replay._split_for_sequence_parallel) are what nemo_rl_local_rows stands in for.
+routelog_nemo_rl.install(url, modules=stand_ins, local_rows=nemo_rl_local_rows())
 
 config = TransformerConfig(
     num_layers=len(FREQ),
@@ -156,23 +166,24 @@ iterator = stand_ins["data"].make_processed_microbatch_iterator(
 )
 store = routelog.open_store(url)
 for processed in iterator:  # what forward_with_post_processing_fn does per micro-batch
-    handle = processed.routed_experts_cp_sharded
-    train.set_router_replay_forward(model, handle)
+    train.set_router_replay_forward(model, processed.routed_experts_cp_sharded)  # NeMo-RL's tensor of row codes
+    sample_ids = processed.data_dict[routelog_nemo_rl.SAMPLE_ID_KEY]
+    step = processed.data_dict[routelog_nemo_rl.STEP_KEY][0]
     cu = processed.cu_seqlens_padded.tolist()
     replayed = fallback = 0
     for router in (layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")):
         hidden = torch.randn(cu[-1], 1, 32)  # the packed micro-batch, as the MoE layer sees it
         chosen = np.sort(np.nonzero(router(hidden)[1].numpy())[1].reshape(-1, K), axis=-1)
         moe_index = spec.moe_index(int(router.layer_number) - 1)
-        for sid, start in zip(handle.sample_ids, cu, strict=False):
-            stored = store.step(handle.step).read(sid)
+        for sid, start in zip(sample_ids, cu, strict=False):
+            stored = store.step(step).read(sid)
             rows = np.flatnonzero(stored.valid)
             assert (chosen[start + rows] == np.sort(stored.expert_ids[rows, moe_index], -1)).all()
             replayed += rows.size
             fallback += stored.info.n_tokens - rows.size
     train.clear_router_replay(model)  # forward-only here (NeMo-RL's prev-logprob pass)
     print(
-        f"micro-batch {list(handle.sample_ids)}: {replayed} router rows replayed, {fallback} left to the router "
+        f"micro-batch {list(sample_ids)}: {replayed} router rows replayed, {fallback} left to the router "
         "(-1 rows and final tokens)"
     )
 print("routers selected the recorded experts on every replayed row")

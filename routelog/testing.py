@@ -242,3 +242,25 @@ def slime_prepare(*, tp_rank: int = 0, tp_size: int = 1, cp_rank: int = 0, cp_si
         return stream
 
     return prepare
+
+
+def nemo_rl_local_rows(
+    *, tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False
+) -> Callable[[Any, Any], Any]:
+    """A stand-in, for one rank, for NeMo-RL's ``_normalize_routed_experts_for_mcore`` followed by
+    ``_split_for_sequence_parallel`` (NeMo-RL 7ea279ab, ``nemo_rl/models/megatron/router_replay.py``), which
+    :mod:`routelog.integrations.nemo_rl` calls where NeMo-RL is installed (it needs Python 3.13). A packed
+    ``[1, T, L, K]`` tensor becomes ``[T, L, K]``, an unpacked ``[B, S, L, K]`` one ``[S * B, L, K]`` sequence-major;
+    with sequence parallelism (NeMo-RL reads it from the model config) the rank keeps its contiguous TP share.
+    ``tests/test_integration_nemo_rl.py`` checks that the routes installed through it are, rank by rank, those
+    NeMo-RL's real code assigned on the captured rollouts."""
+
+    def local_rows(model_config: Any, routed: Any) -> Any:
+        if routed.dim() == 4:
+            routed = routed[0] if routed.shape[0] == 1 else routed.transpose(0, 1).reshape(-1, *routed.shape[2:])
+        if sequence_parallel and tp_size > 1:
+            share = routed.shape[0] // tp_size
+            routed = routed[tp_rank * share : (tp_rank + 1) * share]
+        return routed
+
+    return local_rows

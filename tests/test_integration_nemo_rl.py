@@ -18,9 +18,8 @@ rollout selects exactly NeMo-RL's experts, and every -1 row (NeMo-RL's missing-r
 from __future__ import annotations
 
 import collections
+import functools
 import json
-import subprocess
-import sys
 import threading
 import types
 import uuid
@@ -37,6 +36,7 @@ from routelog import AlignmentError, IngestError, ReplayConfigError
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
 from routelog.fidelity import ReplayFidelityError, StaleRoutingError, read_fidelity
 from routelog.integrations import nemo_rl
+from routelog.testing import nemo_rl_local_rows
 from tests.test_megatron import HIDDEN, SPEC, megatron_config, selected
 
 pytestmark = pytest.mark.usefixtures("megatron_env")
@@ -142,9 +142,32 @@ def raw_micro_batches(config: str, rank: dict[str, Any]) -> list[dict[str, Any]]
     return out
 
 
-def nemo_iterator(rank: dict[str, Any]) -> Any:
-    """Stands in for NeMo-RL's ``make_processed_microbatch_iterator`` (same signature at 7ea279ab): yields what its
-    ``process_microbatch`` produced for these micro-batches in the fixture (``cu_seqlens_padded``)."""
+def nemo_sharded(config: str, rank: dict[str, Any], m: int, routed: Any) -> Any:
+    """What NeMo-RL's ``process_microbatch`` makes of micro-batch ``m``'s ``routed_experts`` on this rank, before
+    the sequence-parallel split: read from the fixture's token identity, which went through NeMo-RL's own packing,
+    CP sharding and SP split (the TP ranks' contiguous shares joined again); padding rows get NeMo-RL's
+    ``arange(K)`` route, 0 at K = 1. Unpacked, NeMo-RL passes the ``[B, S]`` tensor on with its padding repaired."""
+    described = MANIFEST["configs"][config]
+    assert routed.dim() == 4 and tuple(routed.shape[2:]) == (1, 1), "routelog's row codes"
+    if not described["policy"]["sequence_packing"]["enabled"]:
+        return routed
+    peers = [rank]
+    if described["sp"] and described["tp"] > 1:
+        same = ("dp", "cp", "pp")
+        peers = sorted(
+            (r for r in described["ranks"] if all(r[k] == rank[k] for k in same)), key=lambda r: int(r["tp"])
+        )
+    identity = np.concatenate([arrays(config)[f"{r['key']}_mb{m}_identity"] for r in peers])
+    valid = identity[:, 2] == 1
+    out = torch.zeros(identity.shape[0], dtype=routed.dtype)
+    out[torch.from_numpy(valid)] = routed[identity[valid, 0], identity[valid, 1], 0, 0]
+    return out.reshape(1, -1, 1, 1)
+
+
+def nemo_iterator(config: str, rank: dict[str, Any]) -> Any:
+    """Stands in for NeMo-RL's ``make_processed_microbatch_iterator`` (same signature at 7ea279ab): yields, per
+    micro-batch, what its ``process_microbatch`` produced in the fixture (``cu_seqlens_padded``) and its sharding of
+    the micro-batch's ``routed_experts`` (:func:`nemo_sharded`)."""
 
     def make_processed_microbatch_iterator(
         raw_iterator: Iterator[Any],
@@ -158,13 +181,14 @@ def nemo_iterator(rank: dict[str, Any]) -> Any:
         delegate_mtp_loss_mask_to_model: bool = False,
         model_slices_context_parallel_inputs: bool = False,
     ) -> Iterator[Any]:
-        for data, mb in zip(raw_iterator, rank["micro_batches"], strict=True):
+        for m, (data, mb) in enumerate(zip(raw_iterator, rank["micro_batches"], strict=True)):
             cu = mb["cu_seqlens_padded"]
+            routed = data.get(nemo_rl.ROUTES_KEY)
             yield types.SimpleNamespace(
                 data_dict=data,
                 cu_seqlens_padded=None if cu is None else torch.tensor(cu, dtype=torch.int32),
-                routed_experts=None,
-                routed_experts_cp_sharded=None,
+                routed_experts=routed,
+                routed_experts_cp_sharded=None if routed is None else nemo_sharded(config, rank, m, routed),
             )
 
     return make_processed_microbatch_iterator
@@ -177,7 +201,7 @@ def layout_of(config: dict[str, Any]) -> ParallelLayout:
 def iterate(replay: nemo_rl.NemoRLReplay, config: str, rank: dict[str, Any], raw: list[dict[str, Any]]) -> Any:
     described = MANIFEST["configs"][config]
     return replay.make_processed_microbatch_iterator(
-        nemo_iterator(rank),
+        nemo_iterator(config, rank),
         raw_iterator=iter(raw),
         cfg=described["policy"],
         straggler_timer=None,
@@ -236,15 +260,12 @@ def test_replacement_installs_nemo_rls_rows_into_real_routers(config: str) -> No
     fallback_rows = replayed_rows = 0
     for rank in described["ranks"]:
         chunk = stage(described["pp"], rank["pp"])
-        replay = nemo_rl.NemoRLReplay(
-            store,
-            layout=layout_of(described),
-            rank=RankCoords(tp=rank["tp"], cp=rank["cp"], pp=rank["pp"]),
-        )
+        replay = replay_for(store, described, rank)
         try:
             for m, item in enumerate(iterate(replay, config, rank, raw_micro_batches(config, rank))):
                 mb = rank["micro_batches"][m]
-                assert isinstance(item.routed_experts_cp_sharded, nemo_rl.NemoRLMicroBatch)
+                codes = item.routed_experts_cp_sharded
+                assert isinstance(codes, torch.Tensor) and codes.dtype == torch.int64, "NeMo-RL's own tensor"
                 torch.manual_seed(m)
                 hidden = torch.randn(mb["rows"], 1, HIDDEN)
                 native = route(chunk, hidden)  # no replay armed: the routers' own top-k
@@ -286,7 +307,7 @@ def test_training_forward_then_recomputation_pops_the_same_routes() -> None:
     rank = described["ranks"][3]
     store = write_store(config)
     chunk = stage(1, 0)
-    replay = nemo_rl.NemoRLReplay(store, layout=layout_of(described), rank=RankCoords(tp=rank["tp"], cp=rank["cp"]))
+    replay = replay_for(store, described, rank)
     hiddens, forwards = [], []
     try:
         for m, item in enumerate(iterate(replay, config, rank, raw_micro_batches(config, rank))):
@@ -322,7 +343,7 @@ def test_mtp_routers_never_receive_decoder_routes() -> None:
     store = write_store(config)
     chunk = stage(1, 0, mtp=True)
     (mtp_router,) = [m for name, m in chunk.named_modules() if name.startswith("mtp") and hasattr(m, "router_replay")]
-    replay = nemo_rl.NemoRLReplay(store, layout=layout_of(described), rank=RankCoords())
+    replay = replay_for(store, described, rank)
     try:
         item = next(iter(iterate(replay, config, rank, raw_micro_batches(config, rank))))
         replay.set_router_replay_forward(unexpected, chunk, item.routed_experts_cp_sharded)
@@ -463,6 +484,8 @@ def replay_for(
     store: routelog.Store, described: dict[str, Any], rank: dict[str, Any], **options: Any
 ) -> nemo_rl.NemoRLReplay:
     coords = RankCoords(tp=rank["tp"], cp=rank["cp"], pp=rank["pp"])
+    split = nemo_rl_local_rows(tp_rank=rank["tp"], tp_size=described["tp"], sequence_parallel=described["sp"])
+    options.setdefault("local_rows", split)
     return nemo_rl.NemoRLReplay(store, layout=layout_of(described), rank=coords, **options)
 
 
@@ -518,46 +541,101 @@ def test_tokens_or_lengths_other_than_the_recorded_ones_are_refused() -> None:
         replay.uninstall()
 
 
-def test_packing_that_differs_from_nemo_rls_is_refused() -> None:
-    described, rank = one_rank()
-    store = write_store("tp2_sp_cp2")
+def test_nemo_rls_own_sharding_places_the_rows() -> None:
+    """NeMo-RL's sharding is authoritative: a NeMo-RL that puts the rows elsewhere than routelog's model of its
+    packing (here, the two CP halves of each sequence swapped, and a policy config claiming FP8 padding NeMo-RL's
+    iterator does not apply) still gets each recorded route at the token NeMo-RL put there; codes outside the
+    micro-batch, a NeMo-RL that drops the codes, or one whose split returns another shape are refused, naming it."""
+    config = "tp2_sp_cp2"
+    described, rank = one_rank(config)
+    store = write_store(config)
     chunk = stage(1, 0)
+    raw = raw_micro_batches(config, rank)
+    snapshot = store.step(STEP)
+
+    def altered(change: Any) -> Any:
+        """NeMo-RL's iterator, each processed micro-batch changed by ``change``."""
+        make = nemo_iterator(config, rank)
+
+        @functools.wraps(make)  # NeMo-RL's signature
+        def iterator(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            for item in make(*args, **kwargs):
+                change(item)
+                yield item
+
+        return iterator
+
+    def swapped(item: Any) -> None:
+        rows = item.routed_experts_cp_sharded
+        half = rows.shape[1] // 2
+        item.routed_experts_cp_sharded = torch.cat([rows[:, half:], rows[:, :half]], dim=1)
+
+    megatron = {**described["policy"]["megatron_cfg"], "fp8_cfg": {"enabled": True, "fp8_recipe": "blockwise"}}
     replay = replay_for(store, described, rank)
-    try:  # NeMo-RL packed differently from what routelog's plan computes: its cu_seqlens_padded tell
-        moved = {**rank, "micro_batches": [{**rank["micro_batches"][0], "cu_seqlens_padded": [0, 16, 32, 64]}]}
-        item = next(iter(iterate(replay, "tp2_sp_cp2", moved, raw_micro_batches("tp2_sp_cp2", rank)[:1])))
-        expected = r"cu_seqlens_padded \[0, 16, 32, 64\], routelog's plan to \[0, 16, 32, 48\]"
-        with pytest.raises(AlignmentError, match=expected):
-            replay.set_router_replay_forward(unexpected, chunk, item.routed_experts_cp_sharded)
-    finally:
-        replay.uninstall()
-    replay = replay_for(store, described, rank)
-    try:  # the policy config says FP8, NeMo-RL's iterator arguments say no total padding
-        megatron = {**described["policy"]["megatron_cfg"], "fp8_cfg": {"enabled": True, "fp8_recipe": "blockwise"}}
-        fp8 = {**described["policy"], "megatron_cfg": megatron}
-        item = next(
-            iter(
-                replay.make_processed_microbatch_iterator(
-                    nemo_iterator(rank),
-                    raw_iterator=iter(raw_micro_batches("tp2_sp_cp2", rank)),
-                    cfg=fp8,
-                    straggler_timer=None,
-                    **rank["iterator_args"],
-                )
+    try:
+        for m, item in enumerate(
+            replay.make_processed_microbatch_iterator(
+                altered(swapped),
+                raw_iterator=iter(raw),
+                cfg={**described["policy"], "megatron_cfg": megatron},
+                straggler_timer=None,
+                **rank["iterator_args"],
             )
-        )
-        with pytest.raises(ReplayConfigError, match="multiple of 8 and the packed micro-batch to a multiple of 1"):
-            replay.set_router_replay_forward(unexpected, chunk, item.routed_experts_cp_sharded)
+        ):
+            codes = item.routed_experts_cp_sharded
+            replay.set_router_replay_forward(unexpected, chunk, codes)
+            torch.manual_seed(m)
+            seen = route(chunk, torch.randn(rank["micro_batches"][m]["rows"], 1, HIDDEN))
+            replay.clear_router_replay(nothing, chunk)
+            local = nemo_rl_local_rows(tp_rank=rank["tp"], tp_size=2, sequence_parallel=True)(None, codes)
+            flat = local.reshape(-1).numpy() - 1
+            width = raw[m]["input_ids"].shape[1]
+            checked = 0
+            for row, code in enumerate(flat):
+                if code < 0:
+                    continue
+                sid = raw[m][nemo_rl.SAMPLE_ID_KEY][code // width]
+                record = snapshot.read(sid)
+                if not record.valid[code % width] or code % width == record.info.n_tokens - 1:
+                    continue
+                for layer in seen:
+                    want = np.sort(record.ids[code % width, SPEC.moe_layers.index(layer - 1)])
+                    np.testing.assert_array_equal(seen[layer][row], want, err_msg=f"{sid} {code % width} {layer}")
+                checked += 1
+            assert checked > 0
     finally:
         replay.uninstall()
-    with pytest.raises(ReplayConfigError, match="delegate_pack_to_model"):
-        replay.make_processed_microbatch_iterator(
-            nemo_iterator(rank),
-            raw_iterator=iter(raw_micro_batches("tp2_sp_cp2", rank)),
+
+    def first_item(make: Any, **options: Any) -> tuple[nemo_rl.NemoRLReplay, Any]:
+        replay = replay_for(store, described, rank, **options)
+        items = replay.make_processed_microbatch_iterator(
+            make,
+            raw_iterator=iter(raw_micro_batches(config, rank)),
             cfg=described["policy"],
             straggler_timer=None,
-            **{**rank["iterator_args"], "delegate_pack_to_model": True},
+            **rank["iterator_args"],
         )
+        return replay, items
+
+    def outside(item: Any) -> None:
+        item.routed_experts_cp_sharded = item.routed_experts_cp_sharded + 10_000
+
+    replay, items = first_item(altered(outside))
+    with pytest.raises(AlignmentError, match="row codes outside the micro-batch's tokens"):
+        replay.set_router_replay_forward(unexpected, chunk, next(iter(items)).routed_experts_cp_sharded)
+    replay.uninstall()
+
+    def dropped(item: Any) -> None:
+        item.routed_experts_cp_sharded = None
+
+    replay, items = first_item(altered(dropped))
+    with pytest.raises(ReplayConfigError, match="left micro-batch 0's routed_experts_cp_sharded empty"):
+        next(iter(items))
+    replay.uninstall()
+    replay, items = first_item(nemo_iterator(config, rank), local_rows=lambda config, routed: routed)
+    with pytest.raises(ReplayConfigError, match=r"gave shape \(1, \d+, 1, 1\)"):
+        replay.set_router_replay_forward(unexpected, chunk, next(iter(items)).routed_experts_cp_sharded)
+    replay.uninstall()
 
 
 def test_samples_the_step_does_not_hold_are_refused() -> None:
@@ -648,7 +726,7 @@ def test_router_diff_is_published_per_step_and_phase() -> None:
     (rank,) = described["ranks"]
     store = write_store(config)
     chunk = stage(1, 0)
-    replay = nemo_rl.NemoRLReplay(store, layout=layout_of(described), rank=RankCoords(), fidelity_writer="policy")
+    replay = replay_for(store, described, rank, fidelity_writer="policy")
     try:
         for train in (False, True):
             for m, item in enumerate(iterate(replay, config, rank, raw_micro_batches(config, rank))):
@@ -684,12 +762,3 @@ def test_fixtures_name_their_provenance() -> None:
     assert set(CONFIGS) >= {"tp2_sp_cp2", "cp2_div16_dp2", "tp2_sp_fp8_blockwise", "pp2_cp2", "unpacked_tp2_sp"}
     covered = {(c["tp"], c["cp"], c["pp"], c["dp"]) for c in MANIFEST["configs"].values()}
     assert any(t > 1 and cp > 1 for t, cp, _, _ in covered) and any(pp > 1 and dp > 1 for _, _, pp, dp in covered)
-
-
-def test_the_example_runs() -> None:
-    example = Path(__file__).resolve().parent.parent / "examples" / "nemo_rl_r3.py"
-    result = subprocess.run(
-        [sys.executable, "-W", "ignore", str(example)], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    assert "routers selected the recorded experts on every replayed row" in result.stdout

@@ -9,6 +9,7 @@ when popped again; a failed read fails only the pop that needed it; nothing is s
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,8 @@ class LazyReplayMachine(RuleBasedStateMachine):
     @initialize(prefetch=st.integers(0, 2), release=st.sampled_from(STAGES))
     def start(self, prefetch: int, release: str) -> None:
         self.prefetch = prefetch
-        self.fail_next = False
+        self.failing = threading.Lock()
+        self.fail_next = 0  # reads still to fail (the next builds, whichever thread runs them)
         self.injected = self.failed = 0
         self.built: list[int] = []
         self.source = RolloutSource(self.build, MICRO_BATCHES, ROUTERS, prefetch=prefetch, release_stage=release)
@@ -49,8 +51,9 @@ class LazyReplayMachine(RuleBasedStateMachine):
         self.closed = False
 
     def build(self, m: int) -> PreparedMicroBatch:
-        if self.fail_next:
-            self.fail_next = False
+        with self.failing:
+            fail, self.fail_next = self.fail_next > 0, max(0, self.fail_next - 1)
+        if fail:
             raise InjectedReadError(f"read of micro-batch {m} failed")
         self.built.append(m)
         return PreparedMicroBatch(ids=tensor_of(m), mask=np.ones(m + 2, dtype=bool))
@@ -74,10 +77,11 @@ class LazyReplayMachine(RuleBasedStateMachine):
                 self.kept.discard(m)
         self.pops[(m, stage)] = count
 
-    @precondition(lambda self: not self.closed and not self.fail_next)
+    @precondition(lambda self: not self.closed)
     @rule()
     def fail_next_read(self) -> None:
-        self.fail_next = True
+        with self.failing:
+            self.fail_next += 1
         self.injected += 1
 
     @precondition(lambda self: not self.closed)

@@ -535,9 +535,11 @@ def check_routelog(nrl: dict[str, types.ModuleType], logs: list[Any]) -> None:
     the real ``shard_by_batch_size`` and ``get_microbatch_iterator``, which calls routelog's patched
     ``make_processed_microbatch_iterator``. Per micro-batch, a real megatron-core model's routers are armed once by
     NeMo-RL's own ``set_router_replay_forward`` (dense routes, its own missing-route fallback patch installed) and
-    once by routelog's replacement: on every row with a real token but the last of its sequence they must select
-    the same experts, and elsewhere routelog leaves the router its own choice. TP = 1 (the model is built on one
-    process, and NeMo-RL reads sequence parallelism from the model's config), CP ranks simulated."""
+    once by routelog's replacement, whose row codes went through NeMo-RL's real ``process_microbatch`` and whose
+    split is NeMo-RL's real ``_split_for_sequence_parallel``: on every row with a real token but the last of its
+    sequence they must select the same experts, and elsewhere routelog leaves the router its own choice. TP = 1 (the
+    model is built on one process, and NeMo-RL reads sequence parallelism from the model's config), CP ranks
+    simulated."""
     import uuid
 
     import torch
@@ -600,22 +602,25 @@ def check_routelog(nrl: dict[str, types.ModuleType], logs: list[Any]) -> None:
         }
         our_shards, _ = ours.shard_by_batch_size(config_["dp"], batch_size=len(logs), sequence_packing_args=packing)
         dense_shards, _ = dense.shard_by_batch_size(config_["dp"], batch_size=len(logs), sequence_packing_args=packing)
-        modules = {"data": data_module, "train": train, "worker": worker}
+        modules = {"data": data_module, "train": train, "worker": worker, "router_replay": replay_module}
         for d in range(config_["dp"]):
             for cp_rank in range(config_["cp"]):
                 data_module.get_context_parallel_rank = lambda r=cp_rank: r
                 data_module.get_context_parallel_world_size = lambda c=config_["cp"]: c
                 options = {"layout": ParallelLayout(cp=config_["cp"]), "rank": RankCoords(cp=cp_rank)}
+                # NeMo-RL's own path for the dense copy, then routelog's installed for the id-carrying one
+                nemo, _, _, _, _ = data_module.get_microbatch_iterator(dense_shards[d], policy, 1, straggler_timer=None)
+                nemo = list(nemo)
                 integration.install(recorder.store, modules=modules, **options)
                 replayed, _, _, _, _ = data_module.get_microbatch_iterator(
                     our_shards[d], policy, 1, straggler_timer=None
                 )
-                integration.uninstall()  # NeMo-RL's own path for the dense copy
-                nemo, _, _, _, _ = data_module.get_microbatch_iterator(dense_shards[d], policy, 1, straggler_timer=None)
-                integration.install(recorder.store, modules=modules, **options)
                 for mine, theirs in zip(replayed, nemo, strict=True):
                     assert mine.data_dict["index"] == theirs.data_dict["index"]
-                    assert isinstance(mine.routed_experts_cp_sharded, integration.NemoRLMicroBatch)
+                    # NeMo-RL's own packing and CP sharding of routelog's row codes: a tensor, one row per local row
+                    codes = mine.routed_experts_cp_sharded
+                    assert codes.dtype == torch.int64 and tuple(codes.shape[2:]) == (1, 1), codes.shape
+                    assert codes.shape[1] == theirs.routed_experts_cp_sharded.shape[1]
                     assert torch.equal(mine.cu_seqlens_padded, theirs.cu_seqlens_padded)
                     hidden = torch.randn(theirs.routed_experts_cp_sharded.shape[1], 1, 32)
                     native = selection(hidden)

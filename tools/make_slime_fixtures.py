@@ -25,9 +25,12 @@ Inputs are stored beside the outputs (``tokens__{i}``, ``experts__{i}``, ``respo
 the configuration, slime's args, the DP schedule, the slime commit and the SHA-256 of each source file used), so
 the tests need neither slime nor this script. Every run draws the same data, so rerunning rewrites identical
 arrays. Needs a slime git directory (``fetch github:THUDM/slime``) and megatron-core; no slime source is written to
-the output::
+the output. ``--check-routelog`` also runs, on every rank, routelog's replay (:class:`routelog.integrations.slime.
+SlimeReplay`) with slime's real ``prepare_routed_experts_for_routing_replay`` placing the rows and slime's real
+``RoutingReplay`` keeping the lazy references, and fails unless every router pops exactly slime's tensor::
 
-    python tools/make_slime_fixtures.py --slime-git-dir /path/to/slime/.git [--commit SHA] [--out DIR]
+    python tools/make_slime_fixtures.py --slime-git-dir /path/to/slime/.git [--commit SHA] [--out DIR] \
+        [--check-routelog]
 """
 
 from __future__ import annotations
@@ -219,7 +222,7 @@ def draw(config: Config) -> dict[str, Any]:
     }
 
 
-def capture(config: Config, slime_root: Path) -> dict[str, np.ndarray]:
+def capture(config: Config, slime_root: Path, check_routelog: bool = False) -> dict[str, np.ndarray]:
     import torch
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
@@ -243,6 +246,9 @@ def capture(config: Config, slime_root: Path) -> dict[str, np.ndarray]:
     def record(self: Any, top_indices: Any) -> None:  # no pinned allocator on CPU: a plain copy of the same values
         self.top_indices_list.append(top_indices.contiguous().clone())
 
+    # slime's own record keeps lazy references as they are (what routelog records); kept from the first capture
+    slime_record = RoutingReplay.__dict__.get("_slime_record", RoutingReplay.record)
+    RoutingReplay._slime_record = slime_record
     RoutingReplay.record = record
 
     rollout = draw(config)
@@ -282,6 +288,7 @@ def capture(config: Config, slime_root: Path) -> dict[str, np.ndarray]:
         pipeline_dtype=torch.float32,
     )
     chunks = [SimpleNamespace(module=SimpleNamespace(config=megatron_config)) for _ in range(vpp)]
+    check = _RoutelogCheck(config, rollout, chunks, slime_record) if check_routelog else None
     out: dict[str, np.ndarray] = {}
     routers: dict[str, int] = {}
     original_pp_rank = parallel_state.get_pipeline_model_parallel_rank
@@ -315,6 +322,8 @@ def capture(config: Config, slime_root: Path) -> dict[str, np.ndarray]:
             fill_routing_replay(actor, iterators, num_microbatches, rollout_data)
             assert "rollout_routed_experts" not in rollout_data  # slime deletes the payload after filling
             rank = f"dp{d}_tp{tp_rank}_cp{cp_rank}_pp{pp_rank}"
+            if check is not None:
+                check.rank(rank, (tp_rank, cp_rank, pp_rank), cp_utils, rollout_data, num_microbatches, replays)
             routers[rank] = len(replays)
             for r, replay in enumerate(replays):
                 assert len(replay.top_indices_list) == sum(num_microbatches)
@@ -323,6 +332,8 @@ def capture(config: Config, slime_root: Path) -> dict[str, np.ndarray]:
                     out[f"out__{rank}__r{r}_m{m}"] = tensor.numpy()
     finally:
         parallel_state.get_pipeline_model_parallel_rank = original_pp_rank
+    if check is not None:
+        print(f"check {config.name}: routelog's rows equal slime's on {check.compared} router rows, every rank")
     for i, (tokens, experts) in enumerate(zip(rollout["tokens"], rollout["experts"], strict=True)):
         out[f"tokens__{i}"] = tokens
         out[f"experts__{i}"] = experts
@@ -339,6 +350,86 @@ def capture(config: Config, slime_root: Path) -> dict[str, np.ndarray]:
         )
     )
     return out
+
+
+class _RoutelogCheck:
+    """``--check-routelog``: on every rank, routelog's slime replay with slime's real
+    ``prepare_routed_experts_for_routing_replay`` placing the rows (``mpu`` set to the rank) and slime's real
+    ``RoutingReplay`` keeping the lazy references; each router's ``pop_forward`` must return exactly the tensor
+    slime's own ``fill_routing_replay`` recorded from the shipped routing."""
+
+    ROLLOUT = 7
+
+    def __init__(self, config: Config, rollout: dict[str, Any], chunks: list[Any], slime_record: Any) -> None:
+        import uuid
+
+        sys.path.insert(0, str(REPO))
+        from routelog.integrations import slime as integration
+
+        self.integration, self.chunks, self.slime_record = integration, chunks, slime_record
+        self.args = SimpleNamespace(
+            num_layers=config.num_layers,
+            num_experts=config.num_experts,
+            moe_router_topk=config.topk,
+            moe_layer_freq=config.moe_layer_freq,
+            tensor_model_parallel_size=config.tp,
+            context_parallel_size=config.cp,
+            pipeline_model_parallel_size=config.pp,
+            virtual_pipeline_model_parallel_size=config.vpp,
+            decoder_first_pipeline_num_layers=config.num_layers_in_first_pipeline_stage,
+            sequence_parallel=config.sequence_parallel,
+            allgather_cp=config.allgather_cp,
+            data_pad_size_multiplier=config.data_pad_size_multiplier,
+        )
+        samples = [
+            SimpleNamespace(tokens=t.tolist(), response_length=n, rollout_routed_experts=e, index=i, metadata={})
+            for t, n, e, i in zip(
+                rollout["tokens"], rollout["response_lengths"], rollout["experts"], rollout["indices"], strict=True
+            )
+        ]
+        self.url = f"memory://slime-check/{uuid.uuid4().hex}"
+        integration.write_samples(self.url, self.ROLLOUT, samples, spec=integration.spec_from_args(self.args))
+        self.compared = 0
+
+    def rank(
+        self,
+        name: str,
+        coords: tuple[int, int, int],
+        cp_utils: Any,
+        shipped: dict[str, Any],
+        num_microbatches: list[int],
+        slime_replays: list[Any],
+    ) -> None:
+        import torch
+        from slime.utils import accelerator
+        from slime.utils.routing_replay import RoutingReplay
+
+        from routelog.align import RankCoords
+
+        accelerator.current_device = lambda: torch.device("cpu")  # no accelerator here
+        patched = RoutingReplay.record
+        RoutingReplay.record = self.slime_record
+        try:
+            RoutingReplay.all_routing_replays = []
+            ours = [RoutingReplay() for _ in slime_replays]
+            replay = self.integration.SlimeReplay(
+                self.url,
+                rank=RankCoords(tp=coords[0], cp=coords[1], pp=coords[2]),
+                prepare=cp_utils.prepare_routed_experts_for_routing_replay,
+            )
+            data = {k: shipped[k] for k in ("partition", "tokens", "micro_batch_indices", "num_microbatches")}
+            replay.record(
+                self.ROLLOUT, self.args, data, ours, num_microbatches=num_microbatches, model_chunks=self.chunks
+            )
+            for m in range(sum(num_microbatches)):
+                for r, (mine, theirs) in enumerate(zip(ours, slime_replays, strict=True)):
+                    got, want = mine.pop_forward(), theirs.top_indices_list[m]
+                    if not torch.equal(got, want):
+                        raise RuntimeError(f"{name}, router {r}, micro-batch {m}: routelog's rows differ from slime's")
+                    self.compared += int(got.shape[0])
+            replay.close()
+        finally:
+            RoutingReplay.record = patched
 
 
 def _chunk_layers(config: Any, vp_stage: int, pp_rank: int) -> range:
@@ -359,6 +450,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--commit", default=COMMIT)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--only", action="append", help="configuration name (repeatable)")
+    parser.add_argument(
+        "--check-routelog",
+        action="store_true",
+        help="also run routelog's replay on every rank with slime's real row placement and compare",
+    )
     options = parser.parse_args(argv)
     commit = subprocess.run(
         ["git", f"--git-dir={options.slime_git_dir}", "rev-parse", f"{options.commit}^{{commit}}"],
@@ -373,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for config in CONFIGS:
             if options.only and config.name not in options.only:
                 continue
-            arrays = capture(config, root)
+            arrays = capture(config, root, options.check_routelog)
             schedule = json.loads(str(arrays.pop("_schedule")))
             meta = {
                 "slime_commit": commit,

@@ -244,15 +244,23 @@ class MicroBatchReplay:
         return ids, mask
 
 
-def gather(plan: AlignmentPlan, m: int, routings: Mapping[str, RecordRouting]) -> MicroBatchReplay:
-    """Micro-batch ``m``'s tensors from its records' routing (read with ``moe_layers=plan.moe_layers``)."""
+def gather(
+    plan: AlignmentPlan,
+    m: int,
+    routings: Mapping[str, RecordRouting],
+    positions: npt.NDArray[np.int64] | None = None,
+) -> MicroBatchReplay:
+    """Micro-batch ``m``'s tensors from its records' routing (read with ``moe_layers=plan.moe_layers``), at the
+    plan's rows, or at ``positions`` (``[T_local, 2]`` as :meth:`AlignmentPlan.positions` gives them) where the
+    trainer itself placed the rows."""
     spec = plan.spec
     batch = plan.micro_batches[m]
     missing = [sid for sid in batch.sample_ids if sid not in routings]
     if missing:
         raise AlignmentError(f"micro-batch {m}: no routing for samples {missing[:5]}")
     records = [routings[sid] for sid in batch.sample_ids]
-    positions = plan.positions(m, [r.info.n_tokens for r in records])
+    if positions is None:
+        positions = plan.positions(m, [r.info.n_tokens for r in records])
     routers = plan.routers
     n_rows = positions.shape[0]
     ids = np.empty((len(routers), n_rows, spec.topk), dtype=np.int64)

@@ -6,9 +6,12 @@ sends the whole data-parallel shard to every CP, TP and PP worker of that shard,
 and SP-splits it again in ``process_microbatch`` before ``build_router_replay_assignments`` picks its own rows and
 layers. This module keeps the routing in a routelog store instead: the driver writes each rollout batch to a step
 and ``train_data`` carries two small list columns (:data:`SAMPLE_ID_KEY`, :data:`STEP_KEY`), which ride NeMo-RL's
-own sharding, sequence-packing bins and micro-batching like any other column; each worker then reads only its
-micro-batches' records and only its pipeline stage's layers, aligned by routelog's plan (which reproduces NeMo-RL's
-packing, checked against the ``cu_seqlens_padded`` NeMo-RL computes), and installs them with
+own sharding, sequence-packing bins and micro-batching like any other column. Where the rows go is NeMo-RL's
+decision: each micro-batch gets a ``routed_experts`` of row codes (``[B, S, 1, 1]``, each token's place in the
+micro-batch), which NeMo-RL's own ``process_microbatch`` packs and CP-shards, and its own
+``_split_for_sequence_parallel`` splits, exactly as it would the routes, so ``routed_experts_cp_sharded`` stays a
+tensor, NeMo-RL's. Each worker reads, a few micro-batches ahead, only its micro-batches' records and only its
+pipeline stage's layers, puts each route at the row NeMo-RL's codes name, and installs them with
 :class:`~routelog.megatron.MegatronReplay`.
 
 **What differs from NeMo-RL's own replay** (commit 7ea279ab): rows without a recorded route (the -1 sentinel)
@@ -43,8 +46,8 @@ Keep ``policy.router_replay.enabled: true``: it makes vLLM return the routing, b
 **Patched names, and why there.** :func:`install_driver` replaces ``nemo_rl.algorithms.grpo.
 _preserve_router_replay_routed_experts`` (called by name from ``grpo.py``, so the module attribute is what it
 finds). :func:`install` replaces, in the worker process, ``nemo_rl.models.megatron.data.
-make_processed_microbatch_iterator`` (it sees every micro-batch of a pass before the first runs, with NeMo-RL's own
-packing numbers: one plan, prefetched), and ``set_router_replay_forward``, ``set_router_replay_backward`` and
+make_processed_microbatch_iterator`` (it sees every micro-batch of a pass before the first runs: it gives each its
+row codes, and the pass its read-ahead), and ``set_router_replay_forward``, ``set_router_replay_backward`` and
 ``clear_router_replay`` **in ``nemo_rl.models.megatron.train``'s namespace**: ``train.py`` binds them with
 ``from nemo_rl.models.megatron.router_replay import ...`` at import, so replacing them in ``router_replay`` would not
 reach the calls in ``forward_with_post_processing_fn`` and ``megatron_forward_backward``. It also replaces
@@ -70,15 +73,17 @@ import numpy as np
 import numpy.typing as npt
 
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
-from routelog.align.packing import pack
-from routelog.align.plan import MicroBatchReplay, OtherVersions, PolicyVersions, versions_for
+from routelog.align.plan import MicroBatchReplay, OtherVersions, PolicyVersions, gather, versions_for
+from routelog.align.positions import PAD
 from routelog.engines import nemo_rl as envelope
 from routelog.engines.common import Payload, payload_to_record
 from routelog.errors import AlignmentError, IngestError, RecordNotFoundError, ReplayConfigError
 from routelog.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
-from routelog.loader import ReplayLoader
 from routelog.megatron import MegatronReplay, rows_of_sequences
+from routelog.readahead import ReadAhead
+from routelog.reader import StepSnapshot
 from routelog.record import Record
+from routelog.routing import RecordRouting
 from routelog.spec import ModelSpec
 from routelog.store import Store, create_store, open_store
 
@@ -449,11 +454,39 @@ class _Fed:
     lengths: tuple[int, ...]
     seq_len: int
     data: Mapping[str, Any]
-    cu_seqlens_padded: tuple[int, ...] | None = None
 
     def tokens(self) -> list[npt.NDArray[np.int64]]:
         input_ids = _numpy(self.data.get("input_ids"), "micro-batch", "input_ids")
         return [np.asarray(input_ids[b, :n], np.int64) for b, n in enumerate(self.lengths)]
+
+    def row_codes(self, device: Any) -> Any:
+        """``[B, S, 1, 1]`` int64, what routelog puts in the micro-batch's ``routed_experts`` for NeMo-RL to pack
+        and CP-shard: each token's place in the micro-batch plus one (``b * S + s + 1``), 0 on padding (NeMo-RL's
+        own pad route for a top-1 tensor, ``arange(1)``)."""
+        import torch
+
+        count, width = len(self.lengths), self.seq_len
+        codes = torch.arange(1, count * width + 1, dtype=torch.int64).reshape(count, width)
+        codes[torch.arange(width)[None, :] >= torch.tensor(self.lengths, dtype=torch.int64)[:, None]] = 0
+        return codes.reshape(count, width, 1, 1).to(device)
+
+    def positions(self, codes: npt.NDArray[np.int64], first: int, m: int) -> npt.NDArray[np.int64]:
+        """``[T_local, 2]`` (flat sample index, token position), ``-1`` on padding: where NeMo-RL put this rank's
+        rows, read from the codes it packed, CP-sharded and SP-split."""
+        out = np.full((codes.shape[0], 2), PAD, dtype=np.int64)
+        real = np.flatnonzero(codes > 0)
+        flat = codes[real] - 1
+        sample, position = flat // self.seq_len, flat % self.seq_len
+        lengths = np.asarray(self.lengths, np.int64)
+        if flat.size and (sample.max() >= len(self.lengths) or (position >= lengths[sample]).any()):
+            raise AlignmentError(
+                f"micro-batch {m} (samples {list(self.sample_ids)}): NeMo-RL's sharding returned row codes outside "
+                "the micro-batch's tokens; this NeMo-RL version transforms routed_experts otherwise than commit "
+                f"{NEMO_RL_COMMIT[:8]}"
+            )
+        out[real, 0] = first + sample
+        out[real, 1] = position
+        return out
 
 
 def _fed(data: Mapping[str, Any], lengths_key: str, m: int) -> tuple[_Fed, int]:
@@ -475,98 +508,68 @@ def _fed(data: Mapping[str, Any], lengths_key: str, m: int) -> tuple[_Fed, int]:
     return _Fed(tuple(ids), tuple(int(v) for v in lengths), shape[1], data), steps.pop()
 
 
-class NemoRLMicroBatch:
-    """What routelog puts in ``ProcessedMicrobatch.routed_experts_cp_sharded``: a handle to one micro-batch's
-    routes, loaded (in the background, with the next ones) only when NeMo-RL replays it; the reference-model
-    forward, which does not replay, loads nothing."""
-
-    def __init__(self, batch: _BatchReplay, index: int) -> None:
-        self.batch = batch
-        self.index = index
-
-    @property
-    def sample_ids(self) -> tuple[str, ...]:
-        return self.batch.fed[self.index].sample_ids
-
-    @property
-    def step(self) -> int:
-        return self.batch.step
-
-    def __repr__(self) -> str:
-        return f"NemoRLMicroBatch(step {self.step}, micro-batch {self.index}: {list(self.sample_ids)})"
-
-
 class _BatchReplay:
-    """One pass over a data-parallel shard's micro-batches (one ``make_processed_microbatch_iterator`` call)."""
+    """One pass over a data-parallel shard's micro-batches (one ``make_processed_microbatch_iterator`` call): each
+    micro-batch's records (this stage's layers) read ahead, placed where NeMo-RL's own sharding put the rows."""
 
-    def __init__(self, owner: NemoRLReplay, step: int, fed: list[_Fed], packing: Packing | None, pad_to: int | None,
-                 nemo_multiples: tuple[int, int] | None) -> None:  # fmt: skip
+    def __init__(self, owner: NemoRLReplay, step: int, fed: list[_Fed], packing: Packing | None) -> None:
         self.owner = owner
         self.step = step
         self.fed = fed
         self.packing = packing
         """``nemo`` packing, or None: NeMo-RL's unpacked ``[B, S]`` micro-batches."""
-        self.pad_to = pad_to
-        self.nemo_multiples = nemo_multiples
         self._lock = threading.Lock()
-        self._loader: ReplayLoader | None = None
-        self._iterator: Iterator[MicroBatchReplay] | None = None
-        self._loaded: dict[int, MicroBatchReplay] = {}
-        self._next = 0
+        self._opened: tuple[AlignmentPlan, ReadAhead[dict[str, RecordRouting]]] | None = None
 
     def plan(self, state: _ModelState) -> AlignmentPlan:
-        if self.packing is None:
-            if state.layout.cp > 1:
-                raise ReplayConfigError(
-                    "NeMo-RL feeds unpacked micro-batches to every context-parallel rank unsharded (it CP-shards "
-                    "routes only when packing); enable policy.sequence_packing for router replay with CP > 1"
-                )
-            packing = Packing("bshd")
-            batches = tuple(MicroBatch(f.sample_ids, seq_len=f.seq_len) for f in self.fed)
-        else:
-            packing = self.packing
-            if self.nemo_multiples is not None:
-                ours = packing.nemo_multiples(state.layout, state.layout.cp)
-                if ours != self.nemo_multiples:
-                    raise ReplayConfigError(
-                        f"NeMo-RL pads each sequence to a multiple of {self.nemo_multiples[0]} and the packed "
-                        f"micro-batch to a multiple of {self.nemo_multiples[1]}; routelog's packing {packing} for "
-                        f"TP={state.layout.tp} (SP {state.layout.sp}), CP={state.layout.cp} gives {ours}. The policy "
-                        "config's make_sequence_length_divisible_by, fp8_cfg or dispatcher differs from the model's"
-                    )
-            batches = tuple(MicroBatch(f.sample_ids, pad_to=self.pad_to) for f in self.fed)
+        """The pass's micro-batches, this rank's routers and the policy versions replayed (NeMo-RL places the
+        rows)."""
+        if self.packing is None and state.layout.cp > 1:
+            raise ReplayConfigError(
+                "NeMo-RL feeds unpacked micro-batches to every context-parallel rank unsharded (it CP-shards "
+                "routes only when packing); enable policy.sequence_packing for router replay with CP > 1"
+            )
         return AlignmentPlan(
             state.spec,
             state.layout,
-            packing,
+            self.packing or Packing("bshd"),
             state.rank,
-            batches,
+            tuple(MicroBatch(f.sample_ids, seq_len=f.seq_len) for f in self.fed),
             missing="router",
             policy_versions=versions_for(self.owner.policy_versions, self.step),
             other_versions=self.owner.other_versions,
         )
 
-    def get(self, m: int, state: _ModelState) -> MicroBatchReplay:
+    def get(self, m: int, state: _ModelState, codes: npt.NDArray[np.int64]) -> MicroBatchReplay:
+        """Micro-batch ``m`` at this rank's rows, ``codes`` being what NeMo-RL made of :meth:`_Fed.row_codes`."""
         with self._lock:
-            if self._iterator is None:
-                plan = self.plan(state)
-                self._loader = ReplayLoader(self.owner.store, self.step, plan, prefetch=self.owner.prefetch)
-                weakref.finalize(self, self._loader.close)  # a pass abandoned half-way still stops its thread
-                self._check(plan, self._loader)
-                self._iterator = iter(self._loader)
-            if m < self._next and m not in self._loaded:
-                raise AlignmentError(f"step {self.step}: micro-batch {m} was replayed already in this pass")
-            while self._next <= m:
-                self._loaded[self._next] = next(self._iterator)
-                self._next += 1
-            if self._next == len(self.fed):  # every micro-batch is read: stop the prefetch thread
-                self.close()
-            return self._loaded.pop(m)
+            if self._opened is None:
+                self._opened = self._open(state)
+            plan, reads = self._opened
+        routings = reads.get(m)
+        reads.release(m)
+        if m == len(self.fed) - 1:  # the pass's last micro-batch: stop reading ahead
+            reads.close()
+        return gather(plan, m, routings, positions=self.fed[m].positions(codes, plan.first_index(m), m))
 
-    def _check(self, plan: AlignmentPlan, loader: ReplayLoader) -> None:
-        """The stored records are the samples fed (lengths), and routelog packs them where NeMo-RL did."""
+    def _open(self, state: _ModelState) -> tuple[AlignmentPlan, ReadAhead[dict[str, RecordRouting]]]:
+        plan = self.plan(state)
+        snapshot = self._snapshot()
+        layers = plan.moe_layers
+        reads = ReadAhead(
+            lambda i: {r.sample_id: r for r in snapshot.read_many(self.fed[i].sample_ids, moe_layers=layers)},
+            len(self.fed),
+            window=self.owner.prefetch,
+            closed_error=lambda i: AlignmentError(f"step {self.step}: micro-batch {i} replayed after its pass ended"),
+            name="routelog-prefetch",
+        )
+        weakref.finalize(self, reads.close)  # a pass abandoned half-way still stops its thread
+        return plan, reads
+
+    def _snapshot(self) -> StepSnapshot:
+        """The step, having checked it holds every sample fed, with the lengths fed."""
         try:
-            snapshot = loader.snapshot
+            snapshot = self.owner.store.step(self.step)
         except RecordNotFoundError as exc:
             raise AlignmentError(
                 f"{exc}; the driver writes each rollout batch before training on it "
@@ -586,19 +589,11 @@ class _BatchReplay:
                         f"sample {sid!r}, field 'input_lengths': NeMo-RL feeds {n} tokens, step {self.step} holds "
                         f"{stored}; the train data was changed after its routing was recorded"
                     )
-            if fed.cu_seqlens_padded is not None:
-                batch = plan.micro_batches[m]
-                ours = pack(fed.lengths, plan.packing, plan.layout, pad_to=batch.pad_to).cu_seqlens_padded
-                if ours != fed.cu_seqlens_padded:
-                    raise AlignmentError(
-                        f"micro-batch {m} of step {self.step} (samples {list(fed.sample_ids)}): NeMo-RL packed it to "
-                        f"cu_seqlens_padded {list(fed.cu_seqlens_padded)}, routelog's plan to {list(ours)}; the "
-                        "packing options (make_sequence_length_divisible_by, FP8 recipe, HybridEP, pad_to) differ"
-                    )
+        return snapshot
 
     def close(self) -> None:
-        if self._loader is not None:
-            self._loader.close()
+        if self._opened is not None:
+            self._opened[1].close()
 
 
 @dataclass
@@ -623,6 +618,10 @@ class NemoRLReplay:
     ``layout`` and ``rank`` default to the model's megatron-core config and ``parallel_state``; ``spec`` to the
     store's. ``gate`` fails the step when the trainer's routers disagree with the replayed routes too often;
     ``fidelity_writer`` publishes each step's router diff per rank and phase (``train``, ``logprob``).
+    ``local_rows(model_config, routed_experts_cp_sharded)`` is NeMo-RL's normalisation and sequence-parallel split
+    of a CP-sharded routing tensor to this rank's ``[T, L, K]`` rows (default: NeMo-RL's own
+    ``_normalize_routed_experts_for_mcore`` and ``_split_for_sequence_parallel``; where NeMo-RL does not install,
+    :func:`routelog.testing.nemo_rl_local_rows` stands in).
     """
 
     def __init__(
@@ -638,8 +637,10 @@ class NemoRLReplay:
         prefetch: int = 2,
         policy_versions: PolicyVersions = "step",
         other_versions: OtherVersions = "refuse",
+        local_rows: Callable[[Any, Any], Any] | None = None,
     ) -> None:
         self.store = store if isinstance(store, Store) else open_store(store, storage_options=storage_options)
+        self.local_rows = local_rows
         self.spec = spec
         self.layout = layout
         self.rank = rank
@@ -651,26 +652,23 @@ class NemoRLReplay:
         self.prefetch = prefetch
         self._models: dict[int, _ModelState] = {}
         self._patches: list[tuple[ModuleType, str, Any]] = []
+        self._row_codes: dict[int, tuple[weakref.ref[Any], _BatchReplay, int]] = {}
 
     # -- make_processed_microbatch_iterator ------------------------------------------------------------------------
     def make_processed_microbatch_iterator(
         self, original: Callable[..., Iterator[Any]], *args: Any, **kwargs: Any
     ) -> Iterator[Any]:
-        """NeMo-RL's iterator, with each processed micro-batch's ``routed_experts_cp_sharded`` set to a
-        :class:`NemoRLMicroBatch` when the micro-batches carry sample ids (else NeMo-RL's iterator unchanged)."""
+        """NeMo-RL's iterator over micro-batches that carry sample ids, each given row codes as its
+        ``routed_experts`` (:meth:`_Fed.row_codes`), which NeMo-RL's ``process_microbatch`` packs and CP-shards as
+        it would the routes: each processed micro-batch's ``routed_experts_cp_sharded`` is NeMo-RL's tensor of this
+        rank's rows. Micro-batches without sample ids get NeMo-RL's iterator unchanged."""
         bound = inspect.signature(original).bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = bound.arguments
         raw = list(arguments["raw_iterator"])
+        arguments["raw_iterator"] = iter(raw)
         if not raw or SAMPLE_ID_KEY not in raw[0]:
-            arguments["raw_iterator"] = iter(raw)
             return original(*bound.args, **bound.kwargs)
-        for flag in ("delegate_pack_to_model", "model_slices_context_parallel_inputs"):
-            if arguments.get(flag):
-                raise ReplayConfigError(
-                    f"router replay from a routelog store does not support {flag}=True (the model packs or slices "
-                    "context parallelism itself, in an order routelog does not reproduce)"
-                )
         cfg = arguments.get("cfg") or {}
         packed = bool((cfg.get("sequence_packing") or {}).get("enabled", False))
         lengths_key = (arguments.get("seq_length_key") or "input_lengths") if packed else "input_lengths"
@@ -681,29 +679,27 @@ class NemoRLReplay:
             steps.add(step)
         if len(steps) != 1:
             raise AlignmentError(f"one pass over the train data mixes store steps {sorted(steps)}")
-        multiples = None
-        if packed:
-            multiples = (
-                int(arguments["pad_individual_seqs_to_multiple_of"]),
-                int(arguments["pad_packed_seq_to_multiple_of"]),
-            )
-        pad_to = arguments.get("pad_full_seq_to")
-        batch = _BatchReplay(
-            self, steps.pop(), fed, nemo_packing(cfg) if packed else None, None if pad_to is None else int(pad_to),
-            multiples,
-        )  # fmt: skip
-        arguments["raw_iterator"] = iter(raw)
+        # The codes stay on the host (NeMo-RL shards routed_experts on its own device, so this rank's rows are read
+        # without waiting for the GPU), unless the model slices CP with indices on the input's device.
+        on_inputs = bool(arguments.get("model_slices_context_parallel_inputs"))
+        for data, one in zip(raw, fed, strict=True):
+            data[ROUTES_KEY] = one.row_codes(getattr(data.get("input_ids"), "device", None) if on_inputs else "cpu")
+        batch = _BatchReplay(self, steps.pop(), fed, nemo_packing(cfg) if packed else None)
         return self._attach(original(*bound.args, **bound.kwargs), batch)
 
-    @staticmethod
-    def _attach(processed: Iterator[Any], batch: _BatchReplay) -> Iterator[Any]:
+    def _attach(self, processed: Iterator[Any], batch: _BatchReplay) -> Iterator[Any]:
         for m, item in enumerate(processed):
             if m >= len(batch.fed):
                 raise AlignmentError(f"NeMo-RL yielded more micro-batches than the {len(batch.fed)} it was given")
-            cu = getattr(item, "cu_seqlens_padded", None)
-            if cu is not None:
-                batch.fed[m].cu_seqlens_padded = tuple(int(v) for v in _numpy(cu, "micro-batch", "cu_seqlens"))
-            item.routed_experts_cp_sharded = NemoRLMicroBatch(batch, m)
+            codes = getattr(item, "routed_experts_cp_sharded", None)
+            if codes is None:
+                raise ReplayConfigError(
+                    f"NeMo-RL's process_microbatch left micro-batch {m}'s routed_experts_cp_sharded empty, though "
+                    "routelog gave it row codes in routed_experts: this NeMo-RL version differs from commit "
+                    f"{NEMO_RL_COMMIT[:8]}"
+                )
+            self._row_codes[id(codes)] = (weakref.ref(codes), batch, m)
+            weakref.finalize(codes, self._row_codes.pop, id(codes), None)
             yield item
 
     # -- train.set_router_replay_forward / _backward / clear_router_replay ------------------------------------------
@@ -726,19 +722,26 @@ class NemoRLReplay:
         return state
 
     def set_router_replay_forward(self, original: Callable[..., Any], model: Any, routed_experts: Any) -> None:
-        """Install the micro-batch's routes into the model's decoder routers (a NeMo-RL tensor: NeMo-RL's own)."""
-        if not isinstance(routed_experts, NemoRLMicroBatch):
+        """Install the micro-batch's routes into the model's decoder routers, at the rows NeMo-RL's sharding put
+        routelog's row codes (any other tensor: NeMo-RL's own routes, NeMo-RL's own function)."""
+        entry = self._row_codes.get(id(routed_experts))
+        if entry is None or entry[0]() is not routed_experts:
             original(model, routed_experts)
             return
+        _, batch, m = entry
         state = self._state(model)
         self._exit(state)
-        handle = routed_experts
-        if state.step is not None and state.step != handle.step:
+        if state.step is not None and state.step != batch.step:
             self._publish(state)
-        state.step = handle.step
-        replay = handle.batch.get(handle.index, state)
-        fed = handle.batch.fed[handle.index]
-        tokens = fed.tokens()  # NeMo-RL's own micro-batch, as it feeds the model: checked row by row
+        state.step = batch.step
+        local = (self.local_rows or _nemo_local_rows())(_model_config(model), routed_experts)
+        if local.dim() != 3 or tuple(local.shape[1:]) != (1, 1):
+            raise ReplayConfigError(
+                f"NeMo-RL's normalisation of micro-batch {m}'s row codes gave shape {tuple(local.shape)} (expected "
+                f"[T, 1, 1]): this NeMo-RL version differs from commit {NEMO_RL_COMMIT[:8]}"
+            )
+        replay = batch.get(m, state, _host(local.reshape(-1)))
+        tokens = batch.fed[m].tokens()  # NeMo-RL's own micro-batch, as it feeds the model: checked row by row
         forward = state.replay.forward(
             replay, device=_device(model), tokens=tokens, fed_rows=rows_of_sequences(replay, tokens)
         )
@@ -847,6 +850,36 @@ class NemoRLReplay:
         self._models.clear()
 
 
+def _nemo_local_rows(module: ModuleType | None = None) -> Callable[[Any, Any], Any]:
+    """NeMo-RL's own normalisation and sequence-parallel split of a CP-sharded routing tensor (``module``, default
+    ``nemo_rl.models.megatron.router_replay``, as its ``build_router_replay_assignments`` applies them)."""
+    import importlib
+
+    if module is None:
+        try:
+            module = importlib.import_module("nemo_rl.models.megatron.router_replay")
+        except ImportError as exc:
+            raise ReplayConfigError(
+                f"nemo_rl.models.megatron.router_replay does not import here ({exc}): routelog lets NeMo-RL split "
+                "the rows between ranks; run in NeMo-RL's policy worker, or pass local_rows= "
+                "(routelog.testing.nemo_rl_local_rows stands in for tests)"
+            ) from None
+    normalize = getattr(module, "_normalize_routed_experts_for_mcore", None)
+    split = getattr(module, "_split_for_sequence_parallel", None)
+    if normalize is None or split is None:
+        raise ReplayConfigError(
+            "nemo_rl.models.megatron.router_replay has no _normalize_routed_experts_for_mcore or "
+            f"_split_for_sequence_parallel: this NeMo-RL version differs from commit {NEMO_RL_COMMIT[:8]}"
+        )
+    return lambda config, routed: split(config, normalize(routed))
+
+
+def _host(codes: Any) -> npt.NDArray[np.int64]:
+    """Row codes as a host array (they stay on the host unless the model slices CP on the device)."""
+    on_host = codes if codes.device.type == "cpu" else codes.cpu()
+    return np.asarray(on_host, dtype=np.int64)
+
+
 def _dp_rank() -> int:
     try:
         from megatron.core import parallel_state
@@ -869,7 +902,7 @@ def install(
     """Apply the worker-side patches in this process (call it in each Megatron policy worker, before training);
     returns the :class:`NemoRLReplay` (``options`` are its keyword arguments). ``store`` defaults to the URL in
     :data:`URL_ENV`. A second call returns the first installation. ``modules`` replaces the imported NeMo-RL
-    modules (``data``, ``train``, ``worker``), for tests."""
+    modules (``data``, ``train``, ``worker``, and ``router_replay`` whose row split routelog uses), for tests."""
     if "worker" in _INSTALLED:
         return _INSTALLED["worker"]
     if store is None:
@@ -887,6 +920,7 @@ def install(
             "data": importlib.import_module("nemo_rl.models.megatron.data"),
             "train": importlib.import_module("nemo_rl.models.megatron.train"),
             "worker": importlib.import_module("nemo_rl.models.policy.workers.megatron_policy_worker"),
+            "router_replay": importlib.import_module("nemo_rl.models.megatron.router_replay"),
         }
     targets = [
         (modules["data"], "make_processed_microbatch_iterator"),
@@ -901,6 +935,8 @@ def install(
                 f"{module.__name__} has no {name}: this NeMo-RL version differs from the one routelog supports "
                 f"(commit {NEMO_RL_COMMIT[:8]})"
             )
+    if "router_replay" in modules and options.get("local_rows") is None:
+        options["local_rows"] = _nemo_local_rows(modules["router_replay"])
     replay = NemoRLReplay(store, **options)
     for module, name in targets:
         replay.patch(module, name, getattr(replay, name.lstrip("_")))
@@ -954,7 +990,6 @@ __all__ = [
     "SAMPLE_ID_KEY",
     "STEP_KEY",
     "URL_ENV",
-    "NemoRLMicroBatch",
     "NemoRLReplay",
     "RolloutRecorder",
     "carry_sample_ids",
