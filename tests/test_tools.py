@@ -92,7 +92,7 @@ def test_bench_replay_hook_times_every_integration_and_counts_device_reads() -> 
     result = _tool(str(TOOLS / "bench_replay_hook.py"), "--quick", "--json")
     assert result.returncode == 0, result.stderr
     sides = json.loads(result.stdout)["sides"]
-    assert set(sides) == {"native", "installer", "megatron-hook", "verl", "slime-native", "slime"}
+    assert set(sides) == {"native", "installer", "megatron-hook", "verl", "nemo-rl", "slime-native", "slime"}
     assert all(side["seconds_per_micro_batch"] > 0 for side in sides.values())
     assert sides["native"]["over_native"] == 1.0
     assert sides["slime"]["over_slime_native"] > 0
@@ -104,6 +104,9 @@ def test_bench_replay_hook_times_every_integration_and_counts_device_reads() -> 
     # slime's: the tokens fed, in one transfer when the rollout's routing is recorded; nothing per forward.
     assert sides["slime"]["device_reads"]["per_forward"] == 0
     assert sides["slime"]["device_reads"]["per_step"] == 1
+    # NeMo-RL's: the pass's tokens and lengths in one transfer as it starts, the row codes stay on the host.
+    assert sides["nemo-rl"]["device_reads"]["per_forward"] == 0
+    assert 2 <= sides["nemo-rl"]["device_reads"]["per_step"] <= 3, "the pass's tokens, the tallies (once)"
 
 
 def test_bench_writers_commits_every_record_and_reports_the_np_save_baseline() -> None:

@@ -5,11 +5,12 @@ micro-batch's first-stage forward as a trainer does: the embedding takes the pac
 routes its hidden states. The sides alternate, ``--rounds`` each, over the same micro-batches:
 
 * **native**: the routers choose their own experts (no routelog);
-* **installer**, **megatron-hook**, **verl**: :class:`~routelog.megatron.MegatronReplay` with everything on, the
-  installation path every Megatron integration uses (the generic hook; veRL's and NeMo-RL's patches install through
-  it): targets handed to every router, the router diff measured (a :class:`~routelog.fidelity.FidelityGate`), the
-  tokens fed checked row by row, the step judged; with the rows in memory, around a forward step reading the store
-  in the background, and through veRL's engine patch;
+* **installer**, **megatron-hook**, **verl**, **nemo-rl**: :class:`~routelog.megatron.MegatronReplay` with
+  everything on, the installation path every Megatron integration uses (the generic hook; veRL's and NeMo-RL's
+  patches install through it): targets handed to every router, the router diff measured (a
+  :class:`~routelog.fidelity.FidelityGate`), the tokens fed checked row by row, the step judged; with the rows in
+  memory, around a forward step reading the store in the background, through veRL's engine patch, and through
+  NeMo-RL's (its sharding of the row codes, then its forward and backward calls);
 * **slime-native**, **slime**: each router pops its micro-batch's tensor from slime's ``RoutingReplay`` before the
   forward, from slime's own R3 (the routing shipped with the data, padded, sliced and copied per layer at fill) and
   from routelog's lazy references (read from the store a few micro-batches ahead, slime placing the rows).
@@ -100,7 +101,8 @@ def _store(url: str, spec: Any, samples: int, tokens: int) -> dict[str, np.ndarr
 class _DeviceReads:
     """Counts the reads of a tensor back to the host made by routelog's own code: those of a step's setup and
     judgement (:meth:`MegatronReplay.check`, wherever it runs: the generic hook judges inside the step's last
-    forward; slime's :meth:`SlimeReplay.record` and :meth:`SlimeReplay.end_rollout`) apart from the others."""
+    forward; slime's :meth:`SlimeReplay.record` and :meth:`SlimeReplay.end_rollout`; NeMo-RL's start of a pass)
+    apart from the others."""
 
     NAMES = ("__int__", "__bool__", "__float__", "item", "tolist", "numpy", "cpu")
 
@@ -108,6 +110,7 @@ class _DeviceReads:
         import torch
 
         import routelog
+        from routelog.integrations.nemo_rl import NemoRLReplay
         from routelog.integrations.slime import SlimeReplay
         from routelog.megatron import MegatronReplay
 
@@ -125,6 +128,7 @@ class _DeviceReads:
                 (MegatronReplay, "_counts"),
                 (SlimeReplay, "record"),
                 (SlimeReplay, "end_rollout"),
+                (NemoRLReplay, "make_processed_microbatch_iterator"),
             )
         ]
         for owner, name, original in self._once_per_step:
@@ -223,6 +227,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     verl_side = _verl_side(url, spec, model, config, gate, loaded, inputs, forward)
     if verl_side is not None:
         sides["verl"] = verl_side
+    sides["nemo-rl"] = _nemo_rl_side(url, spec, model, gate, loaded, inputs, forward)
     sides.update(_slime_sides(f"{url}-slime", args.layers, loaded, inputs, forward))
     times: dict[str, list[float]] = {side: [] for side in sides}
     reads: dict[str, dict[str, float]] = {}
@@ -322,6 +327,79 @@ def _verl_side(
             forward(m)
 
         return [_timed(one, m) for m in range(len(loaded))], (lambda: replay.end_step(phase="train"), replay.remove)
+
+    return side
+
+
+def _nemo_rl_side(
+    url: str, spec: Any, model: Any, gate: Any, loaded: list[Any], inputs: list[Any], forward: Any
+) -> Callable[[], tuple[list[float], Any]]:
+    """NeMo-RL's path through routelog, a training pass: the micro-batches carry sample ids, NeMo-RL's iterator
+    (packing as NeMo-RL does with CP = TP = 1: the sequences back to back) shards routelog's row codes, and per
+    micro-batch NeMo-RL calls ``set_router_replay_forward`` before the forward and ``set_router_replay_backward``
+    after it; the pass ends with ``clear_router_replay`` (the step's judgement)."""
+    import torch
+
+    from routelog.align import ParallelLayout, RankCoords
+    from routelog.integrations import nemo_rl
+    from routelog.testing import nemo_rl_local_rows
+
+    raw = []
+    for mb, ids in zip(loaded, inputs, strict=True):
+        lengths = [int(n) for n in np.bincount(mb.positions[:, 0] - mb.first_index)]
+        rows = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+        for b, part in enumerate(torch.split(ids[0], lengths)):
+            rows[b, : part.numel()] = part
+        raw.append(
+            {
+                "input_ids": rows,
+                "input_lengths": torch.tensor(lengths),
+                nemo_rl.SAMPLE_ID_KEY: list(mb.sample_ids),
+                nemo_rl.STEP_KEY: [0] * len(lengths),
+            }
+        )
+
+    def make_processed_microbatch_iterator(
+        raw_iterator: Any,
+        cfg: Any,
+        seq_length_key: Any,
+        pad_individual_seqs_to_multiple_of: int,
+        pad_packed_seq_to_multiple_of: int,
+        straggler_timer: Any,
+        pad_full_seq_to: Any,
+    ) -> Any:
+        for data in raw_iterator:
+            codes = data[nemo_rl.ROUTES_KEY]
+            packed = torch.cat([codes[b, :n] for b, n in enumerate(data["input_lengths"].tolist())])
+            yield type("Processed", (), {"data_dict": data, "routed_experts_cp_sharded": packed[None]})()
+
+    def nothing(*args: Any) -> None:
+        return None
+
+    def side() -> tuple[list[float], Any]:
+        replay = nemo_rl.NemoRLReplay(
+            url, spec=spec, layout=ParallelLayout(), rank=RankCoords(), gate=gate, local_rows=nemo_rl_local_rows()
+        )
+        items = list(
+            replay.make_processed_microbatch_iterator(
+                make_processed_microbatch_iterator,
+                raw_iterator=iter(raw),
+                cfg={"sequence_packing": {"enabled": True}},
+                seq_length_key="input_lengths",
+                pad_individual_seqs_to_multiple_of=1,
+                pad_packed_seq_to_multiple_of=1,
+                straggler_timer=None,
+                pad_full_seq_to=None,
+            )
+        )
+
+        def one(m: int) -> None:
+            replay.set_router_replay_forward(nothing, model, items[m].routed_experts_cp_sharded)
+            forward(m)
+            replay.set_router_replay_backward(nothing, model)
+
+        times = [_timed(one, m) for m in range(len(loaded))]
+        return times, (lambda: replay.clear_router_replay(nothing), replay.uninstall)
 
     return side
 

@@ -79,6 +79,7 @@ from routelog.engines import nemo_rl as envelope
 from routelog.engines.common import Payload, payload_to_record
 from routelog.errors import AlignmentError, IngestError, RecordNotFoundError, ReplayConfigError
 from routelog.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
+from routelog.integrations.transfer import host_sequences
 from routelog.megatron import MegatronReplay, rows_of_sequences
 from routelog.readahead import ReadAhead
 from routelog.reader import StepSnapshot
@@ -447,17 +448,18 @@ def _device(model: Any) -> Any:
 
 @dataclass
 class _Fed:
-    """One micro-batch as NeMo-RL feeds it: ids and lengths read up front, token ids when it is replayed (NeMo-RL
-    moves the data dict to the GPU in place before that)."""
+    """One micro-batch as NeMo-RL feeds it: ids, lengths and token ids, read to the host when the pass starts (the
+    whole pass in one transfer)."""
 
     sample_ids: tuple[str, ...]
     lengths: tuple[int, ...]
     seq_len: int
     data: Mapping[str, Any]
+    host_tokens: list[npt.NDArray[np.int64]]
+    """Each sample's tokens, as fed."""
 
     def tokens(self) -> list[npt.NDArray[np.int64]]:
-        input_ids = _numpy(self.data.get("input_ids"), "micro-batch", "input_ids")
-        return [np.asarray(input_ids[b, :n], np.int64) for b, n in enumerate(self.lengths)]
+        return self.host_tokens
 
     def row_codes(self, device: Any) -> Any:
         """``[B, S, 1, 1]`` int64, what routelog puts in the micro-batch's ``routed_experts`` for NeMo-RL to pack
@@ -489,23 +491,47 @@ class _Fed:
         return out
 
 
-def _fed(data: Mapping[str, Any], lengths_key: str, m: int) -> tuple[_Fed, int]:
-    ids = [str(s) for s in data[SAMPLE_ID_KEY]]
-    where = f"micro-batch {m} (samples {ids[:3]}{'...' if len(ids) > 3 else ''})"
-    steps = {int(s) for s in data.get(STEP_KEY) or []}
+def _pass(raw: Sequence[Mapping[str, Any]], lengths_key: str) -> tuple[list[_Fed], int]:
+    """The pass's micro-batches as fed (their token ids and lengths in one transfer to the host) and its store
+    step."""
+    steps: set[int] = set()
+    shapes = []
+    for m, data in enumerate(raw):
+        ids = [str(s) for s in data[SAMPLE_ID_KEY]]
+        where = f"micro-batch {m} (samples {ids[:3]}{'...' if len(ids) > 3 else ''})"
+        found = {int(s) for s in data.get(STEP_KEY) or []}
+        if len(found) != 1:
+            raise AlignmentError(
+                f"{where}: the column {STEP_KEY!r} must hold one store step for every sample, got {sorted(found)}; "
+                "carry the ids with routelog.integrations.nemo_rl.carry_sample_ids"
+            )
+        steps |= found
+        for name in ("input_ids", lengths_key):
+            if data.get(name) is None:
+                raise IngestError(f"{where}: the field {name!r} is missing")
+        shape = tuple(int(d) for d in getattr(data["input_ids"], "shape", ()))
+        count = int(np.prod(getattr(data[lengths_key], "shape", (len(data[lengths_key]),))))
+        if len(shape) != 2 or len(ids) != shape[0] or count != len(ids):
+            raise AlignmentError(
+                f"{where}: {len(ids)} sample ids for input_ids of shape {shape} and {count} {lengths_key}"
+            )
+        shapes.append(shape)
     if len(steps) != 1:
-        raise AlignmentError(
-            f"{where}: the column {STEP_KEY!r} must hold one store step for every sample, got {sorted(steps)}; "
-            "carry the ids with routelog.integrations.nemo_rl.carry_sample_ids"
+        raise AlignmentError(f"one pass over the train data mixes store steps {sorted(steps)}")
+    host = host_sequences([data[k] for data in raw for k in ("input_ids", lengths_key)])
+    fed = []
+    for m, (data, shape) in enumerate(zip(raw, shapes, strict=True)):
+        tokens, lengths = host[2 * m].reshape(shape), host[2 * m + 1]
+        fed.append(
+            _Fed(
+                tuple(str(s) for s in data[SAMPLE_ID_KEY]),
+                tuple(int(n) for n in lengths),
+                shape[1],
+                data,
+                [tokens[b, : int(n)] for b, n in enumerate(lengths)],
+            )
         )
-    input_ids = data.get("input_ids")
-    shape = tuple(int(d) for d in getattr(input_ids, "shape", ()))
-    lengths = _numpy(data.get(lengths_key), where, lengths_key).reshape(-1)
-    if len(shape) != 2 or len(ids) != shape[0] or lengths.shape[0] != len(ids):
-        raise AlignmentError(
-            f"{where}: {len(ids)} sample ids for input_ids of shape {shape} and {lengths.shape[0]} {lengths_key}"
-        )
-    return _Fed(tuple(ids), tuple(int(v) for v in lengths), shape[1], data), steps.pop()
+    return fed, steps.pop()
 
 
 class _BatchReplay:
@@ -569,7 +595,7 @@ class _BatchReplay:
     def _snapshot(self) -> StepSnapshot:
         """The step, having checked it holds every sample fed, with the lengths fed."""
         try:
-            snapshot = self.owner.store.step(self.step)
+            snapshot = self.owner.snapshot(self.step)
         except RecordNotFoundError as exc:
             raise AlignmentError(
                 f"{exc}; the driver writes each rollout batch before training on it "
@@ -653,6 +679,13 @@ class NemoRLReplay:
         self._models: dict[int, _ModelState] = {}
         self._patches: list[tuple[ModuleType, str, Any]] = []
         self._row_codes: dict[int, tuple[weakref.ref[Any], _BatchReplay, int]] = {}
+        self._snapshot: StepSnapshot | None = None
+
+    def snapshot(self, step: int) -> StepSnapshot:
+        """Step ``step`` of the store, loaded once for the passes over it (the driver sealed it before training)."""
+        if self._snapshot is None or self._snapshot.step != step:
+            self._snapshot = self.store.step(step)
+        return self._snapshot
 
     # -- make_processed_microbatch_iterator ------------------------------------------------------------------------
     def make_processed_microbatch_iterator(
@@ -672,19 +705,13 @@ class NemoRLReplay:
         cfg = arguments.get("cfg") or {}
         packed = bool((cfg.get("sequence_packing") or {}).get("enabled", False))
         lengths_key = (arguments.get("seq_length_key") or "input_lengths") if packed else "input_lengths"
-        fed, steps = [], set()
-        for m, data in enumerate(raw):
-            one, step = _fed(data, lengths_key, m)
-            fed.append(one)
-            steps.add(step)
-        if len(steps) != 1:
-            raise AlignmentError(f"one pass over the train data mixes store steps {sorted(steps)}")
+        fed, step = _pass(raw, lengths_key)
         # The codes stay on the host (NeMo-RL shards routed_experts on its own device, so this rank's rows are read
         # without waiting for the GPU), unless the model slices CP with indices on the input's device.
         on_inputs = bool(arguments.get("model_slices_context_parallel_inputs"))
         for data, one in zip(raw, fed, strict=True):
             data[ROUTES_KEY] = one.row_codes(getattr(data.get("input_ids"), "device", None) if on_inputs else "cpu")
-        batch = _BatchReplay(self, steps.pop(), fed, nemo_packing(cfg) if packed else None)
+        batch = _BatchReplay(self, step, fed, nemo_packing(cfg) if packed else None)
         return self._attach(original(*bound.args, **bound.kwargs), batch)
 
     def _attach(self, processed: Iterator[Any], batch: _BatchReplay) -> Iterator[Any]:
@@ -741,7 +768,7 @@ class NemoRLReplay:
                 f"[T, 1, 1]): this NeMo-RL version differs from commit {NEMO_RL_COMMIT[:8]}"
             )
         replay = batch.get(m, state, _host(local.reshape(-1)))
-        tokens = batch.fed[m].tokens()  # NeMo-RL's own micro-batch, as it feeds the model: checked row by row
+        tokens = batch.fed[m].tokens()  # NeMo-RL's own micro-batch, as fed (read when the pass began): row by row
         forward = state.replay.forward(
             replay, device=_device(model), tokens=tokens, fed_rows=rows_of_sequences(replay, tokens)
         )

@@ -67,6 +67,7 @@ from routelog.integrations.slime_source import (
     StoreRows,
     check_pad_routes,
 )
+from routelog.integrations.transfer import host_sequences
 from routelog.loader import ReplayLoader
 from routelog.part import PartOptions
 from routelog.reader import StepSnapshot
@@ -617,7 +618,7 @@ class SlimeReplay:
                 "train data"
             )
         local = {sample_id(rollout_id, int(p)): j for j, p in enumerate(rollout_data["partition"])}
-        host = _host_sequences([fed[local[sid]] for sid in plan.sample_ids])
+        host = host_sequences([fed[local[sid]] for sid in plan.sample_ids])
         tokens: dict[str, Any] = {}
         for sid, ids in zip(plan.sample_ids, host, strict=True):
             info = snapshot.info(sid)
@@ -909,23 +910,6 @@ def _numpy(value: Any) -> Any:
     if hasattr(value, "detach") and hasattr(value, "cpu"):
         return value.detach().cpu().numpy()
     return value
-
-
-def _host_sequences(sequences: Sequence[Any]) -> list[npt.NDArray[np.int64]]:
-    """Token sequences (torch tensors on any device, arrays or lists) as int64 host arrays, the tensors in one
-    transfer (slime keeps ``rollout_data["tokens"]`` on the training device)."""
-    import torch
-
-    tensors = [i for i, s in enumerate(sequences) if isinstance(s, torch.Tensor)]
-    out = [
-        np.empty(0, np.int64) if isinstance(s, torch.Tensor) else np.asarray(s, np.int64).reshape(-1) for s in sequences
-    ]
-    if tensors:
-        joined = torch.cat([sequences[i].detach().reshape(-1).long() for i in tensors]).cpu()
-        parts = np.split(np.asarray(joined), np.cumsum([sequences[i].numel() for i in tensors])[:-1])
-        for i, part in zip(tensors, parts, strict=True):
-            out[i] = part
-    return out
 
 
 # -- installing into slime ---------------------------------------------------------------------------------------
