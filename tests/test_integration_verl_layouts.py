@@ -354,13 +354,18 @@ def test_sequences_shorter_than_2cp_under_context_parallelism(monkeypatch: pytes
             layer.mlp.router.router_replay.clear_indices()
         utils.set_model_router_replay_action(chunk, RouterReplayAction.REPLAY_BACKWARD)
 
-    # routelog's integration on the same micro-batch, rank by rank.
-    replay = integration.install(url)
-    for rank, (params, rows, routed, want) in enumerate(local):
-        _parallel_state(monkeypatch, cp=cp, cp_rank=rank)
-        seen = _routelog_forward(replay, mb, config, chunk, 0, params, rows)
-        for number, expected in want.items():
-            np.testing.assert_array_equal(seen[number][routed], expected[routed])
-    counts = replay.end_step()  # every CP rank's routed rows, once
-    assert set(counts.replayed.values()) == {sum(lengths) - len(lengths)}
-    replay.remove()
+    # routelog's integration on the same micro-batch, rank by rank: each forward reading its share, or aligning rows
+    # the pass read ahead (veRL's wrapped forward_backward_batch starts the read).
+    for read_ahead in (False, True):
+        replay = integration.install(url)
+        for rank, (params, rows, routed, want) in enumerate(local):
+            _parallel_state(monkeypatch, cp=cp, cp_rank=rank)
+            if read_ahead:
+                replay.begin_pass(mb, config)
+            seen = _routelog_forward(replay, mb, config, chunk, 0, params, rows)
+            for number, expected in want.items():
+                np.testing.assert_array_equal(seen[number][routed], expected[routed])
+        assert replay.prefetched == (cp if read_ahead else 0)
+        counts = replay.end_step()  # every CP rank's routed rows, once
+        assert set(counts.replayed.values()) == {sum(lengths) - len(lengths)}
+        replay.remove()

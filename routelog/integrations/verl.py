@@ -14,8 +14,8 @@ through every DP dispatch and micro-batch split, and each worker packs it again 
   the ``packed_seq_params`` (THD) or the input width (BSHD) **the model is actually given**, never re-derived, so
   FP8 padding, length buckets, dynamic CP and BSHD without remove-padding land where the model computes. Each rank
   reads only its own records and pipeline-stage layers. ``forward_backward_batch`` is wrapped to start reading the
-  pass's records in the background before its first micro-batch (``prefetch``: where the rank's rows are whole
-  sequences, without CP or sequence-parallel splits, so nothing beyond its share is read) and to end the step:
+  pass's records in the background before its first micro-batch (``prefetch``: whole records, so under CP or
+  sequence parallelism a rank reads more than its share of records longer than a chunk) and to end the step:
   the router diff is judged by the gate and published (:mod:`routelog.fidelity`).
 
 veRL sets the replay actions itself (its own ``RouterReplay`` class and enum, which :mod:`routelog.megatron`
@@ -261,8 +261,10 @@ class VerlReplay:
 
     def begin_pass(self, data: Any, config: Any) -> None:
         """From ``forward_backward_batch``'s start: read the pass's records (this stage's layers) in the background,
-        so each micro-batch's forward aligns rows already in memory. Only where a rank's rows are whole sequences
-        (no CP, no sequence-parallel split): elsewhere each forward reads just its share."""
+        so each micro-batch's forward aligns rows already in memory. Whole records: under context or sequence
+        parallelism a rank keeps only its share of each, so it reads up to CP x TP times its rows for records longer
+        than a chunk (shorter ones cost a chunk either way); ``prefetch=False`` reads just the share at each
+        forward instead."""
         self._ahead = None
         if not self.prefetch or config is None:
             return
@@ -271,8 +273,6 @@ class VerlReplay:
         except AlignmentError:  # not routelog's batch (or a broken one: its micro-batches' forwards will say so)
             return
         layout = layout_from_config(config)
-        if layout.cp > 1 or layout.sp:
-            return
         rank = rank_from_parallel_state()
         layers = AlignmentPlan(self.spec, layout, Packing("thd"), rank, ()).moe_layers
         if self._executor is None:
