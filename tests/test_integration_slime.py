@@ -823,3 +823,80 @@ def test_layout_from_args_matches_megatrons_split(megatron_chunks: Any) -> None:
 
         for pp in range(fixture.config["pp"]):
             assert local_routers(from_args, spec, pp) == local_routers(from_megatron, spec, pp), (name, pp)
+
+
+@pytest.mark.usefixtures("megatron_env")
+def test_replay_changes_a_real_routers_choice(
+    fake_slime: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control: megatron-core's real ``TopKRouter`` (CPU), wired as slime's megatron patch wires it (its
+    ``compute_topk`` wrapped by slime's replaying factory, a forward pre-hook naming the router's ``RoutingReplay``).
+    Replaying, every router selects exactly the recorded experts of the token on each row slime routes; the same
+    routers on the same hidden states without replay choose otherwise on most of those rows."""
+    from tests.test_megatron import HIDDEN, SPEC, build_chunks, megatron_config, moe_layers, selected
+
+    rng = np.random.default_rng(5)
+    args = SimpleNamespace(
+        num_layers=SPEC.num_layers,
+        num_experts=SPEC.num_experts,
+        moe_router_topk=SPEC.topk,
+        moe_layer_freq=[int(SPEC.is_moe(layer)) for layer in range(SPEC.num_layers)],
+        tensor_model_parallel_size=1,
+        sequence_parallel=False,
+        data_pad_size_multiplier=4,
+        use_rollout_routing_replay=True,
+    )
+    samples = []
+    for _ in range(6):
+        n = int(rng.integers(12, 30))
+        routes = np.zeros((n - 1, SPEC.num_layers, SPEC.topk), np.int32)
+        for layer in SPEC.moe_layers:
+            routes[:, layer] = np.argsort(rng.random((n - 1, SPEC.num_experts)), axis=-1)[:, : SPEC.topk]
+        samples.append(SimpleNamespace(tokens=rng.integers(0, 64, n).tolist(), response_length=n // 2,
+                                       rollout_routed_experts=routes))  # fmt: skip
+    url = f"memory://slime/control/{uuid.uuid4().hex}"
+    slime.write_samples(url, ROLLOUT, samples, spec=slime.spec_from_args(args))
+    data = {
+        "partition": list(range(6)),
+        "tokens": [torch.tensor(s.tokens) for s in samples],
+        "micro_batch_indices": [[0, 1], [2, 3, 4], [5]],
+    }
+    module = sys.modules["slime.utils.routing_replay"]
+    module.get_routing_replay_compute_topk = slime_compute_topk_factory(module)  # type: ignore[attr-defined]
+    (chunk,) = build_chunks(megatron_config())
+    layers = list(moe_layers(chunk))
+    replays = [SlimeRoutingReplay() for _ in layers]
+    for layer, replay in zip(layers, replays, strict=True):  # slime's patch of megatron-core, on the real router
+        router = layer.mlp.router
+        router.register_forward_pre_hook(lambda *a, r=replay: setattr(module, "ROUTING_REPLAY", r))
+        adapter = types.SimpleNamespace(
+            get_replay_topk=lambda scores, topk, num_groups, group_topk, default: (
+                module.get_routing_replay_compute_topk(default)(scores, topk, num_groups, group_topk)  # type: ignore[attr-defined]
+            )
+        )
+        monkeypatch.setattr(router, "router_replay", adapter)
+    SlimeReplay(url, rank=RankCoords(), prepare=slime_prepare()).record(ROLLOUT, args, data, replays)
+    place = slime_prepare()
+    routed = changed = 0
+    for batch in data["micro_batch_indices"]:
+        native_place = place(  # what slime itself would record from the routing it ships, padding included
+            [torch.from_numpy(samples[j].rollout_routed_experts) for j in batch],
+            [data["tokens"][j] for j in batch],
+            num_experts=SPEC.num_experts,
+            data_pad_size_multiplier=4,
+            sequence_parallel=False,
+            allgather_cp=False,
+        )
+        real = np.concatenate([np.r_[np.ones(len(samples[j].tokens) - 1, bool), False] for j in batch])
+        real = np.r_[real, np.zeros(native_place.shape[0] - real.size, bool)]
+        hidden = torch.randn(native_place.shape[0], 1, HIDDEN)
+        monkeypatch.delenv("ROUTING_REPLAY_STAGE", raising=False)
+        native = {int(layer.layer_number): selected(layer.mlp.router(hidden)[1].detach()) for layer in layers}
+        monkeypatch.setenv("ROUTING_REPLAY_STAGE", "replay_forward")
+        seen = {int(layer.layer_number): selected(layer.mlp.router(hidden)[1].detach()) for layer in layers}
+        for number, mine in seen.items():
+            want = np.sort(native_place[:, number - 1].numpy().astype(np.int64), axis=-1)
+            np.testing.assert_array_equal(mine[real], want[real])
+            routed += int(real.sum())
+            changed += int((native[number][real] != want[real]).any(axis=-1).sum())
+    assert routed > 0 and changed / routed > 0.5, (changed, routed)
