@@ -146,6 +146,10 @@ def load_arrays(path: Path) -> dict[str, npt.NDArray[Any]]:
         raise IngestError(f"{path}: not a readable .npz file ({exc})") from None
 
 
+TEXT_MEMBERS = frozenset({"sample_ids"})
+"""``.npz`` members read as text (ids: fixed-width unicode or bytes); every other member is numbers."""
+
+
 def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> npt.NDArray[Any]:
     if info.file_size > _DEFLATE_MAX_RATIO * max(info.compress_size, 1) + (1 << 20):
         raise IngestError(f"{where}: claims {info.file_size} bytes from {info.compress_size} stored (a zip bomb)")
@@ -158,7 +162,7 @@ def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) ->
                 f"{info.file_size - header_len} (truncated or forged)"
             )
         raw = head + member.read(info.file_size - len(head) + 1)
-    return load_npy(raw, where, "the member")
+    return load_npy(raw, where, "the member", text=info.filename.removesuffix(".npy") in TEXT_MEMBERS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -426,11 +430,13 @@ def export_step(
 ) -> int:
     """Write a step's records (or ``sample_ids``) in an engine layout; returns the number of records.
 
-    ``.jsonl`` output holds each record's routing as the engine sends it over HTTP: ``vllm`` (0.22+ base64
-    ``.npy``), ``vllm-0.21`` (nested lists, with ``prompt_routed_experts``), ``sglang`` (base64 int32),
-    ``nemo-rl`` (``nrlre1:`` envelope) or ``ms-swift`` (``__ndarray__`` object), rows from the record's payload
-    start; ``megatron``: one megatron-core server response a line (``id`` the sample id, one choice with
-    ``moe_topk_indices`` and the token ids), which ``ingest --engine megatron`` reads back.
+    ``.jsonl`` output holds one line per record, ``{"sample_id", "request", "response"}``: the response an engine
+    client receives for it (its id the sample id, the token ids, the routing) and the request fields that shape it,
+    which ``ingest --engine <layout>`` reads back to the same record: ``vllm`` (0.22+ base64 ``.npy``),
+    ``vllm-0.21`` (nested lists, the prompt's rows in ``prompt_routed_experts``), ``sglang`` (``/generate``, base64
+    int32 in ``meta_info``), ``nemo-rl`` (chat, ``nrlre1:`` envelope in the message) or ``ms-swift``
+    (``__ndarray__`` object), rows from the record's payload start; ``megatron``: megatron-core's server response
+    alone (``moe_topk_indices`` and the token ids in its one choice). These need the records' token ids.
     ``.npz`` output holds arrays: ``full`` / ``moe``: ``<sample_id>`` int16 ``[n_tokens, layers, K]``, -1 for
     missing rows and dense layers; ``vllm`` / ``sglang``: ``<sample_id>`` the engine's array; ``slime``:
     ``<sample_id>/<field>``; ``verl``: one batch padded to ``prompt_length`` + ``response_length`` (default: the
@@ -478,18 +484,51 @@ def export_step(
 
 
 def _wire(record: Record, spec: ModelSpec, layout: str) -> dict[str, Any]:
+    """One JSONL line: ``{"sample_id", "request", "response"}``, the response as the engine's HTTP client receives
+    it for this record (its id the sample id), the request the fields that shape it; ``ingest --engine <layout>``
+    reads it back (megatron: the response alone, as its logs hold it)."""
     if layout == "megatron":
-        choice = megatron_server.encode(record, spec)
-        return {"id": record.sample_id, "sample_id": record.sample_id, "choices": [choice]}
-    line: dict[str, Any] = {"sample_id": record.sample_id}
+        sid = record.sample_id
+        return {"id": sid, "sample_id": sid, "choices": [megatron_server.encode(record, spec)]}
+    if record.token_ids is None:
+        raise IngestError(
+            f"sample {record.sample_id!r}: {layout}'s responses carry the token ids and the record was stored "
+            "without them: write it as arrays instead (.npz: full, moe, vllm, sglang)"
+        )
+    tokens = np.asarray(record.token_ids, np.int64)
+    prompt, output = tokens[: record.prompt_len].tolist(), tokens[record.prompt_len :].tolist()
+    start = record.payload_start or 0
+    if layout == "sglang":  # /generate: the request's input_ids and start offset, meta_info carrying the rows
+        request: dict[str, Any] = {"input_ids": prompt, "return_routed_experts": True}
+        if start:
+            request["routed_experts_start_len"] = start
+        meta = {
+            "id": record.sample_id,
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(output),
+            "routed_experts": sglang.to_meta_info(record, spec),
+        }
+        response = {"output_ids": output, "meta_info": meta}
+        return {"sample_id": record.sample_id, "request": request, "response": response}
+    choice: dict[str, Any] = {"index": 0, "prompt_token_ids": prompt, "token_ids": output}
+    response = {"id": record.sample_id, "object": "text_completion", "choices": [choice]}
+    request = {"prompt": prompt, "return_token_ids": True}
+    if layout == "vllm-0.21":  # the prompt's rows at the response's level, the generation's in the choice
+        response["prompt_routed_experts"], choice["routed_experts"] = vllm.to_v021(record, spec)
+        return {"sample_id": record.sample_id, "request": request, "response": response}
+    if start and layout != "nemo-rl":  # NeMo-RL's envelope holds every row from the first, -1 where missing
+        request["routed_experts_prompt_start"] = start
     if layout == "vllm":
-        line["routed_experts"] = vllm.to_http_choice(record, spec)
-    elif layout == "vllm-0.21":
-        line["prompt_routed_experts"], line["routed_experts"] = vllm.to_v021(record, spec)
-    elif layout == "sglang":
-        line["routed_experts"] = sglang.to_meta_info(record, spec)
-    elif layout == "nemo-rl":
-        line["routed_experts"] = nemo_rl.encode(record, spec)
-    else:
-        line["routed_experts"] = ms_swift.encode(record, spec)
-    return line
+        choice["routed_experts"] = vllm.to_http_choice(record, spec)
+    elif layout == "ms-swift":
+        choice["routed_experts"] = ms_swift.encode(record, spec)
+    else:  # NeMo-RL: vLLM's chat response, the envelope and the token ids in the message
+        del choice["prompt_token_ids"], choice["token_ids"]
+        choice["message"] = {
+            "role": "assistant",
+            "prompt_token_ids": prompt,
+            "generation_token_ids": output,
+            "routed_experts": nemo_rl.encode(record, spec),
+        }
+        response["object"] = "chat.completion"
+    return {"sample_id": record.sample_id, "request": request, "response": response}

@@ -366,7 +366,10 @@ def test_cli_round_trip_is_byte_identical_in_score_order(tmp_path: Path) -> None
     )
     out = tmp_path / "back.jsonl"
     _cli("convert", url, "--to", "vllm", "--step", "0", str(out))
-    exported = {line["sample_id"]: line["routed_experts"] for line in map(json.loads, out.read_text().splitlines())}
+    exported = {
+        line["sample_id"]: line["response"]["choices"][0]["routed_experts"]
+        for line in map(json.loads, out.read_text().splitlines())
+    }
     assert [exported[f"{response['id']}/{c['index']}"] for c in response["choices"]] == [
         c["routed_experts"] for c in response["choices"]
     ]

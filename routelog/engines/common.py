@@ -134,9 +134,10 @@ def decode_base64(text: Any, where: str, name: str) -> bytes:
         raise IngestError(f"{where}: {name} is not valid base64 (truncated?): {exc}") from None
 
 
-def load_npy(raw: bytes, where: str, name: str) -> npt.NDArray[Any]:
+def load_npy(raw: bytes, where: str, name: str, *, text: bool = False) -> npt.NDArray[Any]:
     """An ``.npy`` file's array, never unpickled, with the header checked against the bytes actually present:
-    a header that claims 10**12 elements is refused, not allocated."""
+    a header that claims 10**12 elements is refused, not allocated. Numbers only, or, with ``text`` (id fields),
+    fixed-width strings too (unicode or bytes: no pickle either); object arrays never."""
     stream = io.BytesIO(raw)
     try:
         major, _minor = np.lib.format.read_magic(stream)
@@ -148,8 +149,9 @@ def load_npy(raw: bytes, where: str, name: str) -> npt.NDArray[Any]:
             raise ValueError(f"unknown .npy version {major}")
     except (ValueError, OSError, SyntaxError, EOFError) as exc:
         raise IngestError(f"{where}: {name} is not a valid .npy array ({exc})") from None
-    if dtype.hasobject or dtype.kind not in "biuf":
-        raise IngestError(f"{where}: {name} has dtype {dtype}; routing payloads are plain numbers")
+    if dtype.hasobject or dtype.kind not in ("biufUS" if text else "biuf"):
+        allowed = "plain numbers or fixed-width strings" if text else "plain numbers"
+        raise IngestError(f"{where}: {name} has dtype {dtype}; it must hold {allowed} (object arrays are never read)")
     count = math.prod(shape)
     body = raw[stream.tell() :]
     if count * dtype.itemsize != len(body):

@@ -130,7 +130,11 @@ def records_from_arrays(
         prompt_length = int(arrays["attention_mask"].shape[1] - np.asarray(arrays["responses"]).shape[1])
     else:
         raise IngestError(f"{name}: give the prompt length as 'prompt_length' or a 'prompts'/'responses' tensor")
-    sample_ids = [str(s) for s in arrays["sample_ids"]] if "sample_ids" in arrays else None
+    sample_ids = (
+        [s.decode() if isinstance(s, bytes) else str(s) for s in np.asarray(arrays["sample_ids"]).reshape(-1)]
+        if "sample_ids" in arrays
+        else None
+    )
     return records_from_batch(
         arrays["routed_experts"],
         arrays["attention_mask"],
