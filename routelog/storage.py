@@ -272,6 +272,14 @@ def _modified(info: Mapping[str, Any]) -> float:
     return 0.0
 
 
+def _is_object(fs: Any, root: str) -> bool:
+    """Whether ``root`` names an object itself (one request); an error here is left to the store's first use."""
+    try:
+        return bool(root) and bool(fs.isfile(root))
+    except Exception:  # credentials, permissions, throttling: reported by the operation that needs them
+        return False
+
+
 @dataclass
 class Storage:
     """A store root on some filesystem; keys are ``/``-separated paths relative to the root."""
@@ -313,9 +321,12 @@ class Storage:
         try:
             fs, root = fsspec.core.url_to_fs(url, **options)
         except ImportError as exc:
-            raise StoreError(
-                f"cannot open {url!r}: {exc}. For S3 install the extra: pip install 'routelog[s3]'"
-            ) from exc
+            fix = (
+                "install the extra: pip install 'routelog[s3]'"
+                if protocol in ("s3", "s3a")
+                else f"install fsspec's filesystem for {protocol}:// (its error above names the package)"
+            )
+            raise StoreError(f"cannot open {url!r}: {exc}. To use it, {fix}") from exc
         except ValueError as exc:
             raise StoreError(f"cannot open {url!r}: {exc}") from exc
         if protocol in ("file", "local") and os.path.isfile(root):
@@ -323,6 +334,10 @@ class Storage:
         storage = cls(url=url.rstrip("/"), fs=fs, root=str(root).rstrip("/"), storage_options=options)
         if storage.endpoint:
             check_reachable(storage.endpoint)
+        if protocol not in ("file", "local") and _is_object(fs, storage.root):
+            raise StoreError(
+                f"{url} is an object: a store is an object prefix (a directory); pass a prefix no object is named"
+            )
         return storage
 
     @property

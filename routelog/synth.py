@@ -122,8 +122,9 @@ def synth_routing(
 
 
 def synth_records(spec: ModelSpec, config: SynthConfig) -> Iterator[Record]:
-    """Deterministic synthetic records (same ``seed`` -> same records)."""
-    rng = np.random.default_rng(config.seed)
+    """Deterministic synthetic records (same ``seed`` and ``step`` -> same records; another step, other routing)."""
+    # Each step draws its own routing (a run's steps differ, as training's do); step 0 keeps the seed alone.
+    rng = np.random.default_rng(config.seed if config.step == 0 else [config.seed, config.step])
     popularity = (
         [rng.dirichlet(np.full(spec.num_experts, 1.0 / config.skew)) for _ in range(spec.num_moe_layers)]
         if config.skew > 0

@@ -66,6 +66,18 @@ def test_s3_unreachable_endpoint_fails_fast_naming_it(s3_endpoint: str) -> None:
     _one_line_error(via_options, EXIT_STORAGE, endpoint, "--storage-options")
 
 
+def test_s3_url_that_is_an_object(s3_endpoint: str, s3_bucket: str) -> None:
+    """As a local file is refused, an object is: neither read as an empty store nor written under."""
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_endpoint).put_object(Bucket=s3_bucket, Key="notes.txt", Body=b"not a store")
+    url = f"s3://{s3_bucket}/notes.txt"
+    _one_line_error(_cli("inspect", url), EXIT_USAGE, "is an object", "prefix")
+    _one_line_error(_cli("synth", url, *SYNTH), EXIT_USAGE, "is an object")
+    listed = boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=s3_bucket)
+    assert [o["Key"] for o in listed.get("Contents", [])] == ["notes.txt"], "nothing written under it"
+
+
 def test_url_that_is_a_file(tmp_path: Path) -> None:
     path = tmp_path / "notes.txt"
     path.write_text("not a store")
@@ -138,9 +150,59 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
 def test_version_and_usage_errors() -> None:
     version = _cli("--version")
     assert version.returncode == 0 and __version__ in version.stdout and "format" in version.stdout
-    usage = _cli("ls")
-    assert usage.returncode == EXIT_USAGE and "Missing argument" in usage.stderr
-    assert _cli("no-such-command").returncode == EXIT_USAGE
+    _one_line_error(_cli("ls"), EXIT_USAGE, "Missing argument", "routelog ls --help")
+    _one_line_error(_cli("no-such-command"), EXIT_USAGE, "no-such-command")
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("--records", "-3"), ("'--records'", "greater than or equal to 1")),
+        (("--tokens", "0"), ("'--tokens'",)),
+        (("--experts", "70000"), ("'--experts'", "65536")),
+        (("--topk", "0"), ("'--topk'",)),
+        (("--bogus",), ("No such option: --bogus", "synth --help")),
+    ],
+)
+def test_a_users_mistake_is_a_one_line_usage_error(
+    tmp_path: Path, args: tuple[str, ...], words: tuple[str, ...]
+) -> None:
+    """Never "internal error ... please report it": a bad option value is exit 2, one line, what to change; and
+    nothing is created."""
+    url = tmp_path / "run"
+    line = _one_line_error(_cli("synth", str(url), *args), EXIT_USAGE, *words)
+    assert "internal error" not in line and not url.exists()
+
+
+def test_a_figure_path_is_checked_before_any_work(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    assert _cli("synth", url, *SYNTH).returncode == 0
+    _one_line_error(_cli("stats", url, "--plot", str(tmp_path / "x.txt")), EXIT_USAGE, "x.txt", ".png, .svg, .pdf")
+    assert not (tmp_path / "x.txt").exists()
+
+
+def test_debug_anywhere_keeps_the_exit_code_and_json_failures_reach_stdout(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nowhere")
+    for args in (("--debug", "inspect", missing), ("inspect", missing, "--debug")):
+        result = _cli(*args)
+        assert result.returncode == EXIT_USAGE, result.stderr  # the code the plain run has
+        assert "Traceback" in result.stderr and result.stderr.rstrip().splitlines()[-1].startswith("error: ")
+    failed = _cli("inspect", missing, "--json")
+    assert failed.returncode == EXIT_USAGE
+    document = json.loads(failed.stdout)
+    assert document["exit_code"] == EXIT_USAGE and "no routelog store" in document["error"]
+
+
+def test_messages_keep_their_brackets(tmp_path: Path) -> None:
+    """Printed without markup: ``routelog[s3]`` stays whole (a rich console would eat ``[s3]``)."""
+    spec = tmp_path / "spec.json"
+    spec.write_text("{")
+    result = _cli("synth", str(tmp_path / "run"), "--model-spec", str(spec), "--sample-prefix", "[x]")
+    line = _one_line_error(result, EXIT_USAGE)
+    assert str(spec) in line
+    code = "import sys; from routelog.cli.main import _fail; _fail(\"pip install 'routelog[s3]'\", 2)"
+    captured = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert "routelog[s3]" in captured.stderr and captured.returncode == EXIT_USAGE
 
 
 def test_an_output_path_the_os_refuses_names_the_path_and_the_fix(tmp_path: Path) -> None:

@@ -365,3 +365,32 @@ def test_verl_batches_round_trip_with_their_sample_ids(tmp_path: Path, spec_file
         app, ["ingest", str(batch), "--engine", "verl", "--model-spec", str(spec_file), "--to", again, "--step", "1"]
     )
     assert result.exit_code != 0 and "object arrays need pickle, which routelog refuses" in str(result.exception)
+
+
+def test_stream_chunks_and_aborts_say_what_they_are(tmp_path: Path) -> None:
+    """A streamed generate file without --stream-request, or its lone final chunk, is named a stream chunk with the
+    option that reads it; an aborted SGLang request points to --skip-absent."""
+    engines = Path(__file__).parent / "fixtures" / "engines"
+    stream = engines / "vllm-0.33.0-generate-stream"
+    spec = str(stream / "model_spec.json")
+    last = tmp_path / "last.jsonl"
+    last.write_text((stream / "stream.jsonl").read_text().splitlines()[-1] + "\n")
+    for source in (stream / "stream.jsonl", last):
+        result = runner.invoke(
+            app, ["ingest", str(source), "--engine", "vllm", "--model-spec", spec, "--to", str(tmp_path / "s"),
+                  "--step", "0"],
+        )  # fmt: skip
+        assert result.exit_code != 0
+        message = str(result.exception)
+        assert "chunk of a streamed response" in message and "--stream-request" in message, message
+        assert "--enable-return-routed-experts" not in message
+    _run("ingest", str(stream / "stream.jsonl"), "--engine", "vllm", "--model-spec", spec, "--to",
+         str(tmp_path / "s"), "--step", "0", "--stream-request", str(stream / "request.json"))  # fmt: skip
+    abort = engines / "sglang-0.5.23-generate-abort"
+    log = tmp_path / "abort.jsonl"  # the second response was aborted before it was scheduled: no routing
+    log.write_text("".join(json.dumps(r) + "\n" for r in json.loads((abort / "responses.json").read_text())))
+    result = runner.invoke(
+        app, ["ingest", str(log), "--engine", "sglang", "--model-spec", str(abort / "model_spec.json"), "--to",
+              str(tmp_path / "a"), "--step", "0"],
+    )  # fmt: skip
+    assert result.exit_code != 0 and "--skip-absent" in str(result.exception), result.exception

@@ -22,7 +22,18 @@ from routelog.cli.app import (
 )
 
 StepsOption = Annotated[list[int] | None, typer.Option("--step", help="Step to include (repeatable; default: all).")]
-PlotOption = Annotated[Path | None, typer.Option("--plot", help="Write a figure (PNG) here.")]
+FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def _figure_path(path: Path | None) -> Path | None:
+    if path is not None and path.suffix.lower() not in FIGURE_SUFFIXES:
+        raise typer.BadParameter(f"{path}: a figure is written as {', '.join(FIGURE_SUFFIXES)}; name it so")
+    return path
+
+
+PlotOption = Annotated[
+    Path | None, typer.Option("--plot", help="Write a figure here (.png, .svg or .pdf).", callback=_figure_path)
+]
 R = TypeVar("R")
 RayFlag = Annotated[
     bool, typer.Option("--ray", help="Spread the work over a Ray cluster (RAY_ADDRESS, or a local one).")

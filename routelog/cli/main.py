@@ -1,4 +1,5 @@
-"""The entry point: every error becomes one line on stderr and an exit code; ``--debug`` shows the traceback.
+"""The entry point: every error becomes one line on stderr and an exit code (with ``--json``, also
+``{"error", "exit_code"}`` on stdout); ``--debug`` shows the traceback as well.
 
 Exit codes:
 
@@ -13,10 +14,14 @@ Exit codes:
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import traceback
 
 import typer
+from pydantic import ValidationError
+from rich.text import Text
 
 from routelog.cli.app import DEBUG_ENV, app, err_console
 from routelog.errors import RoutelogError, StoreAccessError, StoreUnreachableError, WriteInterruptedError
@@ -31,9 +36,33 @@ EXIT_INTERRUPTED = 130
 _ClickException: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
+_JSON_ERRORS: list[bool] = [False]
+"""Whether the command was asked for ``--json``: its failure is then also a JSON object on stdout."""
+
+
 def _fail(message: str, code: int) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True, markup=True)
+    # The message is printed as it is: no markup, so brackets ("routelog[s3]") and paths survive.
+    err_console.print(Text.assemble(("error: ", "bold red"), message), highlight=False, soft_wrap=True)
+    if _JSON_ERRORS[0]:
+        print(json.dumps({"error": message, "exit_code": code}), flush=True)
     sys.exit(code)
+
+
+def _usage(exc: Exception) -> str:
+    """A usage error in one line, with where to read the command's options."""
+    context = getattr(exc, "ctx", None)
+    command = getattr(context, "command_path", None) or "routelog"
+    message = getattr(exc, "format_message", lambda: str(exc))()
+    return f"{_one_line(Exception(message))} (see: {command} --help)"
+
+
+def _validation(exc: ValidationError) -> str:
+    """A pydantic validation error in one line: each field and what is wrong with it."""
+    parts = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error.get("loc", ())) or "value"
+        parts.append(f"{field}: {error.get('msg')}")
+    return "; ".join(parts) or _one_line(exc)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -57,25 +86,31 @@ def _path_error(exc: OSError) -> str:
 
 
 def main() -> None:
-    """Run the command line."""
-    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") or "--debug" in sys.argv[1:]
+    """Run the command line. ``--debug`` may come anywhere on it (before or after the command): it prints the
+    traceback of an error, which still ends in the same one line and exit code."""
+    arguments = sys.argv[1:]
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") or "--debug" in arguments
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
+    _JSON_ERRORS[0] = "--json" in arguments
     try:
-        code = app(standalone_mode=False)
-    except _ClickException as exc:  # usage errors: shown with the command's usage line
-        exc.show()  # type: ignore[attr-defined]
-        sys.exit(exc.exit_code)  # type: ignore[attr-defined]
+        code = app(args=[a for a in arguments if a != "--debug"], standalone_mode=False)
+    except _ClickException as exc:  # usage errors: one line, and where the command's options are
+        _fail(_usage(exc), int(getattr(exc, "exit_code", EXIT_USAGE)))
     except typer.Abort:  # Ctrl-C outside a writer
         _fail("interrupted", EXIT_INTERRUPTED)
     except WriteInterruptedError as exc:
         _fail(_one_line(exc), EXIT_INTERRUPTED)
     except Exception as exc:
         if debug:
-            raise
-        hint = f" (run with --debug or {DEBUG_ENV}=1 for the traceback)"
+            traceback.print_exc()
+        hint = "" if debug else f" (run with --debug or {DEBUG_ENV}=1 for the traceback)"
         if isinstance(exc, (StoreAccessError, StoreUnreachableError)):
             _fail(_one_line(exc), EXIT_STORAGE)
         elif isinstance(exc, RoutelogError):
             _fail(_one_line(exc), EXIT_USAGE)
+        elif isinstance(exc, ValidationError):  # a value the user gave (a model spec field, an option)
+            _fail(_validation(exc), EXIT_USAGE)
         elif isinstance(exc, OSError):  # an input or output path of the command
             _fail(_path_error(exc), EXIT_USAGE)
         else:

@@ -138,8 +138,12 @@ def cat(
 
 
 @app.command()
-def spec(hf_config: Annotated[Path, typer.Option("--hf-config", help="A HF config.json.")]) -> None:
-    """Print the model spec (layer map) derived from a HF config.json."""
+def spec(
+    hf_config: Annotated[Path, typer.Option("--hf-config", help="A HF config.json.")],
+    json_out: Annotated[bool, typer.Option("--json", help="JSON on stdout (what spec always prints).")] = False,
+) -> None:
+    """Print the model spec (layer map) derived from a HF config.json, as JSON (``--model-spec`` reads it)."""
+    del json_out
     typer.echo(load_spec(hf_config).model_dump_json(indent=1))
 
 
@@ -157,8 +161,8 @@ def convert(
         Path,
         typer.Argument(
             help=".jsonl for an engine's HTTP form (vllm, vllm-0.21, sglang, nemo-rl, ms-swift, megatron): one line "
-            'per record, {"sample_id", "routed_experts", ...} as the engine sends them (megatron: a server response); '
-            ".npz for arrays (verl, slime, full, moe, "
+            'per record, {"sample_id", "request", "response"}, the response the engine sends for it (megatron: the '
+            "response alone), which ingest --engine reads back; .npz for arrays (verl, slime, full, moe, "
             "vllm, sglang): one array per record named by its sample id ('<sample id>/<field>' for slime), or one "
             "padded batch for verl."
         ),

@@ -31,6 +31,7 @@ from routelog.cli.app import (
     storage_options,
     try_open,
 )
+from routelog.spec import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_TOPK
 from routelog.steplog import read_seal_marker
 
 FlushBytes = Annotated[
@@ -64,17 +65,24 @@ def _choice(value: str, option: str, allowed: tuple[str, ...]) -> str:
 def synth(
     url: UrlArgument,
     step: Annotated[int, typer.Option(help="RL step to write.")] = 0,
-    records: Annotated[int, typer.Option(help="Records to write.")] = 16,
-    tokens: Annotated[int, typer.Option(help="Tokens per record (the mean with --ragged).")] = 512,
+    records: Annotated[int, typer.Option(help="Records to write.", min=1)] = 16,
+    tokens: Annotated[int, typer.Option(help="Tokens per record (the mean with --ragged).", min=1)] = 512,
     layers: Annotated[
-        int | None, typer.Option(help="MoE layers, all layers MoE (default 8, or the existing store's spec).")
+        int | None,
+        typer.Option(
+            help="MoE layers, all layers MoE (default 8, or the existing store's spec).", min=1, max=MAX_MOE_LAYERS
+        ),
     ] = None,
-    experts: Annotated[int | None, typer.Option(help="Routed experts per layer (default 64).")] = None,
-    topk: Annotated[int | None, typer.Option(help="Experts per token per layer (default 8).")] = None,
+    experts: Annotated[
+        int | None, typer.Option(help="Routed experts per layer (default 64).", min=1, max=MAX_EXPERTS)
+    ] = None,
+    topk: Annotated[
+        int | None, typer.Option(help="Experts per token per layer (default 8).", min=1, max=MAX_TOPK)
+    ] = None,
     model_spec: Annotated[
         Path | None, typer.Option(help="Model spec JSON (or a HF config.json) instead of --layers/--experts/--topk.")
     ] = None,
-    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    seed: Annotated[int, typer.Option(help="Random seed (mixed with --step: each step draws its own routing).")] = 0,
     skew: Annotated[float, typer.Option(help="Expert popularity skew (0 = uniform).")] = 0.0,
     locality: Annotated[float, typer.Option(help="Probability a token reuses the previous token's experts.")] = 0.0,
     ragged: Annotated[bool, typer.Option(help="Ragged lengths around --tokens.")] = False,
@@ -111,7 +119,9 @@ def synth(
     elif layers is None and experts is None and topk is None and (existing := try_open(url, options)):
         spec = existing.model_spec
     else:
-        spec = synthetic_spec(layers or 8, experts or 64, topk or 8)
+        spec = synthetic_spec(
+            8 if layers is None else layers, 64 if experts is None else experts, 8 if topk is None else topk
+        )
     config = SynthConfig(
         records=records,
         tokens=tokens,

@@ -102,7 +102,7 @@ def _absent(finish: Any, where: str, *, first_choice_only: bool = False) -> Rout
     if finish.get("type") == "abort":
         return RoutingAbsentError(
             f"{where}: the request was aborted ({finish.get('message')!r}) before SGLang computed routing for it; "
-            "drop the sample",
+            "drop the sample (routelog ingest --skip-absent skips and counts such samples)",
             "aborted",
         )
     return RoutingAbsentError(

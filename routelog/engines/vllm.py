@@ -134,7 +134,8 @@ def absent(choice: Mapping[str, Any], engine_version: str | None, where: str) ->
     if finish == "abort":
         return RoutingAbsentError(
             f"{where}: the request was aborted before vLLM returned its routing (vLLM 0.21 and the in-process "
-            "0.14-0.20 return none for aborts, 0.22+ only when aborted before the first step); drop the sample",
+            "0.14-0.20 return none for aborts, 0.22+ only when aborted before the first step); drop the sample "
+            "(routelog ingest --skip-absent skips and counts such samples)",
             "aborted",
         )
     if finish == "stop" and isinstance(stop_reason, str) and (v021 or version is None):
@@ -220,6 +221,8 @@ def _records_from_http(
         raw_output = choice.get("token_ids", message.get("generation_token_ids"))
         output = None if raw_output is None else token_ids_field(raw_output, here, "token_ids")
         routed = choice.get("routed_experts", message.get("routed_experts"))
+        if "finish_reason" in choice and choice["finish_reason"] is None and routed is None:
+            raise IngestError(f"{here}: {_STREAM_CHUNK}")
         if routed is None and not (shared_prompt_rows is not None and output is not None and len(output) == 1):
             error = absent(choice, options.engine_version, here)
             if on_absent is None:
@@ -227,9 +230,14 @@ def _records_from_http(
             on_absent(error)
             continue
         if prompt is None:
+            stream = "request_id" in response and "id" not in response  # generate's chunks carry request_id
             raise IngestError(
-                f"{here}: no prompt token ids in the response or the request; send 'return_token_ids': true (or a "
-                "token-id prompt) with the request"
+                f"{here}: no prompt token ids in the response or the request; "
+                + (
+                    f"if this line is the final chunk of a streamed generate response: {_STREAM_CHUNK}"
+                    if stream
+                    else "send 'return_token_ids': true (or a token-id prompt) with the request"
+                )
             )
         if routed is None or isinstance(routed, list):  # vLLM 0.21: generation rows, prompt rows apart
             borrowed = prompts[0] is not None and np.array_equal(prompt, prompts[0])
@@ -260,6 +268,13 @@ def _records_from_http(
             )
         )
     return records
+
+
+_STREAM_CHUNK = (
+    "this is a chunk of a streamed response (a complete response has a finish_reason and carries the prompt's "
+    "token ids); ingest the whole stream, one file per streamed request, with --stream-request REQUEST.json "
+    "(records_from_stream in Python)"
+)
 
 
 def _prompt_start(request: Mapping[str, Any], where: str) -> int:
