@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from routelog.spec import ModelSpec
 
@@ -29,8 +30,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 _WIDE = None if sys.stdout.isatty() else 160  # redirected output: do not cut tables at 80 columns
-console = Console(width=_WIDE)
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+# No markup anywhere: what is printed (sample ids, paths, messages naming "routelog[s3]") is printed as it is.
+console = Console(width=_WIDE, markup=False)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160, markup=False)
 
 DEBUG_ENV = "ROUTELOG_DEBUG"
 """Set to 1 to see the traceback of any error (the same as ``--debug``)."""
@@ -116,6 +118,13 @@ def print_json(value: Any) -> None:
 def say(message: str) -> None:
     """A human-readable note on stderr."""
     err_console.print(message, highlight=False, soft_wrap=True)
+
+
+def labeled(label: str, style: str, message: str, *, stderr: bool = True) -> None:
+    """``label: message``, the label styled, the message printed as it is."""
+    (err_console if stderr else console).print(
+        Text.assemble((f"{label}:", style), " ", message), highlight=False, soft_wrap=True
+    )
 
 
 def progress_bar() -> Progress:

@@ -4,7 +4,8 @@
 Exit codes:
 
 - 0: done.
-- 1: a check found problems (``verify`` on an unsound store, ``gc`` facing damaged documents).
+- 1: a check found problems (``verify`` on an unsound store, ``gc`` facing damaged documents), or ``ingest
+  --partial`` left invalid input out (the valid records are written).
 - 2: the command cannot run as asked: a bad option, invalid input, a step or store that does not exist, a store
   that is damaged or refuses the write. The message names what and how to fix it.
 - 3: the storage cannot be used as configured: no credentials, access denied, an unreachable endpoint.

@@ -9,6 +9,7 @@ from typing import Annotated, Any, cast
 import numpy as np
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from routelog.cli.app import (
     JsonFlag,
@@ -16,7 +17,7 @@ from routelog.cli.app import (
     UrlArgument,
     app,
     console,
-    err_console,
+    labeled,
     load_spec,
     open_url,
     plural,
@@ -38,7 +39,9 @@ def inspect(url: UrlArgument, json_out: JsonFlag = False, storage_options_: Stor
         print_json(summary)
         return
     spec = summary["model_spec"]
-    console.print(f"[bold]{summary['url']}[/]  run {summary['run_id']}  format v{summary['format_version']}")
+    console.print(
+        Text.assemble((str(summary["url"]), "bold"), f"  run {summary['run_id']}  format v{summary['format_version']}")
+    )
     moe = list(spec["moe_layers"])
     console.print(
         f"model {spec['name']}: {spec['num_layers']} layers, {len(moe)} MoE {moe[:12]}{'...' if len(moe) > 12 else ''}"
@@ -216,13 +219,16 @@ def verify(url: UrlArgument, json_out: JsonFlag = False, storage_options_: Stora
         )
     else:
         for note in report.notes:
-            err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+            labeled("note", "yellow", note)
         for problem in report.problems:
-            err_console.print(f"[bold red]problem:[/] {problem}", highlight=False, soft_wrap=True)
-        verdict = "[green]sound[/]" if report.ok else f"[red]{plural(len(report.problems), 'problem')}[/]"
+            labeled("problem", "bold red", problem)
+        verdict = ("sound", "green") if report.ok else (plural(len(report.problems), "problem"), "red")
         console.print(
-            f"{store.url}: {plural(report.steps, 'step')}, {plural(report.commits, 'commit')}, "
-            f"{plural(report.records, 'record')}, {plural(report.objects, 'object')} checked: {verdict}",
+            Text.assemble(
+                f"{store.url}: {plural(report.steps, 'step')}, {plural(report.commits, 'commit')}, "
+                f"{plural(report.records, 'record')}, {plural(report.objects, 'object')} checked: ",
+                verdict,
+            ),
             highlight=False,
         )
     if not report.ok:

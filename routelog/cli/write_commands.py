@@ -21,7 +21,7 @@ from routelog.cli.app import (
     UrlArgument,
     app,
     console,
-    err_console,
+    labeled,
     load_spec,
     open_url,
     plural,
@@ -255,7 +255,9 @@ def ingest(
     partial: Annotated[
         bool,
         typer.Option(
-            "--partial", help="Write the valid records and report the invalid ones (default: write nothing if any is)."
+            "--partial",
+            help="Write the valid records and report the invalid ones, exiting 1 if there were any (default: write "
+            "nothing if any is invalid).",
         ),
     ] = False,
     writer_id: Annotated[
@@ -308,7 +310,7 @@ def ingest(
     if json_out:
         print_json(asdict(report))
     for problem in report.invalid[:20]:
-        err_console.print(f"[yellow]invalid:[/] {problem}", highlight=False, soft_wrap=True)
+        labeled("invalid", "yellow", problem)
     if len(report.invalid) > 20:
         say(f"... and {len(report.invalid) - 20} more invalid (all of them in --json)")
     absent = f"; skipped {sum(report.absent.values())} without routing {report.absent}" if report.absent else ""
@@ -317,6 +319,8 @@ def ingest(
         f"ingest: {report.new} new, {report.already_present} already present in step {step} of {report.url} "
         f"({plural(report.parts, 'part')}, writer {report.writer_id}){absent}{invalid}"
     )
+    if report.invalid:  # --partial wrote the valid records: exit 1 says some input was not (exit codes: main.py)
+        raise typer.Exit(1)
 
 
 # -- drop, seal, gc ---------------------------------------------------------------------------------------------
@@ -434,7 +438,7 @@ def gc(
             raise typer.Exit(1)
         return
     for damage in report.damaged:
-        err_console.print(f"[bold red]damaged:[/] {damage}", highlight=False, soft_wrap=True)
+        labeled("damaged", "bold red", damage)
     for key, size in sorted(report.orphans.items()):
         console.print(f"{'deleted' if report.deleted else 'orphan'} {key} ({size:,} bytes)", highlight=False)
     for name in report.dead_parts:
