@@ -287,9 +287,15 @@ def run_dense(model: Any, prompts: Any, config: DemoConfig, progress: Progress) 
 
 
 def run_demo(
-    out_dir: Path, *, store_url: str | None = None, quick: bool = False, progress: Progress | None = None
+    out_dir: Path,
+    *,
+    store_url: str | None = None,
+    quick: bool = False,
+    progress: Progress | None = None,
+    started: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Run everything; write ``metrics.json`` and ``report.png`` into ``out_dir`` and return the metrics."""
+    """Run everything; write ``metrics.json`` and ``report.png`` into ``out_dir`` and return the metrics. Each
+    store's URL is appended to ``started`` as its model begins (what an interrupted run leaves behind)."""
     import torch
 
     say = progress or (lambda message: None)
@@ -304,6 +310,8 @@ def run_demo(
     results = []
     for name in MOE_MODELS:
         url = f"{base}/{name}-{time.strftime('%Y%m%d-%H%M%S')}-{config.seed}"
+        if started is not None:
+            started.append(url)
         torch.manual_seed(config.seed + 1)
         results.append(run_moe_model(name, models[name], prompts, config, url, say))
     torch.manual_seed(config.seed + 1)

@@ -260,8 +260,8 @@ def test_figures_handle_zeros_single_steps_and_integer_counts(runs: dict[str, ob
     plt.close(fig)
     a = str(runs["a"])
     mismatch_figure(audit.mismatch(a, [1]), tmp_path / "one-step-mismatch.png")
-    drift_figure(audit.drift(a, steps=[1]), tmp_path / "one-step-drift.png")
-    assert (tmp_path / "one-step-drift.png").stat().st_size > 5_000
+    with pytest.raises(routelog.RecordNotFoundError, match="step 1 and no --other run: nothing to compare"):
+        audit.drift(a, steps=[1])  # one rule for every audit: nothing to compute is refused (exit 2 on the CLI)
 
 
 def test_cli_audits(runs: dict[str, object], tmp_path: Path) -> None:
@@ -296,3 +296,74 @@ def test_routing_differences_count_set_differences() -> None:
     assert routing_differences(a, b).tolist() == expected.tolist()
     assert routing_differences(np.sort(a, -1), np.sort(b, -1), assume_sorted=True).tolist() == expected.tolist()
     assert routing_differences(a[:, :, ::-1], a).max() == 0  # order within a row does not matter
+
+
+def _rendered(monkeypatch: pytest.MonkeyPatch, draw: object, result: object) -> object:
+    """The matplotlib figure ``draw`` builds for ``result``, drawn (not saved)."""
+    from routelog.audit import figures
+
+    kept: list[object] = []
+    monkeypatch.setattr(figures, "_save", lambda fig, path: kept.append(fig))
+    draw(result, Path("unused.png"))  # type: ignore[operator]
+    (fig,) = kept
+    fig.canvas.draw()  # type: ignore[attr-defined]
+    return fig
+
+
+def _inside(fig: object) -> None:
+    """Every title (the figure's and each axes') lies inside the figure at its default size: nothing is cut."""
+    width, height = fig.canvas.get_width_height()  # type: ignore[attr-defined]
+    texts = [ax.title for ax in fig.axes] + ([fig._suptitle] if fig._suptitle is not None else [])  # type: ignore[attr-defined]
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    for text in texts:
+        if not text.get_text():
+            continue
+        box = text.get_window_extent(renderer)
+        assert box.x0 >= -1 and box.x1 <= width + 1 and box.y1 <= height + 1, text.get_text()
+
+
+def test_degenerate_figures_do_not_mislead(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No drift at all, no mismatch at all, and the demo's KL bars: zeros are drawn at 0 on a linear axis from 0
+    (no negative ticks, no colour scale forced above the values), bars compare linearly, titles and the largest
+    point fit the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = make_records(12, 0)
+    same = str(tmp_path / "same")
+    write(same, {0: records, 1: records}, train_noise=0.0)
+    drift = audit.drift(same)
+    assert all(pair.max_js == 0 for pair in drift.consecutive)
+    fig = _rendered(monkeypatch, drift_figure, drift)
+    (heat, _bar) = fig.axes  # type: ignore[attr-defined]
+    assert heat.images[0].norm.vmin == 0, "the scale starts at no drift"
+    assert any("no drift" in t.get_text() for t in heat.texts)
+    _inside(fig)
+
+    zero = audit.mismatch(same)
+    assert all(s.kl_k3 == 0 and not any(s.extreme.values()) for s in zero.steps)
+    fig = _rendered(monkeypatch, mismatch_figure, zero)
+    for ax in fig.axes:  # type: ignore[attr-defined]
+        low, high = ax.get_ylim()
+        assert ax.get_yscale() == "linear" and -0.05 <= low <= 0 < high
+        assert all(tick >= 0 for tick in ax.get_yticks() if low <= tick <= high), "no negative ticks"
+    _inside(fig)
+
+    other = str(tmp_path / "other")
+    write(other, {0: perturb(records, 0.3, 5)})
+    result = audit.diff(same, other, step=0)
+    fig = _rendered(monkeypatch, diff_figure, result)
+    sequences = fig.axes[2]  # type: ignore[attr-defined]
+    assert sequences.get_xlim()[1] > max(result.sequence_means), "the largest point is not cut at the edge"
+    _inside(fig)
+
+    from routelog.demo_report import _kl_panel
+
+    fig, ax = plt.subplots()
+    _kl_panel(ax, {"no_replay": {"kl_k3": 4.2e-4}, "replay": {"kl_k3": 2.0e-4}}, 8.7e-4)
+    assert ax.get_yscale() == "linear" and ax.get_ylim()[0] == 0, "bars compare as the values do"
+    labels = [t.get_text() for t in ax.texts]
+    assert any("0.48x" in label for label in labels), labels
+    plt.close(fig)

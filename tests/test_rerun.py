@@ -147,6 +147,34 @@ def test_synth_twice_and_after_ctrl_c(tmp_path: Path) -> None:
     assert store.verify().ok
 
 
+def test_ctrl_c_in_the_demo_says_what_it_left_and_how_to_start_over(tmp_path: Path) -> None:
+    """Interrupted once its first store exists, ``routelog demo`` exits 130 naming the store it had begun and the
+    command that starts over; no traceback."""
+    out = tmp_path / "demo"
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "routelog", "demo", "--quick", "--out", str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    stores = out / "store"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not (stores.exists() and any(stores.iterdir())):
+        time.sleep(0.05)
+    assert proc.poll() is None, "the demo finished before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    first = sorted(p.name for p in stores.iterdir() if not p.name.endswith("-train"))[0]
+    assert "interrupted: routelog demo stopped" in err and first in err, err
+    assert f"routelog demo --out {out}" in err and "Traceback" not in err
+    assert not (out / "report.png").exists()
+
+
 def test_drop_then_gc_reclaims_and_as_of_shows_the_past(tmp_path: Path) -> None:
     url = str(tmp_path / "run")
     base = ["--layers", "2", "--experts", "8", "--topk", "2", "--tokens", "12"]

@@ -9,6 +9,7 @@ import numpy.typing as npt
 from pydantic import BaseModel
 
 from routelog.audit.load import StepLoad
+from routelog.errors import RecordNotFoundError
 
 
 def js_divergence(p: npt.ArrayLike, q: npt.ArrayLike) -> npt.NDArray[np.float64]:
@@ -69,4 +70,11 @@ def drift(
             between.append(
                 drift_pair(f"{url} steps {common[0]}-{common[-1]}", f"{other_url} (same steps)", pooled_a, pooled_b)
             )
+    if not consecutive and not between:  # as every audit: nothing to compute is refused, naming what it needs
+        held = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+        with_other = f" and {other_url} holds none of them" if other_url is not None else " and no --other run"
+        raise RecordNotFoundError(
+            f"{url}: {held}{with_other}: nothing to compare; drift needs two steps of a run (--step A --step B), "
+            "or the same step in two runs (--other URL)"
+        )
     return DriftResult(url=url, layers=layers, consecutive=consecutive, other_url=other_url, between_runs=between)

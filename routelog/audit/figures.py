@@ -58,12 +58,13 @@ def step_axis(ax: Any, steps: Sequence[int]) -> None:
 
 def zero_safe_log(ax: Any, values: np.ndarray, axis: str = "y") -> None:
     """A log axis that also shows zeros: symmetric-log (linear below the smallest positive decade) when some
-    values are zero, plain log when none is, linear when all are."""
+    values are zero, plain log when none is, linear from 0 to 1 when all are."""
     set_scale = ax.set_yscale if axis == "y" else ax.set_xscale
     finite = np.asarray(values, np.float64)
     finite = finite[np.isfinite(finite)]
     positive = finite[finite > 0]
-    if positive.size == 0:
+    if positive.size == 0:  # every value is 0 (or none): a linear axis from 0, no negative ticks
+        (ax.set_ylim if axis == "y" else ax.set_xlim)(-0.03, 1)  # a zero sits just above the frame
         return
     if positive.size == finite.size:
         set_scale("log")
@@ -102,13 +103,16 @@ def sequence_panel(ax: Any, series: Mapping[str, np.ndarray], *, title: str, xla
         for i, (label, v) in enumerate(values.items()):
             style = SERIES_STYLES[i % len(SERIES_STYLES)]
             jitter = rng.uniform(-0.12, 0.12, v.size)
-            ax.scatter(v, i + jitter, s=28, color=style["color"], marker=style["marker"], alpha=0.8, label=label)
-            if v.size:
-                ax.plot([v.mean()] * 2, [i - 0.3, i + 0.3], color="black", lw=1.5)
+            ax.scatter(
+                v, i + jitter, s=28, color=style["color"], marker=style["marker"], alpha=0.8, label=label, zorder=3
+            )
+            if v.size:  # the mean as a bar under the points' band, so it never hides a point (all at 0 included)
+                ax.plot([v.mean()] * 2, [i - 0.42, i - 0.2], color="black", lw=2)
         ax.set_yticks(range(len(values)), list(values))
         ax.set_ylim(-0.6, len(values) - 0.4)
-        ax.set(title=f"{title}\n(each point a sequence, bar = mean)", xlabel=xlabel)
-        ax.set_xlim(left=min(0.0, ax.get_xlim()[0]))
+        ax.set(title=f"{title}\n(each point a sequence, bar below = mean)", xlabel=xlabel)
+        top = max((float(v.max()) for v in values.values() if v.size), default=0.0)
+        ax.set_xlim(min(0.0, ax.get_xlim()[0]), top * 1.08 if top > 0 else 1.0)  # room for the largest point
         return
     top = max((float(v.max()) for v in values.values() if v.size), default=1.0)
     bins = np.linspace(0, max(top, 1e-9), 30)
@@ -200,7 +204,10 @@ def diff_figure(result: DiffResult, path: Path) -> None:
     if result.router_diff_rate == 0:  # all bars are zero-height: say so instead of an empty panel
         axes[3].set_ylim(0, 1)
         axes[3].text(0.5, 0.5, "no decision differs", ha="center", va="center", transform=axes[3].transAxes)
-    fig.suptitle(f"Routing differences: {result.a}  vs  {result.b}  ({result.records_compared} records)", fontsize=10)
+    fig.suptitle(
+        f"Routing differences: {short_name(result.a)}  vs  {short_name(result.b)}  ({result.records_compared} records)",
+        fontsize=10,
+    )
     _save(fig, path)
 
 
@@ -214,7 +221,7 @@ def mismatch_figure(result: MismatchResult, path: Path) -> None:
         _router_diff_panel(axes[0][-1], result)
     if result.steps:
         _logprob_panels(axes[0][0], axes[0][1], result)
-    fig.suptitle(f"Training-inference mismatch of {result.url}", fontsize=10)
+    fig.suptitle(f"Training-inference mismatch of {short_name(result.url)}", fontsize=10)
     _save(fig, path)
 
 
@@ -258,8 +265,8 @@ def _router_diff_panel(ax: Any, result: MismatchResult) -> None:
 
 
 def drift_figure(result: DriftResult, path: Path) -> None:
-    """Jensen-Shannon divergence of expert load between consecutive steps (per layer), and between runs; a
-    single step without another run is said in words."""
+    """Jensen-Shannon divergence of expert load between consecutive steps (per layer), and between runs. The
+    colour scale is linear from 0 (no drift) to the largest value (JS is at most 1 bit)."""
     plt = _pyplot()
     panels = [
         p for p in ("consecutive", "between") if (result.consecutive if p == "consecutive" else result.between_runs)
@@ -267,14 +274,12 @@ def drift_figure(result: DriftResult, path: Path) -> None:
     fig, axes = plt.subplots(
         1, max(len(panels), 1), figsize=(7.5 * max(len(panels), 1), 4.5), squeeze=False, layout="constrained"
     )
-    if not panels:
-        axes[0][0].text(0.5, 0.5, "a single step and no other run:\nnothing to compare", ha="center", va="center")
-        axes[0][0].set_axis_off()
     for ax, panel in zip(axes[0], panels, strict=False):
         if panel == "consecutive":
             js = np.asarray([pair.js for pair in result.consecutive]).T  # [layers, pairs]
-            image = ax.imshow(js, aspect="auto", cmap="magma", interpolation="nearest", norm=_lognorm(js))
-            fig.colorbar(image, ax=ax, label="Jensen-Shannon divergence (bits)")
+            top = float(js.max())
+            image = ax.imshow(js, aspect="auto", cmap="magma", interpolation="nearest", vmin=0.0, vmax=top or 1.0)
+            fig.colorbar(image, ax=ax, label="Jensen-Shannon divergence (bits, 0 = none)")
             ax.set_xticks(
                 range(len(result.consecutive)), [p.b.removeprefix("step ") for p in result.consecutive], fontsize=8
             )
@@ -282,8 +287,11 @@ def drift_figure(result: DriftResult, path: Path) -> None:
             ax.set(
                 xlabel="step (vs the previous one)",
                 ylabel="MoE layer (global index)",
-                title="Expert-load drift between steps (0 = darkest)",
+                title="Expert-load drift between steps",
             )
+            if top == 0:
+                ax.text(0.5, 0.5, "no drift: every step's load is the same", ha="center", va="center",
+                        color="white", transform=ax.transAxes)  # fmt: skip
             continue
         every = []
         for i, pair in enumerate(result.between_runs):
@@ -296,16 +304,15 @@ def drift_figure(result: DriftResult, path: Path) -> None:
         ax.set(
             xlabel="MoE layer (global index)",
             ylabel="Jensen-Shannon divergence (bits)",
-            title=f"Between runs (vs {result.other_url})",
+            title=f"Between runs (vs {short_name(result.other_url or '')})",
         )
         ax.legend(fontsize=7)
         _integer_axis(ax)
     _save(fig, path)
 
 
-def _lognorm(values: np.ndarray) -> Any:
-    from matplotlib.colors import LogNorm
-
-    positive = values[values > 0]
-    low = float(positive.min()) if positive.size else 1e-6
-    return LogNorm(vmin=low, vmax=max(float(values.max()), low * 10), clip=True)
+def short_name(url: str) -> str:
+    """A store URL as a figure shows it: its last path component (the run), with what follows it (a step)."""
+    head, _, tail = url.partition(" ")
+    name = head.rstrip("/").rsplit("/", 1)[-1] or head
+    return f"{name} {tail}".strip()

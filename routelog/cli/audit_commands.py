@@ -186,5 +186,4 @@ def drift(
     result = _run(audit.drift, url, other, step, use_ray=use_ray, storage_options_=storage_options_)
     lines = [f"{p.a} -> {p.b}: mean JS {p.mean_js:.3e}, max {p.max_js:.3e} bits" for p in result.consecutive]
     lines += [f"{p.a} vs {p.b}: mean JS {p.mean_js:.3e}, max {p.max_js:.3e} bits" for p in result.between_runs]
-    alone = f"{url}: a single step and no --other run: nothing to compare (drift needs two steps or two runs)"
-    _report(result, json_out, plot, drift_figure, lines or [alone])
+    _report(result, json_out, plot, drift_figure, lines)

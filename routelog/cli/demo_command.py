@@ -12,6 +12,18 @@ from rich.table import Table
 from routelog.cli.app import JsonFlag, app, console, err_console, print_json, progress_bar, say
 
 
+def _interrupted(out: Path, stores: list[str]) -> None:
+    from routelog.errors import WriteInterruptedError
+
+    wrote = (
+        f"it had begun the stores {', '.join(stores)} (and their -train twins)" if stores else "it had written no store"
+    )
+    raise WriteInterruptedError(
+        f"interrupted: routelog demo stopped before {out / 'report.png'}; {wrote}. Run `routelog demo --out {out}` "
+        "again to start over (each run writes new stores; the interrupted run's can be deleted)"
+    ) from None
+
+
 @app.command()
 def demo(
     out: Annotated[
@@ -44,7 +56,11 @@ def demo(
             if not err_console.is_terminal:  # redirected: one line per stage instead of a bar
                 say(f"[{done}/{STAGES}] {message} ({time.perf_counter() - started:.0f} s)")
 
-        metrics = run_demo(out, store_url=store, quick=quick, progress=stage)
+        started_stores: list[str] = []
+        try:
+            metrics = run_demo(out, store_url=store, quick=quick, progress=stage, started=started_stores)
+        except KeyboardInterrupt:
+            _interrupted(out, started_stores)
         progress.update(task, completed=STAGES)
     seconds = time.perf_counter() - started
     if json_out:
