@@ -139,7 +139,12 @@ class ProcessWriter:
             "warm_up": warm_up,
         }
         self.step = step
+        self.url = url
         self.close_timeout = close_timeout
+        self.appended = 0
+        """Records the writer process accepted as new, as of its last flush or close (as ``StepWriter.appended``)."""
+        self.already_present: list[str] = []
+        """Sample ids the step already held, as of the last flush or close (as ``StepWriter.already_present``)."""
         self._segments: dict[str, shared_memory.SharedMemory] = {}
         self._free: list[str] = []
         self._limit = max(1, segments)
@@ -331,7 +336,9 @@ class ProcessWriter:
                     break
                 self._cond.wait(timeout=0.2)
             if self._replies:
-                self._replies.pop(0)
+                reply = self._replies.pop(0)
+                self.appended = int(reply.get("appended", self.appended))
+                self.already_present = list(reply.get("already_present", self.already_present))
                 acknowledged, self._unacked = self._unacked[:covered], self._unacked[covered:]
                 return acknowledged
         if self._child.poll() is None and deadline is not None and time.monotonic() >= deadline:
@@ -436,6 +443,14 @@ class ProcessWriter:
         )
         return self._failure
 
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("failed" if self._failure is not None else "open")
+        return (
+            f"ProcessWriter(step {self.step} of {self.url!r}, pid {self._child.pid}, {state}: "
+            f"{self.appended} appended, {len(self.already_present)} already present, "
+            f"{len(self._unacked)} not yet acknowledged)"
+        )
+
     def __enter__(self) -> ProcessWriter:
         return self
 
@@ -477,6 +492,11 @@ def _record_from(message: dict[str, Any], segment: shared_memory.SharedMemory) -
     }
     payload[META] = message["meta"]
     return record_from_payload(payload)
+
+
+def counters(writer: Any) -> dict[str, Any]:
+    """What a flush or close reply tells the engine's side about the step writer's records."""
+    return {"appended": writer.appended, "already_present": list(writer.already_present)}
 
 
 def serve(incoming: IO[bytes], outgoing: IO[bytes]) -> None:
@@ -547,15 +567,15 @@ def serve(incoming: IO[bytes], outgoing: IO[bytes]) -> None:
                     segment.close()
             elif op == "flush":
                 writer.flush()
-                _send(outgoing, {"op": "flushed"})
+                _send(outgoing, {"op": "flushed", **counters(writer)})
             elif op == "close":
                 writer.close()
                 if received is not None:
-                    _send(outgoing, {"op": "closed"})
+                    _send(outgoing, {"op": "closed", **counters(writer)})
                 return
         except RoutelogError as exc:  # reported to the engine's next call, naming the samples
             report(exc, current)
             if op in ("flush", "close"):
-                _send(outgoing, {"op": "flushed" if op == "flush" else "closed"})
+                _send(outgoing, {"op": "flushed" if op == "flush" else "closed", **counters(writer)})
                 if op == "close":
                     return

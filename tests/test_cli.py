@@ -62,6 +62,9 @@ def test_synth_inspect_ls_cat_verify(tmp_path: Path) -> None:
     snap = routelog.open_store(url).step(2)
     assert summary["tokens"] == snap.n_tokens + routelog.open_store(url).step(5).n_tokens
     assert 4.0 < summary["bytes_per_token_layer"] < 8.0
+    stats = json.loads(_run("stats", url, "--json"))
+    assert stats["stored_bytes"] == summary["stored_bytes"], "stats and inspect count the same bytes"
+    assert summary["run_document_bytes"] > 0
     listing = json.loads(_run("ls", url, "--step", "2", "--json"))
     assert [r["sample_id"] for r in listing] == snap.sample_ids
     assert all(r["missing_rows"] == 1 for r in listing), "synthetic records miss the final row like engines do"

@@ -55,8 +55,17 @@ def test_records_written_through_the_process_read_back_exactly(tmp_path: Path) -
     before = _segments()
     url = str(tmp_path / "store")
     with ProcessWriter(url, 0, model_spec=SPEC, writer_id="engine", segments=2) as writer:
-        for record in records:
+        for record in records[:8]:
             writer.append(record)
+        writer.flush()
+        assert writer.appended == 8 and writer.already_present == []
+        assert "8 appended, 0 already present" in repr(writer) and "open" in repr(writer)
+    assert "closed" in repr(writer)
+    with ProcessWriter(url, 0, model_spec=SPEC, writer_id="engine", segments=2) as again:  # a rerun, as after a crash
+        for record in records:
+            again.append(record)
+    # the counters an in-process writer keeps: the step already held the first 8
+    assert again.appended == 4 and sorted(again.already_present) == sorted(r.sample_id for r in records[:8])
     assert _segments() == before, "the shared memory is freed"
     snapshot = routelog.open_store(url).step(0)
     got = {r.sample_id: r for r in snapshot.read_many([r.sample_id for r in records], weights=True)}

@@ -104,7 +104,7 @@ def stats(
     summary = (
         f"{result.url}: steps {result.steps}, {result.records:,} records, {result.tokens:,} tokens "
         f"({result.rows:,} routed), {result.stored_bytes:,} bytes stored; routing {result.bytes_per_token_layer:.3f} "
-        "bytes/token-layer (as routelog inspect)"
+        "bytes/token-layer (the same numbers as routelog inspect: its per-step bytes, its total for every step)"
     )
     _report(result, json_out, plot, stats_figure, [summary])
     if not json_out:

@@ -67,7 +67,8 @@ def inspect(url: UrlArgument, json_out: JsonFlag = False, storage_options_: Stor
     bptl = summary["bytes_per_token_layer"]
     console.print(
         f"total: {plural(summary['records'], 'record')}, {plural(summary['tokens'], 'token')}, "
-        f"{summary['stored_bytes']:,} bytes stored"
+        f"{summary['stored_bytes']:,} bytes stored in the steps' parts (+ {summary['run_document_bytes']:,} bytes "
+        "of run document)"
         + (f"; routing {bptl:.3f} bytes/token-layer (routing bytes / routed token rows x MoE layers)" if bptl else ""),
         highlight=False,
     )
