@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from routelog.format import INDEX_SCHEMA
 from routelog.keys import check_writer_id
@@ -107,7 +108,7 @@ def _index_rows(tasks: pa.Table) -> pa.Table:
     for task in tasks.to_pylist():
         store = _store(task["url"], task["options"])
         for step in store.steps() if task["step"] is None else [task["step"]]:
-            index = store.step(step).to_arrow().drop_columns(["step"])
+            index = _plain_columns(store.step(step).to_arrow().drop_columns(["step"]))
             n = index.num_rows
             where = [pa.repeat(pa.scalar(task["url"]), n), pa.repeat(pa.scalar(task["options"]), n)]
             columns = [*where, pa.repeat(pa.scalar(step, pa.int64()), n), *index.columns]
@@ -115,15 +116,33 @@ def _index_rows(tasks: pa.Table) -> pa.Table:
     if not tables:  # stores with no steps: an empty block of the same schema
         index = INDEX_SCHEMA.remove(INDEX_SCHEMA.get_field_index("step")).append(pa.field("part", pa.string()))
         schema = pa.schema([("url", pa.string()), ("options", pa.string()), ("step", pa.int64()), *index])
-        return schema.empty_table()
+        return _plain_columns(schema.empty_table())
     return pa.concat_tables(tables)
+
+
+def _plain_columns(index: pa.Table) -> pa.Table:
+    """Each column that is a list of structs (``spans``, ``segments``: Ray would convert them to Python objects and
+    pickle them) as one list column per field, ``<column>_<field>``: plain Arrow lists, the same values in order."""
+    table = index
+    for name in [f.name for f in index.schema if pa.types.is_list(f.type) and pa.types.is_struct(f.type.value_type)]:
+        position = table.column_names.index(name)
+        lists = table.column(name).combine_chunks()
+        table = table.remove_column(position)
+        fields = lists.type.value_type
+        offsets = pc.subtract(lists.offsets, lists.offsets[0])
+        values = lists.flatten()
+        for k in range(fields.num_fields):
+            column = pa.ListArray.from_arrays(offsets, values.field(k))
+            table = table.add_column(position + k, f"{name}_{fields.field(k).name}", column)
+    return table
 
 
 def read_index(
     urls: Iterable[str], *, steps: Sequence[int] | None = None, storage_options: Mapping[str, Any] | None = None
 ) -> Any:
     """A Ray dataset with one row per record of the stores (all steps, or ``steps``): the url, the step and the
-    index columns (:meth:`routelog.StepSnapshot.to_arrow`), no routing."""
+    index columns (:meth:`routelog.StepSnapshot.to_arrow`; its lists of structs, ``spans`` and ``segments``, as
+    plain list columns ``spans_<field>`` and ``segments_<field>``, which Ray never pickles), no routing."""
     import ray
 
     options = json.dumps(dict(storage_options or {}))
