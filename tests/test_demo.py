@@ -1,5 +1,6 @@
-"""The main job: ``routelog demo --quick`` records, stores, loads aligned and replays, and replay does what R3
-promises: zero routing differences and a lower training-inference KL."""
+"""The main job: ``routelog demo`` records, stores, loads aligned and replays, and replay does what R3 promises:
+zero routing differences and a lower training-inference KL; and it prints the README's table, whose numbers it
+reproduces within the tolerances the README states (bf16 arithmetic differs between CPUs)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 import routelog
 import routelog.audit
+from routelog.cli.demo_command import DENSE_LABEL, MODEL_LABELS
 from routelog.demo import STAGES
 from routelog.verify import verify_store
 
@@ -19,12 +21,36 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
 
-def test_demo_quick_shows_replay_working(tmp_path: Path) -> None:
-    """Also: with output redirected the demo prints a line per stage, then where its stores are and the commands
-    to explore them, and those commands reproduce its "without R3" figures from storage."""
+README = Path(__file__).resolve().parent.parent / "README.md"
+TOLERANCE = {"router": 0.015, "token": 0.03, "kl": 1.3}
+"""What the README states: router diff within 1.5 points, token diff within 3 points, KL within a factor 1.3."""
+
+
+def _readme_table() -> dict[str, list[str]]:
+    """The README's demo table: label -> its cells."""
+    rows = {}
+    for line in README.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0] in (*MODEL_LABELS.values(), DENSE_LABEL):
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def _pair(cell: str) -> tuple[float, float]:
+    def value(text: str) -> float:
+        text = text.strip()
+        return 0.0 if text == "0" else float(text.removesuffix("%").strip()) / (100 if text.endswith("%") else 1)
+
+    before, after = cell.split("->")
+    return value(before), value(after)
+
+
+def test_demo_shows_replay_working_and_the_readme_table(tmp_path: Path) -> None:
+    """Also: with output redirected the demo prints a line per stage, the README's table, then where its stores are
+    and the commands to explore them, and those commands reproduce its "without R3" figures from storage."""
     out = tmp_path / "demo"
     result = subprocess.run(
-        [sys.executable, "-m", "routelog", "demo", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "routelog", "demo", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -46,7 +72,20 @@ def test_demo_quick_shows_replay_working(tmp_path: Path) -> None:
         assert len(store.step(0)) == metrics["config"]["batch"]
         assert verify_store(store).ok
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "with R3" in result.stdout
+    assert "router diff (no R3 -> R3)" in result.stdout and MODEL_LABELS["qwen3_moe"] in result.stdout
+    readme = _readme_table()
+    assert set(readme) == {*MODEL_LABELS.values(), DENSE_LABEL}
+    for name, label in MODEL_LABELS.items():
+        m, (router, token, kl) = metrics[name], readme[label]
+        (router_off, router_on), (token_off, token_on) = _pair(router), _pair(token)
+        kl_off, kl_on = _pair(kl)
+        assert router_on == token_on == 0.0
+        assert abs(m["no_replay"]["router_diff_rate"] - router_off) <= TOLERANCE["router"], (label, router)
+        assert abs(m["no_replay"]["token_diff_rate"] - token_off) <= TOLERANCE["token"], (label, token)
+        for measured, stated in ((m["no_replay"]["kl_k3"], kl_off), (m["replay"]["kl_k3"], kl_on)):
+            assert 1 / TOLERANCE["kl"] <= measured / stated <= TOLERANCE["kl"], (label, kl)
+    dense = float(readme[DENSE_LABEL][-1])
+    assert 1 / TOLERANCE["kl"] <= metrics["dense"]["kl_k3"] / dense <= TOLERANCE["kl"]
     stages = [line for line in result.stderr.splitlines() if line.startswith("[")]
     assert [line.split("]")[0] for line in stages] == [f"[{i}/{STAGES}" for i in range(1, STAGES + 1)]
 
