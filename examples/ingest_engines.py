@@ -9,7 +9,7 @@ Write each exchange as one JSONL line ``{"request": ..., "response": ...}`` and 
 
 This script does the same in Python with two hand-made responses (a DeepSeek-V3-style model: dense layers first).
 
-    python examples/ingest_engines.py [URL]
+    python examples/ingest_engines.py [STORE_URL]
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ import numpy as np
 import routelog
 from routelog.engines import sglang, to_full_axis, vllm
 
-url = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="routelog-ingest-")
+if len(sys.argv) > 1:
+    url = sys.argv[1]
+else:  # a scratch store, removed when the script ends
+    scratch = tempfile.TemporaryDirectory(prefix="routelog-ingest-")
+    url = scratch.name
 spec = routelog.ModelSpec.from_hf_config(
     {
         "model_type": "deepseek_v3",

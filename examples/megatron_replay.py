@@ -17,12 +17,14 @@ loads only its share in the background, and hands each micro-batch to the router
 This script runs that flow for real on CPU with megatron-core 0.16: a tiny GPT model with dense and MoE layers,
 routing written to a local store, and every MoE layer's routing checked against the store.
 
-    python examples/megatron_replay.py
+    python examples/megatron_replay.py [STORE_URL]
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
+import warnings
 
 import numpy as np
 import torch
@@ -34,6 +36,8 @@ from routelog.loader import ReplayLoader
 from routelog.megatron import MegatronReplay
 from routelog.testing import megatron_on_cpu
 
+# megatron-core warns, once per module, that Transformer Engine and Apex (GPU packages) are missing: expected here.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 # megatron-core on CPU: one gloo process, its parallel state, and the two shims its CPU path needs.
 megatron_on_cpu()
 
@@ -67,7 +71,11 @@ model = GPTModel(
 )
 
 spec = routelog.ModelSpec.from_megatron(num_layers=4, num_moe_experts=8, moe_router_topk=2, moe_layer_freq=freq)
-url = tempfile.mkdtemp(prefix="routelog-megatron-")
+if len(sys.argv) > 1:
+    url = sys.argv[1]
+else:  # a scratch store, removed when the script ends
+    scratch = tempfile.TemporaryDirectory(prefix="routelog-megatron-")
+    url = scratch.name
 rng = np.random.default_rng(0)
 tokens = {}
 with routelog.open_writer(url, step=0, model_spec=spec) as writer:

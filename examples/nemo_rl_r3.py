@@ -21,13 +21,15 @@ routelog replaces (``grpo._preserve_router_replay_routed_experts``, ``data.make_
 ``train.set_router_replay_forward`` / ``clear_router_replay``, ``megatron_policy_worker._should_use_router_replay``)
 are patched exactly as in a worker, and a tiny megatron-core 0.16 GPT model's routers replay the rollout.
 
-    python examples/nemo_rl_r3.py
+    python examples/nemo_rl_r3.py [STORE_URL]
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import types
+import warnings
 from collections import UserDict
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +42,8 @@ import routelog
 from routelog.integrations import nemo_rl as routelog_nemo_rl
 from routelog.testing import megatron_on_cpu, nemo_rl_local_rows
 
+# megatron-core warns, once per module, that Transformer Engine and Apex (GPU packages) are missing: expected here.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 # megatron-core on CPU: one gloo process, its parallel state, and the two shims its CPU path needs.
 megatron_on_cpu()
 
@@ -73,7 +77,11 @@ policy_config = {
     "megatron_cfg": {"tensor_model_parallel_size": 1, "context_parallel_size": 1, "sequence_parallel": False},
 }
 
-url = tempfile.mkdtemp(prefix="routelog-nemo-rl-")
+if len(sys.argv) > 1:
+    url = sys.argv[1]
+else:  # a scratch store, removed when the script ends
+    scratch = tempfile.TemporaryDirectory(prefix="routelog-nemo-rl-")
+    url = scratch.name
 grpo = types.ModuleType("nemo_rl.algorithms.grpo")  # stand-in: install_driver imports the real module
 grpo._preserve_router_replay_routed_experts = lambda target, flat, config: None  # type: ignore[attr-defined]
 routelog_nemo_rl.install_driver(url, grpo=grpo, spec=spec)

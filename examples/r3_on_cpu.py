@@ -21,7 +21,11 @@ from routelog.audit.r3 import compare_routings, k3_kl
 from routelog.engines.hf import RoutingRecorder, replay
 from routelog.loader import ReplayLoader
 
-url = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="routelog-r3-")
+if len(sys.argv) > 1:
+    url = sys.argv[1]
+else:  # a scratch store, removed when the script ends
+    scratch = tempfile.TemporaryDirectory(prefix="routelog-r3-")
+    url = scratch.name
 torch.manual_seed(0)
 config = transformers.Qwen3MoeConfig(
     vocab_size=512,

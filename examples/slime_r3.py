@@ -85,7 +85,11 @@ def slime_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool
     return SimpleNamespace(samples=GROUPS, metrics={})
 
 
-url = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="routelog-slime-")
+if len(sys.argv) > 1:
+    url = sys.argv[1]
+else:  # a scratch store, removed when the script ends
+    scratch = tempfile.TemporaryDirectory(prefix="routelog-slime-")
+    url = scratch.name
 
 # -- rollout side (inside slime's RolloutManager) ------------------------------------------------------------------
 generate_rollout = slime.wrap_rollout_function(slime_rollout, url)  # = what generate_rollout does with the env

@@ -1,6 +1,6 @@
 """Write a step of routing to a store, read back one pipeline stage's layers for two records.
 
-python examples/store_quickstart.py [URL]      (default: a temporary local directory)
+python examples/store_quickstart.py [STORE_URL]      (default: a temporary local directory, removed at the end)
 """
 
 from __future__ import annotations
@@ -12,7 +12,11 @@ import numpy as np
 
 import routelog
 
-url = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="routelog-example-")
+if len(sys.argv) > 1:
+    url = sys.argv[1]
+else:  # a scratch store, removed when the script ends
+    scratch = tempfile.TemporaryDirectory(prefix="routelog-example-")
+    url = scratch.name
 
 # A DeepSeek-V3-style layer map: 3 dense layers, then MoE layers with 64 experts, top-6.
 spec = routelog.ModelSpec.from_hf_config(
