@@ -131,3 +131,13 @@ class UnsafeKeyError(RoutelogError, ValueError):
 
 class GcRefusedError(StoreError):
     """``routelog gc`` will not delete: a document it needs is damaged, or the grace period is unsafe."""
+
+
+class ReplayFidelityError(RoutelogError):
+    """Replay is not doing what it should: the trainer's routers disagree with the replayed routes more than the
+    gate allows, or a rank was handed routing recorded for other tokens (also :mod:`routelog.fidelity`'s)."""
+
+
+class StaleRoutingError(ReplayFidelityError):
+    """Routing recorded under another policy version than the one a replay takes (another step's, or tokens of a
+    partial rollout generated before a weight update)."""

@@ -19,20 +19,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from routelog import keys
-from routelog.errors import RoutelogError
+from routelog.errors import ReplayFidelityError, RoutelogError, StaleRoutingError
 from routelog.format import FidelityRecord, parse_document, utc_now
 from routelog.numbered import create_numbered
 from routelog.root import StoreRoot
-
-
-class ReplayFidelityError(RoutelogError):
-    """Replay is not doing what it should: the trainer's routers disagree with the replayed routes more than the
-    gate allows, or a rank was handed routing recorded for other tokens."""
-
-
-class StaleRoutingError(ReplayFidelityError):
-    """Routing recorded under another policy version than the one a replay takes (another step's, or tokens of a
-    partial rollout generated before a weight update)."""
 
 
 @dataclass
@@ -210,3 +200,16 @@ def fidelity_over_steps(
         if records:
             out[step] = step_fidelity(records)
     return out
+
+
+__all__ = [
+    "FidelityGate",
+    "ReplayFidelityError",
+    "StaleRoutingError",
+    "StepFidelity",
+    "fidelity_over_steps",
+    "read_fidelity",
+    "step_fidelity",
+    "wilson_lower_bound",
+    "write_fidelity",
+]

@@ -521,7 +521,7 @@ def _wire(record: Record, spec: ModelSpec, layout: str) -> dict[str, Any]:
     if layout == "vllm":
         choice["routed_experts"] = vllm.to_http_choice(record, spec)
     elif layout == "ms-swift":
-        choice["routed_experts"] = ms_swift.encode(record, spec)
+        choice["routed_experts"] = ms_swift.encode(vllm.to_array(record, spec))
     else:  # NeMo-RL: vLLM's chat response, the envelope and the token ids in the message
         del choice["prompt_token_ids"], choice["token_ids"]
         choice["message"] = {

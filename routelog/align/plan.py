@@ -19,8 +19,7 @@ import numpy.typing as npt
 from routelog.align.layout import LocalRouter, ParallelLayout, RankCoords, local_routers
 from routelog.align.packing import Packing, nemo_pad_to, pack
 from routelog.align.positions import PAD, rank_positions
-from routelog.errors import AlignmentError
-from routelog.fidelity import StaleRoutingError
+from routelog.errors import AlignmentError, StaleRoutingError
 from routelog.routing import RecordRouting
 from routelog.spec import ModelSpec
 

@@ -15,8 +15,6 @@ import numpy as np
 import numpy.typing as npt
 
 from routelog.engines.common import decode_base64, shaped_bytes
-from routelog.record import Record
-from routelog.spec import ModelSpec
 
 MARKER = "__ndarray__"
 
@@ -30,11 +28,9 @@ def decode(value: Mapping[str, Any], where: str) -> npt.NDArray[Any]:
     return shaped_bytes(raw, value.get("dtype"), value.get("shape"), where, "the ms-swift array")
 
 
-def encode(record: Record, spec: ModelSpec) -> dict[str, Any]:
-    """``record`` as ms-swift returns it (vLLM 0.22+ rows from the payload start)."""
-    from routelog.engines.vllm import to_array
-
-    array = np.ascontiguousarray(to_array(record, spec))
+def encode(rows: npt.NDArray[Any]) -> dict[str, Any]:
+    """vLLM's rows (:func:`routelog.engines.vllm.to_array`, from the payload start) as ms-swift returns them."""
+    array = np.ascontiguousarray(rows)
     return {
         "data": base64.b64encode(array.tobytes()).decode(),
         "shape": list(array.shape),
