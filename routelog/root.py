@@ -44,6 +44,7 @@ def read_run_document(storage: Storage) -> RunDocument:
     try:
         data = storage.read(keys.RUN_DOCUMENT)
     except FileNotFoundError:
+        storage.check_not_an_object()
         raise StoreNotFoundError(
             f"no routelog store at {storage.url!r} (no {keys.RUN_DOCUMENT}); create one with "
             "routelog.create_store or by writing records (routelog synth, routelog ingest)"

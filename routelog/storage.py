@@ -272,14 +272,6 @@ def _modified(info: Mapping[str, Any]) -> float:
     return 0.0
 
 
-def _is_object(fs: Any, root: str) -> bool:
-    """Whether ``root`` names an object itself (one request); an error here is left to the store's first use."""
-    try:
-        return bool(root) and bool(fs.isfile(root))
-    except Exception:  # credentials, permissions, throttling: reported by the operation that needs them
-        return False
-
-
 @dataclass
 class Storage:
     """A store root on some filesystem; keys are ``/``-separated paths relative to the root."""
@@ -334,11 +326,22 @@ class Storage:
         storage = cls(url=url.rstrip("/"), fs=fs, root=str(root).rstrip("/"), storage_options=options)
         if storage.endpoint:
             check_reachable(storage.endpoint)
-        if protocol not in ("file", "local") and _is_object(fs, storage.root):
-            raise StoreError(
-                f"{url} is an object: a store is an object prefix (a directory); pass a prefix no object is named"
-            )
         return storage
+
+    def check_not_an_object(self) -> None:
+        """Raise unless the root is a prefix: an object store lets keys live under an object's own name, so a URL
+        naming an object would read as an empty store or get one written under it (one request; asked only where
+        that matters: creating a store, and a store not found). A local file is refused by :meth:`open`."""
+        if self.protocol in ("file", "local") or not self.root:
+            return
+        try:
+            is_object = bool(self.fs.isfile(self.root))
+        except Exception:  # credentials, permissions, throttling: reported by the operation that needs them
+            return
+        if is_object:
+            raise StoreError(
+                f"{self.url} is an object: a store is an object prefix (a directory); pass a prefix no object is named"
+            )
 
     @property
     def endpoint(self) -> str | None:

@@ -135,6 +135,7 @@ def create_store(
     whose model spec differs from ``model_spec`` raises :class:`ModelSpecError`.
     """
     storage = Storage.open(url, storage_options)
+    storage.check_not_an_object()
     doc = RunDocument(
         run_id=run_id or uuid.uuid4().hex,
         created_at=utc_now(),

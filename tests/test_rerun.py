@@ -107,21 +107,26 @@ def test_on_duplicate_error_refuses_a_rerun(tmp_path: Path, spec_file: Path) -> 
     _each_once(url, 2)
 
 
+def _interruptible(*args: str) -> subprocess.Popen[str]:
+    """``routelog <args>`` started as a terminal starts it, with Ctrl-C's default: a session started in the
+    background (nohup, `cmd &` in a script) ignores Ctrl-C, and so would the command it starts (an ignored signal
+    stays ignored across exec)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "routelog", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_synth_twice_and_after_ctrl_c(tmp_path: Path) -> None:
     """Ctrl-C in the middle of a write says what was committed and how to resume; the same command then completes
     the step with every record exactly once."""
     url = str(tmp_path / "run")
     args = ["synth", url, "--records", "6000", "--tokens", "64", "--layers", "4", "--experts", "16", "--topk", "2"]
     args += ["--flush-bytes", "20000"]
-    # A session started in the background (nohup, `cmd &` in a script) ignores Ctrl-C, and so would the command it
-    # starts (an ignored signal stays ignored across exec): start it as a terminal would, with Ctrl-C's default.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "routelog", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    proc = _interruptible(*args)
     log = tmp_path / "run" / keys.log_dir(0)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None and not (log.exists() and any(log.iterdir())):
@@ -151,16 +156,7 @@ def test_ctrl_c_in_the_demo_says_what_it_left_and_how_to_start_over(tmp_path: Pa
     """Interrupted once its first store exists, ``routelog demo`` exits 130 naming the store it had begun and the
     command that starts over; no traceback."""
     out = tmp_path / "demo"
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "routelog", "demo", "--quick", "--out", str(out)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    proc = _interruptible("demo", "--quick", "--out", str(out))
     stores = out / "store"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None and not (stores.exists() and any(stores.iterdir())):

@@ -37,14 +37,11 @@ EXIT_INTERRUPTED = 130
 _ClickException: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
-_JSON_ERRORS: list[bool] = [False]
-"""Whether the command was asked for ``--json``: its failure is then also a JSON object on stdout."""
-
-
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int, *, json_out: bool = False) -> None:
+    """End with ``message`` on stderr (and, for a ``--json`` command, ``{"error", "exit_code"}`` on stdout)."""
     # The message is printed as it is: no markup, so brackets ("routelog[s3]") and paths survive.
     err_console.print(Text.assemble(("error: ", "bold red"), message), highlight=False, soft_wrap=True)
-    if _JSON_ERRORS[0]:
+    if json_out:
         print(json.dumps({"error": message, "exit_code": code}), flush=True)
     sys.exit(code)
 
@@ -86,6 +83,26 @@ def _path_error(exc: OSError) -> str:
     return f"{exc.filename}: {exc.strerror or _one_line(exc)}; {fix}"
 
 
+def _explain(exc: Exception, debug: bool) -> tuple[str, int]:
+    """The one line and the exit code an error ends the command with."""
+    if isinstance(exc, _ClickException):  # usage errors: one line, and where the command's options are
+        return _usage(exc), int(getattr(exc, "exit_code", EXIT_USAGE))
+    if isinstance(exc, typer.Abort):
+        return "interrupted", EXIT_INTERRUPTED
+    if isinstance(exc, WriteInterruptedError):
+        return _one_line(exc), EXIT_INTERRUPTED
+    if isinstance(exc, (StoreAccessError, StoreUnreachableError)):
+        return _one_line(exc), EXIT_STORAGE
+    if isinstance(exc, RoutelogError):
+        return _one_line(exc), EXIT_USAGE
+    if isinstance(exc, ValidationError):  # a value the user gave (a model spec field, an option)
+        return _validation(exc), EXIT_USAGE
+    if isinstance(exc, OSError):  # an input or output path of the command
+        return _path_error(exc), EXIT_USAGE
+    hint = "" if debug else f" (run with --debug or {DEBUG_ENV}=1 for the traceback)"
+    return f"internal error {type(exc).__name__}: {_one_line(exc)}{hint}; please report it", EXIT_INTERNAL
+
+
 def main() -> None:
     """Run the command line. ``--debug`` may come anywhere on it (before or after the command): it prints the
     traceback of an error, which still ends in the same one line and exit code."""
@@ -93,27 +110,10 @@ def main() -> None:
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") or "--debug" in arguments
     if debug:
         os.environ[DEBUG_ENV] = "1"
-    _JSON_ERRORS[0] = "--json" in arguments
     try:
         code = app(args=[a for a in arguments if a != "--debug"], standalone_mode=False)
-    except _ClickException as exc:  # usage errors: one line, and where the command's options are
-        _fail(_usage(exc), int(getattr(exc, "exit_code", EXIT_USAGE)))
-    except typer.Abort:  # Ctrl-C outside a writer
-        _fail("interrupted", EXIT_INTERRUPTED)
-    except WriteInterruptedError as exc:
-        _fail(_one_line(exc), EXIT_INTERRUPTED)
-    except Exception as exc:
-        if debug:
+    except Exception as exc:  # typer.Abort (Ctrl-C outside a writer) is one too
+        if debug and not isinstance(exc, (_ClickException, typer.Abort, WriteInterruptedError)):
             traceback.print_exc()
-        hint = "" if debug else f" (run with --debug or {DEBUG_ENV}=1 for the traceback)"
-        if isinstance(exc, (StoreAccessError, StoreUnreachableError)):
-            _fail(_one_line(exc), EXIT_STORAGE)
-        elif isinstance(exc, RoutelogError):
-            _fail(_one_line(exc), EXIT_USAGE)
-        elif isinstance(exc, ValidationError):  # a value the user gave (a model spec field, an option)
-            _fail(_validation(exc), EXIT_USAGE)
-        elif isinstance(exc, OSError):  # an input or output path of the command
-            _fail(_path_error(exc), EXIT_USAGE)
-        else:
-            _fail(f"internal error {type(exc).__name__}: {_one_line(exc)}{hint}; please report it", EXIT_INTERNAL)
+        _fail(*_explain(exc, debug), json_out="--json" in arguments)
     sys.exit(code if isinstance(code, int) else 0)
