@@ -35,15 +35,16 @@ from routelog.errors import (
     ValuesNotFoundError,
     WriteInterruptedError,
 )
-from routelog.format import FORMAT_VERSION, IndexRow, Segment
-from routelog.part import PartOptions
-from routelog.process_writer import ProcessWriter
-from routelog.reader import StepSnapshot
-from routelog.record import Record, StreamRows, token_hash
-from routelog.routing import RecordRouting
-from routelog.spec import ModelSpec, RouterSpec, StreamSpec
-from routelog.store import Store, create_store, open_store
-from routelog.writer import StepWriter, WriterOptions
+from routelog.format.documents import FORMAT_VERSION, IndexRow, Segment
+from routelog.format.part import PartOptions
+from routelog.format.record import Record, StreamRows, token_hash
+from routelog.format.routing import RecordRouting
+from routelog.format.spec import ModelSpec, RouterSpec, StreamSpec
+from routelog.store.fidelity import FidelityGate
+from routelog.store.process_writer import ProcessWriter
+from routelog.store.reader import StepSnapshot
+from routelog.store.store import Store, create_store, open_store
+from routelog.store.writer import StepWriter, WriterOptions
 
 __version__ = "0.1.0"
 
@@ -78,6 +79,7 @@ __all__ = [
     "CommitConflictError",
     "CorruptDataError",
     "DuplicateSampleError",
+    "FidelityGate",
     "FormatVersionError",
     "IndexRow",
     "IngestError",

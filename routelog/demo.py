@@ -32,11 +32,11 @@ from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, R
 from routelog.audit.r3 import compare_routings, extreme_fraction, k3_kl
 from routelog.demo_report import ModelResult
 from routelog.engines.hf import RoutingRecorder, replay
+from routelog.format.record import Record
+from routelog.format.spec import ModelSpec
+from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN
 from routelog.loader import ReplayLoader
-from routelog.record import Record
-from routelog.spec import ModelSpec
-from routelog.store import create_store
-from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
+from routelog.store.store import create_store
 
 Progress = Callable[[str], None]
 

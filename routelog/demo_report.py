@@ -11,7 +11,7 @@ import numpy.typing as npt
 
 from routelog.audit.figures import SERIES_STYLES, count_bars, sequence_panel
 from routelog.audit.r3 import RoutingComparison
-from routelog.spec import ModelSpec
+from routelog.format.spec import ModelSpec
 
 
 @dataclass

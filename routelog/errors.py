@@ -135,7 +135,7 @@ class GcRefusedError(StoreError):
 
 class ReplayFidelityError(RoutelogError):
     """Replay is not doing what it should: the trainer's routers disagree with the replayed routes more than the
-    gate allows, or a rank was handed routing recorded for other tokens (also :mod:`routelog.fidelity`'s)."""
+    gate allows, or a rank was handed routing recorded for other tokens (also :mod:`routelog.store.fidelity`'s)."""
 
 
 class StaleRoutingError(ReplayFidelityError):

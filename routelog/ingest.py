@@ -18,16 +18,16 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from routelog import keys
-from routelog.codec import TopkOrder
 from routelog.engines import megatron_server, ms_swift, nemo_rl, sglang, slime, verl, vllm
 from routelog.engines.common import list_field, load_npy, malformed, npy_header_nbytes, to_full_axis
 from routelog.errors import IngestError, InvalidRecordError, RoutingAbsentError, WriteInterruptedError
-from routelog.format import load_json
-from routelog.part import PartOptions
-from routelog.reader import StepSnapshot
-from routelog.record import Record, prepare_record
-from routelog.spec import ModelSpec
+from routelog.format import keys
+from routelog.format.codec import TopkOrder
+from routelog.format.documents import load_json
+from routelog.format.part import PartOptions
+from routelog.format.record import Record, prepare_record
+from routelog.format.spec import ModelSpec
+from routelog.store.reader import StepSnapshot
 
 Engine = Literal["vllm", "sglang", "verl", "slime", "nemo-rl", "ms-swift", "megatron"]
 HTTP_ENGINES = ("vllm", "sglang", "nemo-rl", "ms-swift", "megatron")
@@ -319,7 +319,7 @@ def ingest(
     so a re-run also continues its commit sequence.
     """
     from routelog.errors import StoreNotFoundError
-    from routelog.store import create_store, open_store
+    from routelog.store.store import create_store, open_store
 
     source.check_inputs()
     if spec is None:

@@ -21,8 +21,8 @@ import numpy as np
 from routelog.align.plan import AlignmentPlan, MicroBatchReplay, gather
 from routelog.align.positions import PAD
 from routelog.errors import ModelSpecError
-from routelog.reader import StepSnapshot
-from routelog.store import Store, open_store
+from routelog.store.reader import StepSnapshot
+from routelog.store.store import Store, open_store
 
 
 class ReplayLoader:

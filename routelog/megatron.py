@@ -26,9 +26,9 @@ import numpy.typing as npt
 
 from routelog.align.plan import AlignmentPlan, MicroBatchReplay
 from routelog.errors import AlignmentError, ReplayConfigError
-from routelog.fidelity import FidelityGate, ReplayFidelityError, StepFidelity
-from routelog.record import token_hash
-from routelog.spec import ModelSpec
+from routelog.format.record import token_hash
+from routelog.format.spec import ModelSpec
+from routelog.store.fidelity import FidelityGate, ReplayFidelityError, StepFidelity
 
 
 @dataclass(frozen=True)
@@ -162,8 +162,9 @@ def rows_of_sequences(replay: MicroBatchReplay, sequences: Sequence[npt.ArrayLik
 
 
 def refuse_unverified(replay: MicroBatchReplay, opt_out: str) -> None:
-    """Raise :class:`~routelog.fidelity.ReplayFidelityError` when records of ``replay`` were stored without token ids
-    (nothing proves their routing belongs to the tokens fed); ``opt_out`` says how the caller turns the check off."""
+    """Raise :class:`~routelog.store.fidelity.ReplayFidelityError` when records of ``replay`` were stored without token
+    ids (nothing proves their routing belongs to the tokens fed); ``opt_out`` says how the caller turns the check
+    off."""
     if replay.unverified:
         raise ReplayFidelityError(
             f"micro-batch {replay.index}: samples {list(replay.unverified[:5])} were stored without token ids, so "
@@ -334,7 +335,7 @@ class MegatronReplay:
       the ``gate`` judges it.
 
     :meth:`end_step` checks (unless :meth:`check` already did), clears the routes and returns the step's counts
-    (:class:`~routelog.fidelity.StepFidelity`, to publish with :func:`~routelog.fidelity.write_fidelity`).
+    (:class:`~routelog.store.fidelity.StepFidelity`, to publish with :func:`~routelog.store.fidelity.write_fidelity`).
     """
 
     def __init__(
@@ -540,10 +541,10 @@ class MegatronReplay:
         return counts
 
     def check(self) -> StepFidelity:
-        """Judge the step so far, before the optimizer step: raises :class:`~routelog.fidelity.ReplayFidelityError`
-        when a row was fed another token than its routing was recorded for, a token check could not run, a router
-        never took the routes it was handed, or the ``gate`` finds the router diff too high. Reads the device once.
-        Returns the step's counts so far."""
+        """Judge the step so far, before the optimizer step: raises
+        :class:`~routelog.store.fidelity.ReplayFidelityError` when a row was fed another token than its routing was
+        recorded for, a token check could not run, a router never took the routes it was handed, or the ``gate`` finds
+        the router diff too high. Reads the device once. Returns the step's counts so far."""
         self._judged = True
         self._taken_at_judgement = {n: t.forwards for n, t in self._taken.items()}
         counts = self._counts()

@@ -17,12 +17,12 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from routelog.format import INDEX_SCHEMA
-from routelog.keys import check_writer_id
-from routelog.part import PartOptions
-from routelog.spec import ModelSpec
-from routelog.store import Store, create_store, open_store
-from routelog.transport import record_from_payload
+from routelog.format.documents import INDEX_SCHEMA
+from routelog.format.keys import check_writer_id
+from routelog.format.part import PartOptions
+from routelog.format.spec import ModelSpec
+from routelog.format.transport import record_from_payload
+from routelog.store.store import Store, create_store, open_store
 
 
 def ray_writer_id(prefix: str = "ray") -> str:
@@ -88,7 +88,7 @@ def remote_writer(
     num_cpus: float = 0.5,
     **kwargs: Any,
 ) -> Any:
-    """Start a :class:`RoutingWriter` actor; feed it :func:`routelog.transport.record_payload` dicts."""
+    """Start a :class:`RoutingWriter` actor; feed it :func:`routelog.format.transport.record_payload` dicts."""
     import ray
 
     actor = ray.remote(num_cpus=num_cpus)(RoutingWriter)

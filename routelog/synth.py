@@ -15,10 +15,10 @@ import numpy as np
 import numpy.typing as npt
 
 from routelog.errors import ModelSpecError
-from routelog.format import Segment
-from routelog.record import Record, token_hash
-from routelog.spec import MAX_MOE_LAYERS, ModelSpec
-from routelog.values import LOGPROB_INFER
+from routelog.format.documents import Segment
+from routelog.format.record import Record, token_hash
+from routelog.format.spec import MAX_MOE_LAYERS, ModelSpec
+from routelog.format.values import LOGPROB_INFER
 
 VOCAB_SIZE = 32000
 _REJECTION_ROUNDS = 8

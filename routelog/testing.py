@@ -20,7 +20,7 @@ from typing import Any
 
 from fsspec.spec import AbstractFileSystem
 
-from routelog.storage import Storage
+from routelog.store.storage import Storage
 
 _TRANSIENT: list[Callable[[str], BaseException]] = [
     lambda path: TimeoutError(f"injected: read timeout on {path}"),
@@ -74,7 +74,7 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
             raise error
         return result
 
-    # -- the primitives routelog.storage.Storage uses ------------------------------------------------------------
+    # -- the primitives routelog.store.storage.Storage uses ------------------------------------------------------------
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> Any:
         return self._run(path, lambda: self.inner.cat_file(path, start=start, end=end, **kwargs), mutating=False)
 
@@ -132,8 +132,8 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
 def faulty_storage(
     url: str, *, rate: float = 0.2, seed: int = 0, after_rate: float = 0.5, permanent: str | None = None
 ) -> tuple[Storage, FaultyFileSystem]:
-    """A :class:`~routelog.storage.Storage` for ``url`` whose filesystem injects faults (fast retries)."""
-    from routelog.storage import RetryPolicy
+    """A :class:`~routelog.store.storage.Storage` for ``url`` whose filesystem injects faults (fast retries)."""
+    from routelog.store.storage import RetryPolicy
 
     clean = Storage.open(url)
     faulty = FaultyFileSystem(clean.fs, rate=rate, seed=seed, after_rate=after_rate, permanent=permanent)

@@ -16,8 +16,8 @@ from functools import cache
 import numpy as np
 
 from routelog import Record
+from routelog.format.values import LOGPROB_INFER
 from routelog.synth import synthetic_spec
-from routelog.values import LOGPROB_INFER
 
 SPEC = synthetic_spec(layers=3, experts=16, topk=2)
 SAMPLES = tuple(f"s{i}" for i in range(4))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from routelog import ModelSpec, Record
-from routelog.values import LOGPROB_INFER
+from routelog.format.values import LOGPROB_INFER
 
 
 def random_routing(rng: np.random.Generator, tokens: int, layers: int, experts: int, topk: int) -> np.ndarray:

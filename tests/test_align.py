@@ -26,8 +26,8 @@ from routelog.align import (
     parse_micro_batches,
     zigzag_chunks,
 )
-from routelog.fidelity import StaleRoutingError
-from routelog.routing import RecordRouting
+from routelog.format.routing import RecordRouting
+from routelog.store.fidelity import StaleRoutingError
 
 N_LAYERS = 8
 

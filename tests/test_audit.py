@@ -17,7 +17,7 @@ from routelog.audit.diff import TokenMismatchError
 from routelog.audit.figures import diff_figure, drift_figure, mismatch_figure, stats_figure
 from routelog.audit.r3 import extreme_fraction, k3_kl, routing_differences
 from routelog.cli import app
-from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
+from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN
 
 SPEC = ModelSpec(name="audit", num_layers=5, moe_layers=(0, 2, 3, 4), num_experts=16, topk=3)
 

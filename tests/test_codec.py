@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from routelog.codec import (
+from routelog.format.codec import (
     RowProblem,
     decode_rows,
     encode_rows,
@@ -123,7 +123,7 @@ def test_sort_and_check_names_the_first_bad_row(row: list[int], experts: int, ki
 def test_compiled_sort_agrees_with_the_network(experts: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # Rows of eight IDs (uint8, or uint16 past 256 experts) sort in the compiled kernel; every answer must be the
     # numpy network's: the sorted rows, and the first bad row (a repeat, or an ID past the universe) at any lane.
-    from routelog import codec
+    from routelog.format import codec
 
     rng = np.random.default_rng(experts)
     dtype = storage_dtype(experts)
@@ -156,7 +156,7 @@ def test_compiled_sort_agrees_with_the_network(experts: int, monkeypatch: pytest
 
 
 def test_the_compiled_sort_takes_rows_of_eight_ids_wherever_they_lie() -> None:
-    from routelog import codec
+    from routelog.format import codec
 
     rows = np.tile(np.arange(8, dtype=np.uint8)[::-1], (16, 1))
     assert codec._sorts_compiled(rows)
@@ -200,7 +200,7 @@ def test_sort_by_layer_names_the_first_bad_row_in_token_order(
 ) -> None:
     """The compiled sort (rows of eight) and the numpy network both name the input's first bad row: token by token,
     each token's layers in order (not the layer order they sort into)."""
-    from routelog import codec
+    from routelog.format import codec
 
     rng = np.random.default_rng(experts * layers)
     dtype = storage_dtype(experts)

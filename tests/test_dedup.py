@@ -1,4 +1,4 @@
-"""Shared prefixes stored once (routelog.dedup): GRPO groups and multi-turn sessions, checked never assumed."""
+"""Shared prefixes stored once (routelog.format.dedup): GRPO groups and multi-turn sessions, checked never assumed."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import routelog
-from routelog import ModelSpec, PartOptions, Record, keys
-from routelog import writer as writer_module
-from routelog.dedup import CANDIDATES, MIN_SHARED_TOKENS, PrefixIndex
-from routelog.part import build_part
-from routelog.record import prepare_record
+from routelog import ModelSpec, PartOptions, Record
+from routelog.format import keys
+from routelog.format.dedup import CANDIDATES, MIN_SHARED_TOKENS, PrefixIndex
+from routelog.format.part import build_part
+from routelog.format.record import prepare_record
+from routelog.store import writer as writer_module
+from routelog.store.verify import verify_store
+from routelog.store.writer import WriterError
 from routelog.synth import synthetic_spec
-from routelog.verify import verify_store
-from routelog.writer import WriterError
 from tests.records import random_routing
 
 SPEC = synthetic_spec(layers=4, experts=32, topk=4)

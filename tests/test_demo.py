@@ -15,7 +15,7 @@ import routelog
 import routelog.audit
 from routelog.cli.demo_command import DENSE_LABEL, MODEL_LABELS
 from routelog.demo import STAGES
-from routelog.verify import verify_store
+from routelog.store.verify import verify_store
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")

@@ -14,7 +14,7 @@ import pytest
 import routelog
 from routelog import IngestError, ModelSpec, PartOptions
 from routelog.engines import Payload, TurnStitcher, payload_to_record, sglang, slime, to_full_axis, verl, vllm
-from routelog.verify import verify_store
+from routelog.store.verify import verify_store
 
 DSV3 = ModelSpec.from_hf_config(  # dense-first: layers 0-2 dense
     {

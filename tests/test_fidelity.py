@@ -14,7 +14,9 @@ import pytest
 import routelog
 from routelog import Record
 from routelog.align import AlignmentPlan, Packing, ParallelLayout, RankCoords, parse_micro_batches
-from routelog.fidelity import (
+from routelog.format.documents import FidelityRecord, utc_now
+from routelog.loader import ReplayLoader
+from routelog.store.fidelity import (
     FidelityGate,
     ReplayFidelityError,
     StepFidelity,
@@ -24,8 +26,6 @@ from routelog.fidelity import (
     wilson_lower_bound,
     write_fidelity,
 )
-from routelog.format import FidelityRecord, utc_now
-from routelog.loader import ReplayLoader
 from tests.test_megatron import SPEC, build_chunks, megatron_config, run_moe_layers
 
 pytestmark = pytest.mark.usefixtures("megatron_env")

@@ -12,10 +12,10 @@ import pytest
 import zstandard
 
 import routelog
-from routelog import keys
-from routelog.part import shard_layout
-from routelog.shard import decode_shard_index
-from routelog.verify import verify_store
+from routelog.format import keys
+from routelog.format.part import shard_layout
+from routelog.format.shard import decode_shard_index
+from routelog.store.verify import verify_store
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = sorted(FIXTURES.glob("golden-v*"))
@@ -97,19 +97,19 @@ def test_golden_v2_shares_across_parts_and_writers_and_keeps_weights() -> None:
 
 def test_a_format_1_reader_refuses_format_2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A format-1 reader runs the same version check with FORMAT_VERSION = 1: it refuses, with the typed error."""
-    import routelog.format
+    import routelog.format.documents
 
     shutil.copytree(FIXTURES / "golden-v2" / "grpo-96", tmp_path / "store")
-    monkeypatch.setattr(routelog.format, "FORMAT_VERSION", 1)
+    monkeypatch.setattr(routelog.format.documents, "FORMAT_VERSION", 1)
     with pytest.raises(routelog.FormatVersionError, match="format version 2"):
         routelog.open_store(str(tmp_path / "store"))
 
 
 def test_a_format_2_reader_refuses_format_3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import routelog.format
+    import routelog.format.documents
 
     shutil.copytree(FIXTURES / "golden-v3" / "history", tmp_path / "store")
-    monkeypatch.setattr(routelog.format, "FORMAT_VERSION", 2)
+    monkeypatch.setattr(routelog.format.documents, "FORMAT_VERSION", 2)
     with pytest.raises(routelog.FormatVersionError, match="format version 3"):
         routelog.open_store(str(tmp_path / "store"))
 

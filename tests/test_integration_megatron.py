@@ -14,8 +14,8 @@ import routelog
 from routelog.align import Packing, ParallelLayout, RankCoords
 from routelog.align.plan import MicroBatchReplay
 from routelog.errors import AlignmentError
-from routelog.fidelity import FidelityGate, ReplayFidelityError, StaleRoutingError, read_fidelity
 from routelog.integrations.megatron import ReplayHook
+from routelog.store.fidelity import FidelityGate, ReplayFidelityError, StaleRoutingError, read_fidelity
 from tests.test_fidelity import LENGTHS, store_url  # noqa: F401  (store_url: the fixture)
 from tests.test_megatron import HIDDEN, SPEC, build_chunks, embed, fed_tokens, megatron_config, moe_layers, selected
 

@@ -34,8 +34,8 @@ import pytest
 import routelog
 from routelog import AlignmentError, IngestError, ReplayConfigError
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
-from routelog.fidelity import ReplayFidelityError, StaleRoutingError, read_fidelity
 from routelog.integrations import nemo_rl
+from routelog.store.fidelity import ReplayFidelityError, StaleRoutingError, read_fidelity
 from routelog.testing import nemo_rl_local_rows
 from tests.test_megatron import HIDDEN, SPEC, megatron_config, selected
 

@@ -29,10 +29,10 @@ import pytest
 import routelog
 from routelog import AlignmentError, DuplicateSampleError, IngestError, ModelSpecError, ReplayConfigError
 from routelog.align import RankCoords
-from routelog.fidelity import ReplayFidelityError, StaleRoutingError
+from routelog.format.part import PartOptions
 from routelog.integrations import slime
 from routelog.integrations.slime import SlimeReplay
-from routelog.part import PartOptions
+from routelog.store.fidelity import ReplayFidelityError, StaleRoutingError
 from routelog.testing import slime_prepare
 
 torch = pytest.importorskip("torch")
@@ -460,7 +460,7 @@ def test_the_router_diff_is_measured_judged_and_published(
     runs its log-prob pass or reuses the training pass's; the gate judges the rollout after ``train_actor``, and
     before each optimizer step within it, so a failing rollout updates no weight; and each rank publishes its
     counts."""
-    from routelog.fidelity import FidelityGate, ReplayFidelityError, read_fidelity
+    from routelog.store.fidelity import FidelityGate, ReplayFidelityError, read_fidelity
 
     fixture = load("tp2_sp")
     url = written(fixture)
@@ -513,7 +513,7 @@ def test_the_router_diff_is_measured_judged_and_published(
         actor.train(ROLLOUT, fixture.rollout_data(0))
     records = read_fidelity(routelog.open_store(url), ROLLOUT)
     assert sorted(r.writer_id for r in records) == ["train-r0", "train-r0"]  # one process here: global rank 0
-    total = routelog.fidelity.step_fidelity(records)
+    total = routelog.store.fidelity.step_fidelity(records)
     routed = sum(len(fixture.arrays[f"tokens__{j}"]) - 1 for j in fixture.meta["partitions"][0])
     assert set(total.replayed.values()) == {routed}  # every routed token once per router, over both TP ranks
     diff = total.router_diff()
@@ -538,7 +538,7 @@ def test_a_replay_that_no_router_takes_or_cannot_measure_fails(
     (slime's switch off in its forward), so the rollout fails before its optimizer step, gate or no gate; and
     without slime's compute_topk factory (its API drifted) a gate cannot measure anything, so installing it fails,
     naming the API; without slime's lazy-resource API or its row placement, the fill fails, naming them."""
-    from routelog.fidelity import FidelityGate, ReplayFidelityError
+    from routelog.store.fidelity import FidelityGate, ReplayFidelityError
 
     fixture = load("tp2_sp")
     url = written(fixture)

@@ -233,7 +233,7 @@ def test_each_micro_batch_installs_the_rows_the_model_computes_on(
     assert replay.prefetched == (len(micro_batches) if prefetch else 0), "every forward aligned rows read ahead"
     counts = replay.end_step(phase="train")
     assert counts.samples == len(PROMPTS)
-    (record,) = routelog.fidelity.read_fidelity(routelog.open_store(url), 7)
+    (record,) = routelog.store.fidelity.read_fidelity(routelog.open_store(url), 7)
     assert record.phase == "train" and record.samples == len(PROMPTS)
     replay.remove()
     assert ParallelLayout().tp == 1
@@ -251,8 +251,8 @@ def test_routing_of_another_policy_version_is_refused_unless_opted_out(
     from verl.workers.engine.megatron import transformer_impl as impl
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    from routelog.fidelity import StaleRoutingError
     from routelog.integrations import verl as integration
+    from routelog.store.fidelity import StaleRoutingError
 
     monkeypatch.setattr(
         impl.MegatronEngineWithLMHead, "prepare_model_inputs", impl.MegatronEngineWithLMHead.prepare_model_inputs
@@ -371,8 +371,8 @@ def test_a_training_pass_that_never_asks_for_routes_fails(
     from verl.workers.engine.megatron import transformer_impl as impl
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    from routelog.fidelity import ReplayFidelityError
     from routelog.integrations import verl as integration
+    from routelog.store.fidelity import ReplayFidelityError
 
     for name in ("prepare_model_inputs",):
         monkeypatch.setattr(impl.MegatronEngineWithLMHead, name, getattr(impl.MegatronEngineWithLMHead, name))

@@ -10,12 +10,12 @@ import pytest
 import zarr
 
 import routelog
-from routelog import keys
 from routelog.errors import CorruptDataError
-from routelog.format import RoutingArrayInfo
-from routelog.part import PartOptions
-from routelog.spec import ModelSpec
-from routelog.verify import verify_store
+from routelog.format import keys
+from routelog.format.documents import RoutingArrayInfo
+from routelog.format.part import PartOptions
+from routelog.format.spec import ModelSpec
+from routelog.store.verify import verify_store
 from tests.records import random_routing
 
 LAYERS = 7

@@ -14,8 +14,8 @@ import routelog
 from routelog import AlignmentError, ModelSpec, Record, ReplayConfigError
 from routelog.align import AlignmentPlan, Packing, ParallelLayout, RankCoords, parse_micro_batches
 from routelog.align.plan import MicroBatchReplay
-from routelog.fidelity import FidelityGate, ReplayFidelityError
 from routelog.loader import ReplayLoader
+from routelog.store.fidelity import FidelityGate, ReplayFidelityError
 
 pytestmark = pytest.mark.usefixtures("megatron_env")
 torch = pytest.importorskip("torch")

@@ -10,7 +10,7 @@ import pytest
 
 import routelog
 from routelog import audit
-from routelog.routing import ROUTING_TABLE_SCHEMA
+from routelog.format.routing import ROUTING_TABLE_SCHEMA
 from routelog.synth import SynthConfig, synth_records, synthetic_spec
 
 SPEC = synthetic_spec(3, 16, 2)

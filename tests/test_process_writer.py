@@ -18,9 +18,9 @@ import pytest
 import routelog
 from routelog import ProcessWriter, Record, Segment
 from routelog.errors import StoreError
-from routelog.process_writer import WriterProcessError
+from routelog.store.process_writer import WriterProcessError
+from routelog.store.writer import WriterError
 from routelog.synth import synthetic_spec
-from routelog.writer import WriterError
 from tests.records import random_routing
 
 SPEC = synthetic_spec(layers=4, experts=32, topk=4)
@@ -129,7 +129,7 @@ def test_the_writer_process_keeps_to_the_cpus_it_is_given(tmp_path: Path) -> Non
 
 
 def test_the_writer_process_warms_its_routings_kernels_before_it_is_ready(tmp_path: Path) -> None:
-    from routelog.ranked import kernel_path
+    from routelog.format.ranked import kernel_path
 
     spec = synthetic_spec(2, 300, 3)  # uint16 IDs
     with ProcessWriter(str(tmp_path / "store"), 0, model_spec=spec) as writer:

@@ -36,21 +36,21 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import routelog
-import routelog.storage
-from routelog import keys
+import routelog.store.storage
 from routelog.errors import (
     DuplicateSampleError,
     HistoryReclaimedError,
     RecordNotFoundError,
     StepSealedError,
 )
-from routelog.format import CommitRecord, DropRecord, parse_log_document
-from routelog.gc import MIN_GRACE
-from routelog.process_writer import ProcessWriter
+from routelog.format import keys
+from routelog.format.documents import CommitRecord, DropRecord, parse_log_document
+from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN
+from routelog.store.gc import MIN_GRACE
+from routelog.store.process_writer import ProcessWriter
+from routelog.store.verify import verify_store
+from routelog.store.writer import StepWriter, WriterError
 from routelog.testing import before_first_log_create
-from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
-from routelog.verify import verify_store
-from routelog.writer import StepWriter, WriterError
 from tests.protocol_model import SAMPLES, SPEC, VARIANTS, Entry, Model, ModelRecord, View, prompt_of, record_of
 
 STEP = 0
@@ -660,7 +660,7 @@ def _check_view(snapshot: routelog.StepSnapshot, expected: View) -> None:
 def local_machine(tmp_path: Path) -> Iterator[type[ProtocolMachine]]:
     """The machine on local disk; lost create responses are made by failing a create after it was applied."""
     faults: list[Faults] = []
-    original = routelog.storage._create_file
+    original = routelog.store.storage._create_file
 
     def create_file(path: str, data: bytes) -> None:
         original(path, data)
@@ -673,7 +673,7 @@ def local_machine(tmp_path: Path) -> Iterator[type[ProtocolMachine]]:
         faults.append(Faults())
         return faults[-1]
 
-    routelog.storage._create_file = create_file  # type: ignore[assignment]
+    routelog.store.storage._create_file = create_file  # type: ignore[assignment]
     roots = Path(tempfile.mkdtemp(dir=tmp_path))
 
     class LocalMachine(ProtocolMachine):
@@ -683,7 +683,7 @@ def local_machine(tmp_path: Path) -> Iterator[type[ProtocolMachine]]:
     try:
         yield LocalMachine
     finally:
-        routelog.storage._create_file = original  # type: ignore[assignment]
+        routelog.store.storage._create_file = original  # type: ignore[assignment]
         shutil.rmtree(roots, ignore_errors=True)
 
 

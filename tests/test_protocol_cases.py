@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 import routelog
-import routelog.format
-import routelog.storage
-import routelog.writer
-from routelog import Record, keys
+import routelog.format.documents
+import routelog.store.storage
+import routelog.store.writer
+from routelog import Record
 from routelog.errors import (
     CommitUndecidedError,
     FormatVersionError,
@@ -36,12 +36,13 @@ from routelog.errors import (
     UnsafeKeyError,
 )
 from routelog.fault_proxy import Fault, FaultProxy
-from routelog.fidelity import StepFidelity, write_fidelity
-from routelog.gc import GcRefusedError
+from routelog.format import keys
+from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN
+from routelog.store.fidelity import StepFidelity, write_fidelity
+from routelog.store.gc import GcRefusedError
+from routelog.store.verify import verify_store
+from routelog.store.writer import WriterError
 from routelog.testing import before_first_log_create
-from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
-from routelog.verify import verify_store
-from routelog.writer import WriterError
 from tests.protocol_model import SPEC, record_of
 
 GOLDEN = Path(__file__).parent / "fixtures"
@@ -241,7 +242,7 @@ def test_a_span_into_another_step_is_refused_at_write(tmp_path: Path) -> None:
     writer = store.writer(1, "b", background=False)
     other = keys.part_dir(0, store.step(0).commits[0].part)
     writer._prefixes._ids[other] = 0  # a foreign key in the index: what a bug would have to do
-    original = routelog.writer.build_part
+    original = routelog.store.writer.build_part
 
     def build(*args: Any, **kwargs: Any) -> Any:
         built = original(*args, **kwargs)
@@ -250,13 +251,13 @@ def test_a_span_into_another_step_is_refused_at_write(tmp_path: Path) -> None:
         built.rows[0] = row.model_copy(update={"spans": spans})
         return built
 
-    routelog.writer.build_part = build  # type: ignore[assignment]
+    routelog.store.writer.build_part = build  # type: ignore[assignment]
     try:
         writer.append(_records("s2")[0])
         with pytest.raises(WriterError, match=r"'s2'.*another step"):
             writer.close()
     finally:
-        routelog.writer.build_part = original  # type: ignore[assignment]
+        routelog.store.writer.build_part = original  # type: ignore[assignment]
     assert store.storage.list(keys.log_dir(1)) == []
 
 
@@ -457,7 +458,7 @@ def test_an_unanswered_commit_is_undecided_not_refused(tmp_path: Path) -> None:
     """Every attempt of the commit's create fails and the entry is not there when read back: the writer cannot know
     whether a delayed request will land, and says so."""
     _url, store = _store(tmp_path)
-    original = routelog.storage._create_file
+    original = routelog.store.storage._create_file
 
     def unanswered(path: str, data: bytes) -> None:
         if "/log/" in path:
@@ -467,12 +468,12 @@ def test_an_unanswered_commit_is_undecided_not_refused(tmp_path: Path) -> None:
     store.storage.sleep = lambda _seconds: None
     writer = store.writer(0, "a", background=False)
     writer.append(_records("s0")[0])
-    routelog.storage._create_file = unanswered  # type: ignore[assignment]
+    routelog.store.storage._create_file = unanswered  # type: ignore[assignment]
     try:
         with pytest.raises(WriterError) as info:
             writer.flush()
     finally:
-        routelog.storage._create_file = original  # type: ignore[assignment]
+        routelog.store.storage._create_file = original  # type: ignore[assignment]
     assert isinstance(info.value.__cause__, CommitUndecidedError)
     assert "safe" in str(info.value)
 
@@ -535,17 +536,17 @@ def test_timestamps_without_an_offset_are_read_as_utc(tmp_path: Path) -> None:
 def test_a_full_disk_in_drop_and_seal_is_a_typed_error_that_changes_nothing(tmp_path: Path, operation: str) -> None:
     url, store = _store(tmp_path)
     _write(store, "a", _records("s0", "s1"))
-    original = routelog.storage._durable_temporary
+    original = routelog.store.storage._durable_temporary
 
     def full(directory: str, name: str, data: bytes) -> str:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    routelog.storage._durable_temporary = full  # type: ignore[assignment]
+    routelog.store.storage._durable_temporary = full  # type: ignore[assignment]
     try:
         with pytest.raises(StoreError, match="no space left"):
             store.drop(0, sample_ids=["s1"]) if operation == "drop" else store.seal(0)
     finally:
-        routelog.storage._durable_temporary = original  # type: ignore[assignment]
+        routelog.store.storage._durable_temporary = original  # type: ignore[assignment]
     snapshot = routelog.open_store(url).step(0)
     assert sorted(snapshot.sample_ids) == ["s0", "s1"] and not snapshot.sealed
     assert verify_store(routelog.open_store(url)).ok
@@ -573,8 +574,10 @@ def test_a_format_2_store_written_by_format_3_is_refused_by_a_format_2_reader(
     store.seal(step)
     assert sorted(routelog.open_store(url).step(step).sample_ids) == before[1:]
     assert verify_store(routelog.open_store(url)).ok
-    monkeypatch.setattr(routelog.format, "FORMAT_VERSION", 2)
+    monkeypatch.setattr(routelog.format.documents, "FORMAT_VERSION", 2)
     with pytest.raises(FormatVersionError, match="format version 3"):
-        routelog.format.parse_document(
-            store.storage.read(f"{keys.commits_dir(step)}/{keys.LEGACY_MARKER}"), routelog.format.CommitRecord, "marker"
+        routelog.format.documents.parse_document(
+            store.storage.read(f"{keys.commits_dir(step)}/{keys.LEGACY_MARKER}"),
+            routelog.format.documents.CommitRecord,
+            "marker",
         )

@@ -1,4 +1,4 @@
-"""The format-2 chunk codec (routelog.ranked) and its zarr-python registration."""
+"""The format-2 chunk codec (routelog.format.ranked) and its zarr-python registration."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numcodecs import Zstd
 
-from routelog import _kernels, ranked
-from routelog.codec import gaps_from_sorted, storage_dtype
 from routelog.errors import CorruptDataError
+from routelog.format import _kernels, ranked
+from routelog.format.codec import gaps_from_sorted, storage_dtype
+from routelog.format.zarr_codec import RankedGapsCodec
 from routelog.synth import random_topk
-from routelog.zarr_codec import RankedGapsCodec
 
 
 def _routing(

@@ -25,8 +25,8 @@ def make_records(prefix: str, n: int, seed: int) -> list[Record]:
 
 
 def test_writer_actors_commit_to_s3(s3_bucket: str) -> None:
+    from routelog.format.transport import record_payload
     from routelog.ray import remote_writer
-    from routelog.transport import record_payload
 
     url = f"s3://{s3_bucket}/ray-writers"
     actors = [remote_writer(url, 3, f"actor-{i}", model_spec=SPEC, flush_bytes=500) for i in range(2)]

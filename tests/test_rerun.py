@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import routelog
-from routelog import keys
-from routelog.gc import collect_garbage
+from routelog.format import keys
+from routelog.store.gc import collect_garbage
 
 from .test_engines import DSV3, truth, vllm_022_choice
 

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 import routelog
-from routelog.format import DOCUMENT_MODELS, INDEX_SCHEMA, json_schemas
+from routelog.format.documents import DOCUMENT_MODELS, INDEX_SCHEMA, json_schemas
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "schemas"
 

@@ -11,7 +11,7 @@ import pytest
 import zarr
 from zarr.storage import MemoryStore
 
-from routelog.shard import (
+from routelog.format.shard import (
     ShardFormatError,
     ShardLayout,
     chunks_for,

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import routelog
-import routelog.spec
+import routelog.format.spec
 from routelog import ModelSpec, ModelSpecError
-from routelog import format as format_
+from routelog.format import documents as format_
 from routelog.synth import synthetic_spec
 
 TINY = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "head_dim": 8}
@@ -344,7 +344,7 @@ def test_in_range_hf_configs_still_parse() -> None:
     # HF ignores mlp_only_layers entries past the last layer
     assert ModelSpec.from_hf_config({**QWEN, "mlp_only_layers": [0, 40]}).moe_layers == (1, 2, 3)
     widest = ModelSpec.from_hf_config({**QWEN, "num_hidden_layers": 4096, "num_experts": 65536, "top_k": 1})
-    assert widest.num_moe_layers == routelog.spec.MAX_MOE_LAYERS
+    assert widest.num_moe_layers == routelog.format.spec.MAX_MOE_LAYERS
     assert ModelSpec.from_hf_config({**QWEN, "num_experts": 2048, "num_experts_per_tok": 1024}).topk == 1024
 
 
@@ -407,11 +407,11 @@ def test_specs_the_format_cannot_store_are_refused_when_built(kwargs: dict[str, 
 
 def test_the_format_takes_its_limits_from_the_spec(memory_url: str) -> None:
     assert (format_.MAX_TOPK, format_.MAX_MOE_LAYERS, format_.MAX_EXPERTS) == (1024, 4096, 65536)
-    assert format_.MAX_TOPK is routelog.spec.MAX_TOPK
-    assert format_.MAX_MOE_LAYERS is routelog.spec.MAX_MOE_LAYERS
+    assert format_.MAX_TOPK is routelog.format.spec.MAX_TOPK
+    assert format_.MAX_MOE_LAYERS is routelog.format.spec.MAX_MOE_LAYERS
     # the largest spec the limits allow is a store the format accepts, written and read back
     spec = ModelSpec(
-        num_layers=routelog.spec.MAX_LAYERS,
+        num_layers=routelog.format.spec.MAX_LAYERS,
         moe_layers=tuple(range(0, 2 * format_.MAX_MOE_LAYERS, 2)),
         num_experts=format_.MAX_EXPERTS,
         topk=format_.MAX_TOPK,

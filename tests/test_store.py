@@ -26,13 +26,13 @@ from routelog import (
     Record,
     RecordNotFoundError,
     StoreNotFoundError,
-    keys,
 )
-from routelog.format import FORMAT_VERSION, CommitRecord, IndexRow, ObjectInfo, Span, dump_document
-from routelog.gc import collect_garbage
-from routelog.part import index_to_parquet
-from routelog.storage import Storage
-from routelog.verify import verify_store
+from routelog.format import keys
+from routelog.format.documents import FORMAT_VERSION, CommitRecord, IndexRow, ObjectInfo, Span, dump_document
+from routelog.format.part import index_to_parquet
+from routelog.store.gc import collect_garbage
+from routelog.store.storage import Storage
+from routelog.store.verify import verify_store
 from tests.records import sample_records
 
 MakeRouting = Callable[..., np.ndarray]

@@ -13,15 +13,16 @@ import numpy as np
 import pytest
 
 import routelog
-from routelog import ModelSpec, Record, StepSealedError, keys
-from routelog.gc import collect_garbage, parse_duration
-from routelog.part import PartOptions, build_part
-from routelog.record import prepare_record
-from routelog.storage import Storage
-from routelog.store import Store
+from routelog import ModelSpec, Record, StepSealedError
+from routelog.format import keys
+from routelog.format.part import PartOptions, build_part
+from routelog.format.record import prepare_record
+from routelog.store.gc import collect_garbage, parse_duration
+from routelog.store.storage import Storage
+from routelog.store.store import Store
+from routelog.store.verify import verify_store
+from routelog.store.writer import WriterError
 from routelog.testing import FaultyFileSystem, faulty_storage
-from routelog.verify import verify_store
-from routelog.writer import WriterError
 
 SPEC = ModelSpec(name="stream", num_layers=4, moe_layers=(1, 2, 3), num_experts=16, topk=2)
 

@@ -8,7 +8,7 @@ import pytest
 
 import routelog
 from routelog import InvalidRecordError, ModelSpec, Record, StreamRows, StreamSpec
-from routelog.verify import verify_store
+from routelog.store.verify import verify_store
 from tests.records import random_routing
 
 SPEC = ModelSpec.from_hf_config(

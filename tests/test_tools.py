@@ -16,7 +16,7 @@ import pytest
 
 import routelog
 from routelog import Record
-from routelog.spec import entropy_bound_bytes
+from routelog.format.spec import entropy_bound_bytes
 from routelog.synth import synthetic_spec
 from tests.records import random_routing
 

@@ -11,12 +11,12 @@ import pytest
 
 import routelog
 from routelog import ModelSpec, Record
-from routelog.annotate import annotate
 from routelog.errors import CorruptDataError, DuplicateSampleError, InvalidRecordError, RecordNotFoundError
-from routelog.gc import collect_garbage
-from routelog.seal import seal_step
-from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN, VALUES_OBJECT, values_from_parquet, values_to_parquet
-from routelog.verify import verify_store
+from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN, VALUES_OBJECT, values_from_parquet, values_to_parquet
+from routelog.store.annotate import annotate
+from routelog.store.gc import collect_garbage
+from routelog.store.seal import seal_step
+from routelog.store.verify import verify_store
 
 
 def records(spec: ModelSpec, n: int, *, with_values: bool = True, seed: int = 0) -> list[Record]:

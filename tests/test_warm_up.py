@@ -9,8 +9,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from routelog import ranked
 from routelog.cli import app
+from routelog.format import ranked
 
 # A fresh interpreter (no kernel compiled by another test): warm up, count each kernel's compiled signatures, then
 # write and read stores through the public API on every warm-up path, and count again. Chunks of 64 rows split
@@ -20,7 +20,7 @@ import json
 import numpy as np
 from numba.core.registry import CPUDispatcher
 import routelog
-from routelog import _kernels, ranked
+from routelog.format import _kernels, ranked
 
 def compiled():
     return {name: len(f.signatures) for name, f in vars(_kernels).items() if isinstance(f, CPUDispatcher)}
@@ -55,7 +55,7 @@ print(json.dumps({"before": before, "after": compiled()}))
 
 
 def test_warm_up_compiles_what_writing_and_reading_use() -> None:
-    """After :func:`routelog.ranked.warm_up`, writing and reading stores compiles nothing more."""
+    """After :func:`routelog.format.ranked.warm_up`, writing and reading stores compiles nothing more."""
     run = subprocess.run(
         [sys.executable, "-c", _WRITE_AND_READ], capture_output=True, text=True, timeout=600, check=False
     )

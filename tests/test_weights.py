@@ -15,10 +15,11 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 import routelog
-from routelog import InvalidRecordError, PartOptions, Record, keys
+from routelog import InvalidRecordError, PartOptions, Record
+from routelog.format import keys
+from routelog.format.weights import from_storage, to_storage
+from routelog.store.verify import verify_store
 from routelog.synth import synthetic_spec
-from routelog.verify import verify_store
-from routelog.weights import from_storage, to_storage
 from tests.records import random_routing
 
 SPEC = synthetic_spec(layers=3, experts=16, topk=4)

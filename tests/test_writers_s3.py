@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import routelog
-from routelog.reader import StepSnapshot
-from routelog.verify import verify_store
+from routelog.store.reader import StepSnapshot
+from routelog.store.verify import verify_store
 from tests.writer_child import SPEC as CHILD_SPEC
 
 CHILD = str(Path(__file__).with_name("writer_child.py"))

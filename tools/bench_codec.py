@@ -25,7 +25,7 @@ context: what zstd alone costs in a chunked store, format 1's codec or a plain z
 codec), which the goals are judged against, and one frame over the whole array, given beside it. The whole-array
 frame finds matches across chunks (the corpus' GRPO prompts repeat in record order, and sets recur thousands of
 rows apart; a real store keeps the prompts once through shared prefixes) that per-chunk frames cannot, so on the
-corpus it codes far fewer literals than any chunk codec; the compiled kernels (``routelog._kernels``) and, on
+corpus it codes far fewer literals than any chunk codec; the compiled kernels (``routelog.format._kernels``) and, on
 encode, the writer's sort and checks (``sort_by_layer``) come on top of zstd for routelog.
 Every layout runs once untimed first (routelog's kernels load, or compile, on their first chunk). The speed ratios
 are paired (:func:`paired_speed`): routelog and both references timed back to back in each of ``--rounds`` rounds,
@@ -57,13 +57,14 @@ import pyarrow.parquet as pq
 from numcodecs import Zstd
 
 import routelog
-from routelog import zstd_frames
-from routelog.codec import Transform, encode_rows, layer_major, sort_by_layer
-from routelog.format import CommitRecord, ObjectInfo, RoutingArrayInfo, utc_now
-from routelog.part import BlockRequest, PartOptions, fetch_blocks, shard_layout
-from routelog.shard import encode_shard
-from routelog.spec import entropy_bound_bytes
-from routelog.storage import Storage
+from routelog.format import zstd_frames
+from routelog.format.codec import Transform, encode_rows, layer_major, sort_by_layer
+from routelog.format.documents import CommitRecord, ObjectInfo, RoutingArrayInfo, utc_now
+from routelog.format.part import PartOptions, shard_layout
+from routelog.format.shard import encode_shard
+from routelog.format.spec import entropy_bound_bytes
+from routelog.store.blocks import BlockRequest, fetch_blocks
+from routelog.store.storage import Storage
 from routelog.synth import synth_routing, synthetic_spec
 
 

@@ -8,7 +8,7 @@ routes its hidden states. The sides alternate, ``--rounds`` each, over the same 
 * **installer**, **megatron-hook**, **verl**, **nemo-rl**: :class:`~routelog.megatron.MegatronReplay` with
   everything on, the installation path every Megatron integration uses (the generic hook; veRL's and NeMo-RL's
   patches install through it): targets handed to every router, the router diff measured (a
-  :class:`~routelog.fidelity.FidelityGate`), the tokens fed checked row by row, the step judged; with the rows in
+  :class:`~routelog.store.fidelity.FidelityGate`), the tokens fed checked row by row, the step judged; with the rows in
   memory, around a forward step reading the store in the background, through veRL's engine patch, and through
   NeMo-RL's (its sharding of the row codes, then its forward and backward calls);
 * **slime-native**, **slime**: each router pops its micro-batch's tensor from slime's ``RoutingReplay`` before the
@@ -168,8 +168,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import routelog
+    from routelog import FidelityGate
     from routelog.align import AlignmentPlan, Packing, ParallelLayout, RankCoords, parse_micro_batches
-    from routelog.fidelity import FidelityGate
     from routelog.integrations.megatron import ReplayHook
     from routelog.loader import ReplayLoader
     from routelog.megatron import MegatronReplay

@@ -57,8 +57,8 @@ from benchlib import peak_rss_mb
 
 import routelog
 from routelog import Record
-from routelog.part import PartOptions, build_part
-from routelog.record import prepare_record
+from routelog.format.part import PartOptions, build_part
+from routelog.format.record import prepare_record
 from routelog.synth import synth_routing, synthetic_spec
 
 

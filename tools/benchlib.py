@@ -41,7 +41,7 @@ def dense_routing(sid: str, ids: np.ndarray, moe_layers: list[int], num_layers: 
     """A RecordRouting built from a dense ``[tokens, layers, K]`` array (every row routed but the last), as a
     trainer holding the whole tensor would hand it to the alignment."""
     import routelog
-    from routelog.routing import RecordRouting
+    from routelog.format.routing import RecordRouting
 
     tokens = ids.shape[0]
     valid = np.ones(tokens, bool)

@@ -1,6 +1,6 @@
 """Fit and check the codec's dictionary cost model against trial compressions of the corpus' chunk layers.
 
-Whether a layer keeps a dictionary (``routelog/_kernels.py``, ``_dictionary_pays``) is decided by a model, not by
+Whether a layer keeps a dictionary (``routelog/format/_kernels.py``, ``_dictionary_pays``) is decided by a model, not by
 compressing both ways: the gain of a dictionary over zstd's matches is ``MATCH_BYTES * runs - INDEX_WEIGHT *
 index_bytes - LONG_RUN_BYTES * long_runs``, where for the layer's unique rows (rows equal to the row before them
 removed) ``runs`` counts runs of rows that repeat earlier ones, ``long_runs`` those longer than a row, and
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 from bench_codec import corpus_routing, stored_routing, writer_sizes
 
-from routelog import _kernels, ranked
-from routelog.codec import sort_by_layer
+from routelog.format import _kernels, ranked
+from routelog.format.codec import sort_by_layer
 
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "corpus"
 

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from routelog.format import json_schemas
+from routelog.format.documents import json_schemas
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "schemas"
 

@@ -52,7 +52,7 @@ import numpy as np
 import numpy.typing as npt
 
 import routelog
-from routelog.format import Segment
+from routelog.format.documents import Segment
 
 BOS, EOS, SEP, PAD = 256, 257, 258, 259
 VOCAB = 260

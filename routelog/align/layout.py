@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from routelog.errors import AlignmentError
-from routelog.spec import ModelSpec
+from routelog.format.spec import ModelSpec
 
 CpLayout = Literal["zigzag", "contiguous"]
 

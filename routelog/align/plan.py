@@ -20,8 +20,8 @@ from routelog.align.layout import LocalRouter, ParallelLayout, RankCoords, local
 from routelog.align.packing import Packing, nemo_pad_to, pack
 from routelog.align.positions import PAD, rank_positions
 from routelog.errors import AlignmentError, StaleRoutingError
-from routelog.routing import RecordRouting
-from routelog.spec import ModelSpec
+from routelog.format.routing import RecordRouting
+from routelog.format.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class AlignmentPlan:
     has none). Routing of any other version is stale: see :attr:`other_versions`."""
     other_versions: OtherVersions = "refuse"
     """Tokens generated under a version outside :attr:`policy_versions`: ``refuse`` (the default) raises
-    :class:`~routelog.fidelity.StaleRoutingError` naming the sample; ``missing`` treats them as rows without a
+    :class:`~routelog.store.fidelity.StaleRoutingError` naming the sample; ``missing`` treats them as rows without a
     recorded route (partial rollouts resumed after a weight update, where only the new version's tokens replay)."""
 
     def __post_init__(self) -> None:

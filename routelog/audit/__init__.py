@@ -20,7 +20,7 @@ from routelog.audit.mismatch import MismatchResult, merge_mismatch, mismatch_uni
 from routelog.audit.runner import Progress, run_units
 from routelog.audit.units import DEFAULT_BATCH_RECORDS, DEFAULT_UNIT_RECORDS, Plan, Source, plan_units
 from routelog.errors import RecordNotFoundError
-from routelog.summary import bytes_per_token_layer
+from routelog.store.summary import bytes_per_token_layer
 
 __all__ = [
     "DiffResult",
@@ -127,7 +127,7 @@ def mismatch(
     unit_records: int = DEFAULT_UNIT_RECORDS,
 ) -> MismatchResult:
     """Per step, k3 KL and F(t) between the stored ``logprob_infer`` and ``logprob_train`` columns, and the router
-    diff training ranks published (:mod:`routelog.fidelity`)."""
+    diff training ranks published (:mod:`routelog.store.fidelity`)."""
     source = Source.of(url, storage_options)
     chosen = _steps(source, steps)
     plan = plan_units(source, chosen, unit_records=unit_records)

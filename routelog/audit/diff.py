@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from routelog.audit.r3 import routing_differences
 from routelog.audit.units import WorkUnit, batches, pack, unpack
 from routelog.errors import InvalidRecordError, ModelSpecError
-from routelog.format import IndexRow
+from routelog.format.documents import IndexRow
 
 
 class TokenMismatchError(InvalidRecordError):

@@ -91,7 +91,7 @@ class StatsResult(BaseModel):
     """Every object of the steps' parts (routing, values, streams, indexes)."""
     bytes_per_token_layer: float
     """The routing arrays' bytes per stored token row and MoE layer, as ``routelog inspect`` prints it
-    (:func:`routelog.summary.bytes_per_token_layer`)."""
+    (:func:`routelog.store.summary.bytes_per_token_layer`)."""
     num_experts: int
     topk: int
     layers: list[LayerStats]

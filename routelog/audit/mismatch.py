@@ -3,7 +3,7 @@ and the router diff the trainer measured while replaying.
 
 Per step, over tokens that have both ``logprob_infer`` and ``logprob_train``: the k3 estimate of
 KL(pi_infer || pi_train) and F(t), the share of tokens whose probability ratio exceeds ``t`` either way. Per step
-with replay-fidelity documents (:mod:`routelog.fidelity`), per layer the share of replayed rows whose trainer
+with replay-fidelity documents (:mod:`routelog.store.fidelity`), per layer the share of replayed rows whose trainer
 router would have chosen other experts. Only the values objects and those documents are read, never routing.
 """
 
@@ -17,9 +17,9 @@ from pydantic import BaseModel
 
 from routelog.audit.units import WorkUnit, pack, unpack
 from routelog.errors import ValuesNotFoundError
-from routelog.fidelity import read_fidelity, step_fidelity
-from routelog.root import StoreRoot
-from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
+from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN
+from routelog.store.fidelity import read_fidelity, step_fidelity
+from routelog.store.root import StoreRoot
 
 THRESHOLDS = (1.5, 2.0, 5.0)
 """The paper's t values for F(t)."""
@@ -90,7 +90,7 @@ class MismatchResult(BaseModel):
     steps_without_logprobs: list[int] = []
     """Steps audited whose records lack one of the two columns: left out of ``steps``."""
     router_diff: list[StepRouterDiff] = []
-    """Steps whose training ranks published replay fidelity (``routelog.fidelity``)."""
+    """Steps whose training ranks published replay fidelity (``routelog.store.fidelity``)."""
 
 
 def router_diffs(store: StoreRoot, steps: Sequence[int]) -> list[StepRouterDiff]:
@@ -143,6 +143,6 @@ def merge_mismatch(partials: list[bytes], url: str, router_diff: Sequence[StepRo
             f"{url}: no record of step(s) {without} has both {LOGPROB_INFER} and {LOGPROB_TRAIN}: record the "
             f"engine's log-probs as {LOGPROB_INFER} when writing and add the trainer's as {LOGPROB_TRAIN} with "
             "Store.annotate (see the README's audits section), or publish replay fidelity from the trainer "
-            "(routelog.fidelity)"
+            "(write_fidelity in routelog.store.fidelity, or an integration's fidelity_writer)"
         )
     return MismatchResult(url=url, steps=steps, steps_without_logprobs=without, router_diff=list(router_diff))

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from routelog.reader import StepSnapshot
-from routelog.routing import RecordRouting
-from routelog.store import Store, open_store
+from routelog.format.routing import RecordRouting
+from routelog.store.reader import StepSnapshot
+from routelog.store.store import Store, open_store
 
 DEFAULT_UNIT_RECORDS = 256
 """Records per work unit (the grain of parallelism)."""

@@ -17,10 +17,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from routelog.spec import ModelSpec
+from routelog.format.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from routelog.store import Store
+    from routelog.store.store import Store
 
 app = typer.Typer(
     name="routelog",
@@ -74,21 +74,21 @@ UrlArgument = Annotated[str, typer.Argument(help="Store URL (a local path, file:
 
 
 def storage_options(text: str | None) -> dict[str, Any]:
-    from routelog.storage import parse_storage_options
+    from routelog.store.storage import parse_storage_options
 
     return parse_storage_options(text)
 
 
 def open_url(url: str, options_text: str | None) -> Store:
     """The existing store at ``url`` (a typed error when there is none)."""
-    from routelog.store import open_store
+    from routelog.store.store import open_store
 
     return open_store(url, storage_options=storage_options(options_text))
 
 
 def try_open(url: str, options: dict[str, Any]) -> Store | None:
     from routelog.errors import StoreNotFoundError
-    from routelog.store import open_store
+    from routelog.store.store import open_store
 
     try:
         return open_store(url, storage_options=options)

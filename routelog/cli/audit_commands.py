@@ -146,7 +146,7 @@ def mismatch(
     storage_options_: StorageOptions = None,
 ) -> None:
     """Per step: training-inference KL (k3) and F(t) for t in 1.5, 2, 5 from stored log-probs (paper Fig. 5), and the
-    router diff the trainer measured while replaying, per layer (published with routelog.fidelity)."""
+    router diff the trainer measured while replaying, per layer (published with routelog.store.fidelity)."""
     from routelog import audit
     from routelog.audit.figures import mismatch_figure
 

@@ -92,7 +92,7 @@ def ls_records(
     storage_options_: StorageOptions = None,
 ) -> None:
     """List the records of a step."""
-    from routelog.summary import record_listing
+    from routelog.store.summary import record_listing
 
     when = None if as_of is None else (as_of if as_of.tzinfo else as_of.replace(tzinfo=UTC))
     snapshot = open_url(url, storage_options_).step(step, as_of=when)

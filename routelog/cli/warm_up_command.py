@@ -11,7 +11,7 @@ from routelog.cli.app import JsonFlag, app, console, print_json
 @app.command(name="warm-up")
 def warm_up(json_out: JsonFlag = False) -> None:
     """Compile the codec's kernels into numba's cache (once per machine; later runs only load them)."""
-    from routelog.ranked import warm_up as compile_kernels
+    from routelog.format.ranked import warm_up as compile_kernels
 
     seconds = compile_kernels()
     if json_out:

@@ -31,8 +31,8 @@ from routelog.cli.app import (
     storage_options,
     try_open,
 )
-from routelog.spec import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_TOPK
-from routelog.steplog import read_seal_marker
+from routelog.format.spec import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_TOPK
+from routelog.store.steplog import read_seal_marker
 
 FlushBytes = Annotated[
     int | None,
@@ -106,9 +106,9 @@ def synth(
     The records follow from the options and the seed, so running the same command again adds nothing ("0 new, N
     already present").
     """
-    from routelog import keys
-    from routelog.part import PartOptions
-    from routelog.store import create_store
+    from routelog.format import keys
+    from routelog.format.part import PartOptions
+    from routelog.store.store import create_store
     from routelog.synth import SynthConfig, synth_records, synthetic_spec
 
     order = _choice(topk_order, "--topk-order", ("sorted", "score"))
@@ -175,8 +175,8 @@ def synth(
 
 def _annotate_training_logprobs(store: Any, step: int, writer_id: str, config: Any) -> int:
     """What a trainer would report later: ``logprob_train`` for the synthetic records that lack it."""
+    from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN
     from routelog.synth import synth_records, synth_training_logprobs
-    from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
 
     snapshot = store.step(step)
     wanted = {}
@@ -416,7 +416,7 @@ def gc(
     That is objects of dead writers that no commit references, and the parts of dropped or shadowed records once
     they are older than the grace period.
     """
-    from routelog.gc import parse_duration
+    from routelog.store.gc import parse_duration
 
     try:
         seconds = parse_duration(older_than)

@@ -27,9 +27,9 @@ import numpy.typing as npt
 
 from routelog.engines.versions import physical_id_note
 from routelog.errors import IngestError
-from routelog.format import MAX_RECORD_TOKENS, IdSpace, Segment
-from routelog.record import MAX_TOKEN_ID, Record, token_hash
-from routelog.spec import ModelSpec
+from routelog.format.documents import MAX_RECORD_TOKENS, IdSpace, Segment
+from routelog.format.record import MAX_TOKEN_ID, Record, token_hash
+from routelog.format.spec import ModelSpec
 
 LayerAxis = Literal["full", "moe"]
 

@@ -21,9 +21,9 @@ import numpy as np
 import numpy.typing as npt
 
 from routelog.errors import ModelSpecError, ReplayConfigError
-from routelog.format import Segment
-from routelog.record import Record
-from routelog.spec import ModelSpec
+from routelog.format.documents import Segment
+from routelog.format.record import Record
+from routelog.format.spec import ModelSpec
 
 ENGINE = "transformers"
 _ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|feed_forward)\.(?:gate|router)$")

@@ -22,8 +22,8 @@ import numpy.typing as npt
 from routelog.align.plan import AlignmentPlan
 from routelog.align.positions import PAD
 from routelog.errors import IngestError
-from routelog.record import Record, StreamRows
-from routelog.spec import MTP_STREAM
+from routelog.format.record import Record, StreamRows
+from routelog.format.spec import MTP_STREAM
 
 ENGINE = "megatron-core"
 

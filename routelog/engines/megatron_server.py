@@ -31,8 +31,8 @@ from routelog.engines.common import (
     token_ids_field,
 )
 from routelog.errors import IngestError, RoutingAbsentError
-from routelog.record import Record
-from routelog.spec import ModelSpec
+from routelog.format.record import Record
+from routelog.format.spec import ModelSpec
 
 ENGINE = "megatron"
 FIELD = "moe_topk_indices"

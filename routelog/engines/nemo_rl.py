@@ -16,8 +16,8 @@ import numpy.typing as npt
 
 from routelog.engines.common import decode_base64, shaped_bytes, to_full_axis
 from routelog.errors import IngestError
-from routelog.record import Record
-from routelog.spec import ModelSpec
+from routelog.format.record import Record
+from routelog.format.spec import ModelSpec
 
 PREFIX = "nrlre1:"
 MISSING = -1

@@ -42,9 +42,9 @@ from routelog.engines.common import (
 )
 from routelog.engines.versions import sglang_honours_start_len
 from routelog.errors import IngestError, RoutingAbsentError
-from routelog.format import MAX_RECORD_TOKENS
-from routelog.record import Record
-from routelog.spec import ModelSpec
+from routelog.format.documents import MAX_RECORD_TOKENS
+from routelog.format.record import Record
+from routelog.format.spec import ModelSpec
 
 ENGINE = "sglang"
 

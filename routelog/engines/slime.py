@@ -15,8 +15,8 @@ import numpy.typing as npt
 
 from routelog.engines.common import Payload, payload_to_record, to_full_axis
 from routelog.errors import IngestError
-from routelog.record import Record
-from routelog.spec import ModelSpec
+from routelog.format.record import Record
+from routelog.format.spec import ModelSpec
 
 ENGINE = "slime"
 FIELDS = ("rollout_routed_experts", "tokens", "response_length")

@@ -50,8 +50,8 @@ from routelog.engines.common import (
 )
 from routelog.engines.versions import parse_version, vllm_physical_ids
 from routelog.errors import IngestError, RoutingAbsentError
-from routelog.record import Record
-from routelog.spec import ModelSpec
+from routelog.format.record import Record
+from routelog.format.spec import ModelSpec
 
 ENGINE = "vllm"
 

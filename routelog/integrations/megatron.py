@@ -4,7 +4,7 @@ megatron-core calls ``forward_step_func(data_iterator, model)`` once per micro-b
 pipeline stages the chunks interleave, but each chunk sees the micro-batches in order. :class:`ReplayHook` keeps a
 cursor per chunk, installs that micro-batch's routes (loaded in the background, only this rank's records and
 layers) around the call. At the step's last forward it judges the step (tokens fed row by row, routes taken, the
-router diff a :class:`~routelog.fidelity.FidelityGate` checks), so a bad step raises before its backward and the
+router diff a :class:`~routelog.store.fidelity.FidelityGate` checks), so a bad step raises before its backward and the
 optimizer step; at the end of the step it clears the routes and publishes the router diff to the store::
 
     hook = ReplayHook(url, model_chunks, spec=spec, layout=layout, rank=rank, packing=Packing("megatron"),
@@ -35,12 +35,12 @@ from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, R
 from routelog.align.layout import CpLayout
 from routelog.align.plan import MicroBatchReplay, MissingPolicy, OtherVersions, PolicyVersions, versions_for
 from routelog.errors import AlignmentError, RoutelogError
-from routelog.fidelity import FidelityGate, StepFidelity, write_fidelity
+from routelog.format.spec import ModelSpec
+from routelog.format.values import LOGPROB_TRAIN
 from routelog.loader import ReplayLoader
 from routelog.megatron import MegatronReplay, TokenCheck
-from routelog.spec import ModelSpec
-from routelog.store import Store, open_store
-from routelog.values import LOGPROB_TRAIN
+from routelog.store.fidelity import FidelityGate, StepFidelity, write_fidelity
+from routelog.store.store import Store, open_store
 
 TokensOf = Callable[[MicroBatchReplay], Sequence[npt.ArrayLike]]
 

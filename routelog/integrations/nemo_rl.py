@@ -21,8 +21,8 @@ come after every real token of their sequence). MTP routers are never handed dec
 commit walks them too, so on megatron-core 0.16 it refuses a model with MTP layers ("Router layer 9 is not present
 in MoE layer pattern") and on 0.19, whose MTP layers are numbered from 1 again, it hands them decoder layer 1's
 routes. The router diff is measured on
-every replayed row, judged by a :class:`~routelog.fidelity.FidelityGate` and published with
-:func:`~routelog.fidelity.write_fidelity`; the tokens fed are checked against the recorded ones.
+every replayed row, judged by a :class:`~routelog.store.fidelity.FidelityGate` and published with
+:func:`~routelog.store.fidelity.write_fidelity`; the tokens fed are checked against the recorded ones.
 
 **The lines a user adds** (NeMo-RL itself is imported lazily, only by :func:`install` and :func:`install_driver`).
 In the driver script (``examples/run_grpo.py`` or yours), before ``init_ray()`` and ``grpo.setup``::
@@ -78,15 +78,15 @@ from routelog.align.positions import PAD
 from routelog.engines import nemo_rl as envelope
 from routelog.engines.common import Payload, payload_to_record
 from routelog.errors import AlignmentError, IngestError, RecordNotFoundError, ReplayConfigError
-from routelog.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
+from routelog.format.record import Record
+from routelog.format.routing import RecordRouting
+from routelog.format.spec import ModelSpec
+from routelog.integrations.readahead import ReadAhead
 from routelog.integrations.transfer import host_sequences
 from routelog.megatron import MegatronReplay, rows_of_sequences
-from routelog.readahead import ReadAhead
-from routelog.reader import StepSnapshot
-from routelog.record import Record
-from routelog.routing import RecordRouting
-from routelog.spec import ModelSpec
-from routelog.store import Store, create_store, open_store
+from routelog.store.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
+from routelog.store.reader import StepSnapshot
+from routelog.store.store import Store, create_store, open_store
 
 NEMO_RL_COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
 """The NeMo-RL revision this integration was written against and its fixtures were captured from."""

@@ -58,7 +58,9 @@ from routelog.align import AlignmentPlan, LocalRouter, MicroBatch, Packing, Para
 from routelog.align.plan import OtherVersions, PolicyVersions, replayable_rows, versions_for
 from routelog.engines.slime import record_from_sample
 from routelog.errors import AlignmentError, IngestError, ModelSpecError, RecordNotFoundError, ReplayConfigError
-from routelog.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
+from routelog.format.part import PartOptions
+from routelog.format.record import token_hash
+from routelog.format.spec import ModelSpec
 from routelog.integrations.slime_source import (
     Prepare,
     PreparedMicroBatch,
@@ -69,11 +71,9 @@ from routelog.integrations.slime_source import (
 )
 from routelog.integrations.transfer import host_sequences
 from routelog.loader import ReplayLoader
-from routelog.part import PartOptions
-from routelog.reader import StepSnapshot
-from routelog.record import token_hash
-from routelog.spec import ModelSpec
-from routelog.store import Store, create_store, open_store
+from routelog.store.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
+from routelog.store.reader import StepSnapshot
+from routelog.store.store import Store, create_store, open_store
 
 URL_ENV = "ROUTELOG_URL"
 """Environment variable naming the store for :func:`generate_rollout` and :func:`install`."""
@@ -400,13 +400,13 @@ class SlimeReplay:
     name. ``prefetch`` micro-batches are read ahead of the one a router pops.
 
     Routing that was recorded into slime's ``RoutingReplay`` and that no router popped by the rollout's first
-    optimizer step fails the step (:class:`~routelog.fidelity.ReplayFidelityError`: slime's replay is inert). With a
-    ``gate`` or a ``fidelity_writer``, :func:`patch` also wraps slime's replaying ``compute_topk``: in each replay
+    optimizer step fails the step (:class:`~routelog.store.fidelity.ReplayFidelityError`: slime's replay is inert). With
+    a ``gate`` or a ``fidelity_writer``, :func:`patch` also wraps slime's replaying ``compute_topk``: in each replay
     stage's first pop of a micro-batch the router's own top-k is computed too (one extra top-k per router and
     micro-batch, no host synchronisation), and the rows whose own set differs from the replayed one are counted
     (the R3 paper's router diff, on the trainer's weights). Before each optimizer step inside ``train_actor``
     (slime's ``optimizer.step()``, wrapped for the rollout) and after it, the counts so far are judged by the gate
-    (:class:`~routelog.fidelity.ReplayFidelityError` when a layer exceeds it); after it they are published as the
+    (:class:`~routelog.store.fidelity.ReplayFidelityError` when a layer exceeds it); after it they are published as the
     rank's fidelity document ``<fidelity_writer>-r<global rank>`` of the step (``routelog mismatch`` shows them)."""
 
     def __init__(

@@ -29,8 +29,8 @@ import numpy.typing as npt
 from routelog.align import AlignmentPlan
 from routelog.align.plan import dummy_routes
 from routelog.errors import ReplayConfigError
-from routelog.readahead import ReadAhead
-from routelog.reader import StepSnapshot
+from routelog.integrations.readahead import ReadAhead
+from routelog.store.reader import StepSnapshot
 
 Prepare = Callable[..., Any]
 """slime's ``prepare_routed_experts_for_routing_replay(experts, tokens, *, num_experts, data_pad_size_multiplier,
@@ -208,10 +208,10 @@ class RolloutSource:
     """slime's lazy resource for one rollout on one rank (``RoutingReplay.register_lazy_resource``).
 
     Micro-batch ``m`` is built (``build(m)``) when a router first pops it, the next ``prefetch`` micro-batches ahead
-    of it in a background thread (:class:`~routelog.readahead.ReadAhead`), and kept until each of the ``routers``
-    has popped it in the release stage (default ``backward``: slime's log-prob pass pops ``forward``, its training
-    pass ``backward``; slime's ``begin_lazy_pass(stage)`` changes it). A micro-batch released and popped again is
-    built again."""
+    of it in a background thread (:class:`~routelog.integrations.readahead.ReadAhead`), and kept until each of the
+    ``routers`` has popped it in the release stage (default ``backward``: slime's log-prob pass pops ``forward``, its
+    training pass ``backward``; slime's ``begin_lazy_pass(stage)`` changes it). A micro-batch released and popped again
+    is built again."""
 
     def __init__(
         self,

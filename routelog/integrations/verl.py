@@ -16,7 +16,7 @@ through every DP dispatch and micro-batch split, and each worker packs it again 
   reads only its own records and pipeline-stage layers. ``forward_backward_batch`` is wrapped to start reading the
   pass's records in the background before its first micro-batch (``prefetch``: whole records, so under CP or
   sequence parallelism a rank reads more than its share of records longer than a chunk) and to end the step:
-  the router diff is judged by the gate and published (:mod:`routelog.fidelity`).
+  the router diff is judged by the gate and published (:mod:`routelog.store.fidelity`).
 
 veRL sets the replay actions itself (its own ``RouterReplay`` class and enum, which :mod:`routelog.megatron`
 accepts); ``actor.megatron.router_replay.mode=R3`` stays on, ``rollout.enable_rollout_routing_replay`` may be off
@@ -38,15 +38,15 @@ from routelog.align import AlignmentPlan, MicroBatch, Packing
 from routelog.align.plan import MicroBatchReplay, MissingPolicy, OtherVersions, PolicyVersions, gather, versions_for
 from routelog.engines.verl import records_from_batch
 from routelog.errors import AlignmentError
-from routelog.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
+from routelog.format.routing import RecordRouting
+from routelog.format.spec import ModelSpec
 from routelog.integrations.megatron import layout_from_config, rank_from_parallel_state
 from routelog.loader import ReplayLoader
 from routelog.megatron import MegatronReplay, language_model
-from routelog.reader import StepSnapshot
-from routelog.routing import RecordRouting
-from routelog.spec import ModelSpec
-from routelog.store import Store, open_store
-from routelog.writer import StepWriter
+from routelog.store.fidelity import FidelityGate, ReplayFidelityError, StepFidelity, write_fidelity
+from routelog.store.reader import StepSnapshot
+from routelog.store.store import Store, open_store
+from routelog.store.writer import StepWriter
 
 SAMPLE_ID_KEY = "routelog_sample_id"
 """The ``non_tensor_batch`` column that replaces ``routed_experts``."""

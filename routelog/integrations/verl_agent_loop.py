@@ -37,12 +37,12 @@ import numpy as np
 
 from routelog.engines.verl import records_from_batch
 from routelog.errors import DuplicateSampleError, StoreNotFoundError, WriteInterruptedError
-from routelog.format import CommitRecord
+from routelog.format.documents import CommitRecord
+from routelog.format.record import Record, token_hash
+from routelog.format.spec import ModelSpec
 from routelog.integrations.verl import SAMPLE_ID_KEY, STEP_KEY
-from routelog.record import Record, token_hash
-from routelog.spec import ModelSpec
-from routelog.store import Store, create_store, open_store
-from routelog.writer import StepWriter
+from routelog.store.store import Store, create_store, open_store
+from routelog.store.writer import StepWriter
 
 MAX_ATTEMPTS = 64
 """Regenerations of one trajectory id in one step before its writer gives up."""

@@ -34,7 +34,7 @@ URL_ENV = "ROUTELOG_URL"
 FIDELITY_ENV = "ROUTELOG_FIDELITY_WRITER"
 """Optional: the writer id the router diff is published under."""
 GATE_ENV = "ROUTELOG_MAX_ROUTER_DIFF"
-"""Optional: a :class:`~routelog.fidelity.FidelityGate`'s ``max_router_diff``."""
+"""Optional: a :class:`~routelog.store.fidelity.FidelityGate`'s ``max_router_diff``."""
 VERSIONS_ENV = "ROUTELOG_POLICY_VERSIONS"
 """Optional: ``step`` (the default: only routing of the step's own policy version), ``any`` (not checked), or
 ``step-N`` (routing of version ``step - N``: N-step off-policy training)."""
@@ -44,8 +44,8 @@ AGENT_LOOP_MODULES = ("verl.experimental.agent_loop.agent_loop", "verl.trainer.p
 
 
 def _install_engine(module: ModuleType) -> None:
-    from routelog.fidelity import FidelityGate
     from routelog.integrations import verl
+    from routelog.store.fidelity import FidelityGate
 
     del module  # verl.install patches the module it imports (this one, already in sys.modules)
     limit = os.environ.get(GATE_ENV)

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 
 import routelog
-from routelog import ModelSpec, Record, keys
-from routelog.storage import Storage
+from routelog import ModelSpec, Record
+from routelog.format import keys
+from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN
+from routelog.store.storage import Storage
 from routelog.synth import synthetic_spec
-from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
 from tests.records import sample_records
 
 SPEC = synthetic_spec(layers=6, experts=32, topk=4)

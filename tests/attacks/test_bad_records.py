@@ -10,7 +10,7 @@ import pytest
 
 import routelog
 from routelog import InvalidRecordError, Record, Segment
-from routelog.writer import WriterError
+from routelog.store.writer import WriterError
 from tests.attacks.kit import SPEC, make_records
 
 
@@ -83,7 +83,7 @@ def test_segments_may_be_dicts(memory_url: str) -> None:
 def test_a_record_that_fails_at_flush_costs_only_itself(memory_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Should building a part still fail for one record, the part is retried without it: the good records are
     committed, the bad one is reported by sample id, and the writer stays usable."""
-    import routelog.writer as writer_module
+    import routelog.store.writer as writer_module
 
     real_build = writer_module.build_part
 

@@ -25,7 +25,6 @@ import pytest
 from numcodecs import Zstd
 
 import routelog
-from routelog import keys
 from routelog.engines import sglang, vllm
 from routelog.errors import (
     CorruptDataError,
@@ -34,16 +33,17 @@ from routelog.errors import (
     IngestError,
     ModelSpecError,
 )
-from routelog.format import IndexRow, RoutingArrayInfo, Segment, Span, StreamSpans
-from routelog.gc import collect_garbage
+from routelog.format import keys
+from routelog.format.documents import IndexRow, RoutingArrayInfo, Segment, Span, StreamSpans
+from routelog.format.parquet_limits import decoded_budget
+from routelog.format.part import index_from_parquet, index_to_parquet, shard_layout
+from routelog.format.shard import _crc
+from routelog.format.spec import ModelSpec
+from routelog.format.values import LOGPROB_INFER, VALUES_OBJECT, values_from_parquet
 from routelog.ingest import load_arrays, read_records
-from routelog.parquet_limits import decoded_budget
-from routelog.part import index_from_parquet, index_to_parquet, shard_layout
-from routelog.shard import _crc
-from routelog.spec import ModelSpec
-from routelog.storage import Storage
-from routelog.values import LOGPROB_INFER, VALUES_OBJECT, values_from_parquet
-from routelog.verify import verify_store
+from routelog.store.gc import collect_garbage
+from routelog.store.storage import Storage
+from routelog.store.verify import verify_store
 from tests.attacks.kit import SPEC, assert_same, build_store, commit_keys, entry_keys, read_everything
 
 PEAK_LIMIT = 32 << 20

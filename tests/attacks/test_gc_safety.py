@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 import routelog
-from routelog import keys
 from routelog.errors import GcRefusedError, StoreError
-from routelog.gc import MIN_GRACE, collect_garbage
-from routelog.writer import MAX_COMMIT_DELAY
+from routelog.format import keys
+from routelog.store.gc import MIN_GRACE, collect_garbage
+from routelog.store.writer import MAX_COMMIT_DELAY
 from tests.attacks.kit import SPEC, assert_same, build_store, commit_keys, make_records, read_everything
 
 

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 import routelog
-from routelog import keys
 from routelog.errors import StepSealedError
-from routelog.seal import seal_step
-from routelog.writer import WriterError
+from routelog.format import keys
+from routelog.store.seal import seal_step
+from routelog.store.writer import WriterError
 from tests.attacks.kit import SPEC, make_records
 
 _WAIT = 20.0

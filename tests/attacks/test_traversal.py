@@ -21,11 +21,11 @@ import pyarrow.parquet as pq
 import pytest
 
 import routelog
-from routelog import keys
 from routelog.errors import CorruptDataError, GcRefusedError, RoutelogError, UnsafeKeyError
-from routelog.gc import collect_garbage
-from routelog.storage import Storage
-from routelog.verify import verify_store
+from routelog.format import keys
+from routelog.store.gc import collect_garbage
+from routelog.store.storage import Storage
+from routelog.store.verify import verify_store
 from tests.attacks.kit import SPEC, build_store, commit_keys, entry_keys, read_everything
 
 ESCAPE = "../../../../victim-store/steps/0000000000/parts/alpha.00000000.aaaaaaaaaaaa"

@@ -20,17 +20,17 @@ import zarr
 import zstandard
 
 import routelog
-from routelog import keys, ranked
-from routelog.codec import RowProblem, decode_rows, invalid_row
 from routelog.errors import CorruptDataError, RoutelogError
-from routelog.format import RoutingArrayInfo
-from routelog.part import PartOptions, shard_layout
-from routelog.record import Record
-from routelog.shard import EMPTY, _crc, decode_chunk
-from routelog.storage import Storage
+from routelog.format import keys, ranked
+from routelog.format.codec import RowProblem, decode_rows, invalid_row
+from routelog.format.documents import RoutingArrayInfo
+from routelog.format.part import PartOptions, shard_layout
+from routelog.format.record import Record
+from routelog.format.shard import EMPTY, _crc, decode_chunk
+from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN
+from routelog.store.storage import Storage
+from routelog.store.verify import verify_store
 from routelog.synth import random_topk, synthetic_spec
-from routelog.values import LOGPROB_INFER, LOGPROB_TRAIN
-from routelog.verify import verify_store
 from tests.attacks.kit import Expected, assert_same, build_store, commit_keys, entry_keys, read_everything
 
 
@@ -44,7 +44,7 @@ def test_a_chunk_marked_never_written_is_corruption_not_expert_zero(memory_url: 
     build_store(memory_url, sealed=False)
     store = routelog.open_store(memory_url)
     key, commit = _commits(store.storage)[0]
-    info = routelog.format.RoutingArrayInfo.model_validate(commit["routing"])
+    info = routelog.format.documents.RoutingArrayInfo.model_validate(commit["routing"])
     shard_key = f"{keys.part_dir(0, commit['part'])}/{info.path}/{shard_layout(info).shard_key()}"
     shard = bytearray(store.storage.read(shard_key))
     n = shard_layout(info).index_nbytes
@@ -390,7 +390,7 @@ def test_format_1_rows_that_are_no_set_are_found(
 ) -> None:
     """Format 1 (``bytes -> zstd``: zarr-python reads it without routelog) stores gaps (``sorted_gaps``) or the IDs
     in score order (``none``): gaps that add up past E, or a row naming one expert twice, decode to rows that
-    :func:`routelog.codec.invalid_row` finds where the reader places them."""
+    :func:`routelog.format.codec.invalid_row` finds where the reader places them."""
     ids = _forgery_store(tmp_path, experts, k, "uniform", transform=transform, topk_order=topk_order)
     dtype = np.dtype(np.uint8 if experts <= 256 else np.uint16)
     plane = 4 * _CHUNK_ROWS * k  # IDs per byte plane of an inner chunk

@@ -1,0 +1,377 @@
+"""A part: the immutable unit one flush writes, as a zarr v3 sharded array plus a Parquet index.
+
+``routing`` is ``[num_moe_layers, n_rows, topk]`` of stored IDs (see :mod:`routelog.format.codec`), one shard object
+holding inner chunks of ``chunk_layers x chunk_rows x topk`` compressed with zstd and guarded by crc32c (see
+:mod:`routelog.format.shard`), so a reader of some records and some layers fetches only those chunks with ranged reads.
+Every object's SHA-256 goes into the commit record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from routelog.format import keys
+from routelog.format.codec import (
+    IdArray,
+    TopkOrder,
+    Transform,
+    gaps_from_sorted,
+    storage_dtype,
+)
+from routelog.format.dedup import PartRows, PrefixIndex
+from routelog.format.documents import (
+    FORMAT_VERSION,
+    INDEX_SCHEMA,
+    MAX_PART_ROWS,
+    MAX_RECORD_TOKENS,
+    STREAMS_DIR,
+    IndexRow,
+    ObjectInfo,
+    RoutingArrayInfo,
+    Span,
+    ValueColumn,
+    ValuesInfo,
+    WeightsArrayInfo,
+)
+from routelog.format.parquet_limits import MAX_STREAMS, BoundedParquet, ParquetLeaf, decoded_budget
+from routelog.format.record import PreparedRecord
+from routelog.format.shard import (
+    ShardLayout,
+    encode_shards,
+)
+from routelog.format.spec import ModelSpec
+from routelog.format.values import VALUES_OBJECT, values_to_parquet
+from routelog.format.weights import WeightsDtype
+from routelog.format.weights import storage_dtype as weights_storage_dtype
+
+
+@dataclass(frozen=True)
+class PartOptions:
+    """Layout knobs of the parts a writer produces (recorded per part, so readers need not know them)."""
+
+    chunk_rows: int = 4096
+    """Token rows per inner chunk: the unit of a record-subset read."""
+    chunk_layers: int = 4
+    """MoE layers per inner chunk: the unit of a pipeline-stage read. With 4096 rows and K = 8 an inner chunk is
+    128 KiB raw (zstd is as effective as on whole arrays down to ~24 KiB; 256 KiB inputs measured worse)."""
+    zstd_level: int = 3
+    topk_order: TopkOrder = "sorted"
+    """``sorted`` canonicalises each top-k set (smallest, and what replay needs); ``score`` keeps engine order."""
+    transform: Literal["ranked_gaps", "sorted_gaps"] = "ranked_gaps"
+    """Chunk codec of sorted sets: ``ranked_gaps`` (format 2, learns each chunk's popularity and repeats) or
+    ``sorted_gaps`` (format 1's ID gaps: the fastest to encode, larger on skewed routing)."""
+    dedup: Literal["step", "part", "off"] = "step"
+    """Store a prefix a record shares with an earlier record (same tokens, same routing) once
+    (:mod:`routelog.format.dedup`): ``step`` looks for it in the part, in the writer's earlier parts and in other
+    writers' committed parts of the step; ``part`` only in the part; ``off`` stores every record whole."""
+    weights_dtype: WeightsDtype = "bfloat16"
+    """How records' routing weights are stored, when they carry some (:mod:`routelog.format.weights`)."""
+    shard_layers: int | None = None
+    """Split each array into one shard object per this many MoE layers (a multiple of ``chunk_layers``), so a
+    pipeline stage's reader fetches only its own shards' chunk indexes: set it to the trainer's layers per stage
+    (or a divisor) when ranks read a small share of each record. None: one shard per array (one object)."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_rows < 1 or self.chunk_layers < 1:
+            raise ValueError("chunk_rows and chunk_layers must be >= 1")
+        if self.topk_order not in ("sorted", "score"):
+            raise ValueError(f"topk_order must be 'sorted' or 'score', got {self.topk_order!r}")
+        if self.transform not in ("ranked_gaps", "sorted_gaps"):
+            raise ValueError(f"transform must be 'ranked_gaps' or 'sorted_gaps', got {self.transform!r}")
+        if self.dedup not in ("step", "part", "off"):
+            raise ValueError(f"dedup must be 'step', 'part' or 'off', got {self.dedup!r}")
+        if self.weights_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"weights_dtype must be 'bfloat16' or 'float32', got {self.weights_dtype!r}")
+        if self.shard_layers is not None and (self.shard_layers < 1 or self.shard_layers % self.chunk_layers):
+            raise ValueError(
+                f"shard_layers must be a positive multiple of chunk_layers ({self.chunk_layers}), got "
+                f"{self.shard_layers}"
+            )
+
+    def shard_layers_for(self, layers: int) -> int | None:
+        """``shard_layers`` for an array of ``layers`` layers (None where one shard holds them all anyway)."""
+        return self.shard_layers if self.shard_layers is not None and self.shard_layers < layers else None
+
+
+@dataclass(frozen=True)
+class BuiltPart:
+    """The bytes of one part, ready to upload, and what its commit will say about them."""
+
+    objects: dict[str, bytes]
+    """Keys relative to the part directory."""
+    routing: RoutingArrayInfo
+    rows: list[IndexRow]
+    n_tokens: int
+    values: ValuesInfo | None = None
+    streams: dict[str, RoutingArrayInfo] = field(default_factory=dict)
+    weights: WeightsArrayInfo | None = None
+    prefix_part: int | None = None
+    """The part's id in the :class:`~routelog.format.dedup.PrefixIndex` it was placed with: tell the index whether it
+    was committed (``committed``) or not (``abandon``)."""
+
+    def object_infos(self) -> list[ObjectInfo]:
+        return [
+            ObjectInfo(key=key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+            for key, data in sorted(self.objects.items())
+        ]
+
+
+def build_part(
+    records: Sequence[PreparedRecord],
+    spec: ModelSpec,
+    options: PartOptions,
+    prefixes: PrefixIndex | None = None,
+    key: str = "",
+) -> BuiltPart:
+    """Concatenate the records' stored rows into one sharded zarr array (and one per extra stream the records
+    carry, and one of routing weights when some record has them) and write their Parquet index.
+
+    With ``dedup="step"``, ``prefixes`` is the writer's index of the step's earlier records (a fresh one when
+    None): shared prefixes may then point at its earlier parts, and its later parts at this one, which they name
+    by ``key`` (the part's ``steps/<step>/parts/<name>``, required with ``prefixes``)."""
+    capacity = sum(r.rows.shape[1] for r in records)  # at most: shared prefixes only make it smaller
+    routing = PartRows(spec.num_moe_layers, spec.topk, spec.id_dtype, capacity, options.weights_dtype)
+    if options.dedup == "off":
+        prefixes = None
+    elif options.dedup == "part" or prefixes is None:
+        prefixes = PrefixIndex()  # nothing outside the part names it
+    elif not key:
+        raise ValueError("build_part: a part placed in a shared prefix index needs its key")
+    part_id = None if prefixes is None else prefixes.begin_part(routing, key)
+    try:
+        return _build(records, spec, options, routing, prefixes, part_id)
+    except BaseException:
+        if prefixes is not None and part_id is not None:
+            prefixes.abandon(part_id)
+        raise
+
+
+def _build(
+    records: Sequence[PreparedRecord],
+    spec: ModelSpec,
+    options: PartOptions,
+    routing: PartRows,
+    prefixes: PrefixIndex | None,
+    part_id: int | None,
+) -> BuiltPart:
+    rows: list[IndexRow] = []
+    stream_offsets: dict[str, int] = {}
+    for rec in records:
+        if prefixes is None or part_id is None:
+            spans = [_shifted(s, routing.n) for s in rec.row.spans]
+            routing.append(rec.rows, rec.weights)
+        else:
+            placed = prefixes.place(part_id, rec.row.token_ids, rec.row.spans, rec.rows, rec.weights)
+            spans = placed.spans
+            first = placed.first_own_row
+            routing.append(rec.rows[:, first:], None if rec.weights is None else rec.weights[:, first:])
+        streams = None
+        if rec.row.streams:
+            streams = []
+            for entry in rec.row.streams:
+                base = stream_offsets.get(entry.name, 0)
+                streams.append(entry.model_copy(update={"spans": [_shifted(s, base) for s in entry.spans]}))
+                stream_offsets[entry.name] = base + rec.streams[entry.name].shape[1]
+        rows.append(rec.row.model_copy(update={"spans": spans, "streams": streams}))
+    objects: dict[str, bytes] = {}
+    attributes = {"num_experts": spec.num_experts, "moe_layers": list(spec.moe_layers)}
+    info = _encode_array(
+        [routing.data],
+        keys.ROUTING,
+        spec.num_moe_layers,
+        spec.num_experts,
+        spec.topk,
+        options,
+        attributes,
+        objects,
+    )
+    streams_info = {}
+    for name in sorted(stream_offsets):
+        declared = spec.stream(name)
+        if declared is None:
+            raise ValueError(f"stream {name!r} is not declared by the model spec")
+        streams_info[name] = _encode_array(
+            [r.streams[name] for r in records if name in r.streams],
+            f"{STREAMS_DIR}/{name}",
+            declared.num_layers,
+            declared.universe,
+            declared.topk,
+            options,
+            {"stream": name, "num_experts": declared.universe},
+            objects,
+        )
+    weights = None
+    if routing.weights is not None:
+        weights = _encode_weights(routing.weights, spec, options, objects)
+    objects[keys.INDEX] = index_to_parquet(rows)
+    names = sorted({name for r in records for name in r.values})
+    values = None
+    if names:  # only parts with per-token columns carry the values object
+        values = ValuesInfo(key=VALUES_OBJECT, columns=[ValueColumn(name=n) for n in names])
+        objects[VALUES_OBJECT] = values_to_parquet(
+            [(r.row.sample_id, r.row.token_hash, r.values) for r in records], names
+        )
+    return BuiltPart(
+        objects=objects,
+        routing=info,
+        rows=rows,
+        n_tokens=sum(r.n_tokens for r in rows),
+        values=values,
+        streams=streams_info,
+        weights=weights,
+        prefix_part=part_id if options.dedup == "step" else None,
+    )
+
+
+def _shifted(span: Span, offset: int) -> Span:
+    return Span(token_start=span.token_start, n_rows=span.n_rows, row=span.row + offset)
+
+
+def _encode_array(
+    blocks: list[IdArray],
+    path: str,
+    layers: int,
+    universe: int,
+    topk: int,
+    options: PartOptions,
+    attributes: dict[str, Any],
+    objects: dict[str, bytes],
+) -> RoutingArrayInfo:
+    """Encode stored rows ``[layers, rows, topk]`` (concatenated on axis 1) as one sharded array under ``path``,
+    adding its objects to ``objects``; returns its description (with the ``zarr.json`` copy)."""
+    dtype = storage_dtype(universe)
+    if len(blocks) == 1:
+        data = blocks[0]
+    else:
+        data = np.concatenate(blocks, axis=1) if blocks else np.zeros((layers, 0, topk), dtype)
+    transform: Transform = options.transform if options.topk_order == "sorted" else "none"
+    if transform == "sorted_gaps":  # format 1's transform: the shard stores the gaps themselves
+        data = gaps_from_sorted(np.array(data, order="C"))
+    info = RoutingArrayInfo(
+        path=path,
+        dtype="uint8" if dtype == np.uint8 else "uint16",
+        n_rows=data.shape[1],
+        num_moe_layers=layers,
+        topk=topk,
+        num_experts=universe,
+        transform=transform,
+        topk_order=options.topk_order,
+        chunk_rows=options.chunk_rows,
+        chunk_layers=min(options.chunk_layers, layers),
+        shard_layers=options.shard_layers_for(layers),
+    )
+    layout_ = shard_layout(info)
+    stamp = {"format_version": FORMAT_VERSION, "transform": info.transform, "topk_order": info.topk_order}
+    metadata = layout_.zarr_metadata(options.zstd_level, {"routelog": {**stamp, **attributes}})
+    objects[f"{path}/zarr.json"] = json.dumps(metadata, indent=1).encode()
+    if info.n_rows:  # an empty array has no chunk to store
+        for key, shard in encode_shards(data, layout_, options.zstd_level).items():
+            objects[f"{path}/{key}"] = shard
+    return info.model_copy(update={"zarr_metadata": metadata})
+
+
+def _encode_weights(
+    data: npt.NDArray[Any], spec: ModelSpec, options: PartOptions, objects: dict[str, bytes]
+) -> WeightsArrayInfo:
+    """Encode the part's stored weights ``[layers, rows, topk]`` as the sharded array ``weights``."""
+    info = WeightsArrayInfo(
+        dtype=options.weights_dtype,
+        n_rows=data.shape[1],
+        num_moe_layers=spec.num_moe_layers,
+        topk=spec.topk,
+        chunk_rows=options.chunk_rows,
+        chunk_layers=min(options.chunk_layers, spec.num_moe_layers),
+        shard_layers=options.shard_layers_for(spec.num_moe_layers),
+    )
+    layout_ = shard_layout(info)
+    attributes = {"routelog": {"format_version": FORMAT_VERSION, "weights_dtype": info.dtype}}
+    metadata = layout_.zarr_metadata(options.zstd_level, attributes)
+    objects[f"{info.path}/zarr.json"] = json.dumps(metadata, indent=1).encode()
+    if info.n_rows:
+        for key, shard in encode_shards(data, layout_, options.zstd_level).items():
+            objects[f"{info.path}/{key}"] = shard
+    return info.model_copy(update={"zarr_metadata": metadata})
+
+
+def shard_layout(info: RoutingArrayInfo | WeightsArrayInfo) -> ShardLayout:
+    if isinstance(info, WeightsArrayInfo):
+        return ShardLayout(
+            num_layers=info.num_moe_layers,
+            n_rows=info.n_rows,
+            topk=info.topk,
+            chunk_layers=info.chunk_layers,
+            chunk_rows=info.chunk_rows,
+            dtype=weights_storage_dtype(info.dtype),
+            shard_layers=info.shard_layers,
+        )
+    return ShardLayout(
+        num_layers=info.num_moe_layers,
+        n_rows=info.n_rows,
+        topk=info.topk,
+        chunk_layers=info.chunk_layers,
+        chunk_rows=info.chunk_rows,
+        dtype=np.dtype(info.dtype),
+        ranked=info.transform == "ranked_gaps",
+        num_experts=info.num_experts,
+        shard_layers=info.shard_layers,
+    )
+
+
+def index_to_parquet(rows: Sequence[IndexRow]) -> bytes:
+    table = pa.Table.from_pylist([r.model_dump() for r in rows], schema=INDEX_SCHEMA)
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd", write_statistics=["sample_id", "step"], store_schema=True)
+    return sink.getvalue()
+
+
+CONSOLIDATED_COMMIT_COLUMN = "_commit"
+"""The column a seal's consolidated index adds to the index schema: the position of each row's commit."""
+_INDEX_COLUMNS = (*INDEX_SCHEMA.names, CONSOLIDATED_COMMIT_COLUMN)
+
+
+def index_from_parquet(
+    data: bytes,
+    *,
+    max_records: int | None = None,
+    max_tokens: int | None = None,
+    max_streams: int | None = None,
+    where: str = keys.INDEX,
+) -> pa.Table:
+    """A part's (or a seal's consolidated) index: the columns of :data:`INDEX_SCHEMA` (and the consolidated
+    index's ``_commit``) that it holds, decoded only after its footer and pages are checked against what its owner
+    vouches for (:mod:`routelog.format.parquet_limits`): at most ``max_records`` rows, token lists, spans and segments
+    of at most ``max_tokens`` tokens in all, rows listing at most ``max_streams`` extra streams each, and a decoded size
+    linear in those. Other columns are never decoded. :class:`~routelog.errors.CorruptDataError` naming ``where``
+    otherwise.
+
+    Pass the commit's ``n_records`` and ``n_tokens`` (the seal's for a consolidated index) and the number of
+    streams the commit holds. None (until every caller passes them) means the format's absolute limits: as many
+    records as the footer declares up to ``MAX_PART_ROWS``, ``MAX_RECORD_TOKENS`` tokens each, :data:`MAX_STREAMS`
+    streams.
+    """
+    parquet = BoundedParquet(data, where, max_rows=MAX_PART_ROWS if max_records is None else max_records)
+    records = parquet.num_rows  # at most max_records: checked
+    tokens = records * MAX_RECORD_TOKENS if max_tokens is None else min(max(max_tokens, 0), records * MAX_RECORD_TOKENS)
+    streams = MAX_STREAMS if max_streams is None else max_streams
+    streams = max(streams, 1)  # a row without streams still takes one (null) entry
+
+    def max_values(leaf: ParquetLeaf) -> int:
+        # An empty or null list takes one level, a record's token_ids, spans and segments at most n_tokens each
+        # (spans and non-empty segments are disjoint); streams: at most `streams` entries per row, each with spans.
+        if leaf.repeated == 0:  # a scalar: one value per row
+            return records
+        if leaf.path[0] == "streams":
+            return streams * records if leaf.repeated == 1 else streams * (tokens + records)
+        return tokens + records
+
+    return parquet.read(_INDEX_COLUMNS, max_values=max_values, max_bytes=decoded_budget(records, tokens))

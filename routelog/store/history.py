@@ -1,0 +1,545 @@
+"""What a step holds: its log (:mod:`routelog.store.steplog`) evaluated by the protocol's rules.
+
+The rules (``schemas/FORMAT.md`` section 3), all stated on log positions, never on clocks:
+
+- **content**: the commits before the step's first seal entry (all commits when unsealed); a commit after the seal
+  is not part of the step.
+- **drops**: a drop removes, among the commits before it, the records of the sample ids it names and every record
+  of the parts and writers it names (a part is then *dropped whole*). Commits after it are untouched: a sample id
+  written again after its drop is live.
+- **winners**: of the records of one sample id that no drop removed, the one of the lowest position is live; the
+  others are *shadowed*. A later commit never changes what a reader read.
+- **annotations**: an annotation gives values to the live record of each of its sample ids when that record was
+  committed before it (and has the token hash the values were computed on).
+- **as of T**: the same rules on the entries created by ``T``; a part those entries need that gc has reclaimed
+  since is reported (:class:`~routelog.errors.HistoryReclaimedError`), never read as an empty step.
+
+:class:`StepHistory` reads a step's entries and the Parquet indexes of its commits (each checked against the
+SHA-256 its commit lists, or the seal's consolidated copy) and refreshes incrementally, so writers, sealers and
+droppers decide on exactly what precedes their own entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from routelog.errors import CorruptDataError, HistoryReclaimedError
+from routelog.format import keys
+from routelog.format.documents import (
+    INDEX_SCHEMA,
+    AnnotationCommit,
+    CommitRecord,
+    Consolidated,
+    DropRecord,
+    IndexRow,
+    LogDocument,
+    SealRecord,
+    as_utc,
+    load_json,
+    validate_document,
+)
+from routelog.format.part import index_from_parquet
+from routelog.store.root import StoreRoot
+from routelog.store.steplog import Entry, StepLog, check_commit, object_info, parse_seal_marker
+from routelog.store.storage import check_digest
+
+COMMIT_COLUMN = "_commit"
+"""Column added to a step's index: the position of the row's commit in the view's ``commits``."""
+
+
+def dropped_whole(commit: CommitRecord, drops: Iterable[DropRecord]) -> bool:
+    """Whether one of ``drops`` removes the whole part (by part name or by its writer)."""
+    return any(commit.part in d.parts or commit.writer_id in d.writers for d in drops)
+
+
+@dataclass
+class StepView:
+    """A step's entries evaluated: its content, what is live, dropped and shadowed."""
+
+    seal: Entry | None
+    commits: list[Entry]
+    """Commit entries that are the step's content and not dropped whole, in log order."""
+    whole_dropped: list[Entry]
+    """Commit entries of the content dropped whole: none of their records is read, but live records' shared
+    prefixes may still point at their rows."""
+    refused: list[Entry]
+    """Commit entries after the seal: never part of the step."""
+    drops: list[Entry]
+    annotations: list[Entry]
+    stored: pa.Table
+    """Every index row of :attr:`commits` (removed and shadowed ones too), plus :data:`COMMIT_COLUMN`."""
+    live: npt.NDArray[np.bool_]
+    """Rows of :attr:`stored` a reader reads."""
+    removed: npt.NDArray[np.bool_]
+    """Rows a drop removed by sample id."""
+
+    @property
+    def shadowed(self) -> npt.NDArray[np.bool_]:
+        return ~self.live & ~self.removed
+
+    @property
+    def index(self) -> pa.Table:
+        """The live rows."""
+        return self.stored.filter(pa.array(self.live))
+
+    def live_records(self) -> dict[str, tuple[str | None, int, int]]:
+        """``{sample_id: (token_hash, n_tokens, position of its commit)}`` of the live records."""
+        live = self.index
+        positions = np.array([e.position for e in self.commits], dtype=np.int64)
+        commit_of = live.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+        return {
+            sid: (digest, int(n), int(positions[c]))
+            for sid, digest, n, c in zip(
+                live.column("sample_id").to_pylist(),
+                live.column("token_hash").to_pylist(),
+                live.column("n_tokens").to_pylist(),
+                commit_of,
+                strict=True,
+            )
+        }
+
+
+@dataclass
+class StepHistory:
+    """The entries of a step and the indexes of its commits, read so far; :meth:`refresh` reads what is new."""
+
+    log: StepLog
+    as_of: datetime | None = None
+    tables: dict[str, pa.Table] = field(default_factory=dict)
+    """Index of each commit read so far, by its entry key (commits dropped whole are not read)."""
+    columns: Sequence[str] | None = None
+    """Index columns kept (all when None): a writer keeps what it decides on, not every token id of the step."""
+
+    @classmethod
+    def read(
+        cls, store: StoreRoot, step: int, *, as_of: datetime | None = None, columns: Sequence[str] | None = None
+    ) -> StepHistory:
+        """The step's history now, or as it was at ``as_of`` (entries created by then)."""
+        history = cls(StepLog(store, step), None if as_of is None else as_utc(as_of), columns=columns)
+        history.refresh()
+        return history
+
+    @property
+    def store(self) -> StoreRoot:
+        return self.log.store
+
+    @property
+    def step(self) -> int:
+        return self.log.step
+
+    def refresh(self) -> tuple[list[Entry], dict[str, pa.Table]]:
+        """Read the entries appended since the last call and the indexes the view needs; returns the new entries
+        and the full indexes read for them (a writer's shared-prefix search lists them)."""
+        preloaded, consolidated = self._consolidated() if not self.log.entries else ({}, {})
+        new = self.log.refresh(preloaded)
+        needed = [e for e in _sort(self._entries()).commits if e.key not in self.tables]
+        read = {e.key: consolidated[e.key] for e in needed if e.key in consolidated}
+        read.update(self._read_indexes([e for e in needed if e.key not in read]))
+        for key, table in read.items():
+            self.tables[key] = table if self.columns is None else table.select(list(self.columns))
+        return new, read
+
+    def _entries(self) -> list[Entry]:
+        """The entries that count: all of them, or those created by :attr:`as_of`."""
+        if self.as_of is None:
+            return self.log.entries
+        return [e for e in self.log.entries if _created_at(e) <= self.as_of]
+
+    def view(self) -> StepView:
+        """Evaluate the entries (see the module docs)."""
+        sorted_ = _sort(self._entries())
+        if self.as_of is not None:
+            self._check_kept(sorted_.commits)
+        stored = _stored_index(self, sorted_.commits)
+        removed = _removed_by_sample(stored, sorted_.commits, sorted_.drops)
+        view = StepView(
+            sorted_.seal,
+            sorted_.commits,
+            sorted_.whole,
+            sorted_.refused,
+            sorted_.drops,
+            sorted_.annotations,
+            stored,
+            _winners(stored, removed),
+            removed,
+        )
+        if self.as_of is not None:
+            self._check_kept(self._span_targets(view))
+        return view
+
+    def _span_targets(self, view: StepView) -> list[Entry]:
+        """Commits whose parts the live records' shared prefixes read rows of (gc keeps them only while a live
+        record of the current step reads them: an as-of view may reach a part reclaimed since)."""
+        spans = pc.list_flatten(view.index.column("spans").combine_chunks())
+        names = set(pc.unique(spans.field("part").drop_null()).to_pylist()) if len(spans) else set()
+        parts = {keys.part_dir(self.step, e.doc.part): e for e in self.log.entries if isinstance(e.doc, CommitRecord)}
+        return [parts[name] for name in sorted(names) if name in parts]
+
+    def _check_kept(self, commits: Sequence[Entry]) -> None:
+        """An as-of view reads parts a drop removed whole: gc may have reclaimed them since (it deletes a part's
+        index first, so a part whose index is there is whole)."""
+        later = [e for e in self.log.entries if isinstance(e.doc, DropRecord)]
+        storage = self.store.storage
+        for entry in commits:
+            commit = _commit(entry)
+            if dropped_whole(commit, _drops_after(later, entry.position)) and not storage.exists(
+                f"{keys.part_dir(self.step, commit.part)}/{keys.INDEX}"
+            ):
+                self._missing_index(entry, storage.url_of(entry.key))
+
+    # -- reading indexes -----------------------------------------------------------------------------------------------
+    def _read_indexes(self, commits: Sequence[Entry]) -> dict[str, pa.Table]:
+        """The index of each commit, checked against its commit (SHA-256, counts, spans)."""
+        storage = self.store.storage
+        wanted: dict[str, tuple[Entry, str]] = {}
+        for entry in commits:
+            commit = _commit(entry)
+            key = f"{keys.part_dir(self.step, commit.part)}/{keys.INDEX}"
+            wanted[key] = (entry, storage.url_of(entry.key))
+        if not wanted:
+            return {}
+        try:
+            raw = storage.read_many(wanted)
+        except FileNotFoundError:
+            raw = {}
+            for key, (entry, where) in wanted.items():
+                try:
+                    raw.update(storage.read_many([key]))
+                except FileNotFoundError:
+                    self._missing_index(entry, where)
+        out = {}
+        for key, (entry, where) in wanted.items():
+            commit = _commit(entry)
+            info = object_info(commit, keys.INDEX, where)
+            check_digest(raw[key], info.size, info.sha256, f"{storage.url_of(key)} (listed by commit {commit.name})")
+            table = parquet_index(raw[key], storage.url_of(key), commit.n_records, commit.n_tokens, len(commit.streams))
+            check_index(
+                table.append_column(COMMIT_COLUMN, pa.array([0] * table.num_rows, pa.int32())),
+                [commit],
+                self.step,
+                storage.url_of(key),
+            )
+            out[entry.key] = table
+        return out
+
+    def _missing_index(self, entry: Entry, where: str) -> None:
+        """A commit's index is gone: reclaimed by gc after a drop (an as-of view reaching back past it), or lost."""
+        commit = _commit(entry)
+        later = _drops_after(self.log.entries, entry.position)
+        if self.as_of is not None and dropped_whole(commit, later):
+            raise HistoryReclaimedError(
+                f"step {self.step} of {self.store.url} as of {self.as_of.isoformat()} holds part {commit.part!r}, "
+                "which a later drop removed and gc has reclaimed since: this view of the step's history is no "
+                "longer stored (as-of views reach back to what gc's grace period keeps)"
+            )
+        raise CorruptDataError(f"{where}: the index of part {commit.part!r} is missing (its commit lists it)")
+
+    def _consolidated(self) -> tuple[dict[int, LogDocument], dict[str, pa.Table]]:
+        """A sealed step's seal, commits and indexes from ``_SEALED.json`` (the copy of the seal entry) and the
+        seal's consolidated objects: three GETs and the log's listing whatever the number of parts, when the view
+        can use them (a format-3 seal that counts as of :attr:`as_of`). Returns the documents by position, and the
+        indexes by entry key. (``routelog verify`` checks the copy against the entry.)"""
+        storage = self.store.storage
+        try:
+            marker = storage.read(keys.seal_key(self.step))
+        except FileNotFoundError:
+            return {}, {}
+        seal = parse_seal_marker(marker, self.step, storage.url_of(keys.seal_key(self.step)))
+        if seal.position is None or seal.consolidated is None:
+            return {}, {}
+        if self.as_of is not None and seal.sealed_at > self.as_of:
+            return {}, {}
+        seal_key = keys.log_key(self.step, seal.position)
+        commits, index, entry = read_consolidated(self.store, self.step, seal, seal.consolidated, seal_key)
+        if entry != marker:
+            raise CorruptDataError(
+                f"step {self.step} of {self.store.url}: {keys.SEAL} differs from the seal entry {seal.name} it copies"
+            )
+        by_position: dict[int, LogDocument] = {seal.position: seal}
+        for commit in commits:  # format-1/2 commits of the step (no position) are read where they are
+            if commit.position is not None:
+                if commit.position >= seal.position:
+                    raise CorruptDataError(
+                        f"the seal of step {self.step} lists {commit.name}, which does not precede it"
+                    )
+                by_position[commit.position] = commit
+        commit_of = index.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+        order = np.argsort(commit_of, kind="stable")
+        grouped = index.take(pa.array(order)).drop_columns([COMMIT_COLUMN])
+        bounds = np.searchsorted(commit_of[order], np.arange(len(commits) + 1))
+        tables = {}
+        for i, commit in enumerate(commits):
+            if bounds[i + 1] > bounds[i]:
+                rows = grouped.slice(int(bounds[i]), int(bounds[i + 1] - bounds[i]))
+                tables[entry_key(self.step, commit)] = rows
+        return by_position, tables
+
+
+@dataclass(frozen=True)
+class _Sorted:
+    """A step's entries by what the rules make of them."""
+
+    seal: Entry | None
+    drops: list[Entry]
+    annotations: list[Entry]
+    commits: list[Entry]
+    """The content's commits not dropped whole."""
+    whole: list[Entry]
+    """The content's commits dropped whole."""
+    refused: list[Entry]
+    """Commits after the seal."""
+
+
+def _sort(entries: Sequence[Entry]) -> _Sorted:
+    seal = next((e for e in entries if isinstance(e.doc, SealRecord)), None)
+    drops = [e for e in entries if isinstance(e.doc, DropRecord)]
+    commits: list[Entry] = []
+    whole: list[Entry] = []
+    refused: list[Entry] = []
+    for entry in entries:
+        if not isinstance(entry.doc, CommitRecord):
+            continue
+        if seal is not None and entry.position > seal.position:
+            refused.append(entry)
+        elif dropped_whole(entry.doc, _drops_after(drops, entry.position)):
+            whole.append(entry)
+        else:
+            commits.append(entry)
+    annotations = [e for e in entries if isinstance(e.doc, AnnotationCommit)]
+    return _Sorted(seal, drops, annotations, commits, whole, refused)
+
+
+def _drops_after(entries: Sequence[Entry], position: int) -> list[DropRecord]:
+    return [e.doc for e in entries if isinstance(e.doc, DropRecord) and e.position > position]
+
+
+def entry_key(step: int, commit: CommitRecord) -> str:
+    """Where a commit's document lives: its log entry, or its format-1/2 document."""
+    if commit.position is None:
+        return keys.commit_key(step, commit.name)
+    return keys.log_key(step, commit.position)
+
+
+def _created_at(entry: Entry) -> datetime:
+    doc = entry.doc
+    return doc.sealed_at if isinstance(doc, SealRecord) else doc.created_at
+
+
+def _commit(entry: Entry) -> CommitRecord:
+    if not isinstance(entry.doc, CommitRecord):  # pragma: no cover - callers pass commit entries
+        raise TypeError(f"{entry.key} is not a commit")
+    return entry.doc
+
+
+def _stored_index(history: StepHistory, commits: Sequence[Entry]) -> pa.Table:
+    tables = []
+    for i, entry in enumerate(commits):
+        table = history.tables.get(entry.key)
+        if table is None:  # an as-of view reaching a part no refresh read: read it now
+            table = history._read_indexes([entry])[entry.key]
+            history.tables[entry.key] = table
+        tables.append(table.append_column(COMMIT_COLUMN, pa.array(np.full(table.num_rows, i, np.int32))))
+    schema = INDEX_SCHEMA if history.columns is None else pa.schema([INDEX_SCHEMA.field(c) for c in history.columns])
+    empty = schema.empty_table().append_column(COMMIT_COLUMN, pa.array([], pa.int32()))
+    try:
+        return pa.concat_tables([empty, *tables], promote_options="permissive")
+    except pa.ArrowException as exc:
+        where = f"step {history.step} of {history.store.url}"
+        raise CorruptDataError(f"{where}: a part's index has columns of the wrong type ({exc})") from exc
+
+
+def _removed_by_sample(stored: pa.Table, commits: Sequence[Entry], drops: Sequence[Entry]) -> npt.NDArray[np.bool_]:
+    """Rows whose sample id a drop after their commit names."""
+    removed = np.zeros(stored.num_rows, dtype=bool)
+    by_sample = [(d.position, d.doc.sample_ids) for d in drops if isinstance(d.doc, DropRecord) and d.doc.sample_ids]
+    if not by_sample or not stored.num_rows:
+        return removed
+    positions = np.array([e.position for e in commits], dtype=np.int64)[
+        stored.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+    ]
+    sample_ids = stored.column("sample_id")
+    for position, named_ids in by_sample:
+        named = pc.is_in(sample_ids, value_set=pa.array(named_ids, pa.string())).to_numpy(zero_copy_only=False)
+        removed |= named & (positions < position)
+    return removed
+
+
+def _winners(stored: pa.Table, removed: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
+    """Of the rows no drop removed, the first of each sample id (rows are in log order)."""
+    live = np.zeros(stored.num_rows, dtype=bool)
+    candidates = np.flatnonzero(~removed)
+    if not candidates.size:
+        return live
+    codes = pc.dictionary_encode(stored.column("sample_id").take(pa.array(candidates))).combine_chunks().indices
+    _, first = np.unique(codes.to_numpy(zero_copy_only=False), return_index=True)
+    live[candidates[first]] = True
+    return live
+
+
+# -- checks shared by readers and verify ----------------------------------------------------------------------------
+def parquet_index(data: bytes, where: str, n_records: int, n_tokens: int, n_streams: int) -> pa.Table:
+    """A part's (or a seal's) Parquet index, bounded by the records, tokens and streams its owner vouches for
+    before anything is decoded."""
+    try:
+        table = index_from_parquet(data, max_records=n_records, max_tokens=n_tokens, max_streams=n_streams, where=where)
+    except CorruptDataError:
+        raise
+    except (pa.ArrowException, OSError) as exc:
+        raise CorruptDataError(f"{where}: unreadable Parquet index ({exc})") from exc
+    missing = [name for name, f in IndexRow.model_fields.items() if f.is_required() and name not in table.schema.names]
+    if missing:
+        raise CorruptDataError(f"{where}: the index lacks the columns {missing}")
+    return table
+
+
+def check_index(index: pa.Table, commits: Sequence[CommitRecord], step: int, where: str) -> None:
+    """The rows agree with their commits: counts, token totals, step, unique sample ids per part, and own spans
+    inside the part's rows."""
+    commit_of = index.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+    if commit_of.size and (commit_of.min() < 0 or commit_of.max() >= len(commits)):
+        raise CorruptDataError(f"{where}: a row names a commit the step does not have")
+    counts = np.bincount(commit_of, minlength=len(commits)) if len(commits) else np.zeros(0, np.int64)
+    n_tokens = index.column("n_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+    tokens = np.bincount(commit_of, weights=n_tokens, minlength=len(commits)) if len(commits) else counts
+    for i, commit in enumerate(commits):
+        if counts[i] != commit.n_records or int(tokens[i]) != commit.n_tokens:
+            raise CorruptDataError(
+                f"{where}: part {commit.part!r} indexes {int(counts[i])} records of {int(tokens[i])} tokens, its "
+                f"commit says {commit.n_records} records of {commit.n_tokens} tokens"
+            )
+    steps = index.column("step").to_numpy(zero_copy_only=False)
+    if steps.size and (steps != step).any():
+        raise CorruptDataError(f"{where}: index rows of step {int(steps[steps != step][0])} in step {step}")
+    if index.num_rows:
+        pairs = pa.table({"c": index.column(COMMIT_COLUMN), "s": index.column("sample_id")})
+        if pairs.group_by(["c", "s"]).aggregate([]).num_rows != index.num_rows:
+            raise CorruptDataError(f"{where}: a part indexes one sample id twice")
+    limits = np.array([c.routing.n_rows for c in commits], dtype=np.int64)
+    _check_span_rows(index.column("spans").combine_chunks(), commit_of, limits, commits, where)
+    if "streams" not in index.schema.names:
+        return
+    streams = index.column("streams").combine_chunks()
+    entries = pc.list_flatten(streams)
+    if len(entries) == 0:
+        return
+    entry_commit = np.repeat(commit_of, pc.list_value_length(streams).fill_null(0).to_numpy(zero_copy_only=False))
+    names = entries.field("name").to_pylist()
+    for i, name in enumerate(names):
+        if name not in commits[int(entry_commit[i])].streams:
+            raise CorruptDataError(
+                f"{where}: a record has rows of stream {name!r}, part {commits[int(entry_commit[i])].part!r} holds none"
+            )
+    stream_limits = np.array(
+        [commits[int(c)].streams[n].n_rows for c, n in zip(entry_commit, names, strict=True)], dtype=np.int64
+    )
+    _check_span_rows(entries.field("spans"), np.arange(len(names)), stream_limits, None, where)
+
+
+def _check_span_rows(
+    spans: pa.Array,
+    owner_of_row: npt.NDArray[np.int64] | npt.NDArray[np.int32],
+    limits: npt.NDArray[np.int64],
+    commits: Sequence[CommitRecord] | None,
+    where: str,
+) -> None:
+    """Own spans (``part`` null) end within their array's rows; ``owner_of_row[i]`` indexes ``limits``."""
+    flat = pc.list_flatten(spans)
+    if len(flat) == 0:
+        return
+    owner = np.repeat(owner_of_row, pc.list_value_length(spans).fill_null(0).to_numpy(zero_copy_only=False))
+    own = pc.is_null(flat.field("part")).to_numpy(zero_copy_only=False)
+    ends = flat.field("row").to_numpy(zero_copy_only=False) + flat.field("n_rows").to_numpy(zero_copy_only=False)
+    past = own & (ends > limits[owner])
+    if past.any():
+        bad = int(np.argmax(past))
+        part = f" of part {commits[int(owner[bad])].part!r}" if commits is not None else ""
+        raise CorruptDataError(
+            f"{where}: a span{part} reaches row {int(ends[bad])}, past the array's {int(limits[owner[bad]])} rows"
+        )
+
+
+def read_consolidated(
+    store: StoreRoot, step: int, seal: SealRecord, consolidated: Consolidated, entry_key: str
+) -> tuple[list[CommitRecord], pa.Table, bytes]:
+    """The seal's consolidated commit records (in the seal's order) and index (with :data:`COMMIT_COLUMN`), each
+    checked against the SHA-256 the seal lists and against each other; and the bytes of the seal's log entry
+    (``entry_key``), fetched in the same batch."""
+    storage = store.storage
+    base = keys.step_dir(step)
+    owner = f"the seal of step {step}"
+    commits_key, index_key = f"{base}/{consolidated.commits.key}", f"{base}/{consolidated.index.key}"
+    try:
+        data = storage.read_many([commits_key, index_key, entry_key])
+    except FileNotFoundError as exc:
+        raise CorruptDataError(
+            f"step {step} of {store.url}: the seal entry or a consolidated object of {owner} is missing"
+        ) from exc
+    for key, info in ((commits_key, consolidated.commits), (index_key, consolidated.index)):
+        check_digest(data[key], info.size, info.sha256, f"{storage.url_of(key)} (listed by {owner})")
+    where = storage.url_of(commits_key)
+    try:
+        docs = load_json(data[commits_key], where)
+    except ValueError as exc:
+        raise CorruptDataError(str(exc)) from None
+    if not isinstance(docs, list) or len(docs) != len(seal.commits):
+        raise CorruptDataError(f"{where}: not a list of the {len(seal.commits)} commit records the seal names")
+    commits = [validate_document(doc, CommitRecord, f"{where} [{i}]") for i, doc in enumerate(docs)]
+    for name, commit in zip(seal.commits, commits, strict=True):
+        check_commit(commit, name, step, store.model_spec, f"{where} ({name})")
+    index = parquet_index(
+        data[index_key],
+        storage.url_of(index_key),
+        seal.n_records,
+        sum(c.n_tokens for c in commits),
+        max((len(c.streams) for c in commits), default=0),
+    )
+    if COMMIT_COLUMN not in index.schema.names:
+        raise CorruptDataError(f"{storage.url_of(index_key)}: the consolidated index lacks {COMMIT_COLUMN!r}")
+    _check_consolidated(index, commits, seal, step, storage.url_of(index_key))
+    return commits, index, data[entry_key]
+
+
+def _check_consolidated(
+    index: pa.Table, commits: Sequence[CommitRecord], seal: SealRecord, step: int, where: str
+) -> None:
+    """A format-3 consolidated index holds the whole index of every listed commit not dropped whole before the seal
+    (none of the others), and the seal's counts are its totals."""
+    commit_of = index.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+    present = np.zeros(len(commits), dtype=bool)
+    if commit_of.size:
+        if commit_of.min() < 0 or commit_of.max() >= len(commits):
+            raise CorruptDataError(f"{where}: a row names a commit the seal does not list")
+        present[np.unique(commit_of)] = True
+    held = [c for c, p in zip(commits, present, strict=True) if p]
+    renumber = np.cumsum(present) - 1
+    check_index(
+        index.set_column(
+            index.schema.get_field_index(COMMIT_COLUMN),
+            COMMIT_COLUMN,
+            pa.array(renumber[commit_of].astype(np.int32), pa.int32()),
+        ),
+        held,
+        step,
+        where,
+    )
+    if seal.n_records != index.num_rows or seal.n_tokens != sum(c.n_tokens for c in held):
+        raise CorruptDataError(
+            f"{where}: the seal says {seal.n_records} records of {seal.n_tokens} tokens, its index holds "
+            f"{index.num_rows} records of {sum(c.n_tokens for c in held)} tokens"
+        )
+
+
+def live_before(view: StepView, position: int) -> Mapping[str, int]:
+    """``{sample_id: row of view.stored}`` of the live records committed before ``position``."""
+    positions = np.array([e.position for e in view.commits], dtype=np.int64)
+    rows = np.flatnonzero(view.live)
+    commit_of = view.stored.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+    sids = view.stored.column("sample_id").to_pylist()
+    return {sids[r]: int(r) for r in rows if positions[commit_of[r]] < position}

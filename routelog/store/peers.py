@@ -1,0 +1,105 @@
+"""Other writers' committed records of a step, as candidates for shared prefixes (:mod:`routelog.format.dedup`).
+
+A GRPO group's samples or a session's turns may reach different inference workers, so a prefix can repeat across
+writers. Each time a writer reads the step's new log entries it lists the records of the commits it reads for the
+first time as candidates (token ids and where each token's routing row lives); the rows themselves are fetched only
+when a record's first tokens match, and compared before they are shared. Parts dropped whole (and commits after a
+seal) are forgotten: no later part points at them (``routelog gc`` may be reclaiming them).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+from routelog.errors import RoutelogError
+from routelog.format import keys
+from routelog.format.codec import IdArray
+from routelog.format.dedup import MIN_SHARED_TOKENS, PrefixIndex, WeightRows, consecutive
+from routelog.format.documents import CommitRecord, IndexRow
+from routelog.store.blocks import BlockRequest, ShardIndexCache, fetch_blocks
+from routelog.store.history import StepView
+from routelog.store.root import StoreRoot
+
+_CACHED_RANGES = 4
+"""Row ranges of one part kept decoded (a group's samples compare against the same prompt rows in turn)."""
+
+
+class StoredPart:
+    """A committed part's routing rows, fetched by ranged reads when a comparison needs them."""
+
+    def __init__(self, store: StoreRoot, part_key: str, commit: CommitRecord) -> None:
+        self.store, self.part_key, self.commit = store, part_key, commit
+        self._cache: OrderedDict[tuple[int, int], tuple[IdArray, WeightRows | None]] = OrderedDict()
+        self._index_cache = ShardIndexCache()
+
+    def take(self, rows: npt.NDArray[np.int64]) -> tuple[IdArray, WeightRows | None]:
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        if not 0 <= lo < hi <= self.commit.routing.n_rows:
+            raise RoutelogError(f"{self.part_key}: rows [{lo}, {hi}) outside its {self.commit.routing.n_rows} rows")
+        cached = next(((a, b) for a, b in self._cache if a <= lo and hi <= b), None)
+        if cached is None:
+            layers = (0, self.commit.routing.num_moe_layers)
+            requests = [BlockRequest.of(self.part_key, self.commit, layers, (lo, hi))]
+            if self.commit.weights is not None:
+                requests.append(BlockRequest.of(self.part_key, self.commit, layers, (lo, hi), weights=True))
+            blocks = fetch_blocks(self.store.storage, requests, self._index_cache)
+            cached = (lo, hi)
+            self._cache[cached] = (blocks[0], blocks[1] if len(blocks) > 1 else None)
+            while len(self._cache) > _CACHED_RANGES:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(cached)
+        ids, weights = self._cache[cached]
+        at = consecutive(rows - cached[0])
+        return ids[:, at], None if weights is None else weights[:, at]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(ids.nbytes + (0 if w is None else w.nbytes) for ids, w in self._cache.values())
+
+
+class PeerParts:
+    """Keeps a writer's :class:`~routelog.format.dedup.PrefixIndex` aware of the step's parts committed by others."""
+
+    def __init__(self, store: StoreRoot, step: int, prefixes: PrefixIndex) -> None:
+        self.store, self.step, self.prefixes = store, step, prefixes
+
+    def absorb(self, view: StepView, tables: Mapping[str, pa.Table]) -> None:
+        """List the records of the commits whose indexes were just read (``tables``, by entry key) that belong to
+        the step's content, and forget the parts dropped whole (or refused by a seal)."""
+        content = {entry.key: entry.doc for entry in view.commits}
+        for key, table in tables.items():
+            commit = content.get(key)
+            if isinstance(commit, CommitRecord) and "token_ids" in table.schema.names:
+                self._list(commit, [IndexRow.model_validate(row) for row in table.to_pylist()])
+        gone = [*view.whole_dropped, *view.refused]
+        self.prefixes.forget(keys.part_dir(self.step, e.doc.part) for e in gone if isinstance(e.doc, CommitRecord))
+
+    def _list(self, commit: CommitRecord, rows: list[IndexRow]) -> None:
+        own_key = keys.part_dir(self.step, commit.part)
+        ids: dict[str, int] = {}
+        for row in rows:
+            if row.token_ids is None or len(row.token_ids) < MIN_SHARED_TOKENS:
+                continue
+            part = np.full(row.n_tokens, -1, np.int32)
+            where = np.full(row.n_tokens, -1, np.int64)
+            for span in row.spans:
+                key = span.part or own_key
+                if key not in ids:
+                    known = self.prefixes.part_id(key)
+                    if known is None and key != own_key:
+                        break  # points at a part this writer does not know: not a candidate
+                    ids[key] = (
+                        known
+                        if known is not None
+                        else self.prefixes.add_committed(StoredPart(self.store, own_key, commit), own_key)
+                    )
+                stop = span.token_start + span.n_rows
+                part[span.token_start : stop] = ids[key]
+                where[span.token_start : stop] = np.arange(span.row, span.row + span.n_rows)
+            else:
+                self.prefixes.add_record(np.asarray(row.token_ids, np.int64), part, where)

@@ -1,0 +1,652 @@
+"""Reading committed records: a step snapshot, then routing for chosen records and chosen layers.
+
+A snapshot is a step's history evaluated (:mod:`routelog.store.history`): the live records of the commits that make up
+the step, and the union of their parts' Parquet indexes. Routing reads go straight to the chunks that hold the
+requested rows and layers (ranged reads of the sharded array; the array metadata comes embedded in the commit),
+concurrently across parts.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from routelog.display import html_card
+from routelog.errors import CorruptDataError, DuplicateSampleError, RecordNotFoundError
+from routelog.format import keys
+from routelog.format.codec import storage_dtype
+from routelog.format.documents import (
+    AnnotationCommit,
+    CommitRecord,
+    DropRecord,
+    IndexRow,
+    RoutingArrayInfo,
+    Span,
+    ValuesInfo,
+)
+from routelog.format.routing import ROUTING_TABLE_SCHEMA, RecordRouting
+from routelog.format.values import FloatArray, values_from_parquet
+from routelog.format.weights import from_storage
+from routelog.store.blocks import MAX_GAP, BlockRequest, ShardIndexCache, fetch_blocks
+from routelog.store.history import COMMIT_COLUMN, StepHistory
+from routelog.store.root import StoreRoot
+from routelog.store.steplog import Entry, object_info
+
+if TYPE_CHECKING:
+    import zarr
+
+_VALUES_CACHE = 4
+"""Values objects kept decoded per snapshot (streaming reads visit parts one after another)."""
+
+
+@dataclass(frozen=True)
+class _PartRead:
+    """One contiguous row range of one part, read for one contiguous run of MoE layers."""
+
+    part_key: str
+    row_start: int
+    row_stop: int
+    layer_start: int
+    """First MoE-axis position read."""
+    layer_stop: int
+    out_start: int
+    """Where the layers land on axis 1 of the output."""
+    out_stop: int
+    members: tuple[tuple[str, Span], ...]
+    """The (sample id, span) pairs whose rows this read covers."""
+
+    def request(self, commit: CommitRecord, stream: str | None, *, weights: bool = False) -> BlockRequest:
+        return BlockRequest.of(
+            self.part_key,
+            commit,
+            (self.layer_start, self.layer_stop),
+            (self.row_start, self.row_stop),
+            tuple(sorted({sid for sid, _ in self.members})),
+            stream=stream,
+            weights=weights,
+        )
+
+
+@dataclass
+class StepSnapshot:
+    """The committed records of one step at the time it was loaded (see :mod:`routelog.store.history` for the rules).
+
+    A record is live unless a drop after its commit names it (by sample id, part or writer) or it is shadowed: the
+    same sample id was committed earlier in the step's log (two writers raced on it), and readers read the
+    earliest, so every reader reads the same record forever; ``routelog verify`` reports the shadowed copies and
+    ``routelog gc`` reclaims them.
+    """
+
+    store: StoreRoot
+    step: int
+    commits: list[CommitRecord]
+    """The commits of the step's content whose parts are not dropped whole, in log order."""
+    index: pa.Table
+    """The live records' index rows, plus ``_commit``: the position of the row's commit in :attr:`commits`."""
+    sealed: bool
+    as_of: datetime | None = None
+    drops: list[DropRecord] = field(default_factory=list)
+    """The drop documents applied (as of :attr:`as_of`)."""
+    dropped_commits: list[CommitRecord] = field(default_factory=list)
+    """Commits of wholly dropped parts: none of their records is read, but live records' shared prefixes may
+    still point at their rows."""
+    shadowed: list[Shadowed] = field(default_factory=list)
+    """Records committed again by a later commit: the copies no reader reads."""
+    stored: pa.Table | None = None
+    """Every index row of :attr:`commits` (dropped and shadowed records too), with ``_commit``."""
+    positions: list[int] = field(default_factory=list)
+    """Log position of each of :attr:`commits` (negative for format-1/2 documents)."""
+    annotation_entries: list[tuple[int, AnnotationCommit]] = field(default_factory=list)
+    """The annotations applied (as of :attr:`as_of`), with their log positions."""
+    _positions: dict[str, int] = field(init=False, repr=False)
+    _commit_column: npt.NDArray[np.int32] = field(init=False, repr=False)
+    _n_tokens: npt.NDArray[np.int32] = field(init=False, repr=False)
+    _own: dict[str, tuple[int, CommitRecord]] = field(init=False, repr=False)
+    _index_cache: ShardIndexCache = field(default_factory=ShardIndexCache, init=False, repr=False)
+    _values_cache: OrderedDict[tuple[str, tuple[str, ...]], dict[str, tuple[str | None, dict[str, FloatArray]]]] = (
+        field(default_factory=OrderedDict, init=False, repr=False)
+    )
+
+    def __post_init__(self) -> None:
+        self._commit_column = self.index.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+        self._n_tokens = self.index.column("n_tokens").to_numpy(zero_copy_only=False)
+        positions = self.positions or list(range(len(self.commits)))
+        self._own = {keys.part_dir(self.step, c.part): (p, c) for p, c in zip(positions, self.commits, strict=True)}
+        self._own.update(
+            {keys.part_dir(self.step, c.part): (-(1 << 62), c) for c in self.dropped_commits}
+        )  # a dropped part's position is only compared with the records pointing at it: before every record
+        self._positions = {sid: i for i, sid in enumerate(self.index.column("sample_id").to_pylist())}
+
+    # -- loading -------------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, store: StoreRoot, step: int, *, as_of: datetime | None = None) -> StepSnapshot:
+        """The step's committed records; with ``as_of``, the step as it was then (only entries created by then
+        count; naive times are read as UTC).
+
+        Everything used is checked before use: each entry against its name, its step and the run's model spec, each
+        index against the SHA-256 its commit (or the seal) lists, and the rows against the commit's counts.
+        """
+        return cls.of(StepHistory.read(store, step, as_of=as_of))
+
+    @classmethod
+    def of(cls, history: StepHistory) -> StepSnapshot:
+        """The snapshot of a history read already (:mod:`routelog.store.history`)."""
+        view = history.view()
+        commits = [_commit_doc(e) for e in view.commits]
+        stored = view.stored
+        sids = stored.column("sample_id").to_pylist() if view.shadowed.any() else []
+        commit_of = stored.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+        winner = {sids[r]: int(r) for r in np.flatnonzero(view.live)} if sids else {}
+        shadowed = [
+            Shadowed(sids[r], commits[int(commit_of[winner[sids[r]]])].name, commits[int(commit_of[r])].name)
+            for r in np.flatnonzero(view.shadowed)
+            if sids[r] in winner
+        ]
+        return cls(
+            history.store,
+            history.step,
+            commits,
+            view.index,
+            view.seal is not None,
+            history.as_of,
+            [d.doc for d in view.drops if isinstance(d.doc, DropRecord)],
+            [_commit_doc(e) for e in view.whole_dropped],
+            shadowed,
+            stored,
+            [e.position for e in view.commits],
+            [(e.position, e.doc) for e in view.annotations if isinstance(e.doc, AnnotationCommit)],
+        )
+
+    def _commit_of(self, position: int) -> int:
+        return int(self._commit_column[position])
+
+    # -- records ---------------------------------------------------------------------------------------------------
+    @property
+    def sample_ids(self) -> list[str]:
+        return list(self._positions)
+
+    def __len__(self) -> int:
+        return len(self._positions)
+
+    def __contains__(self, sample_id: object) -> bool:
+        return sample_id in self._positions
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(c.n_tokens for c in self.commits)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Every object of the step's parts: routing, values, streams and indexes."""
+        return sum(o.size for c in self.commits for o in c.objects)
+
+    @property
+    def routing_bytes(self) -> int:
+        """The routing arrays' chunks only: what the codec is measured by."""
+        return sum(o.size for c in self.commits for o in c.objects if o.key.startswith(c.routing.path + "/c/"))
+
+    @property
+    def stored_rows(self) -> int:
+        """Token rows stored in the routing arrays (a record's missing final rows are not stored; a prefix shared
+        by several records of a part is stored once)."""
+        return sum(c.routing.n_rows for c in self.commits)
+
+    @property
+    def routed_rows(self) -> int:
+        """Routed token rows of the step's live records, shared prefixes counted in every record that has them."""
+        spans = self.index.column("spans").combine_chunks()
+        if not len(spans):
+            return 0
+        return int(pc.sum(pc.list_flatten(spans).field("n_rows")).as_py() or 0)
+
+    def referenced_parts(self) -> set[str]:
+        """Names of the step's parts that live records read rows from: their own, and the parts their shared
+        prefixes point at (which may be dropped whole, and must then be kept)."""
+        parts = {self.commits[int(i)].part for i in np.unique(self._commit_column)}
+        spans = pc.list_flatten(self.index.column("spans").combine_chunks())
+        for key in pc.unique(spans.field("part").drop_null()).to_pylist() if len(spans) else []:
+            parsed = keys.parse_span_part(key)
+            if parsed is not None and parsed[0] == self.step:
+                parts.add(parsed[1])
+        return parts
+
+    def info(self, sample_id: str) -> IndexRow:
+        """The index row of ``sample_id``."""
+        return self._row(self._position(sample_id))
+
+    def infos(self) -> Iterator[IndexRow]:
+        for position in range(self.index.num_rows):
+            yield self._row(position)
+
+    def _position(self, sample_id: str) -> int:
+        try:
+            return self._positions[sample_id]
+        except KeyError:
+            raise RecordNotFoundError(
+                f"sample {sample_id!r} is not committed in step {self.step} of {self.store.url}"
+            ) from None
+
+    def _row(self, position: int) -> IndexRow:
+        data = self.index.slice(position, 1).to_pylist()[0]
+        data.pop("_commit")
+        try:
+            return IndexRow.model_validate(data)
+        except ValueError as exc:
+            part = self.commits[self._commit_of(position)].part
+            raise CorruptDataError(
+                f"step {self.step} of {self.store.url}, part {part!r}: index row {data.get('sample_id')!r} breaks "
+                f"the format ({exc})"
+            ) from None
+
+    # -- routing -----------------------------------------------------------------------------------------------------
+    def read(self, sample_id: str, *, moe_layers: Sequence[int] | None = None) -> RecordRouting:
+        """Routing of one record; ``moe_layers`` are positions on the MoE axis (default: all)."""
+        return self.read_many([sample_id], moe_layers=moe_layers)[0]
+
+    def read_many(
+        self,
+        sample_ids: Iterable[str],
+        *,
+        moe_layers: Sequence[int] | None = None,
+        stream: str | None = None,
+        weights: bool = False,
+        tokens: Mapping[str, npt.NDArray[np.bool_]] | None = None,
+        max_gap: int = MAX_GAP,
+    ) -> list[RecordRouting]:
+        """Routing of several records, fetched concurrently; results follow the order of ``sample_ids``.
+
+        ``moe_layers`` are positions on the MoE axis (default: all). With ``stream`` (e.g. ``"mtp"``), the records'
+        rows of that extra stream instead, ``moe_layers`` then being positions on the stream's own layer axis.
+        With ``weights``, also the routing weights (:attr:`RecordRouting.weights`; never fetched otherwise).
+        ``tokens[sample_id]`` (``[n_tokens]`` bool) restricts a record to those tokens: only the chunks holding
+        them are fetched (a context-parallel rank needs a fraction of each sequence); the other rows read as
+        missing. Chunks less than ``max_gap`` bytes apart are fetched in one request, gap included.
+        """
+        if weights and stream is not None:
+            raise ValueError("routing weights are stored for the decoder routing only, not for a stream")
+        spec = self.store.model_spec
+        if stream is None:
+            n_layers, topk, dtype, names = spec.num_moe_layers, spec.topk, spec.id_dtype, tuple(spec.moe_layers)
+        else:
+            declared = spec.stream(stream)
+            if declared is None:
+                raise ValueError(
+                    f"model {spec.name!r} declares no stream {stream!r} ({[s.name for s in spec.streams]})"
+                )
+            n_layers, topk, names = declared.num_layers, declared.topk, tuple(range(declared.num_layers))
+            dtype = storage_dtype(declared.universe)
+        wanted = list(range(n_layers)) if moe_layers is None else sorted(set(moe_layers))
+        if any(not 0 <= j < n_layers for j in wanted):
+            raise ValueError(f"layers {list(moe_layers or [])} outside [0, {n_layers})")
+        rows = [self.info(sid) for sid in sample_ids]
+        own_part = {r.sample_id: self._part_key(r.sample_id) for r in rows}
+        out = {r.sample_id: np.zeros((len(wanted), r.n_tokens, topk), dtype=dtype) for r in rows}
+        valid = {r.sample_id: np.zeros(r.n_tokens, dtype=bool) for r in rows}
+        by_part: dict[str, list[tuple[str, Span]]] = defaultdict(list)
+        for r in rows:
+            needed = None if tokens is None else tokens.get(r.sample_id)
+            if needed is not None and needed.shape != (r.n_tokens,):
+                raise ValueError(f"tokens[{r.sample_id!r}] has shape {needed.shape}, the record {r.n_tokens} tokens")
+            spans = _spans(r, stream)
+            self._check_references(r.sample_id, spans)
+            for span in spans if needed is None else _restricted(spans, needed):
+                by_part[span.part or own_part[r.sample_id]].append((r.sample_id, span))
+                valid[r.sample_id][span.token_start : span.token_start + span.n_rows] = True
+        commits = {key: self._commit_for(key) for key in by_part}
+        arrays = {key: _array(commit, stream, self.store.storage.url_of(key)) for key, commit in commits.items()}
+        runs = _contiguous_runs(wanted)
+        reads: list[_PartRead] = []
+        for key, items in by_part.items():
+            for lo, hi, members in _merge_rows(items, arrays[key].chunk_rows):
+                for a, b in runs:
+                    reads.append(_PartRead(key, lo, hi, wanted[a], wanted[b - 1] + 1, a, b, members))
+        for key, items in by_part.items():
+            _check_referenced_rows(key, arrays[key], items, self.store.storage.url_of(key))
+        requests = [read.request(commits[read.part_key], stream) for read in reads]
+        with_weights = [
+            (read, info) for read in reads if weights and (info := commits[read.part_key].weights) is not None
+        ]
+        requests += [read.request(commits[read.part_key], None, weights=True) for read, _ in with_weights]
+        blocks = fetch_blocks(self.store.storage, requests, self._index_cache, max_gap)
+        for read, block in zip(reads, blocks[: len(reads)], strict=True):
+            for sid, span in read.members:
+                src = block[:, span.row - read.row_start : span.row - read.row_start + span.n_rows]
+                out[sid][read.out_start : read.out_stop, span.token_start : span.token_start + span.n_rows] = src
+        weights_out = (
+            {r.sample_id: np.full(out[r.sample_id].shape, np.nan, np.float32) for r in rows} if weights else {}
+        )
+        for (read, info), block in zip(with_weights, blocks[len(reads) :], strict=True):
+            values = from_storage(block, info.dtype)
+            for sid, span in read.members:
+                src = values[:, span.row - read.row_start : span.row - read.row_start + span.n_rows]
+                weights_out[sid][read.out_start : read.out_stop, span.token_start : span.token_start + span.n_rows] = (
+                    src
+                )
+        orders = {r.sample_id: self._topk_order(own_part[r.sample_id], stream) for r in rows}
+        return [
+            RecordRouting(
+                info=r,
+                by_layer=out[r.sample_id],
+                valid=valid[r.sample_id],
+                moe_layers=tuple(wanted),
+                layers=tuple(names[j] for j in wanted),
+                topk_order=orders[r.sample_id],
+                num_moe_layers=n_layers,
+                stream=stream,
+                weights=weights_out.get(r.sample_id),
+            )
+            for r in rows
+        ]
+
+    # -- tables for DataFrame tools ----------------------------------------------------------------------------------
+    def to_arrow(
+        self,
+        sample_ids: Iterable[str] | None = None,
+        *,
+        routing: bool = False,
+        moe_layers: Sequence[int] | None = None,
+        batch_records: int = 64,
+    ) -> pa.Table:
+        """The index (one row per record: the columns of :class:`~routelog.format.documents.IndexRow`, plus ``part``),
+        or with ``routing=True`` the decoded routing in long form
+        (:data:`~routelog.format.routing.ROUTING_TABLE_SCHEMA`: sample_id, token, layer, k, expert; routed rows only) of
+        ``sample_ids`` (default: every record; the long form takes about 12 bytes per token, layer and slot, so choose
+        the records for a large step)."""
+        ids = self.sample_ids if sample_ids is None else list(sample_ids)
+        if not routing:
+            positions = pa.array([self._position(sid) for sid in ids], pa.int64())
+            table = self.index.take(positions)
+            parts = pa.array([self.commits[i].part for i in table.column("_commit").to_pylist()], pa.string())
+            return table.drop_columns(["_commit"]).append_column("part", parts)
+        tables = [
+            routing_.to_arrow()
+            for start in range(0, len(ids), batch_records)
+            for routing_ in self.read_many(ids[start : start + batch_records], moe_layers=moe_layers)
+        ]
+        return pa.concat_tables(tables) if tables else ROUTING_TABLE_SCHEMA.empty_table()
+
+    def to_pandas(
+        self,
+        sample_ids: Iterable[str] | None = None,
+        *,
+        routing: bool = False,
+        moe_layers: Sequence[int] | None = None,
+    ) -> Any:
+        """:meth:`to_arrow` as a ``pandas.DataFrame`` (pandas must be installed)."""
+        return self.to_arrow(sample_ids, routing=routing, moe_layers=moe_layers).to_pandas()
+
+    def __repr__(self) -> str:
+        when = f" as of {self.as_of.isoformat()}" if self.as_of else ""
+        return (
+            f"StepSnapshot(step {self.step} of {self.store.url}{when}: {len(self)} records, {self.n_tokens:,} tokens, "
+            f"{len(self.commits)} part{'s' if len(self.commits) != 1 else ''}{', sealed' if self.sealed else ''})"
+        )
+
+    def _repr_html_(self) -> str:
+        facts: list[tuple[str, object]] = [
+            ("records", len(self)),
+            ("tokens", f"{self.n_tokens:,}"),
+            ("parts", len(self.commits)),
+            ("sealed", self.sealed),
+            ("stored bytes", f"{self.stored_bytes:,}"),
+        ]
+        if self.as_of:
+            facts.append(("as of", self.as_of.isoformat()))
+        if self.drops or self.shadowed:
+            facts.append(("drops / shadowed copies", f"{len(self.drops)} / {len(self.shadowed)}"))
+        rows = [
+            (r.sample_id, r.n_tokens, r.prompt_len, r.response_len, r.n_missing, r.policy_version)
+            for r in (self._row(i) for i in range(min(10, len(self))))
+        ]
+        columns = ("sample id", "tokens", "prompt", "response", "missing rows", "policy")
+        return html_card(f"step {self.step} of {self.store.url} (first records)", facts, rows, columns)
+
+    def _topk_order(self, part_key: str, stream: str | None) -> str:
+        commit = self._commit_for(part_key)
+        array = commit.routing if stream is None else commit.streams.get(stream, commit.routing)
+        return array.topk_order
+
+    # -- per-token values ------------------------------------------------------------------------------------------
+    @property
+    def annotations(self) -> list[AnnotationCommit]:
+        """The step's annotation commits (per-token columns added after the records; as of :attr:`as_of`)."""
+        return [doc for _, doc in self.annotation_entries]
+
+    def value_columns(self) -> list[str]:
+        """Names of the per-token columns present in the step (in parts or annotations)."""
+        names = {c.name for commit in self.commits if commit.values for c in commit.values.columns}
+        names.update(c.name for a in self.annotations for c in a.values.columns)
+        return sorted(names)
+
+    def token_values(self, sample_ids: Iterable[str], names: Sequence[str]) -> dict[str, dict[str, FloatArray]]:
+        """``{sample_id: {name: float32 [n_tokens]}}`` for the named columns each record has (a column a record
+        lacks is absent from its dict). Only the values objects of the records' parts are fetched, and only the
+        named columns of them; a column given twice for one record (in its part and an annotation, or two
+        annotations) raises :class:`DuplicateSampleError`.
+
+        A part's values belong to its live records (a dropped or shadowed part-mate's are skipped); an annotation's
+        values belong to a record live now that was committed before the annotation, with the token hash they were
+        computed on (a record dropped, or written again, after the annotation has none of them)."""
+        wanted = set(names)
+        # Only the token counts are needed: read them from the index column, not by building index rows.
+        lengths = {sid: int(self._n_tokens[self._position(sid)]) for sid in sample_ids}
+        out: dict[str, dict[str, FloatArray]] = {sid: {} for sid in lengths}
+        sources: dict[tuple[str, str], str] = {}
+        # directory -> the commit declaring a values object there, its declaration and its log position
+        holders: dict[str, tuple[CommitRecord | AnnotationCommit, ValuesInfo, int | None]] = {}
+        for sid in lengths:
+            commit = self.commits[self._commit_of(self._position(sid))]
+            if commit.values is not None:
+                holders[keys.part_dir(self.step, commit.part)] = (commit, commit.values, None)
+        for at, annotation in self.annotation_entries:
+            holders[f"{keys.annotations_dir(self.step)}/{annotation.part}"] = (annotation, annotation.values, at)
+        for base, (holder, declared, position) in holders.items():
+            columns = sorted(wanted & {c.name for c in declared.columns})
+            if not columns:
+                continue
+            for sid, (digest, values) in self._values_of(base, holder, declared, tuple(columns)).items():
+                if sid not in out or not self._values_apply(sid, digest, holder, position):
+                    continue
+                for name, array in values.items():
+                    if (sid, name) in sources:
+                        raise DuplicateSampleError(
+                            sid,
+                            f"token_values[{name!r}]",
+                            f"is given twice in step {self.step} ({sources[(sid, name)]} and {base})",
+                            "annotate each record's column once; remove the extra annotation commit",
+                        )
+                    sources[(sid, name)] = base
+                    if len(array) != lengths[sid]:
+                        raise CorruptDataError(f"{base}: column {name!r} of sample {sid!r} has the wrong length")
+                    out[sid][name] = array
+        return out
+
+    def _values_apply(
+        self, sid: str, digest: str | None, holder: CommitRecord | AnnotationCommit, position: int | None
+    ) -> bool:
+        """Whether a values row of ``holder`` belongs to the live record ``sid`` (see :meth:`token_values`)."""
+        live = self._positions.get(sid)
+        if live is None:
+            return False
+        commit = self._commit_of(live)
+        if position is None:  # the record's own part
+            return self.commits[commit] is holder
+        committed = self.index.column("token_hash")[live].as_py()
+        before = (self.positions[commit] if self.positions else -1) < position
+        return before and (digest is None or committed is None or digest == committed)
+
+    def _values_of(
+        self, base: str, holder: CommitRecord | AnnotationCommit, declared: ValuesInfo, columns: tuple[str, ...]
+    ) -> dict[str, tuple[str | None, dict[str, FloatArray]]]:
+        """One values object's columns by sample id, with the token hash each row was computed on, checked
+        against its commit (SHA-256, declared columns, record count; a part's rows name its own records), with
+        a small LRU so streaming over a part reads its object once."""
+        key = f"{base}/{declared.key}"
+        cache_key = (key, columns)
+        if cache_key in self._values_cache:
+            self._values_cache.move_to_end(cache_key)
+            return self._values_cache[cache_key]
+        storage = self.store.storage
+        where = storage.url_of(key)
+        info = object_info(holder, declared.key, where)
+        data = storage.read_verified(key, info.size, info.sha256, f"commit {holder.name}")
+        contents = values_from_parquet(
+            data,
+            columns,
+            where,
+            declared=[c.name for c in declared.columns],
+            max_records=holder.n_records,
+            max_tokens=holder.n_tokens,
+        )
+        if len(contents.token_hashes) != holder.n_records:
+            raise CorruptDataError(
+                f"{where}: holds {len(contents.token_hashes)} records, its commit says {holder.n_records}"
+            )
+        if isinstance(holder, CommitRecord):
+            own = self._part_records(holder)
+            stranger = next((sid for sid in contents.token_hashes if sid not in own), None)
+            if stranger is not None:
+                raise CorruptDataError(f"{where}: holds values of sample {stranger!r}, which its part does not hold")
+            changed = next((sid for sid, d in contents.token_hashes.items() if not _same_hash(d, own[sid])), None)
+            if changed is not None:
+                raise CorruptDataError(f"{where}: values of sample {changed!r} were computed on other tokens")
+        rows = {sid: (digest, contents.values.get(sid, {})) for sid, digest in contents.token_hashes.items()}
+        self._values_cache[cache_key] = rows
+        while len(self._values_cache) > _VALUES_CACHE:
+            self._values_cache.popitem(last=False)
+        return rows
+
+    def _part_records(self, commit: CommitRecord) -> dict[str, str | None]:
+        """``{sample_id: token_hash}`` of every record ``commit``'s part holds (dropped and shadowed ones too)."""
+        stored = self.stored if self.stored is not None else self.index
+        i = next(n for n, c in enumerate(self.commits) if c is commit)
+        rows = stored.filter(pc.equal(stored.column(COMMIT_COLUMN), i))
+        return dict(zip(rows.column("sample_id").to_pylist(), rows.column("token_hash").to_pylist(), strict=True))
+
+    def open_zarr(self, part: str) -> zarr.Array[Any]:
+        """A part's routing array opened with zarr-python: expert IDs ``[num_moe_layers, n_rows, K]`` for format-2
+        parts (through the registered ``routelog.ranked_gaps`` codec); the stored form for format-1 parts (gaps when
+        sorted, uint16 as byte planes; see ``schemas/FORMAT.md``). For interoperability; :meth:`read_many` is the
+        fast path."""
+        import zarr  # loaded here: the readers' own path never needs it
+
+        commit = self._commit_for(keys.part_dir(self.step, part))
+        store = self.store.storage.zarr_store(f"{keys.part_dir(self.step, part)}/{commit.routing.path}")
+        return zarr.open_array(store, mode="r")
+
+    def _part_key(self, sample_id: str) -> str:
+        return keys.part_dir(self.step, self.commits[self._commit_of(self._position(sample_id))].part)
+
+    def _commit_for(self, part_key: str) -> CommitRecord:
+        return self._own[part_key][1]
+
+    def _check_references(self, sample_id: str, spans: Iterable[Span]) -> None:
+        """A record's shared prefix points at a part of this step committed before its own (or dropped whole and
+        kept for it): never at another step, a later commit, or a part the step does not hold."""
+        own = self._own[self._part_key(sample_id)][0]
+        for span in spans:
+            if span.part is None:
+                continue
+            held = self._own.get(span.part)
+            if held is None or held[0] >= own:
+                parsed = keys.parse_span_part(span.part)
+                where = f"another step's part {span.part!r}" if parsed and parsed[0] != self.step else span.part
+                raise CorruptDataError(
+                    f"step {self.step} of {self.store.url}: sample {sample_id!r} points at rows of {where}, which "
+                    "is not a part committed before it in this step (shared rows never reach outside their step)"
+                )
+
+
+def _check_referenced_rows(part_key: str, array: RoutingArrayInfo, items: list[tuple[str, Span]], where: str) -> None:
+    """Spans that point at another part end within its rows (a record's own spans are checked with its index)."""
+    for sid, span in items:
+        if span.part is not None and span.row + span.n_rows > array.n_rows:
+            raise CorruptDataError(
+                f"{where}: sample {sid!r} points at rows [{span.row}, {span.row + span.n_rows}) of a part of "
+                f"{array.n_rows} rows"
+            )
+
+
+def _restricted(spans: list[Span], needed: npt.NDArray[np.bool_]) -> list[Span]:
+    """The parts of ``spans`` whose tokens are ``needed`` (maximal runs)."""
+    out = []
+    for span in spans:
+        inside = needed[span.token_start : span.token_start + span.n_rows]
+        if inside.all():
+            out.append(span)
+            continue
+        edges = np.flatnonzero(np.diff(np.concatenate([[False], inside, [False]]).astype(np.int8)))
+        for a, b in zip(edges[::2], edges[1::2], strict=True):
+            out.append(
+                span.model_copy(
+                    update={"token_start": span.token_start + int(a), "row": span.row + int(a), "n_rows": int(b - a)}
+                )
+            )
+    return out
+
+
+def _spans(row: IndexRow, stream: str | None) -> list[Span]:
+    """A record's spans of the decoder routing, or of one of its streams (none when it has no such rows)."""
+    if stream is None:
+        return row.spans
+    return next((entry.spans for entry in row.streams or [] if entry.name == stream), [])
+
+
+def _array(commit: CommitRecord, stream: str | None, where: str) -> RoutingArrayInfo:
+    if stream is None:
+        return commit.routing
+    if stream not in commit.streams:
+        raise CorruptDataError(f"{where}: records point into its stream {stream!r}, which its commit does not hold")
+    return commit.streams[stream]
+
+
+@dataclass(frozen=True)
+class Shadowed:
+    """A sample id committed by two commits: readers read ``kept`` (the earliest); ``shadowed`` is never read."""
+
+    sample_id: str
+    kept: str
+    """Name of the commit whose record is read."""
+    shadowed: str
+
+
+def _commit_doc(entry: Entry) -> CommitRecord:
+    if not isinstance(entry.doc, CommitRecord):  # pragma: no cover - views list commit entries only
+        raise TypeError(f"{entry.key} is not a commit")
+    return entry.doc
+
+
+def _same_hash(a: str | None, b: str | None) -> bool:
+    return a is None or b is None or a == b
+
+
+def _contiguous_runs(positions: Sequence[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive values in ``positions`` as ``(start, stop)`` indices into ``positions``."""
+    runs = []
+    start = 0
+    for i in range(1, len(positions) + 1):
+        if i == len(positions) or positions[i] != positions[i - 1] + 1:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+def _merge_rows(items: list[tuple[str, Span]], chunk_rows: int) -> list[tuple[int, int, tuple[tuple[str, Span], ...]]]:
+    """Coalesce spans of one part into row ranges; a gap under one chunk costs no extra request."""
+    merged: list[tuple[int, int, list[tuple[str, Span]]]] = []
+    for sid, span in sorted(items, key=lambda item: item[1].row):
+        lo, hi = span.row, span.row + span.n_rows
+        if merged and lo - merged[-1][1] < chunk_rows:
+            prev_lo, prev_hi, members = merged[-1]
+            merged[-1] = (prev_lo, max(prev_hi, hi), [*members, (sid, span)])
+        else:
+            merged.append((lo, hi, [(sid, span)]))
+    return [(lo, hi, tuple(members)) for lo, hi, members in merged]

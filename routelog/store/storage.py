@@ -1,0 +1,580 @@
+"""Object storage through fsspec: one code path for ``file://``, ``memory://`` and ``s3://``.
+
+Credentials and endpoints come the way fsspec users expect: the standard ``AWS_*`` environment (including
+``AWS_ENDPOINT_URL``) read by botocore, fsspec's own ``FSSPEC_<PROTOCOL>_<OPTION>`` variables, or explicit
+``storage_options``. The primitives routelog needs are few: whole-object reads and writes, an exclusive create
+(S3 ``If-None-Match: *``; fsspec's local and memory filesystems honour ``mode="create"`` too), a non-recursive
+listing of one prefix, deletes, and a zarr store for ranged reads.
+
+Durability: a write returns once its bytes are on stable storage. S3 acknowledges a PUT only after storing it
+redundantly. On a local filesystem a part's objects (new names no reader reads before a commit names them) are
+written in place, then fsynced together with every directory that gained a name; any other object goes to a
+temporary name, fsynced, and is moved (a create: hard-linked) into place before its directory is fsynced. So a
+commit acknowledged before a power loss is still there after it, with every object it names.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import posixpath
+import random
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractFileSystem
+
+from routelog.errors import CorruptDataError, StoreAccessError, StoreError, StoreUnreachableError, UnsafeKeyError
+from routelog.format.keys import check_key
+
+if TYPE_CHECKING:  # zarr loads on the first zarr store (a fifth of ``import routelog`` otherwise)
+    from zarr.storage import FsspecStore
+
+T = TypeVar("T")
+
+_TRANSIENT_ERRNOS = {
+    errno.EAGAIN,
+    errno.EBUSY,
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.EPIPE,
+    getattr(errno, "EREMOTEIO", 121),
+}
+_PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Errors worth retrying: timeouts, dropped connections, throttling and 5xx (s3fs maps SlowDown and 503 to
+    ``EBUSY``, 500 to ``EREMOTEIO``, and S3's in-flight conditional-write conflict 409 to ``EBUSY``)."""
+    if isinstance(exc, _PERMANENT):
+        return False
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+        return True
+    name = type(exc).__name__
+    return any(word in name for word in ("Timeout", "Connection", "Throttl", "ServerDisconnected", "ClientPayload"))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded retries with exponential backoff and full jitter for transient storage errors."""
+
+    attempts: int = 6
+    base_delay: float = 0.05
+    max_delay: float = 2.0
+    deadline: float = 60.0
+    """Seconds after which no new attempt starts, whatever ``attempts`` says."""
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
+
+
+_CREDENTIALS_HINT = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass "
+    '--storage-options \'{"key": "...", "secret": "..."}\' (\'{"anon": true}\' for a public bucket)'
+)
+_ENDPOINT_HINT = 'set AWS_ENDPOINT_URL, or pass --storage-options \'{"endpoint_url": "http://host:port"}\''
+_REACHABLE: set[tuple[str, int]] = set()
+"""Endpoints this process has connected to once: checked again only after a failure."""
+
+
+def s3_endpoint(fs: AbstractFileSystem) -> str:
+    """The endpoint an S3 filesystem talks to: its options, else botocore's environment, else AWS."""
+    client_kwargs = getattr(fs, "client_kwargs", None) or {}
+    return str(
+        getattr(fs, "endpoint_url", None)
+        or client_kwargs.get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+        or "https://s3.amazonaws.com"
+    )
+
+
+def check_reachable(endpoint: str, timeout: float = 5.0) -> None:
+    """Fail fast, naming the endpoint, when nothing listens there: without this check the SDK's and our retries
+    spend most of a minute before reporting a refused connection. Skipped behind an HTTP proxy."""
+    parts = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    if (host, port) in _REACHABLE or any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY")):
+        return
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise StoreUnreachableError(f"cannot reach the S3 endpoint {endpoint} ({reason}): {_ENDPOINT_HINT}") from exc
+    _REACHABLE.add((host, port))
+
+
+def parse_storage_options(text: str | None) -> dict[str, Any]:
+    """``--storage-options`` JSON from the CLI."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise StoreError(f"--storage-options is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise StoreError('--storage-options must be a JSON object, e.g. \'{"endpoint_url": "http://..."}\'')
+    return value
+
+
+def check_digest(data: bytes, size: int, sha256: str, where: str) -> None:
+    """:class:`~routelog.errors.CorruptDataError` unless ``data`` has this size and SHA-256."""
+    if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
+        raise CorruptDataError(f"{where}: size or SHA-256 differs from what was committed (the object is damaged)")
+
+
+@dataclass(frozen=True)
+class ObjectStat:
+    size: int
+    modified: float
+    """Seconds since the epoch, from the storage service (S3 ``LastModified``) or the filesystem."""
+
+
+_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV}
+"""``link`` errors of filesystems that hold no (more) hard links: :func:`_create_file` falls back there."""
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", 122)}
+_FSYNC_THREADS = 16
+"""Concurrent fsyncs of one batch of new files (each waits on the disk, not the CPU)."""
+
+
+def _fsync_directory(path: str) -> None:
+    """Make the entries of directory ``path`` durable (a new or renamed name is lost on power loss otherwise)."""
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _make_directories(directory: str) -> None:
+    """``os.makedirs`` that makes every directory it creates durable in its parent."""
+    for parent in _new_directories(directory):
+        _fsync_directory(parent)
+
+
+def _new_directories(directory: str) -> list[str]:
+    """``os.makedirs`` returning the parents of the directories it created (their entries must be fsynced)."""
+    missing = []
+    while directory and not os.path.isdir(directory):
+        missing.append(directory)
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            break
+        directory = parent
+    changed = []
+    for path in reversed(missing):
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        changed.append(os.path.dirname(path))
+    return changed
+
+
+def _write_new_files(files: Mapping[str, bytes]) -> None:
+    """Write local files under names nobody else uses (a new part's objects, read only once a later commit names
+    them), durably: each is written in place, then every file and every directory that gained a name is fsynced,
+    concurrently (the filesystem's journal commits them together instead of once each)."""
+    directories: set[str] = set()
+    descriptors = []
+    try:
+        for path, data in files.items():
+            directory = os.path.dirname(path)
+            directories.update(_new_directories(directory))
+            directories.add(directory)
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # a retry rewrites it whole
+            descriptors.append(descriptor)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(descriptor, view) :]
+        with ThreadPoolExecutor(max_workers=min(_FSYNC_THREADS, len(descriptors) + len(directories))) as pool:
+            list(pool.map(os.fsync, descriptors))
+            list(pool.map(_fsync_directory, sorted(directories)))
+    finally:
+        for descriptor in descriptors:
+            os.close(descriptor)
+
+
+def _durable_temporary(directory: str, name: str, data: bytes) -> str:
+    """A temporary file beside ``name`` (a dot name no reader parses) holding ``data``, fsynced."""
+    _make_directories(directory)
+    temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any file
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    return temporary
+
+
+def _write_file(path: str, data: bytes) -> None:
+    """Write the local file ``path`` (a name nobody else writes) durably: temporary, fsync, rename, fsync the
+    directory. A reader never sees it half-written."""
+    directory, name = os.path.split(path)
+    temporary = _durable_temporary(directory, name, data)
+    try:
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    _fsync_directory(directory)
+
+
+def _create_file(path: str, data: bytes) -> None:
+    """Create the local file ``path`` holding ``data``, or raise ``FileExistsError``, so that nobody sees it
+    half-written: an exclusive open would make the name visible before its bytes, and a reader listing commits
+    then finds an empty document, and a writer killed mid-write leaves one behind for good. The bytes go to a
+    temporary file beside it, fsynced, and are hard-linked to ``path`` once complete: ``link`` is atomic and refuses
+    an existing name; the directory is fsynced before the create returns. Filesystems without hard links take the
+    exclusive open."""
+    directory, name = os.path.split(path)
+    temporary = _durable_temporary(directory, name, data)
+    try:
+        try:
+            os.link(temporary, path)
+        except OSError as exc:
+            if exc.errno not in _NO_HARD_LINKS:  # FileExistsError among them: the name is taken
+                raise
+            with open(path, "xb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+    finally:
+        os.unlink(temporary)
+    _fsync_directory(directory)
+
+
+def _modified(info: Mapping[str, Any]) -> float:
+    for key in ("LastModified", "mtime", "created", "last_modified"):
+        value = info.get(key)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+    return 0.0
+
+
+@dataclass
+class Storage:
+    """A store root on some filesystem; keys are ``/``-separated paths relative to the root."""
+
+    url: str
+    fs: AbstractFileSystem
+    root: str
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    sleep: Callable[[float], None] = time.sleep
+
+    def _call(self, operation: str, key: str, fn: Callable[[], T]) -> T:
+        """Run one storage operation, retrying transient errors; a final failure names the operation and key."""
+        start = time.monotonic()
+        for attempt in range(self.retry.attempts):
+            try:
+                return fn()
+            except Exception as exc:
+                last = attempt == self.retry.attempts - 1 or time.monotonic() - start > self.retry.deadline
+                if not is_transient(exc):
+                    explained = self._explain(exc, operation, key)
+                    if explained is None:
+                        raise
+                    raise explained from exc
+                if last:
+                    hint = f" (endpoint {self.endpoint}: {_ENDPOINT_HINT})" if self.endpoint else ""
+                    raise StoreError(
+                        f"{operation} {self.url_of(key)} failed after {attempt + 1} attempts: {exc!r}{hint}"
+                    ) from exc
+                self.sleep(self.retry.delay(attempt))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @classmethod
+    def open(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
+        options = dict(storage_options or {})
+        protocol = url.split("://", 1)[0] if "://" in url else "file"
+        if protocol in ("file", "local"):
+            options.setdefault("auto_mkdir", True)
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **options)
+        except ImportError as exc:
+            fix = (
+                "install the extra: pip install 'routelog[s3]'"
+                if protocol in ("s3", "s3a")
+                else f"install fsspec's filesystem for {protocol}:// (its error above names the package)"
+            )
+            raise StoreError(f"cannot open {url!r}: {exc}. To use it, {fix}") from exc
+        except ValueError as exc:
+            raise StoreError(f"cannot open {url!r}: {exc}") from exc
+        if protocol in ("file", "local") and os.path.isfile(root):
+            raise StoreError(f"{url} is a file: a store is a directory (or an object prefix); pass a directory path")
+        storage = cls(url=url.rstrip("/"), fs=fs, root=str(root).rstrip("/"), storage_options=options)
+        if storage.endpoint:
+            check_reachable(storage.endpoint)
+        return storage
+
+    def check_not_an_object(self) -> None:
+        """Raise unless the root is a prefix: an object store lets keys live under an object's own name, so a URL
+        naming an object would read as an empty store or get one written under it (one request; asked only where
+        that matters: creating a store, and a store not found). A local file is refused by :meth:`open`."""
+        if self.protocol in ("file", "local") or not self.root:
+            return
+        try:
+            is_object = bool(self.fs.isfile(self.root))
+        except Exception:  # credentials, permissions, throttling: reported by the operation that needs them
+            return
+        if is_object:
+            raise StoreError(
+                f"{self.url} is an object: a store is an object prefix (a directory); pass a prefix no object is named"
+            )
+
+    @property
+    def endpoint(self) -> str | None:
+        """The S3 endpoint in use (``None`` for other filesystems)."""
+        return s3_endpoint(self.fs) if self.protocol in ("s3", "s3a") else None
+
+    def _explain(self, exc: Exception, operation: str, key: str) -> StoreError | None:
+        """A typed error with the fix for failures that mean the store cannot be used as configured (``None``
+        for the rest, such as a missing object, which callers handle)."""
+        where = f"{operation} {self.url_of(key)}"
+        name = type(exc).__name__
+        if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
+            return StoreAccessError(f"{where}: no usable credentials ({exc}); {_CREDENTIALS_HINT}")
+        if isinstance(exc, PermissionError):
+            return StoreAccessError(f"{where}: access denied ({exc}); check the credentials: {_CREDENTIALS_HINT}")
+        if isinstance(exc, FileNotFoundError) and "bucket does not exist" in str(exc).lower():
+            bucket = self.root.split("/", 1)[0]
+            return StoreError(
+                f"{where}: the bucket {bucket!r} does not exist at {self.endpoint}: create it, or fix the URL or "
+                "the endpoint"
+            )
+        if isinstance(exc, NotADirectoryError):
+            return StoreError(f"{where}: a part of the path is a file, not a directory; pass a directory path")
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            return StoreError(
+                f"{where}: no space left on the device ({exc.strerror}); nothing was changed by this operation: "
+                "free space (routelog gc reclaims dropped parts) and run it again"
+            )
+        return None
+
+    @property
+    def protocol(self) -> str:
+        proto = self.fs.protocol
+        return proto if isinstance(proto, str) else proto[0]
+
+    def path(self, key: str) -> str:
+        """The filesystem path of ``key``; a key that is not a plain relative key raises
+        :class:`~routelog.errors.UnsafeKeyError` (no storage call can leave the store)."""
+        check_key(key)
+        return posixpath.join(self.root, key) if key else self.root
+
+    def url_of(self, key: str) -> str:
+        """A URL for ``key`` that fsspec resolves to the same object."""
+        return f"{self.url}/{key}" if key else self.url
+
+    # -- primitives ------------------------------------------------------------------------------------------
+    @property
+    def _whole_object_kwargs(self) -> dict[str, Any]:
+        # s3fs issues HEAD + GET for unranged reads when max_concurrency > 1 (s3fs #1027); documents are small.
+        return {"max_concurrency": 1} if self.protocol in ("s3", "s3a") else {}
+
+    def read(self, key: str) -> bytes:
+        """The whole object; ``FileNotFoundError`` when absent."""
+        data = self._call("read", key, lambda: self.fs.cat_file(self.path(key), **self._whole_object_kwargs))
+        return bytes(data)
+
+    def read_verified(self, key: str, size: int, sha256: str, owner: str) -> bytes:
+        """The whole object, checked against the size and SHA-256 ``owner`` (a commit or seal) lists for it.
+
+        Missing, truncated or altered objects raise :class:`~routelog.errors.CorruptDataError` naming the object
+        and its owner: a reader never uses bytes its commit does not vouch for.
+        """
+        try:
+            data = self.read(key)
+        except FileNotFoundError:
+            raise CorruptDataError(f"{self.url_of(key)}: missing ({owner} lists it)") from None
+        check_digest(data, size, sha256, f"{self.url_of(key)} (listed by {owner})")
+        return data
+
+    def read_many(self, keys: Iterable[str]) -> dict[str, bytes]:
+        """Several whole objects in one call (concurrent requests on async filesystems such as S3)."""
+        keys = list(keys)
+        if not keys:
+            return {}
+        paths = [self.path(k) for k in keys]
+
+        def fetch() -> dict[str, bytes]:
+            found = self.fs.cat(paths, on_error="return", **self._whole_object_kwargs)
+            out: dict[str, bytes] = {}
+            for key, path in zip(keys, paths, strict=True):
+                value = found.get(path) if isinstance(found, dict) else found
+                if isinstance(value, BaseException):
+                    raise value
+                if value is None:
+                    raise FileNotFoundError(path)
+                out[key] = bytes(value)
+            return out
+
+        return self._call("read", keys[0], fetch)
+
+    def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes]:
+        """Byte ranges ``[start, stop)`` of objects, fetched concurrently on async filesystems."""
+        if not ranges:
+            return []
+        paths = [self.path(key) for key, _, _ in ranges]
+
+        def fetch() -> list[bytes]:
+            found = self.fs.cat_ranges(paths, [r[1] for r in ranges], [r[2] for r in ranges], on_error="return")
+            out = []
+            for (key, start, stop), value in zip(ranges, found, strict=True):
+                if isinstance(value, BaseException):
+                    raise value
+                if len(value) != stop - start:
+                    raise FileNotFoundError(f"{self.path(key)}: range [{start}, {stop}) past the end of the object")
+                out.append(value if isinstance(value, bytes) else bytes(value))
+            return out
+
+        return self._call("read", ranges[0][0], fetch)
+
+    @property
+    def local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    def write(self, key: str, data: bytes) -> None:
+        """Write an object under a name nobody else uses (data objects have unique names), durably."""
+        path = self.path(key)
+        if self.local:
+            self._call("write", key, lambda: _write_file(path, data))
+        else:
+            self._call("write", key, lambda: self.fs.pipe_file(path, data))
+
+    def write_many(self, objects: Mapping[str, bytes]) -> None:
+        """Write several uniquely named objects (concurrently on async filesystems), durably."""
+        if not objects:
+            return
+        if self.local:
+            paths = {self.path(k): v for k, v in objects.items()}
+            self._call("write", next(iter(objects)), lambda: _write_new_files(paths))
+            return
+        paths = {self.path(k): v for k, v in objects.items()}
+        self._call("write", next(iter(objects)), lambda: self.fs.pipe(paths))
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Create ``key`` holding ``data`` only if it does not exist; ``False`` when another's object is there.
+
+        Finding the key may mean finding this very create: a request whose response was lost (a timeout, a reset
+        connection) is retried by the S3 client or by :meth:`_call`, and the retry meets the object the first try
+        wrote (S3 answers 412). So an existing object is read back: holding exactly ``data`` (every document
+        routelog creates is unique: a fresh part name, a timestamp), it is this create's, which succeeded.
+        """
+
+        def put() -> bool:
+            try:
+                if self.local:
+                    _create_file(self.path(key), data)
+                else:  # S3's conditional PUT and the memory filesystem publish the whole object at once
+                    self.fs.pipe_file(self.path(key), data, mode="create")
+            except FileExistsError:
+                return self.read(key) == data
+            return True
+
+        return self._call("create", key, put)
+
+    def exists(self, key: str) -> bool:
+        return bool(self._call("stat", key, lambda: self.fs.exists(self.path(key))))
+
+    def list(self, prefix: str) -> list[str]:
+        """Names directly under ``prefix`` (one level, no recursion); empty when the prefix is absent."""
+        try:
+            entries = self._call("list", prefix, lambda: self.fs.ls(self.path(prefix), detail=False, refresh=True))
+        except FileNotFoundError:
+            return []
+        base = self.path(prefix).rstrip("/")
+        names = []
+        for entry in entries:
+            name = str(entry).rstrip("/")
+            if name.startswith(base + "/"):
+                names.append(name[len(base) + 1 :])
+            elif "/" not in name:
+                names.append(name)
+        # A dot-name is a local create's temporary (:func:`_create_file`), never a routelog key: not listed.
+        return sorted(n for n in names if n and not n.startswith("."))
+
+    def refuse_links(self, prefix: str) -> None:
+        """On a local filesystem, :class:`~routelog.errors.UnsafeKeyError` when ``prefix`` or anything below it
+        (or a directory on the way to it from the store root) is a symbolic link: what deletes must never follow
+        one out of the store."""
+        if not self.local:
+            return
+        root = self.root or "/"
+        path = self.path(prefix).rstrip("/")
+        walked = root
+        for segment in [s for s in path[len(root) :].split("/") if s]:
+            walked = os.path.join(walked, segment)
+            if os.path.islink(walked):
+                raise UnsafeKeyError(f"{walked} is a symbolic link inside the store; refusing to follow it")
+        for directory, subdirectories, files in os.walk(path, followlinks=False):
+            for name in [*subdirectories, *files]:
+                if os.path.islink(os.path.join(directory, name)):
+                    raise UnsafeKeyError(
+                        f"{os.path.join(directory, name)} is a symbolic link inside the store; refusing to follow it"
+                    )
+
+    def find(self, prefix: str) -> dict[str, ObjectStat]:
+        """Every object below ``prefix`` (recursive) with its size and modification time, keyed by store key.
+        Symbolic links are refused, never followed (:meth:`refuse_links`)."""
+        base = self.path(prefix).rstrip("/")
+        self.refuse_links(prefix)
+        try:
+            found = self._call("list", prefix, lambda: self.fs.find(base, detail=True))
+        except FileNotFoundError:
+            return {}
+        root = self.root.rstrip("/") + "/" if self.root else ""
+        return {
+            str(path)[len(root) :]: ObjectStat(int(info.get("size") or 0), _modified(info))
+            for path, info in found.items()
+            if info.get("type", "file") != "directory"
+        }
+
+    def size(self, key: str) -> int:
+        return int(self._call("stat", key, lambda: self.fs.size(self.path(key))))
+
+    def delete(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        paths = [self.path(k) for k in keys]
+        for key in keys:
+            self.refuse_links(key)
+        if paths:
+            self._call("delete", keys[0], lambda: self.fs.rm(paths))
+
+    def delete_tree(self, prefix: str) -> None:
+        """Every object below ``prefix``, and the directory itself on filesystems that have directories (never
+        through a symbolic link)."""
+        self.refuse_links(prefix)
+        self._call("delete", prefix, lambda: self.fs.rm(self.path(prefix), recursive=True))
+
+    def invalidate(self) -> None:
+        """Drop cached listings so the next listing sees other writers' objects."""
+        self.fs.invalidate_cache()
+
+    def zarr_store(self, key: str) -> FsspecStore:
+        """A read-only zarr store rooted at ``key``, for ranged reads of sharded arrays."""
+        from zarr.storage import FsspecStore
+
+        options = {k: v for k, v in self.storage_options.items() if k != "auto_mkdir"}
+        return FsspecStore.from_url(self.url_of(key), storage_options=options, read_only=True)
