@@ -10,41 +10,99 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any, Unpack
 
-from pydantic import JsonValue
+if TYPE_CHECKING:
+    from pydantic import JsonValue
 
-from routelog.errors import (
-    AlignmentError,
-    CommitConflictError,
-    CorruptDataError,
-    DuplicateSampleError,
-    FormatVersionError,
-    IngestError,
-    InvalidRecordError,
-    ModelSpecError,
-    RecordNotFoundError,
-    ReplayConfigError,
-    RoutelogError,
-    StepSealedError,
-    StoreAccessError,
-    StoreError,
-    StoreNotFoundError,
-    StoreUnreachableError,
-    ValuesNotFoundError,
-    WriteInterruptedError,
-)
-from routelog.format.documents import FORMAT_VERSION, IndexRow, Segment
-from routelog.format.part import PartOptions
-from routelog.format.record import Record, StreamRows, token_hash
-from routelog.format.routing import RecordRouting
-from routelog.format.spec import ModelSpec, RouterSpec, StreamSpec
-from routelog.store.fidelity import FidelityGate
-from routelog.store.process_writer import ProcessWriter
-from routelog.store.reader import StepSnapshot
-from routelog.store.store import Store, create_store, open_store
-from routelog.store.writer import StepWriter, WriterOptions
+    from routelog.errors import (
+        AlignmentError,
+        CommitConflictError,
+        CorruptDataError,
+        DuplicateSampleError,
+        FormatVersionError,
+        IngestError,
+        InvalidRecordError,
+        ModelSpecError,
+        RecordNotFoundError,
+        ReplayConfigError,
+        RoutelogError,
+        StepSealedError,
+        StoreAccessError,
+        StoreError,
+        StoreNotFoundError,
+        StoreUnreachableError,
+        ValuesNotFoundError,
+        WriteInterruptedError,
+    )
+    from routelog.format.documents import FORMAT_VERSION, IndexRow, Segment
+    from routelog.format.part import PartOptions
+    from routelog.format.record import Record, StreamRows, token_hash
+    from routelog.format.routing import RecordRouting
+    from routelog.format.spec import ModelSpec, RouterSpec, StreamSpec
+    from routelog.store.fidelity import FidelityGate
+    from routelog.store.process_writer import ProcessWriter
+    from routelog.store.reader import StepSnapshot
+    from routelog.store.store import Store, create_store, open_store
+    from routelog.store.writer import StepWriter, WriterOptions
+
+_PUBLIC = {
+    "AlignmentError": "routelog.errors",
+    "CommitConflictError": "routelog.errors",
+    "CorruptDataError": "routelog.errors",
+    "DuplicateSampleError": "routelog.errors",
+    "FORMAT_VERSION": "routelog.format.documents",
+    "FidelityGate": "routelog.store.fidelity",
+    "FormatVersionError": "routelog.errors",
+    "IndexRow": "routelog.format.documents",
+    "IngestError": "routelog.errors",
+    "InvalidRecordError": "routelog.errors",
+    "ModelSpec": "routelog.format.spec",
+    "ModelSpecError": "routelog.errors",
+    "PartOptions": "routelog.format.part",
+    "ProcessWriter": "routelog.store.process_writer",
+    "Record": "routelog.format.record",
+    "RecordNotFoundError": "routelog.errors",
+    "RecordRouting": "routelog.format.routing",
+    "ReplayConfigError": "routelog.errors",
+    "RoutelogError": "routelog.errors",
+    "RouterSpec": "routelog.format.spec",
+    "Segment": "routelog.format.documents",
+    "StepSealedError": "routelog.errors",
+    "StepSnapshot": "routelog.store.reader",
+    "StepWriter": "routelog.store.writer",
+    "Store": "routelog.store.store",
+    "StoreAccessError": "routelog.errors",
+    "StoreError": "routelog.errors",
+    "StoreNotFoundError": "routelog.errors",
+    "StoreUnreachableError": "routelog.errors",
+    "StreamRows": "routelog.format.record",
+    "StreamSpec": "routelog.format.spec",
+    "ValuesNotFoundError": "routelog.errors",
+    "WriteInterruptedError": "routelog.errors",
+    "WriterOptions": "routelog.store.writer",
+    "create_store": "routelog.store.store",
+    "open_store": "routelog.store.store",
+    "token_hash": "routelog.format.record",
+}
+"""Where each public name lives: ``import routelog`` loads none of them (numpy, pyarrow and pydantic's models load
+on first use, so a process that only imports routelog, or the command line's help, pays for nothing more)."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'routelog' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
 
 __version__ = "0.1.0"
 
@@ -66,6 +124,8 @@ def open_writer(
     are every option of :meth:`Store.writer` (``flush_bytes``, ``flush_seconds``, ``on_commit``, ``on_duplicate``,
     ...).
     """
+    from routelog.store.store import create_store, open_store
+
     if model_spec is None:
         store = open_store(url, storage_options=storage_options)
     else:

@@ -128,17 +128,6 @@ def test_the_writer_process_keeps_to_the_cpus_it_is_given(tmp_path: Path) -> Non
             ProcessWriter(str(tmp_path / "store3"), 0, model_spec=spec, cpus=wrong)
 
 
-def test_the_writer_process_warms_its_routings_kernels_before_it_is_ready(tmp_path: Path) -> None:
-    from routelog.format.ranked import kernel_path
-
-    spec = synthetic_spec(2, 300, 3)  # uint16 IDs
-    with ProcessWriter(str(tmp_path / "store"), 0, model_spec=spec) as writer:
-        assert set(writer.warm_up_seconds) == {kernel_path(300, 3)} == {"uint16 IDs"}
-        assert all(seconds > 0 for seconds in writer.warm_up_seconds.values())
-    with ProcessWriter(str(tmp_path / "store2"), 0, model_spec=spec, warm_up=False) as writer:
-        assert writer.warm_up_seconds == {}
-
-
 def _small(sid: str) -> Record:
     return Record(sample_id=sid, expert_ids=np.array([[[0, 1], [2, 3]]], np.uint8), prompt_len=0, response_len=1)
 
@@ -163,7 +152,7 @@ def test_a_killed_writer_process_is_reported_naming_every_record_not_flushed(tmp
     appended: list[str] = []
     segments: list[str] = []
 
-    writer = ProcessWriter(url, 0, model_spec=spec, writer_id="engine", segments=2, warm_up=False)
+    writer = ProcessWriter(url, 0, model_spec=spec, writer_id="engine", segments=2)
 
     def write() -> None:
         with writer:
@@ -192,14 +181,14 @@ def test_a_killed_writer_process_is_reported_naming_every_record_not_flushed(tmp
         assert again.value is error
     writer.close()  # reported already; closing again does nothing
     writer.close()
-    with ProcessWriter(url, 0, writer_id="engine", warm_up=False) as retry:  # the fix the message gives
+    with ProcessWriter(url, 0, writer_id="engine") as retry:  # the fix the message gives
         for sid in error.sample_ids:
             retry.append(_small(sid))
     assert sorted(routelog.open_store(url).step(0).sample_ids) == sorted(["flushed", *appended])
 
 
 def test_a_writer_process_that_dies_during_a_flush_fails_the_flush(tmp_path: Path) -> None:
-    writer = ProcessWriter(str(tmp_path / "store"), 0, model_spec=synthetic_spec(2, 16, 2), warm_up=False)
+    writer = ProcessWriter(str(tmp_path / "store"), 0, model_spec=synthetic_spec(2, 16, 2))
     writer.append(_small("a"))
     writer.flush()
     writer.append(_small("b"))
@@ -226,7 +215,7 @@ def test_a_writer_process_that_dies_during_a_flush_fails_the_flush(tmp_path: Pat
 
 
 def test_close_after_the_writer_process_was_killed_raises_once_and_frees_everything(tmp_path: Path) -> None:
-    writer = ProcessWriter(str(tmp_path / "store"), 0, model_spec=synthetic_spec(2, 16, 2), warm_up=False)
+    writer = ProcessWriter(str(tmp_path / "store"), 0, model_spec=synthetic_spec(2, 16, 2))
     writer.append(_small("a"))
     segments = list(writer._segments)
     os.kill(writer.pid, signal.SIGKILL)
@@ -240,9 +229,7 @@ def test_close_after_the_writer_process_was_killed_raises_once_and_frees_everyth
 
 
 def test_close_kills_a_writer_process_that_does_not_answer(tmp_path: Path) -> None:
-    writer = ProcessWriter(
-        str(tmp_path / "store"), 0, model_spec=synthetic_spec(2, 16, 2), warm_up=False, close_timeout=1
-    )
+    writer = ProcessWriter(str(tmp_path / "store"), 0, model_spec=synthetic_spec(2, 16, 2), close_timeout=1)
     writer.append(_small("a"))
     segments = list(writer._segments)
     _stop(writer.pid)
@@ -257,7 +244,7 @@ def test_close_kills_a_writer_process_that_does_not_answer(tmp_path: Path) -> No
 def test_a_writer_process_that_cannot_start_says_why(tmp_path: Path) -> None:
     spec = synthetic_spec(2, 16, 2)
     with pytest.raises(StoreError, match=r"(?s)did not start: it exited with code 1.*StoreNotFoundError: no routelog"):
-        ProcessWriter(str(tmp_path / "missing"), 0, warm_up=False)
+        ProcessWriter(str(tmp_path / "missing"), 0)
     routelog.create_store(str(tmp_path / "store"), spec)
     with pytest.raises(StoreError, match=r"(?s)exited with code 1.*ModelSpecError: store .* holds routing of model"):
-        ProcessWriter(str(tmp_path / "store"), 0, model_spec=synthetic_spec(3, 16, 2), warm_up=False)
+        ProcessWriter(str(tmp_path / "store"), 0, model_spec=synthetic_spec(3, 16, 2))

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from numcodecs import Zstd
 
 from routelog.errors import CorruptDataError
-from routelog.format import _kernels, ranked
+from routelog.format import kernels, ranked
 from routelog.format.codec import gaps_from_sorted, storage_dtype
 from routelog.format.zarr_codec import RankedGapsCodec
 from routelog.synth import random_topk
@@ -215,6 +215,16 @@ def _with_bad_rows(rng: np.random.Generator, ids: np.ndarray, n_bad: int) -> np.
     return ids
 
 
+def _one_id_at_a_time(patch: pytest.MonkeyPatch) -> None:
+    """Decode rows of eight uint8 IDs as the compiled kernels decode other rows: one ID at a time, not as words."""
+    if kernels.IMPLEMENTATION != "compiled":
+        pytest.skip("the compiled kernels are not built here")
+    from routelog.format import _ckernels  # type: ignore[attr-defined]
+
+    original = _ckernels.decode_chunk
+    patch.setattr(kernels, "decode_chunk", lambda *args: tuple(original(*args, False)))
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rows=st.integers(1, 600),
@@ -223,27 +233,28 @@ def _with_bad_rows(rng: np.random.Generator, ids: np.ndarray, n_bad: int) -> np.
     repeat=st.sampled_from([0.0, 0.1, 0.5, 0.95]),
     pool=st.sampled_from([0, 5, 60]),
     n_bad=st.integers(0, 4),
-    policy=st.sampled_from([_kernels.AUTO, _kernels.NEVER, _kernels.ALWAYS]),
+    policy=st.sampled_from([kernels.AUTO, kernels.NEVER, kernels.ALWAYS]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_rows_as_words_store_what_rows_one_id_at_a_time_store(
     rows: int, experts: int, skew: float, repeat: float, pool: int, n_bad: int, policy: int, seed: int
 ) -> None:
-    """Eight uint8 IDs per row take the kernels' 64-bit word path; the per-ID path must write the same sections,
-    and each path must decode the other's output."""
+    """Eight uint8 IDs per row take the compiled kernels' 64-bit word path; the per-ID path must write the same
+    sections, and each path must decode the other's output."""
+    if kernels.IMPLEMENTATION != "compiled":
+        pytest.skip("the compiled kernels are not built here")
+    from routelog.format import _ckernels  # type: ignore[attr-defined]
+
     rng = np.random.default_rng(seed)
     ids = _with_bad_rows(rng, _routing(rng, 3, rows, experts, 8, skew, repeat, pool), n_bad)
-    words = _kernels.encode_chunk(ids, ids.reshape(-1).view(np.uint64), experts, policy)
-    one_at_a_time = _kernels.encode_chunk(ids, None, experts, policy)
-    np.testing.assert_array_equal(words[0], one_at_a_time[0])
-    np.testing.assert_array_equal(words[1], one_at_a_time[1])
-    assert words[2:] == one_at_a_time[2:]
+    words = _ckernels.encode_chunk(ids, experts, policy, True)
+    one_at_a_time = _ckernels.encode_chunk(ids, experts, policy, False)
+    assert words == one_at_a_time
     for as_words in (True, False):
         out = np.empty_like(ids)
-        gaps, rest = words[0].copy(), words[1]
-        out_words = ranked._layer_words(out) if as_words else None
-        status = _kernels.decode_chunk(gaps, rest, experts, *ids.shape[:2], out, out_words, 0, 0, _kernels.ANY_ROWS, 0)
-        assert status == (_kernels.OK, 0)
+        gaps, rest = np.frombuffer(words[0], np.uint8), np.frombuffer(words[1], np.uint8)
+        status = _ckernels.decode_chunk(gaps, rest, experts, *ids.shape[:2], out, 0, 0, kernels.ANY_ROWS, 0, as_words)
+        assert status == (kernels.OK, 0)
         np.testing.assert_array_equal(out, ids)
 
 
@@ -302,7 +313,7 @@ def test_a_window_decodes_to_that_part_of_the_chunk(
     out = buffer[: l1 - l0, 1 : r1 - r0 + 1]
     with pytest.MonkeyPatch.context() as patch:
         if not as_words:
-            patch.setattr(ranked, "_layer_words", lambda out: None)
+            _one_id_at_a_time(patch)
         ranked.decode(payload, ids.shape, ids.dtype, experts, out=out, window=((l0, l1), (r0, r1)), accept="any")
     np.testing.assert_array_equal(out, ids[l0:l1, r0:r1])
     untouched = np.ones(buffer.shape[:2], bool)
@@ -380,7 +391,7 @@ def test_forged_sections_raise_the_typed_error(
     """Every count and index the sections give is checked before it is used, on both kernel paths (rows of eight
     uint8 IDs as 64-bit words, and one ID at a time). The chunk: 1 layer, 2 rows, K = 8, E = 64."""
     if not as_words:
-        monkeypatch.setattr(ranked, "_words", lambda ids: None)
+        _one_id_at_a_time(monkeypatch)
     with pytest.raises(ranked.RankedFormatError, match=message):
         ranked.decode(_forged(gaps, rest), (1, 2, 8), np.dtype(np.uint8), 64)
 
@@ -439,7 +450,7 @@ def test_recurring_sets_take_a_dictionary_and_other_chunks_keep_payload_version_
     rng = np.random.default_rng(21)
     recurring = _routing(rng, 4, 4096, 64, 8, skew=1.0, repeat=0.2, pool=300)
     version, modes = _payload_version_and_modes(ranked.encode(recurring, 64), 4)
-    assert version == 2 and all(mode & _kernels.DICTIONARY for mode in modes)
+    assert version == 2 and all(mode & kernels.DICTIONARY for mode in modes)
     assert len(ranked.encode(recurring, 64)) < 0.8 * len(ranked.encode(recurring, 64, dictionaries="never"))
     uniform = _routing(rng, 4, 4096, 64, 8, skew=0.0, repeat=0.1)
     assert ranked.encode(uniform, 64) == ranked.encode(uniform, 64, dictionaries="never")
@@ -454,7 +465,7 @@ def test_a_dictionary_of_more_than_256_entries_takes_two_byte_indices(experts: i
     first = int.from_bytes(payload[:4], "little")
     rest = Zstd().decode(payload[4 + first :])
     modes = list(rest[-11:-9])
-    assert all(mode & _kernels.DICTIONARY for mode in modes)
+    assert all(mode & kernels.DICTIONARY for mode in modes)
     at = math.ceil(3000 / 8) * sum(1 for mode in modes if mode & 2) + experts * ids.itemsize * sum(m & 1 for m in modes)
     entries = int.from_bytes(rest[at : at + 4], "little")  # the first layer's, after bitmaps and tables
     assert entries > 256, "the first layer's dictionary needs a high byte"
@@ -469,7 +480,7 @@ def test_a_hand_written_dictionary_decodes_as_the_format_says(as_words: bool, mo
     """FORMAT.md section 5, written out: one layer of rows A, B, A, A (the last a repeat of the one before): three
     unique rows naming two entries, A (used twice) first."""
     if not as_words:
-        monkeypatch.setattr(ranked, "_words", lambda ids: None)
+        _one_id_at_a_time(monkeypatch)
     a, b = np.arange(8), np.arange(1, 17, 2)
     gaps = bytes(gaps_from_sorted(np.stack([a, b]).astype(np.uint8)).tobytes())
     rest = bytes([0b0001_0000]) + (2).to_bytes(4, "little") + bytes([0, 1, 0]) + _trailer([6], 2, 0, version=2)
@@ -508,7 +519,7 @@ def test_a_row_of_the_fill_value_that_no_exception_stores_is_refused(
     """Gaps that wrap (0, then 255 + 1 more per ID) give a row of zeros: no exception stores it, so it is no padding
     zarr wrote, and even a whole-chunk decode refuses it. The chunk: 1 layer, 2 rows, K = 8, E = 64."""
     if not as_words:
-        monkeypatch.setattr(ranked, "_layer_words", lambda out: None)
+        _one_id_at_a_time(monkeypatch)
     forged = _forged(bytes([0] + [255] * 7) + bytes(8), _trailer([0], 2, 0))
     out = ranked.decode(forged, (1, 2, 8), np.dtype(np.uint8), 64, accept="any")
     assert not _all_sets(out[0, :1], 64)

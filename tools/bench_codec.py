@@ -25,7 +25,7 @@ context: what zstd alone costs in a chunked store, format 1's codec or a plain z
 codec), which the goals are judged against, and one frame over the whole array, given beside it. The whole-array
 frame finds matches across chunks (the corpus' GRPO prompts repeat in record order, and sets recur thousands of
 rows apart; a real store keeps the prompts once through shared prefixes) that per-chunk frames cannot, so on the
-corpus it codes far fewer literals than any chunk codec; the compiled kernels (``routelog.format._kernels``) and, on
+corpus it codes far fewer literals than any chunk codec; the compiled kernels (``routelog.format.kernels``) and, on
 encode, the writer's sort and checks (``sort_by_layer``) come on top of zstd for routelog.
 Every layout runs once untimed first (routelog's kernels load, or compile, on their first chunk). The speed ratios
 are paired (:func:`paired_speed`): routelog and both references timed back to back in each of ``--rounds`` rounds,

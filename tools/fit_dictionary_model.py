@@ -1,6 +1,6 @@
 """Fit and check the codec's dictionary cost model against trial compressions of the corpus' chunk layers.
 
-Whether a layer keeps a dictionary (``routelog/format/_kernels.py``, ``_dictionary_pays``) is decided by a model, not by
+Whether a layer keeps a dictionary (``routelog/format/_ckernels.c``, ``dictionary_pays``) is decided by a model, not by
 compressing both ways: the gain of a dictionary over zstd's matches is ``MATCH_BYTES * runs - INDEX_WEIGHT *
 index_bytes - LONG_RUN_BYTES * long_runs``, where for the layer's unique rows (rows equal to the row before them
 removed) ``runs`` counts runs of rows that repeat earlier ones, ``long_runs`` those longer than a row, and
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from bench_codec import corpus_routing, stored_routing, writer_sizes
 
-from routelog.format import _kernels, ranked
+from routelog.format import kernels, ranked
 from routelog.format.codec import sort_by_layer
 
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "corpus"
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     features = np.array([[x["runs"], -x["index_bytes"], -x["long_runs"]] for x in record_order], np.float64)
     gains = np.array([x["without"] - x["with"] for x in record_order], np.float64)
     fitted = tuple(float(c) for c in np.linalg.lstsq(features, gains, rcond=None)[0])
-    shipped = (_kernels.MATCH_BYTES, _kernels.INDEX_WEIGHT, _kernels.LONG_RUN_BYTES)
+    shipped = (kernels.MATCH_BYTES, kernels.INDEX_WEIGHT, kernels.LONG_RUN_BYTES)
     return {
         "config": {"corpus": args.corpus, "chunk_rows": args.chunk_rows, "limit": args.limit},
         "layers": {"record order": len(record_order), "as stored": len(as_stored)},

@@ -3,7 +3,6 @@ of commands registers them, and :func:`.main.main` turns every error into one li
 
 # Import order is the order of the commands in --help.
 from routelog.cli import demo_command, write_commands, read_commands, align_command, audit_commands  # noqa: I001
-from routelog.cli import warm_up_command
 from routelog.cli.app import app
 from routelog.cli.main import main
 
@@ -14,6 +13,5 @@ __all__ = [
     "demo_command",
     "main",
     "read_commands",
-    "warm_up_command",
     "write_commands",
 ]

@@ -10,8 +10,8 @@ Speed comes mostly from layout:
 * sorting runs a Batcher sorting network as whole-row ``minimum``/``maximum`` passes over a column-major block
   small enough to stay in cache (19 comparator passes for K = 8); validation (range, duplicates) rides along.
   Rows of eight IDs (top-8, the common case) sort faster in a compiled kernel instead
-  (:func:`routelog.format._kernels.sort_rows_of_eight`: the same network, in registers, vectorized across rows), with
-  the same checks, and move from the engines' token order to the parts' layer order in the same pass;
+  (:func:`routelog.format.kernels.sort_rows_of_eight`: the same network, in registers), with the same checks, and
+  move from the engines' token order to the parts' layer order in the same pass;
 * gaps and their inverse run on each row's K lanes packed in machine words (SWAR): the inverse prefix sum is
   three shift-and-add passes for K = 8 uint8, with no per-column loop. Lanes never overflow because every
   partial sum is itself an expert ID.
@@ -28,6 +28,8 @@ from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+
+from routelog.format import kernels
 
 Transform = Literal["ranked_gaps", "sorted_gaps", "none"]
 TopkOrder = Literal["sorted", "score"]
@@ -107,9 +109,7 @@ def sort_by_layer(ids: npt.NDArray[Any], num_experts: int) -> tuple[IdArray, Row
     largest = dtype.type(num_experts - 1)
     out = np.empty((layers, t, k), dtype)
     if _sorts_compiled(src):
-        from routelog.format import _kernels  # numba loads on the first such sort, not on ``import routelog``
-
-        bad = _kernels.sort_rows_of_eight(src.reshape(-1), out.reshape(-1), t, layers, largest)
+        bad = kernels.sort_rows_of_eight(src.reshape(-1), out.reshape(-1), t, layers, int(largest))
         row = None if bad < 0 else int(bad)
     else:  # (one layer: layer_major returns src itself, which is only read)
         row = _network_sort(layer_major(src).reshape(-1, k), out.reshape(-1, k), largest)
@@ -133,10 +133,9 @@ def sort_and_check(rows: npt.NDArray[Any], num_experts: int) -> tuple[IdArray, R
 
 
 def _sorts_compiled(src: IdArray) -> bool:
-    """Whether the compiled sort takes ``src`` (C-contiguous, in the storage dtype): rows of eight IDs. Measured on
-    the 2-core AMD EPYC: 3.6 ns per row of uint8 IDs for any E, against the numpy network's 12 ns and a 64-bit set
-    per row's 10.7 ns (E <= 64); 5.8 ns per row of uint16 IDs, against the numpy network's 17.5 ns."""
-    return bool(src.shape[-1] == 8 and src.size > 0)
+    """Whether the compiled sort takes ``src`` (C-contiguous, in the storage dtype): rows of eight IDs, where the
+    compiled kernels are built (the numpy path is the network below)."""
+    return bool(src.shape[-1] == 8 and src.size > 0 and kernels.IMPLEMENTATION == "compiled")
 
 
 def _network_sort(src: IdArray, out: IdArray, limit: Any) -> int | None:
@@ -303,20 +302,13 @@ def invalid_row(ids: IdArray, num_experts: int, topk_order: TopkOrder) -> RowPro
     ``ids.reshape(-1, K)``.
 
     Readers check the rows they hand out, never a chunk's edge padding (its content is unspecified: zarr-python
-    and format 1's writers pad with 0). One compiled pass (:func:`routelog.format._kernels.first_invalid_row`; numba
-    loads
-    on the first call)."""
-    from routelog.format import _kernels  # numba loads on the first check, not on ``import routelog``
-
+    and format 1's writers pad with 0). One pass of :func:`routelog.format.kernels.first_invalid_row`."""
     if ids.ndim not in (2, 3) or ids.dtype not in _CHECKED_DTYPES:
         raise ValueError(f"expected [rows, K] or [layers, rows, K] uint8 or uint16 IDs, not {ids.dtype} {ids.shape}")
     rows = ids if ids.ndim == 3 else ids[np.newaxis]
     if rows.size == 0:
         return None
-    words = None
-    if rows.dtype.itemsize == 1 and rows.shape[2] == 8 and rows.strides[2] == 1 and rows.strides[1] == 8:
-        words = rows.view(np.uint64)[:, :, 0]  # the same bytes: a compare per row, not per ID
-    bad = _kernels.first_invalid_row(rows, words, num_experts, topk_order == "sorted")
+    bad = kernels.first_invalid_row(rows, num_experts, topk_order == "sorted")
     if bad < 0:
         return None
     values = tuple(int(v) for v in rows[bad // rows.shape[1], bad % rows.shape[1]])

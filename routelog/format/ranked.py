@@ -7,8 +7,8 @@ its own output; crc32c follows it in the shard):
 
 1. flags rows equal to the row before them (same layer) and keeps only the others ("unique rows");
 2. where sets recur out of order, keeps a **dictionary**: each distinct row once (most used first) and an entry
-   index per unique row, when a cost model (in :mod:`routelog.format._kernels`, fitted to trial compressions) says the
-   indices cost less than zstd's matches of the repeated rows would. Decoding then maps and sorts each distinct
+   index per unique row, when a cost model (in :mod:`routelog.format.kernels`, fitted to trial compressions) says
+   the indices cost less than zstd's matches of the repeated rows would. Decoding then maps and sorts each distinct
    row once and gathers the rest (on the Qwen3-MoE-style corpus, where 84 % of the unique rows repeat an earlier
    one: 19 % smaller chunks, decoding 1.35 x faster);
 3. when the layer's expert load is skewed, relabels experts by their popularity rank in the chunk (the most used
@@ -16,7 +16,7 @@ its own output; crc32c follows it in the shard):
    entropy coder sees a peaked alphabet; the rank -> ID table travels in the chunk (self-contained: any chunk
    decodes alone, and a ranged read needs nothing else). A layer keeps plain ID gaps (the format-1 transform,
    the fastest to decode) unless ranking shrinks an estimate of its compressed gaps by ``MIN_GAIN`` (5 %; the
-   estimate, in :mod:`routelog.format._kernels`, stands in for trial compressions that cost more than the codec);
+   estimate, in :mod:`routelog.format.kernels`, stands in for trial compressions that cost more than the codec);
 4. stores any row that is not a valid top-k set (the fill value of zarr's edge padding, or data written by
    other tools) verbatim as an exception, so the codec encodes every array zarr hands it. Decoding refuses a row
    that is no set (FORMAT.md: every stored row names K distinct IDs in [0, E)), whatever made it (a forged table,
@@ -40,34 +40,28 @@ in one frame switches zstd to larger tables and another parse (measured: 11 % la
 Each frame is compressed once: the gaps at the configured level where rows repeat earlier ones (zstd then finds
 matches; :data:`MATCHING`) and at level 1 elsewhere, the rest at level 1.
 
-The per-row work of both directions runs in compiled kernels (:mod:`routelog.format._kernels`, numba): for each layer a
-pass finds the repeats, checks each row and takes its gaps, numbers the distinct rows and weighs a dictionary,
-and, for skewed layers, counts the load, estimates both transforms and relabels; the sections are assembled there
-too. Decoding is a pass per layer that takes the prefix sums, maps and sorts ranked rows (a dictionary's entries
-once, then gathers its rows), applies exceptions and expands repeats straight into the output; it
-checks every count and index the sections give before using them, and every row it writes: a layer whose rows the
-decoding proves to be sets (plain gaps whose prefix sums stay below E, or valid ranks and a table that permutes E)
-costs a few operations per row, any other (one ID at a time, a failed proof, exceptions) a pass over its rows. A
-reader may ask for a window of the chunk (its overlap with a request): layers outside it are skipped and only the
-unique rows its rows expand from are decoded.
-Python here compresses and decompresses the two frames, refusing a frame that declares more than a chunk can hold
-before decoding it. A process's first chunk imports numba and loads the compiled kernels (about 0.5 s; the very
-first, in a fresh environment, compiles them: :func:`warm_up` does that ahead of time, ``routelog warm-up``).
+The per-row work of both directions runs in the kernels of :mod:`routelog.format.kernels` (compiled when routelog
+is installed; numpy where no compiler was found): for each layer a pass finds the repeats, checks each row and takes
+its gaps, numbers the distinct rows and weighs a dictionary, and, for skewed layers, counts the load, estimates both
+transforms and relabels; the sections are assembled there too. Decoding is a pass per layer that takes the prefix
+sums, maps and sorts ranked rows (a dictionary's entries once, then gathers its rows), applies exceptions and
+expands repeats straight into the output; it checks every count and index the sections give before using them, and
+every row it writes: a layer whose rows the decoding proves to be sets (plain gaps whose prefix sums stay below E,
+or valid ranks and a table that permutes E) costs a few operations per row, any other (one ID at a time, a failed
+proof, exceptions) a pass over its rows. A reader may ask for a window of the chunk (its overlap with a request):
+layers outside it are skipped and only the unique rows its rows expand from are decoded. Python here compresses and
+decompresses the two frames, refusing a frame that declares more than a chunk can hold before decoding it.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import time
-from collections.abc import Collection
-from types import ModuleType
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from routelog.format import zstd_frames
+from routelog.format import kernels, zstd_frames
 
 RANKED_CODEC = "routelog.ranked_gaps"
 """The codec's name in ``zarr.json`` and its ``zarr.codecs`` entry point."""
@@ -84,11 +78,6 @@ MATCHING = 0.7
 earlier row of their layer, else level 1 (measured at level 3: chunks of the Qwen3-MoE-style corpus, at 0.73 to
 0.92, are 2 to 6 % smaller than at level 1, the DeepSeek-V3-style one's, at 0.5 to 0.73, within 1.5 %; without
 such rows level 1 is up to 7 % smaller, and 2 to 5 times as fast)."""
-
-
-WARM_UP_PATHS = {"uint8 IDs, K = 8": (64, 8), "uint8 IDs, other K": (64, 6), "uint16 IDs": (300, 8)}
-"""What :func:`warm_up` runs: the kernels compile once per path (rows of eight uint8 IDs as 64-bit words, other
-uint8 rows one ID at a time, uint16 IDs), as (E, K)."""
 
 
 class RankedFormatError(ValueError):
@@ -128,39 +117,13 @@ def _sections(
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], bool]:
     """The two sections of a chunk before compression (the gaps, and everything else), and whether enough of the
     gaps' rows repeat earlier ones for zstd's matches to pay (:data:`MATCHING`)."""
-    _kernels = _compiled()
     dtype = _native(ids.dtype)
     if ids.ndim != 3 or ids.shape[2] < 1:
         raise ValueError(f"{RANKED_CODEC} encodes [layers, rows, K >= 1] arrays, not shape {ids.shape}")
     ids = np.ascontiguousarray(ids, dtype=dtype)
-    policy = {"auto": _kernels.AUTO, "never": _kernels.NEVER, "always": _kernels.ALWAYS}[dictionaries]
-    gaps, rest, placed, matched = _kernels.encode_chunk(ids, _words(ids), num_experts, policy)
+    policy = {"auto": kernels.AUTO, "never": kernels.NEVER, "always": kernels.ALWAYS}[dictionaries]
+    gaps, rest, placed, matched = kernels.encode_chunk(ids, num_experts, policy)
     return gaps, rest, matched > MATCHING * placed
-
-
-@functools.cache
-def _compiled() -> ModuleType:
-    """:mod:`routelog.format._kernels`, imported on the first chunk: numba loads then, not on ``import routelog`` (and
-    once: an import statement in the per-chunk functions took 2.6 us a call)."""
-    from routelog.format import _kernels
-
-    return _kernels
-
-
-def _words(ids: npt.NDArray[Any]) -> npt.NDArray[np.uint64] | None:
-    """A C-contiguous chunk of eight uint8 IDs per row as one uint64 per row, flat (the kernels' fast path: the
-    same bytes), else None."""
-    words = _layer_words(ids)
-    return None if words is None else words.reshape(-1)
-
-
-def _layer_words(out: npt.NDArray[Any]) -> npt.NDArray[np.uint64] | None:
-    """``out`` ``[layers, rows, 8]`` of uint8 IDs as ``[layers, rows]`` uint64 words (the same bytes; the layers
-    may lie apart), else None."""
-    if out.dtype.itemsize != 1 or out.shape[2] != 8:
-        return None
-    words: npt.NDArray[np.uint64] = out.view(np.uint64)[:, :, 0]
-    return words
 
 
 def _native(dtype: npt.DTypeLike) -> np.dtype[Any]:
@@ -223,7 +186,6 @@ def decode(
     ranked layers, dictionaries and the corpus' chunks). By default a window must hold valid sets only (a reader's
     window never covers edge padding), and a whole chunk may also hold exception rows of ``fill_value`` alone
     (zarr's fill value in its padding)."""
-    _kernels = _compiled()
     # Called once per stored chunk, between two zstd calls and the kernel: plain Python on bytes and ints (numpy
     # scalars and small views cost a microsecond each, a tenth of the per-chunk work around the kernel).
     layers, rows, k = shape
@@ -252,20 +214,17 @@ def decode(
     if total > layers * rows:
         raise RankedFormatError(f"{total} unique rows in a chunk of {layers} x {rows}")
     gaps = _decompress(stored[4 : 4 + first], total * k * dtype.itemsize, "gaps", exact=True)
-    rule = _kernels.ACCEPT[accept or ("sets_or_fill" if window is None else "sets")]
-    words = _layer_words(target)
-    status, detail = _kernels.decode_chunk(
-        gaps, rest, num_experts, layers, rows, target, words, l0, r0, rule, fill_value
-    )
-    if status == _kernels.INVALID_ROW:
+    rule = kernels.ACCEPT[accept or ("sets_or_fill" if window is None else "sets")]
+    status, detail = kernels.decode_chunk(gaps, rest, num_experts, layers, rows, target, l0, r0, rule, fill_value)
+    if status == kernels.INVALID_ROW:
         layer, row = divmod(detail, r1 - r0)
         raise RankedFormatError(
             f"layer {l0 + layer} row {r0 + row} of the chunk decodes to {target[layer, row].tolist()}: "
-            f"{_kernels.PROBLEMS[status].format(E=num_experts)}"
+            f"{kernels.PROBLEMS[status].format(E=num_experts)}"
         )
-    if status != _kernels.OK:
+    if status != kernels.OK:
         raise RankedFormatError(
-            _kernels.PROBLEMS[status].format(detail=detail, size=rest.size, total=total, E=num_experts)
+            kernels.PROBLEMS[status].format(detail=detail, size=rest.size, total=total, E=num_experts)
         )
     return target
 
@@ -275,41 +234,3 @@ def _decompress(frame: bytes | memoryview, limit: int, what: str, *, exact: bool
         return zstd_frames.decompress(frame, limit, what, exact=exact, sized=True)
     except zstd_frames.FrameError as exc:
         raise RankedFormatError(str(exc)) from exc
-
-
-def kernel_path(num_experts: int, topk: int) -> str:
-    """Which of :data:`WARM_UP_PATHS` routing of ``num_experts`` experts, top-``topk``, takes."""
-    from routelog.format.codec import storage_dtype
-
-    if storage_dtype(num_experts).itemsize == 1:
-        return "uint8 IDs, K = 8" if topk == 8 else "uint8 IDs, other K"
-    return "uint16 IDs"
-
-
-def warm_up(paths: Collection[str] = tuple(WARM_UP_PATHS)) -> dict[str, float]:
-    """Compile the kernels that writers and readers use on ``paths`` (all by default; :func:`kernel_path` names
-    one routing's), or load them from numba's cache, ahead of the first chunk.
-
-    A fresh environment otherwise compiles on its first chunk (on the 2-core development machine: 42 to 56 s for
-    rows of eight uint8 IDs, 15 to 28 s for each other path), and every writer process that starts before the cache
-    exists compiles again. Run it where the package is installed (an image build, a job's setup); numba caches
-    beside the package, or in ``NUMBA_CACHE_DIR``. For each path: the writer's sort, a chunk encoded, decoded whole
-    into a new array (zarr's codec) and as a window into a reader's block. Returns the seconds each path took."""
-    from routelog.format.codec import sort_and_check
-
-    unknown = set(paths) - set(WARM_UP_PATHS)
-    if unknown:
-        raise ValueError(f"unknown kernel paths {sorted(unknown)}; the paths are {list(WARM_UP_PATHS)}")
-    rng = np.random.default_rng(0)
-    seconds = {}
-    for path in paths:
-        experts, k = WARM_UP_PATHS[path]
-        start = time.perf_counter()
-        rows, _ = sort_and_check(np.argsort(rng.random((64, experts)), axis=1)[:, :k], experts)  # valid sets
-        ids = rows.reshape(2, 32, k)
-        payload = encode(ids, experts)
-        decode(payload, ids.shape, ids.dtype, experts)
-        block = np.empty((2, 48, k), ids.dtype)
-        decode(payload, ids.shape, ids.dtype, experts, out=block[:, 8:24], window=((0, 2), (4, 20)))
-        seconds[path] = time.perf_counter() - start
-    return seconds

@@ -23,11 +23,6 @@ The child runs at a lower CPU priority (``niceness``, 10 by default): where the 
 scheduler keeps its core and the writer takes what is left; a writer only falls behind, never the engine (its
 shared-memory segments bound what waits). ``cpus`` pins the child to those CPUs (Linux), for hosts that keep
 cores free beside the engine's: the writer then never runs on the scheduler's core.
-
-Before it reports ready, the child loads the codec kernels its routing takes, or compiles them where numba's cache
-is empty (``warm_up``, on by default; :func:`routelog.format.ranked.warm_up`). The constructor pays that: about 0.5 s,
-or about a minute on a fresh 2-core machine. Otherwise the child pays it on its first records and part, while the
-engine's appends wait on full segments (measured on a fresh cache: one append blocked for 12 s).
 """
 
 from __future__ import annotations
@@ -115,7 +110,6 @@ class ProcessWriter:
         segments: int = 4,
         niceness: int = 10,
         cpus: Collection[int] | None = None,
-        warm_up: bool = True,
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
     ) -> None:
         if cpus is not None:
@@ -136,7 +130,6 @@ class ProcessWriter:
             "flush_bytes": flush_bytes,
             "flush_seconds": flush_seconds,
             "storage_options": dict(storage_options or {}),
-            "warm_up": warm_up,
         }
         self.step = step
         self.url = url
@@ -187,8 +180,6 @@ class ProcessWriter:
         except BaseException:
             self._stop(grace=0.0)
             raise
-        self.warm_up_seconds: dict[str, float] = ready.get("warm_up", {})
-        """The codec kernel path the child loaded (or compiled) before it was ready, and its seconds."""
         self._reader = threading.Thread(target=self._read_replies, name="routelog-process-writer", daemon=True)
         self._reader.start()
 
@@ -532,13 +523,7 @@ def serve(incoming: IO[bytes], outgoing: IO[bytes]) -> None:
         flush_seconds=config.get("flush_seconds", DEFAULT_FLUSH_SECONDS),
         storage_options=config["storage_options"] or None,
     )
-    warmed = {}
-    if config.get("warm_up"):  # before the first record, not while the engine's segments fill up
-        from routelog.format.ranked import kernel_path, warm_up
-
-        spec = writer.store.model_spec
-        warmed = warm_up([kernel_path(spec.num_experts, spec.topk)])
-    _send(outgoing, {"op": "ready", "warm_up": warmed})
+    _send(outgoing, {"op": "ready"})
     attached: dict[str, shared_memory.SharedMemory] = {}
     while True:
         received = _receive(incoming)

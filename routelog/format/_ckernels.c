@@ -1,0 +1,1187 @@
+/* The compiled per-chunk passes of the format-2 codec (routelog/format/kernels.py states their contract; FORMAT.md
+ * section 5 the bytes). Built by pip from source with the machine's compiler; where it is not built,
+ * routelog/format/kernels_numpy.py does the same work (tests/test_kernels_numpy.py proves them equal).
+ *
+ * Why compiled: the codec's work is per row (compare a row with the one before it, check it, take its gaps, find
+ * whether it occurred earlier in its layer, relabel and sort its IDs), which numpy can only do as a dozen
+ * whole-array passes with a temporary each.
+ *
+ * Rows of eight uint8 IDs (top-8 of at most 256 experts, the common case) are handled as one 64-bit word: equality
+ * is one compare, the gaps are one subtraction (x - (x << 8) - 0x0101..00: no lane borrows when the row ascends,
+ * and a borrow shows in the gaps' byte sum), the inverse prefix sum is one multiplication by 0x0101..01 (lane j of
+ * the product is the sum of lanes 0..j). Other rows take the same steps one ID at a time. Both write the same bytes.
+ *
+ * The encoder's choices (ranking a layer's experts by popularity, a dictionary of its distinct rows) compare
+ * floating-point estimates: they are evaluated in the order the format's reference writes them, without fused
+ * multiply-adds (setup.py builds with -ffp-contract=off), so every build writes the same bytes.
+ *
+ * Decoding checks every index read from a payload before using it: a forged chunk makes decode_chunk return a
+ * status code, never read or write out of bounds, and never return a row that is no top-k set when asked for sets.
+ * Every function releases the GIL while it works: readers and writers run chunks on several threads.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the word paths assume little-endian lanes; this platform uses the numpy kernels"
+#endif
+
+/* Kept equal to routelog/format/kernels.py (tests/test_kernels.py compares them through CONSTANTS). */
+#define RANK_BELOW 0.99
+#define LOAD_SAMPLE 512
+#define MIN_GAIN 0.05
+#define RUN_BYTES 3.0
+#define MAX_MASK_EXPERTS 1024
+#define DICTIONARY 4
+#define MAX_ENTRIES (1 << 16)
+#define MATCH_BYTES 1.4
+#define INDEX_WEIGHT 0.7
+#define LONG_RUN_BYTES 4.4
+enum { AUTO = 0, NEVER = 1, ALWAYS = 2 };
+enum {
+    OK = 0,
+    UNKNOWN_MODE = 1,
+    SECTION_SIZES = 2,
+    FIRST_ROW_REPEATS = 3,
+    UNIQUE_COUNT = 4,
+    EXCEPTION_RANGE = 5,
+    RANK_RANGE = 6,
+    DICTIONARY_SIZE = 7,
+    DICTIONARY_INDEX = 8,
+    INVALID_ROW = 9
+};
+enum { ANY_ROWS = 0, SETS = 1, SETS_OR_FILL = 2 };
+
+static const uint64_t FIRST_ONES = 0x0101010101010100ULL; /* +1 in every lane but lane 0 */
+static const uint64_t EVEN_LANES = 0x00FF00FF00FF00FFULL;
+static const uint64_t SUM_16 = 0x0001000100010001ULL;
+static const uint64_t HASH = 0x9E3779B97F4A7C15ULL;
+
+/* -- small helpers --------------------------------------------------------------------------------------------- */
+static inline uint64_t load64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+static inline void store64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+/* A row of eight uint8 IDs as a word, wherever it lies (a reader's window may start at any byte). */
+typedef uint64_t word_t __attribute__((aligned(1)));
+
+/* An ID of a uint8 or uint16 array (native order). */
+static inline int64_t load_id(const uint8_t *p, int itemsize) {
+    if (itemsize == 1) return p[0];
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+static inline void store_id(uint8_t *p, int itemsize, int64_t v) {
+    if (itemsize == 1) {
+        p[0] = (uint8_t)v;
+    } else {
+        uint16_t w = (uint16_t)v;
+        memcpy(p, &w, 2);
+    }
+}
+
+/* The little-endian unsigned integer of nbytes at buffer[at]; writing one returns the next position. */
+static inline int64_t get_le(const uint8_t *buffer, int64_t at, int nbytes) {
+    int64_t v = 0;
+    for (int b = 0; b < nbytes; b++) v |= (int64_t)buffer[at + b] << (8 * b);
+    return v;
+}
+static inline int64_t put_le(uint8_t *buffer, int64_t at, int64_t value, int nbytes) {
+    for (int b = 0; b < nbytes; b++) buffer[at + b] = (uint8_t)((value >> (8 * b)) & 255);
+    return at + nbytes;
+}
+
+static inline int popcount64(uint64_t x) { return __builtin_popcountll(x); }
+
+/* -- rows as words (eight uint8 IDs) -------------------------------------------------------------------------- */
+static inline uint64_t word_gaps(uint64_t word) { return word - ((word << 8) + FIRST_ONES); }
+
+/* Whether word holds eight strictly ascending IDs below num_experts, given its word_gaps: without lane borrows
+ * the gaps' bytes sum to the last ID minus 7; a borrow adds 255 or 256 to that sum. */
+static inline int word_valid(uint64_t word, uint64_t gaps, int64_t num_experts) {
+    uint64_t pairs = (gaps & EVEN_LANES) + ((gaps >> 8) & EVEN_LANES);
+    uint64_t total = ((pairs * SUM_16) >> 48) + 7;
+    uint64_t last = word >> 56;
+    return (total == last) & ((int64_t)last < num_experts);
+}
+
+/* Inverse of word_gaps: lane j of the product is lane 0 plus (lane i + 1) for i = 1..j (with carries between
+ * lanes where a damaged row's sums pass 255: the reference decoder's bytes, kept by every path). */
+static inline uint64_t word_ids(uint64_t gaps) {
+    /* times ONES = (1 + 2^8)(1 + 2^16)(1 + 2^32): three shift-adds, which vectorize where a 64-bit multiply does not */
+    uint64_t x = gaps + FIRST_ONES;
+    x += x << 8;
+    x += x << 16;
+    return x + (x << 32);
+}
+
+/* Whether some row whose gaps are one of the n words at rows is no set below num_experts: its last ID, the gaps'
+ * byte sum + 7, is at least min(E, 256). */
+static int gaps_past(const uint8_t *bytes, int64_t n, int64_t num_experts) {
+    const word_t *restrict rows = (const word_t *)bytes;
+    uint64_t over = 0;
+    uint64_t bias = (uint64_t)(2048 + 7 - (num_experts < 256 ? num_experts : 256));
+    for (int64_t r = 0; r < n; r++) {
+        uint64_t w = rows[r];
+        uint64_t pairs = (w & EVEN_LANES) + ((w >> 8) & EVEN_LANES);
+        uint64_t quads = pairs + (pairs >> 16);
+        over |= (((quads + (quads >> 32)) & 0xFFFF) + bias) & 2048;
+    }
+    return over != 0;
+}
+
+#define MIN_MAX(a, b)                       \
+    do {                                    \
+        int64_t lo_ = a < b ? a : b;        \
+        int64_t hi_ = a < b ? b : a;        \
+        a = lo_;                            \
+        b = hi_;                            \
+    } while (0)
+
+/* Eight values sorted ascending by Batcher's network (19 compare-exchanges; codec.sorting_network). */
+static inline void network_of_eight(int64_t *v) {
+    int64_t a0 = v[0], a1 = v[1], a2 = v[2], a3 = v[3], a4 = v[4], a5 = v[5], a6 = v[6], a7 = v[7];
+    MIN_MAX(a0, a1); MIN_MAX(a2, a3); MIN_MAX(a4, a5); MIN_MAX(a6, a7);
+    MIN_MAX(a0, a2); MIN_MAX(a1, a3); MIN_MAX(a4, a6); MIN_MAX(a5, a7);
+    MIN_MAX(a1, a2); MIN_MAX(a5, a6); MIN_MAX(a0, a4); MIN_MAX(a1, a5);
+    MIN_MAX(a2, a6); MIN_MAX(a3, a7); MIN_MAX(a2, a4); MIN_MAX(a3, a5);
+    MIN_MAX(a1, a2); MIN_MAX(a3, a4); MIN_MAX(a5, a6);
+    v[0] = a0; v[1] = a1; v[2] = a2; v[3] = a3; v[4] = a4; v[5] = a5; v[6] = a6; v[7] = a7;
+}
+
+/* The eight lanes of word mapped through mapped[] (256 entries; 256 past any ID) and sorted, packed; whether they
+ * are eight distinct values below 256 (below 64 when small: the reference sorts those as a 64-bit set). */
+static inline int sorted_lanes(uint64_t word, const int64_t *mapped, int small, uint64_t *packed) {
+    int64_t v[8];
+    for (int c = 0; c < 8; c++) v[c] = mapped[(word >> (8 * c)) & 255];
+    network_of_eight(v);
+    int distinct = v[7] < (small ? 64 : 256);
+    for (int c = 1; c < 8; c++) distinct &= v[c - 1] < v[c];
+    uint64_t p = 0;
+    for (int c = 0; c < 8; c++) p |= (uint64_t)(v[c] & 255) << (8 * c);
+    *packed = p;
+    return distinct;
+}
+
+/* Sort values (k of them) ascending in place. */
+static inline void sort_values(int64_t *values, int64_t k) {
+    if (k == 8) {
+        network_of_eight(values);
+        return;
+    }
+    for (int64_t c = 1; c < k; c++) {
+        int64_t v = values[c];
+        int64_t i = c;
+        while (i > 0 && values[i - 1] > v) {
+            values[i] = values[i - 1];
+            i--;
+        }
+        values[i] = v;
+    }
+}
+
+/* Shannon entropy (bits per draw) of counts[start:stop], times its total: the reference's order of operations. */
+static double entropy_bits(const int64_t *counts, int64_t start, int64_t stop) {
+    int64_t total = 0;
+    for (int64_t b = start; b < stop; b++) total += counts[b];
+    double bits = 0.0;
+    for (int64_t b = start; b < stop; b++)
+        if (counts[b]) bits -= (double)counts[b] * log2((double)counts[b] / (double)total);
+    return bits;
+}
+
+/* Experts (or entries) by descending count, ties by index (a counting sort): order rank -> index, rank_of its
+ * inverse. Returns -1 when out of memory. */
+static int popularity(const int64_t *counts, int64_t n, int64_t *rank_of, int64_t *order) {
+    int64_t most = 0;
+    for (int64_t e = 0; e < n; e++) most = counts[e] > most ? counts[e] : most;
+    int64_t *starts = calloc((size_t)most + 2, sizeof(int64_t));
+    if (!starts) return -1;
+    for (int64_t e = 0; e < n; e++) starts[most - counts[e] + 1]++;
+    for (int64_t i = 1; i < most + 2; i++) starts[i] += starts[i - 1];
+    for (int64_t e = 0; e < n; e++) {
+        int64_t rank = starts[most - counts[e]]++;
+        if (order) order[rank] = e;
+        rank_of[e] = rank;
+    }
+    free(starts);
+    return 0;
+}
+
+/* -- encoding ------------------------------------------------------------------------------------------------- */
+typedef struct {
+    /* input */
+    const uint8_t *ids; /* [L, R, K], C-contiguous */
+    int64_t layers, rows, k, num_experts;
+    int itemsize, words, dictionaries;
+    /* output of the transform */
+    uint16_t *gaps;      /* [L * R, K] one ID at a time (rows of the gaps section) */
+    uint64_t *gap_words; /* [L * R] rows of eight uint8 IDs as words */
+    uint8_t *bitmaps;    /* [L, ceil(R / 8)] repeat bits, most significant first */
+    uint8_t *modes;      /* [L] 1 ranked, 2 has repeats, 4 dictionary */
+    int64_t *tables;     /* [L, E] rank -> ID of ranked layers */
+    int64_t *exceptions; /* [L * R, 2] (unique row, flat row) of rows that are no valid set */
+    int64_t *layer_unique, *entries, *indices;
+    int64_t placed, n_exceptions, matched;
+} Encoding;
+
+static inline int rows_equal(const Encoding *x, int64_t a, int64_t b) {
+    if (x->words) return x->gap_words[a] == x->gap_words[b];
+    return memcmp(x->gaps + a * x->k, x->gaps + b * x->k, (size_t)x->k * sizeof(uint16_t)) == 0;
+}
+
+/* Top bits of a multiplicative hash of gaps row i, its IDs packed little-endian in 64-bit words (for eight uint8
+ * IDs exactly the hash of the row's word). */
+static inline int64_t row_hash(const Encoding *x, int64_t i, int bits) {
+    if (x->words) return (int64_t)((x->gap_words[i] * HASH) >> (64 - bits));
+    int width = 8 * x->itemsize;
+    uint64_t h = 0, word = 0;
+    int filled = 0;
+    for (int64_t c = 0; c < x->k; c++) {
+        word |= (uint64_t)x->gaps[i * x->k + c] << filled;
+        filled += width;
+        if (filled == 64) {
+            h = (h ^ word) * HASH;
+            word = 0;
+            filled = 0;
+        }
+    }
+    if (filled) h = (h ^ word) * HASH;
+    return (int64_t)(h >> (64 - bits));
+}
+
+/* The IDs whose gaps are row i, into values. */
+static inline void row_ids(const Encoding *x, int64_t i, int64_t *values) {
+    if (x->words) {
+        uint64_t w = word_ids(x->gap_words[i]);
+        for (int c = 0; c < 8; c++) values[c] = (int64_t)((w >> (8 * c)) & 255);
+        return;
+    }
+    int64_t v = -1;
+    for (int64_t c = 0; c < x->k; c++) {
+        v += (int64_t)x->gaps[i * x->k + c] + 1;
+        values[c] = v;
+    }
+}
+
+/* The gaps of the sorted ranks of row i's IDs, into values. */
+static inline void ranked_row(const Encoding *x, int64_t i, const int64_t *rank_of, int64_t *values) {
+    row_ids(x, i, values);
+    for (int64_t c = 0; c < x->k; c++) values[c] = rank_of[values[c]];
+    sort_values(values, x->k);
+    for (int64_t c = x->k - 1; c > 0; c--) values[c] -= values[c - 1] + 1;
+}
+
+static inline void set_row(Encoding *x, int64_t i, const int64_t *values) {
+    if (x->words) {
+        uint64_t w = 0;
+        for (int c = 0; c < 8; c++) w |= (uint64_t)(values[c] & 255) << (8 * c);
+        x->gap_words[i] = w;
+        return;
+    }
+    for (int64_t c = 0; c < x->k; c++) x->gaps[i * x->k + c] = (uint16_t)values[c];
+}
+
+/* Step 1: a layer's repeats flagged, the gaps of its other rows from position unique, its rows that are no valid
+ * set listed as exceptions (their gaps zero: IDs 0..K-1, a valid placeholder the exception overwrites). Returns the
+ * next free position. */
+static inline int64_t layer_gaps(Encoding *x, int64_t j, int64_t unique, int64_t numbered) {
+    int64_t rows = x->rows, k = x->k, per_bitmap = (rows + 7) / 8;
+    const uint8_t *layer = x->ids + j * rows * k * x->itemsize;
+    int64_t first = unique; /* a row's number is numbered + its position - first */
+    for (int64_t r = 0; r < rows; r++) {
+        int valid;
+        if (x->words) {
+            uint64_t w = load64(layer + 8 * r);
+            if (r > 0 && w == load64(layer + 8 * (r - 1))) {
+                x->bitmaps[j * per_bitmap + (r >> 3)] |= (uint8_t)(0x80 >> (r & 7));
+                continue;
+            }
+            uint64_t g = word_gaps(w);
+            valid = word_valid(w, g, x->num_experts);
+            x->gap_words[unique] = valid ? g : 0;
+        } else {
+            int64_t size = k * x->itemsize;
+            if (r > 0 && memcmp(layer + r * size, layer + (r - 1) * size, (size_t)size) == 0) {
+                x->bitmaps[j * per_bitmap + (r >> 3)] |= (uint8_t)(0x80 >> (r & 7));
+                continue;
+            }
+            const uint8_t *row = layer + r * size;
+            valid = load_id(row + (k - 1) * x->itemsize, x->itemsize) < x->num_experts;
+            uint16_t *out = x->gaps + unique * k;
+            out[0] = (uint16_t)load_id(row, x->itemsize);
+            for (int64_t c = 1; c < k; c++) {
+                int64_t step = load_id(row + c * x->itemsize, x->itemsize) -
+                               load_id(row + (c - 1) * x->itemsize, x->itemsize) - 1;
+                valid &= step >= 0;
+                out[c] = (uint16_t)step;
+            }
+            if (!valid) memset(out, 0, (size_t)k * sizeof(uint16_t));
+        }
+        if (!valid) {
+            x->exceptions[2 * x->n_exceptions] = numbered + unique - first;
+            x->exceptions[2 * x->n_exceptions + 1] = j * rows + r;
+            x->n_exceptions++;
+        }
+        unique++;
+    }
+    return unique;
+}
+
+/* Whether a layer's unique rows cost less as a dictionary of its distinct rows and an index per unique row than
+ * as zstd's matches of the repeated ones (the model fitted by tools/fit_dictionary_model.py). */
+static inline int dictionary_pays(const int64_t *ranks, const int64_t *entry_uses, int64_t n_entries, int64_t runs,
+                           int64_t long_runs) {
+    int64_t planes[512] = {0};
+    for (int64_t e = 0; e < n_entries; e++) {
+        planes[ranks[e] & 255] += entry_uses[e];
+        planes[256 + (ranks[e] >> 8)] += entry_uses[e];
+    }
+    double index_bits = entropy_bits(planes, 0, 256) + (n_entries > 256 ? entropy_bits(planes, 256, 512) : 0.0);
+    return INDEX_WEIGHT * index_bits / 8 + LONG_RUN_BYTES * (double)long_runs < MATCH_BYTES * (double)runs;
+}
+
+/* The whole transform (steps 1-5 per layer); returns -1 when out of memory. */
+static int transform(Encoding *result) {
+    /* A local copy: the arrays' stores cannot change its fields, so loops keep them in registers. */
+    Encoding local = *result;
+    Encoding *x = &local;
+    int64_t layers = x->layers, rows = x->rows, k = x->k, E = x->num_experts;
+    int hash_bits = 10;
+    while ((1LL << hash_bits) < 2 * rows && hash_bits < 16) hash_bits++;
+    int status = -1;
+    int64_t *seen = NULL; /* row hash -> its latest unique row (direct mapped), filled when first needed */
+    int64_t *counts = calloc((size_t)E, sizeof(int64_t));
+    int64_t *rank_of = malloc((size_t)E * sizeof(int64_t));
+    int64_t *order = malloc((size_t)E * sizeof(int64_t));
+    int64_t *values = malloc((size_t)k * sizeof(int64_t));
+    int64_t *entry_of = malloc((size_t)(rows + 1) * sizeof(int64_t));   /* unique row -> entry, as first seen */
+    int64_t *entry_row = malloc((size_t)(rows + 1) * sizeof(int64_t));  /* entry -> its first unique row */
+    int64_t *entry_uses = calloc((size_t)rows + 1, sizeof(int64_t));     /* entry -> uses no run covers */
+    int64_t *ranks = malloc((size_t)(rows + 1) * sizeof(int64_t));
+    uint16_t *entry_gaps = malloc((size_t)(rows + 1) * (size_t)k * sizeof(uint16_t));
+    uint64_t *entry_words = malloc((size_t)(rows + 1) * sizeof(uint64_t));
+    int64_t literals[1024]; /* byte histograms of first-seen rows' gaps: plain [0, 512), ranked after */
+    if (!counts || !rank_of || !order || !values || !entry_of || !entry_row || !entry_uses || !ranks || !entry_gaps ||
+        !entry_words)
+        goto done;
+    int64_t placed = 0, numbered = 0;
+    for (int64_t j = 0; j < layers; j++) {
+        int64_t base = placed;
+        /* 1. Repeats, the other rows' gaps, and rows that are no valid set. */
+        int64_t unique = layer_gaps(x, j, base, numbered);
+        int64_t n_unique = unique - base;
+        x->layer_unique[j] = n_unique;
+        placed = unique;
+        numbered += n_unique;
+        if (n_unique < rows) x->modes[j] |= 2;
+        if (k > E) continue; /* no valid set exists: every row is an exception */
+        /* 2. The expert load on a sample of the rows: is it skewed, and which experts are most popular? */
+        memset(counts, 0, (size_t)E * sizeof(int64_t));
+        int64_t sample = n_unique / LOAD_SAMPLE > 1 ? n_unique / LOAD_SAMPLE : 1;
+        for (int64_t i = base; i < unique; i += sample) {
+            row_ids(x, i, values);
+            for (int64_t c = 0; c < k; c++) counts[values[c]]++;
+        }
+        int64_t total = 0;
+        for (int64_t e = 0; e < E; e++) total += counts[e];
+        int skewed = total > 0 && entropy_bits(counts, 0, E) < RANK_BELOW * log2((double)E) * (double)total;
+        if (!skewed && n_unique == rows) continue; /* near-uniform sets, no repeats: plain gaps, nothing to match */
+        if (skewed) {
+            if (popularity(counts, E, rank_of, order) < 0) goto done;
+            memset(literals, 0, sizeof(literals));
+        }
+        /* 3. Rows seen earlier in the layer (zstd matches them, or a dictionary names them), and for a skewed layer
+         * both transforms' literals (the gaps of the rows seen first, on a sample of them). */
+        if (!seen) {
+            seen = malloc(((size_t)1 << hash_bits) * sizeof(int64_t));
+            if (!seen) goto done;
+            for (int64_t h = 0; h < (1LL << hash_bits); h++) seen[h] = -1;
+        }
+        int64_t runs = 0, long_runs = 0, run_length = 0, novel = 0, previous_match = -2;
+        int64_t first = numbered - n_unique;
+        for (int64_t i = 0; i < n_unique; i++) {
+            int64_t at = base + i;
+            int64_t h = row_hash(x, at, hash_bits);
+            int64_t earlier = seen[h];
+            int repeated = earlier >= first && rows_equal(x, base + earlier - first, at);
+            seen[h] = first + i; /* unique rows are numbered across layers: an earlier layer's are below first */
+            if (repeated) {
+                x->matched++;
+                entry_of[i] = entry_of[earlier - first];
+                if (earlier == previous_match + 1) {
+                    run_length++;
+                    long_runs += run_length == 2;
+                } else {
+                    runs++;
+                    run_length = 1;
+                    entry_uses[entry_of[i]]++;
+                }
+                previous_match = earlier;
+                continue;
+            }
+            entry_of[i] = novel;
+            entry_row[novel] = at;
+            entry_uses[novel] = 1;
+            previous_match = -2;
+            run_length = 0;
+            novel++;
+            if (!skewed || novel % sample) continue;
+            row_ids(x, at, values); /* the plain gaps' bytes, then the ranked ones' */
+            for (int64_t c = 0; c < k; c++) {
+                int64_t g = c == 0 ? values[0] : values[c] - values[c - 1] - 1;
+                literals[g & 255]++;
+                if (!x->words) literals[256 + ((g >> 8) & 255)]++;
+            }
+            ranked_row(x, at, rank_of, values);
+            for (int64_t c = 0; c < k; c++) {
+                literals[512 + (values[c] & 255)]++;
+                if (!x->words) literals[768 + ((values[c] >> 8) & 255)]++;
+            }
+        }
+        /* 4. A dictionary of the layer's distinct rows when naming them costs less than zstd's matches would. */
+        if (novel < n_unique && novel <= MAX_ENTRIES && x->dictionaries != NEVER) {
+            if (popularity(entry_uses, novel, ranks, NULL) < 0) goto done;
+            if (x->dictionaries == ALWAYS || dictionary_pays(ranks, entry_uses, novel, runs, long_runs)) {
+                x->modes[j] |= DICTIONARY;
+                x->matched -= n_unique - novel; /* the gaps section keeps no repeats of this layer */
+                for (int64_t e = 0; e < novel; e++) {
+                    if (x->words)
+                        entry_words[ranks[e]] = x->gap_words[entry_row[e]];
+                    else
+                        memcpy(entry_gaps + ranks[e] * k, x->gaps + entry_row[e] * k, (size_t)k * sizeof(uint16_t));
+                }
+                if (x->words)
+                    memcpy(x->gap_words + base, entry_words, (size_t)novel * sizeof(uint64_t));
+                else
+                    memcpy(x->gaps + base * k, entry_gaps, (size_t)(novel * k) * sizeof(uint16_t));
+                for (int64_t i = 0; i < n_unique; i++) x->indices[first + i] = ranks[entry_of[i]];
+                x->entries[j] = novel;
+                placed = unique = base + novel;
+            }
+        }
+        for (int64_t e = 0; e < novel; e++) entry_uses[e] = 0;
+        if (!skewed) continue;
+        double plain = (entropy_bits(literals, 0, 256) + entropy_bits(literals, 256, 512)) * (double)sample / 8 +
+                       RUN_BYTES * (double)runs;
+        double ranked = (entropy_bits(literals, 512, 768) + entropy_bits(literals, 768, 1024)) * (double)sample / 8 +
+                        RUN_BYTES * (double)runs;
+        if (ranked >= (1 - MIN_GAIN) * plain) continue;
+        /* 5. Relabel by popularity rank: the ranked gaps replace the plain ones, in place. */
+        x->modes[j] |= 1;
+        for (int64_t e = 0; e < E; e++) x->tables[j * E + e] = order[e];
+        for (int64_t i = base; i < unique; i++) {
+            ranked_row(x, i, rank_of, values);
+            set_row(x, i, values);
+        }
+    }
+    x->placed = placed;
+    *result = local;
+    status = 0;
+done:
+    free(seen);
+    free(counts);
+    free(rank_of);
+    free(order);
+    free(values);
+    free(entry_of);
+    free(entry_row);
+    free(entry_uses);
+    free(ranks);
+    free(entry_gaps);
+    free(entry_words);
+    return status;
+}
+
+/* The rest section's size, then its bytes (FORMAT.md section 5): bitmaps, tables, dictionaries, exceptions, the
+ * layers' modes, the gaps section's rows, the exceptions' count, the payload version. */
+static int64_t rest_size(const Encoding *x) {
+    int64_t per_bitmap = (x->rows + 7) / 8;
+    int64_t size = x->layers + 9 + x->n_exceptions * (4 + x->k * x->itemsize);
+    for (int64_t j = 0; j < x->layers; j++) {
+        size += per_bitmap * ((x->modes[j] >> 1) & 1) + x->num_experts * x->itemsize * (x->modes[j] & 1);
+        if (x->modes[j] & DICTIONARY) size += 4 + x->layer_unique[j] * (1 + (x->entries[j] > 256));
+    }
+    return size;
+}
+
+static void write_rest(const Encoding *x, uint8_t *rest) {
+    int64_t per_bitmap = (x->rows + 7) / 8, at = 0, layers = x->layers, k = x->k, rows = x->rows;
+    int itemsize = x->itemsize;
+    for (int64_t j = 0; j < layers; j++)
+        if (x->modes[j] & 2) {
+            memcpy(rest + at, x->bitmaps + j * per_bitmap, (size_t)per_bitmap);
+            at += per_bitmap;
+        }
+    for (int64_t j = 0; j < layers; j++)
+        if (x->modes[j] & 1)
+            for (int64_t e = 0; e < x->num_experts; e++) at = put_le(rest, at, x->tables[j * x->num_experts + e], itemsize);
+    int64_t numbered = 0;
+    int version = 1; /* a chunk without dictionaries stays readable by format-2 readers that predate them */
+    for (int64_t j = 0; j < layers; j++) {
+        if (x->modes[j] & DICTIONARY) {
+            version = 2;
+            at = put_le(rest, at, x->entries[j], 4);
+            int64_t n = x->layer_unique[j];
+            for (int64_t i = 0; i < n; i++) rest[at + i] = (uint8_t)(x->indices[numbered + i] & 255);
+            at += n;
+            if (x->entries[j] > 256) {
+                for (int64_t i = 0; i < n; i++) rest[at + i] = (uint8_t)(x->indices[numbered + i] >> 8);
+                at += n;
+            }
+        }
+        numbered += x->layer_unique[j];
+    }
+    for (int64_t n = 0; n < x->n_exceptions; n++) {
+        at = put_le(rest, at, x->exceptions[2 * n], 4);
+        const uint8_t *row = x->ids + x->exceptions[2 * n + 1] * k * itemsize;
+        for (int64_t c = 0; c < k; c++) at = put_le(rest, at, load_id(row + c * itemsize, itemsize), itemsize);
+    }
+    (void)rows;
+    memcpy(rest + at, x->modes, (size_t)layers);
+    at = put_le(rest, at + layers, x->placed, 4);
+    at = put_le(rest, at, x->n_exceptions, 4);
+    rest[at] = (uint8_t)version;
+}
+
+static int get_ids(PyObject *obj, Py_buffer *view, int flags, int ndim, const char *name) {
+    if (PyObject_GetBuffer(obj, view, flags) < 0) return -1;
+    if (view->ndim != ndim || (view->itemsize != 1 && view->itemsize != 2)) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a %d-D uint8 or uint16 array", name, ndim);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *encode_chunk(PyObject *self, PyObject *args) {
+    PyObject *ids_obj;
+    long long num_experts;
+    int dictionaries, allow_words = 1; /* allow_words 0: rows of eight uint8 IDs one ID at a time (tests) */
+    if (!PyArg_ParseTuple(args, "OLi|p", &ids_obj, &num_experts, &dictionaries, &allow_words)) return NULL;
+    Py_buffer view;
+    if (get_ids(ids_obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT, 3, "ids") < 0) return NULL;
+    Encoding x = {0};
+    x.ids = view.buf;
+    x.layers = view.shape[0];
+    x.rows = view.shape[1];
+    x.k = view.shape[2];
+    x.itemsize = (int)view.itemsize;
+    x.num_experts = num_experts;
+    x.dictionaries = dictionaries;
+    x.words = allow_words && x.itemsize == 1 && x.k == 8;
+    PyObject *result = NULL;
+    int64_t n = x.layers * x.rows, per_bitmap = (x.rows + 7) / 8;
+    if (num_experts < 1 || x.k < 1) {
+        PyErr_SetString(PyExc_ValueError, "encode_chunk: num_experts and K must be positive");
+        goto fail;
+    }
+    if (x.words)
+        x.gap_words = malloc((size_t)(n + 1) * sizeof(uint64_t));
+    else
+        x.gaps = malloc((size_t)(n + 1) * (size_t)x.k * sizeof(uint16_t));
+    x.bitmaps = calloc((size_t)(x.layers * per_bitmap + 1), 1);
+    x.modes = calloc((size_t)x.layers + 1, 1);
+    x.tables = malloc((size_t)(x.layers * num_experts + 1) * sizeof(int64_t));
+    x.exceptions = malloc((size_t)(2 * n + 1) * sizeof(int64_t));
+    x.layer_unique = calloc((size_t)x.layers + 1, sizeof(int64_t));
+    x.entries = calloc((size_t)x.layers + 1, sizeof(int64_t));
+    x.indices = malloc((size_t)(n + 1) * sizeof(int64_t));
+    if ((!x.gap_words && !x.gaps) || !x.bitmaps || !x.modes || !x.tables || !x.exceptions || !x.layer_unique ||
+        !x.entries || !x.indices) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS status = transform(&x);
+    Py_END_ALLOW_THREADS if (status < 0) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    int64_t section_size = x.placed * x.k * x.itemsize;
+    PyObject *section = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)section_size);
+    PyObject *rest = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)rest_size(&x));
+    if (!section || !rest) {
+        Py_XDECREF(section);
+        Py_XDECREF(rest);
+        goto fail;
+    }
+    uint8_t *s = (uint8_t *)PyBytes_AS_STRING(section);
+    if (x.words) {
+        for (int64_t i = 0; i < x.placed; i++) store64(s + 8 * i, x.gap_words[i]);
+    } else if (x.itemsize == 1) {
+        for (int64_t i = 0; i < x.placed * x.k; i++) s[i] = (uint8_t)x.gaps[i];
+    } else { /* byte planes: zstd fits one entropy table per plane */
+        int64_t m = x.placed * x.k;
+        for (int64_t i = 0; i < m; i++) {
+            s[i] = (uint8_t)(x.gaps[i] & 255);
+            s[m + i] = (uint8_t)(x.gaps[i] >> 8);
+        }
+    }
+    write_rest(&x, (uint8_t *)PyBytes_AS_STRING(rest));
+    result = Py_BuildValue("NNLL", section, rest, (long long)x.placed, (long long)x.matched);
+fail:
+    free(x.gaps);
+    free(x.gap_words);
+    free(x.bitmaps);
+    free(x.modes);
+    free(x.tables);
+    free(x.exceptions);
+    free(x.layer_unique);
+    free(x.entries);
+    free(x.indices);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* -- decoding ------------------------------------------------------------------------------------------------- */
+typedef struct {
+    const uint8_t *gap_bytes, *rest;
+    int64_t gap_size, rest_size, num_experts, layers, rows, k;
+    uint8_t *out; /* [Lw, Rw, K]: each layer's rows contiguous, layers layer_stride bytes apart */
+    int64_t window_layers, window_rows, layer_stride, first_layer, first_row;
+    int itemsize, words, accept;
+    int64_t fill_value;
+} Decoding;
+
+static inline uint8_t *out_row(const Decoding *d, int64_t jw, int64_t r) {
+    return d->out + jw * d->layer_stride + r * d->k * d->itemsize;
+}
+
+static inline int repeat_bit(const uint8_t *bits, int64_t nbits, int64_t row) {
+    if (nbits == 0 || row >> 3 >= nbits) return 0;
+    return (bits[row >> 3] >> (7 - (row & 7))) & 1;
+}
+
+static inline int64_t repeats_before(const uint8_t *bits, int64_t nbits, int64_t row) {
+    if (nbits == 0) return 0;
+    int64_t count = 0;
+    for (int64_t byte = 0; byte < (row >> 3); byte++) count += popcount64(bits[byte]);
+    if ((row & 7) && (row >> 3) < nbits) count += popcount64(bits[row >> 3] & ((0xFF00 >> (row & 7)) & 0xFF));
+    return count;
+}
+
+/* Unique row u's IDs into values, one at a time: the gaps' prefix sums (wrapping in the IDs' width; high: where
+ * the high-byte plane starts, 0 for uint8), and in a ranked layer the table's IDs sorted. Returns -1 for a rank
+ * past the table, 1 when the prefix sums ascend below E without wrapping, else 0. */
+static inline int decode_row(const Decoding *d, int64_t u, int64_t high, int64_t wrap, const int64_t *table, int ranked,
+                      int64_t *values) {
+    int64_t k = d->k, x = 0, last = 0;
+    for (int64_t c = 0; c < k; c++) {
+        int64_t g = d->gap_bytes[u * k + c];
+        if (high) g |= (int64_t)d->gap_bytes[high + u * k + c] << 8;
+        last += g + (c > 0);
+        x = (x + g + (c > 0)) & wrap;
+        values[c] = x;
+    }
+    if (ranked) {
+        for (int64_t c = 0; c < k; c++) {
+            if (values[c] >= d->num_experts) return -1;
+            values[c] = table[values[c]];
+        }
+        sort_values(values, k);
+    }
+    return last < d->num_experts && last <= wrap ? 1 : 0;
+}
+
+/* Rows first.. of the gaps section (eight uint8 IDs each) as ID words into out[0:n]: prefix sums, and in a ranked
+ * layer the table's IDs sorted. Returns -1 for a rank past the table, 1 when every row's values (IDs, or ranks)
+ * are strictly ascending and below E, else 0. */
+static inline int decode_words(const Decoding *d, int64_t first, uint64_t *out, int64_t n, int ranked, const int64_t *table,
+                        int64_t *values) {
+    const uint8_t *source = d->gap_bytes + 8 * first;
+    const word_t *restrict words = (const word_t *)source;
+    int64_t E = d->num_experts;
+    if (!ranked) {
+        for (int64_t i = 0; i < n; i++) out[i] = word_ids(words[i]);
+        return gaps_past(source, n, E) ? 0 : 1;
+    }
+    int64_t mapped[256];
+    for (int v = 0; v < 256; v++) mapped[v] = v < E ? (table[v] & 255) : 256;
+    int valid = 1;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t gaps = load64(source + 8 * i);
+        uint64_t ids = word_ids(gaps);
+        valid &= word_valid(ids, gaps, E);
+        int64_t v[8];
+        for (int c = 0; c < 8; c++) v[c] = mapped[(ids >> (8 * c)) & 255] & 255;
+        network_of_eight(v);
+        uint64_t w = 0;
+        for (int c = 0; c < 8; c++) w |= (uint64_t)v[c] << (8 * c);
+        out[i] = w;
+    }
+    if (valid) return 1;
+    /* a row of ranks that is no set (damage): row by row, one ID at a time where needed */
+    for (int v = 0; v < 256; v++) mapped[v] = v < E ? table[v] : 256;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t word;
+        if (!sorted_lanes(word_ids(load64(source + 8 * i)), mapped, E <= 64, &word)) {
+            if (decode_row(d, first + i, 0, 255, table, 1, values) < 0) return -1;
+            word = 0;
+            for (int c = 0; c < 8; c++) word |= (uint64_t)(values[c] & 255) << (8 * c);
+        }
+        out[i] = word;
+    }
+    return 0;
+}
+
+/* out[i] = the entry of unique row lo + i, for i < n; 1 when an index is past the n_entries entries. */
+static inline int gather_entries(const Decoding *d, int64_t at, int64_t n_unique, int64_t lo, const uint64_t *entries,
+                          int64_t n_entries, uint64_t *out, int64_t n) {
+    int two_bytes = n_entries > 256;
+    const uint8_t *low = d->rest + at + lo;
+    const uint8_t *high = d->rest + at + n_unique * two_bytes + lo;
+    int64_t last = n_entries - 1, largest = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t e = (int64_t)low[i] | (two_bytes ? (int64_t)high[i] << 8 : 0);
+        largest = e > largest ? e : largest;
+        out[i] = entries[e < last ? e : last];
+    }
+    return largest > last;
+}
+
+static inline int64_t entry_index(const Decoding *d, int64_t at, int64_t n_unique, int64_t n_entries, int64_t i) {
+    int64_t e = d->rest[at + i];
+    if (n_entries > 256) e |= (int64_t)d->rest[at + n_unique + i] << 8;
+    return e;
+}
+
+/* Rows first_row.. of a layer into layer (words, n of them), from the unique rows they expand from (the first one
+ * the row before first_row, when starts_repeat) and the repeat bitmap: a repeat keeps the row before it. */
+static inline void expand_repeats(const uint8_t *bits, const uint64_t *unique_rows, int64_t n_unique_rows, uint8_t *layer,
+                           int64_t n, int64_t first_row, int starts_repeat) {
+    int64_t last = n_unique_rows - 1; /* the counts were checked: the clamp only keeps damage inside the array */
+    if (last < 0) last = 0;
+    uint64_t word = unique_rows[0];
+    int64_t i = starts_repeat;
+    for (int64_t r = 0; r < n; r++) {
+        int64_t row = first_row + r;
+        int repeat = (bits[row >> 3] >> (7 - (row & 7))) & 1;
+        if (!repeat) word = unique_rows[i < last ? i : last];
+        store64(layer + 8 * r, word);
+        i += 1 - repeat;
+    }
+}
+
+static inline int row_valid(const Decoding *d, int64_t jw, int64_t r) {
+    const uint8_t *row = out_row(d, jw, r);
+    int itemsize = d->itemsize;
+    int valid = load_id(row + (d->k - 1) * itemsize, itemsize) < d->num_experts;
+    for (int64_t c = 1; c < d->k; c++) valid &= load_id(row + c * itemsize, itemsize) > load_id(row + (c - 1) * itemsize, itemsize);
+    return valid;
+}
+
+/* Overwrite the exceptions' unique rows (the last listing of a row wins) and the repeats that follow them, where
+ * they fall in the window; mark them in written [Lw, Rw]. Returns -1 when out of memory. */
+static inline int apply_exceptions(const Decoding *d, int64_t trailer, int64_t per_bitmap, int64_t listed,
+                            int64_t n_exceptions, uint8_t *written) {
+    int64_t k = d->k, rows = d->rows, entry = 4 + k * d->itemsize;
+    int64_t *exception_of = malloc((size_t)(rows * d->layers + 1) * sizeof(int64_t));
+    if (!exception_of) return -1;
+    for (int64_t i = 0; i < rows * d->layers; i++) exception_of[i] = -1;
+    for (int64_t n = 0; n < n_exceptions; n++) exception_of[get_le(d->rest, listed + n * entry, 4)] = n;
+    int64_t u = 0, bitmap = -per_bitmap;
+    for (int64_t j = 0; j < d->layers; j++) {
+        int repeats = d->rest[trailer + j] & 2;
+        bitmap += repeats ? per_bitmap : 0;
+        int64_t jw = j - d->first_layer;
+        int inside = 0 <= jw && jw < d->window_layers;
+        int64_t listed_row = -1;
+        for (int64_t r = 0; r < rows; r++) {
+            if (!(repeats && ((d->rest[bitmap + (r >> 3)] >> (7 - (r & 7))) & 1))) listed_row = exception_of[u++];
+            if (listed_row >= 0 && inside && d->first_row <= r && r < d->first_row + d->window_rows) {
+                written[jw * d->window_rows + r - d->first_row] = 1;
+                uint8_t *row = out_row(d, jw, r - d->first_row);
+                for (int64_t c = 0; c < k; c++)
+                    store_id(row + c * d->itemsize, d->itemsize,
+                             get_le(d->rest, listed + listed_row * entry + 4 + c * d->itemsize, d->itemsize));
+            }
+        }
+    }
+    free(exception_of);
+    return 0;
+}
+
+/* The first row of the window (jw * Rw + r) that is no set of K ascending IDs below E, or -1; layers proven valid
+ * while decoding are skipped unless an exception wrote some row; a row an exception wrote holding only fill is
+ * accepted (fill -1: none is). */
+static inline int64_t first_invalid_in_window(const Decoding *d, int64_t fill, const uint8_t *written, const uint8_t *proven) {
+    for (int64_t jw = 0; jw < d->window_layers; jw++) {
+        int any_written = 0;
+        if (written)
+            for (int64_t r = 0; r < d->window_rows; r++) any_written |= written[jw * d->window_rows + r];
+        if (proven[jw] && !any_written) continue;
+        for (int64_t r = 0; r < d->window_rows; r++) {
+            if (row_valid(d, jw, r)) continue;
+            if (fill < 0 || !written || !written[jw * d->window_rows + r]) return jw * d->window_rows + r;
+            const uint8_t *row = out_row(d, jw, r);
+            for (int64_t c = 0; c < d->k; c++)
+                if (load_id(row + c * d->itemsize, d->itemsize) != fill) return jw * d->window_rows + r;
+        }
+    }
+    return -1;
+}
+
+typedef struct {
+    int64_t status, detail;
+} Result;
+
+#define FAIL(s, x)          \
+    do {                    \
+        result.status = (s); \
+        result.detail = (x); \
+        goto done;          \
+    } while (0)
+
+static Result decode(const Decoding *given) {
+    const Decoding local = *given; /* a local copy: stores to out cannot change its fields */
+    const Decoding *d = &local;
+    Result result = {OK, 0};
+    const uint8_t *rest = d->rest;
+    int64_t layers = d->layers, rows = d->rows, k = d->k, E = d->num_experts, itemsize = d->itemsize;
+    int64_t trailer = d->rest_size - layers - 9;
+    int known_modes = rest[d->rest_size - 1] >= 2 ? 7 : 3; /* dictionaries came with payload version 2 */
+    int64_t *layer_unique = malloc((size_t)(layers + 1) * sizeof(int64_t));
+    int64_t *layer_stored = malloc((size_t)(layers + 1) * sizeof(int64_t));
+    int64_t *index_at = calloc((size_t)layers + 1, sizeof(int64_t));
+    uint8_t *proven = calloc((size_t)d->window_layers + 1, 1);
+    uint8_t *seen = malloc((size_t)E + 1);
+    int64_t *table = malloc((size_t)(E + 1) * sizeof(int64_t));
+    int64_t *values = malloc((size_t)(k + 8) * sizeof(int64_t));
+    uint64_t *decoded = NULL, *entry_words = NULL;
+    uint8_t *written = NULL;
+    if (!layer_unique || !layer_stored || !index_at || !proven || !seen || !table || !values) FAIL(-1, 0);
+    /* The rest section: its parts must add up to its size, and its indices stay inside the chunk. */
+    int64_t n_bitmaps = 0, n_tables = 0;
+    for (int64_t j = 0; j < layers; j++) {
+        int mode = rest[trailer + j];
+        if (mode & ~known_modes) FAIL(UNKNOWN_MODE, mode);
+        n_bitmaps += (mode >> 1) & 1;
+        n_tables += mode & 1;
+    }
+    int64_t total = get_le(rest, d->rest_size - 9, 4);
+    int64_t n_exceptions = get_le(rest, d->rest_size - 5, 4);
+    int64_t per_bitmap = (rows + 7) / 8;
+    int64_t tables = n_bitmaps * per_bitmap;
+    int64_t listed = tables + n_tables * E * itemsize;
+    if (listed > trailer) FAIL(SECTION_SIZES, listed + layers + 9);
+    int64_t bitmap = 0;
+    for (int64_t j = 0; j < layers; j++) {
+        layer_unique[j] = rows;
+        if (rest[trailer + j] & 2) {
+            if (rows && (rest[bitmap] & 0x80)) FAIL(FIRST_ROW_REPEATS, j);
+            for (int64_t byte = 0; byte < per_bitmap; byte++) {
+                uint64_t bits = rest[bitmap + byte];
+                if (byte == rows >> 3) bits &= (0xFF00 >> (rows & 7)) & 0xFF;
+                layer_unique[j] -= popcount64(bits);
+            }
+            bitmap += per_bitmap;
+        }
+    }
+    int64_t largest_dictionary = 0;
+    for (int64_t j = 0; j < layers; j++) {
+        layer_stored[j] = layer_unique[j]; /* rows of the gaps section: unique rows, or a dictionary's entries */
+        if (rest[trailer + j] & DICTIONARY) {
+            if (listed + 4 > trailer) FAIL(SECTION_SIZES, listed + 4 + layers + 9);
+            layer_stored[j] = get_le(rest, listed, 4);
+            if (layer_stored[j] > layer_unique[j] || (layer_stored[j] == 0) != (layer_unique[j] == 0))
+                FAIL(DICTIONARY_SIZE, j);
+            index_at[j] = listed + 4;
+            listed += 4 + layer_unique[j] * (1 + (layer_stored[j] > 256));
+            largest_dictionary = layer_stored[j] > largest_dictionary ? layer_stored[j] : largest_dictionary;
+        }
+    }
+    int64_t entry = 4 + k * itemsize;
+    if (listed + n_exceptions * entry != trailer) FAIL(SECTION_SIZES, listed + n_exceptions * entry + layers + 9);
+    int64_t stored = 0, unique = 0;
+    for (int64_t j = 0; j < layers; j++) {
+        stored += layer_stored[j];
+        unique += layer_unique[j];
+    }
+    if (stored != total) FAIL(UNIQUE_COUNT, stored);
+    if (d->gap_size != total * k * itemsize) FAIL(-2, 0);
+    for (int64_t n = 0; n < n_exceptions; n++)
+        if (get_le(rest, listed + n * entry, 4) >= unique) FAIL(EXCEPTION_RANGE, n);
+    /* The window's rows, layer by layer. */
+    if (d->words) {
+        decoded = malloc((size_t)(d->window_rows + 1) * sizeof(uint64_t)); /* unique rows the window expands from */
+        entry_words = malloc((size_t)(largest_dictionary + 1) * sizeof(uint64_t)); /* a dictionary's entries */
+        if (!decoded || !entry_words) FAIL(-1, 0);
+    }
+    int64_t high = itemsize == 2 ? total * k : 0; /* where the high-byte plane starts */
+    int64_t wrap = (1LL << (8 * itemsize)) - 1;
+    int64_t stop_row = d->first_row + d->window_rows;
+    int64_t u = 0;
+    bitmap = -per_bitmap;
+    int64_t ranked_at = tables - E * itemsize;
+    for (int64_t j = 0; j < layers; j++) {
+        int mode = rest[trailer + j];
+        bitmap += mode & 2 ? per_bitmap : 0;
+        ranked_at += mode & 1 ? E * itemsize : 0;
+        int64_t start = u;
+        u += layer_stored[j];
+        int64_t jw = j - d->first_layer;
+        if (jw < 0 || jw >= d->window_layers || d->window_rows == 0) continue;
+        const uint8_t *bits = rest + bitmap;
+        int64_t nbits = mode & 2 ? per_bitmap : 0;
+        int permutation = 1; /* the table maps ranks to distinct IDs in [0, E): valid ranks give valid rows */
+        if (mode & 1) {
+            memset(seen, 0, (size_t)E);
+            for (int64_t e = 0; e < E; e++) {
+                table[e] = get_le(rest, ranked_at + e * itemsize, (int)itemsize);
+                int64_t at = table[e] < E - 1 ? table[e] : E - 1;
+                permutation &= table[e] < E && !seen[at];
+                seen[at] = 1;
+            }
+        }
+        int64_t n_entries = mode & DICTIONARY ? layer_stored[j] : 0;
+        /* The layer's unique rows [lo, hi) that the window's rows expand from: from the one the first row repeats
+         * (when it is a repeat) to the last one at or before the last row. */
+        int starts_repeat = repeat_bit(bits, nbits, d->first_row);
+        int64_t lo = d->first_row - repeats_before(bits, nbits, d->first_row) - starts_repeat;
+        int64_t hi = stop_row - repeats_before(bits, nbits, stop_row);
+        if (d->words) {
+            uint8_t *layer = out_row(d, jw, 0);
+            if (mode == 0) { /* plain, no repeats: straight into the output */
+                const word_t *restrict source = (const word_t *)(d->gap_bytes + 8 * (start + lo));
+                word_t *restrict target = (word_t *)layer;
+                const int64_t n = d->window_rows;
+                for (int64_t r = 0; r < n; r++) target[r] = word_ids(source[r]);
+                proven[jw] = !gaps_past((const uint8_t *)source, hi - lo, E);
+                continue;
+            }
+            uint64_t *rows_of_gaps = n_entries ? entry_words : decoded;
+            int64_t n_rows = n_entries ? n_entries : hi - lo;
+            int status = decode_words(d, n_entries ? start : start + lo, rows_of_gaps, n_rows, mode & 1, table, values);
+            if (status < 0) FAIL(RANK_RANGE, j);
+            proven[jw] = status == 1 && permutation;
+            if (n_entries && gather_entries(d, index_at[j], layer_unique[j], lo, entry_words, n_entries, decoded, hi - lo))
+                FAIL(DICTIONARY_INDEX, j);
+            if (!(mode & 2)) {
+                memcpy(layer, decoded, (size_t)d->window_rows * 8);
+                continue;
+            }
+            expand_repeats(bits, decoded, hi - lo, layer, d->window_rows, d->first_row, starts_repeat);
+            continue;
+        }
+        int64_t next_unique = lo; /* one ID at a time: values holds the row a repeat keeps */
+        int ascending = 1;        /* every row decoded: prefix sums that ascend below E */
+        for (int64_t r = -starts_repeat; r < d->window_rows; r++) {
+            if (r < 0 || !repeat_bit(bits, nbits, d->first_row + r)) {
+                int64_t row = start + next_unique;
+                if (n_entries) {
+                    int64_t e = entry_index(d, index_at[j], layer_unique[j], n_entries, next_unique);
+                    if (e >= n_entries) FAIL(DICTIONARY_INDEX, j);
+                    row = start + e;
+                }
+                int status = decode_row(d, row, high, wrap, table, mode & 1, values);
+                if (status < 0) FAIL(RANK_RANGE, j);
+                ascending &= status == 1;
+                next_unique++;
+            }
+            if (r >= 0) {
+                uint8_t *out = out_row(d, jw, r);
+                for (int64_t c = 0; c < k; c++) store_id(out + c * itemsize, (int)itemsize, values[c]);
+            }
+        }
+        proven[jw] = ascending && permutation;
+    }
+    if (n_exceptions) {
+        written = calloc((size_t)(d->window_layers * d->window_rows + 1), 1);
+        if (!written || apply_exceptions(d, trailer, per_bitmap, listed, n_exceptions, written) < 0) FAIL(-1, 0);
+    }
+    if (d->accept != ANY_ROWS) {
+        int64_t fill = d->accept == SETS_OR_FILL ? d->fill_value : -1;
+        int64_t bad = first_invalid_in_window(d, fill, written, proven);
+        if (bad >= 0) FAIL(INVALID_ROW, bad);
+    }
+done:
+    free(layer_unique);
+    free(layer_stored);
+    free(index_at);
+    free(proven);
+    free(seen);
+    free(table);
+    free(values);
+    free(decoded);
+    free(entry_words);
+    free(written);
+    return result;
+}
+
+static PyObject *decode_chunk(PyObject *self, PyObject *args) {
+    PyObject *gap_obj, *rest_obj, *out_obj;
+    long long num_experts, layers, rows, first_layer, first_row, fill_value;
+    int accept, allow_words = 1; /* allow_words 0: rows of eight uint8 IDs one ID at a time (tests) */
+    if (!PyArg_ParseTuple(args, "OOLLLOLLiL|p", &gap_obj, &rest_obj, &num_experts, &layers, &rows, &out_obj,
+                          &first_layer, &first_row, &accept, &fill_value, &allow_words))
+        return NULL;
+    Py_buffer gaps, rest, out;
+    if (PyObject_GetBuffer(gap_obj, &gaps, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(rest_obj, &rest, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&gaps);
+        return NULL;
+    }
+    if (get_ids(out_obj, &out, PyBUF_STRIDES | PyBUF_FORMAT | PyBUF_WRITABLE, 3, "out") < 0) {
+        PyBuffer_Release(&gaps);
+        PyBuffer_Release(&rest);
+        return NULL;
+    }
+    PyObject *answer = NULL;
+    Decoding d = {0};
+    d.gap_bytes = gaps.buf;
+    d.gap_size = gaps.len;
+    d.rest = rest.buf;
+    d.rest_size = rest.len;
+    d.num_experts = num_experts;
+    d.layers = layers;
+    d.rows = rows;
+    d.out = out.buf;
+    d.window_layers = out.shape[0];
+    d.window_rows = out.shape[1];
+    d.k = out.shape[2];
+    d.itemsize = (int)out.itemsize;
+    d.layer_stride = out.strides[0];
+    d.first_layer = first_layer;
+    d.first_row = first_row;
+    d.accept = accept;
+    d.fill_value = fill_value;
+    d.words = allow_words && d.itemsize == 1 && d.k == 8;
+    int rows_contiguous = out.strides[2] == out.itemsize && out.strides[1] == d.k * out.itemsize;
+    if (num_experts < 1 || d.k < 1 || layers < 0 || rows < 0 || !rows_contiguous || d.rest_size < layers + 9 ||
+        first_layer < 0 || first_row < 0 || first_layer + d.window_layers > layers || first_row + d.window_rows > rows ||
+        (d.window_layers > 1 && d.layer_stride < d.window_rows * d.k * d.itemsize && d.window_rows)) {
+        PyErr_SetString(PyExc_ValueError, "decode_chunk: a window outside the chunk, or a layout it does not take");
+        goto release;
+    }
+    Result result;
+    Py_BEGIN_ALLOW_THREADS result = decode(&d);
+    Py_END_ALLOW_THREADS if (result.status == -1) {
+        PyErr_NoMemory();
+        goto release;
+    }
+    if (result.status == -2) {
+        PyErr_SetString(PyExc_ValueError, "decode_chunk: the gaps section is not the trailer's rows of gaps");
+        goto release;
+    }
+    answer = Py_BuildValue("LL", (long long)result.status, (long long)result.detail);
+release:
+    PyBuffer_Release(&gaps);
+    PyBuffer_Release(&rest);
+    PyBuffer_Release(&out);
+    return answer;
+}
+
+/* -- sorting and checking rows -------------------------------------------------------------------------------- */
+static PyObject *sort_rows_of_eight(PyObject *self, PyObject *args) {
+    PyObject *ids_obj, *out_obj;
+    long long tokens, layers, largest;
+    if (!PyArg_ParseTuple(args, "OOLLL", &ids_obj, &out_obj, &tokens, &layers, &largest)) return NULL;
+    Py_buffer ids, out;
+    if (get_ids(ids_obj, &ids, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT, 1, "ids") < 0) return NULL;
+    if (get_ids(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE, 1, "out") < 0) {
+        PyBuffer_Release(&ids);
+        return NULL;
+    }
+    PyObject *answer = NULL;
+    int itemsize = (int)ids.itemsize;
+    if (out.itemsize != itemsize || ids.shape[0] != tokens * layers * 8 || out.shape[0] != tokens * layers * 8) {
+        PyErr_SetString(PyExc_ValueError, "sort_rows_of_eight: ids and out must hold tokens x layers rows of eight");
+        goto release;
+    }
+    int64_t bad = -1;
+    Py_BEGIN_ALLOW_THREADS const uint8_t *src = ids.buf;
+    uint8_t *dst = out.buf;
+    int64_t v[8];
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t j = 0; j < layers; j++) {
+            const uint8_t *row = src + (t * layers + j) * 8 * itemsize;
+            for (int c = 0; c < 8; c++) v[c] = load_id(row + c * itemsize, itemsize);
+            network_of_eight(v);
+            uint8_t *to = dst + (j * tokens + t) * 8 * itemsize;
+            for (int c = 0; c < 8; c++) store_id(to + c * itemsize, itemsize, v[c]);
+            if (bad < 0) {
+                int wrong = v[7] > largest;
+                for (int c = 1; c < 8; c++) wrong |= v[c] == v[c - 1];
+                if (wrong) bad = t * layers + j;
+            }
+        }
+    Py_END_ALLOW_THREADS answer = PyLong_FromLongLong(bad);
+release:
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&out);
+    return answer;
+}
+
+static PyObject *first_invalid_row(PyObject *self, PyObject *args) {
+    PyObject *ids_obj;
+    long long num_experts;
+    int ascending;
+    if (!PyArg_ParseTuple(args, "OLp", &ids_obj, &num_experts, &ascending)) return NULL;
+    Py_buffer ids;
+    if (get_ids(ids_obj, &ids, PyBUF_STRIDES | PyBUF_FORMAT, 3, "ids") < 0) return NULL;
+    int64_t layers = ids.shape[0], rows = ids.shape[1], k = ids.shape[2], bad = -1;
+    int itemsize = (int)ids.itemsize;
+    Py_BEGIN_ALLOW_THREADS const uint8_t *base = ids.buf;
+    for (int64_t j = 0; j < layers && bad < 0; j++)
+        for (int64_t r = 0; r < rows && bad < 0; r++) {
+            const uint8_t *row = base + j * ids.strides[0] + r * ids.strides[1];
+            int valid = 1;
+            for (int64_t c = 0; c < k; c++) {
+                int64_t value = load_id(row + c * ids.strides[2], itemsize);
+                valid &= value < num_experts;
+                if (ascending) {
+                    if (c > 0) valid &= value > load_id(row + (c - 1) * ids.strides[2], itemsize);
+                } else {
+                    for (int64_t e = 0; e < c; e++) valid &= value != load_id(row + e * ids.strides[2], itemsize);
+                }
+            }
+            if (!valid) bad = j * rows + r;
+        }
+    Py_END_ALLOW_THREADS PyBuffer_Release(&ids);
+    return PyLong_FromLongLong(bad);
+}
+
+static PyMethodDef methods[] = {
+    {"encode_chunk", encode_chunk, METH_VARARGS,
+     "encode_chunk(ids, num_experts, dictionaries, allow_words=True) -> (gaps section, rest section, rows of gaps, "
+     "matched)"},
+    {"decode_chunk", decode_chunk, METH_VARARGS,
+     "decode_chunk(gaps, rest, num_experts, layers, rows, out, first_layer, first_row, accept, fill, allow_words=True) "
+     "-> (status, detail)"},
+    {"sort_rows_of_eight", sort_rows_of_eight, METH_VARARGS,
+     "sort_rows_of_eight(ids, out, tokens, layers, largest) -> first bad row in token order, or -1"},
+    {"first_invalid_row", first_invalid_row, METH_VARARGS,
+     "first_invalid_row(ids, num_experts, ascending) -> first invalid row (layer * R + row), or -1"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ckernels",
+                                    "The compiled per-chunk passes of the format-2 codec (see kernels.py).", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__ckernels(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    PyObject *constants = Py_BuildValue(
+        "{s:d,s:i,s:d,s:d,s:i,s:i,s:i,s:d,s:d,s:d,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
+        "RANK_BELOW", RANK_BELOW, "LOAD_SAMPLE", LOAD_SAMPLE, "MIN_GAIN", MIN_GAIN, "RUN_BYTES", RUN_BYTES,
+        "MAX_MASK_EXPERTS", MAX_MASK_EXPERTS, "DICTIONARY", DICTIONARY, "MAX_ENTRIES", MAX_ENTRIES, "MATCH_BYTES",
+        MATCH_BYTES, "INDEX_WEIGHT", INDEX_WEIGHT, "LONG_RUN_BYTES", LONG_RUN_BYTES, "AUTO", AUTO, "NEVER", NEVER,
+        "ALWAYS", ALWAYS, "OK", OK, "UNKNOWN_MODE", UNKNOWN_MODE, "SECTION_SIZES", SECTION_SIZES,
+        "FIRST_ROW_REPEATS", FIRST_ROW_REPEATS, "UNIQUE_COUNT", UNIQUE_COUNT, "EXCEPTION_RANGE", EXCEPTION_RANGE,
+        "RANK_RANGE", RANK_RANGE, "DICTIONARY_SIZE", DICTIONARY_SIZE, "DICTIONARY_INDEX", DICTIONARY_INDEX,
+        "INVALID_ROW", INVALID_ROW, "ANY_ROWS", ANY_ROWS, "SETS", SETS, "SETS_OR_FILL", SETS_OR_FILL);
+    if (!constants || PyModule_AddObject(m, "CONSTANTS", constants) < 0) {
+        Py_XDECREF(constants);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
