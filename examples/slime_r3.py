@@ -17,8 +17,9 @@ wrapped), or call ``write_samples`` / ``strip_routing`` inside it. An init hook 
 This script runs both halves on CPU without slime: a rollout of slime-shaped samples (``Sample.tokens``,
 ``response_length``, ``rollout_routed_experts`` ``[len(tokens) - 1, num_layers, K]`` int32 with zeros in dense
 layers) goes through the rollout wrapper, then every rank of a TP=2 (sequence parallel) x CP=2 x PP=2 layout fills
-stand-ins of slime's ``RoutingReplay`` for its DP rank's micro-batches, its routers pop them, and the script checks
-each popped tensor against what slime's own replay records from the routing it ships.
+stand-ins of slime's ``RoutingReplay`` (``routelog.testing.SlimeRoutingReplay``) for its DP rank's micro-batches,
+its routers pop them, and the script checks each popped tensor against what slime's own replay records from the
+routing it ships.
 
     python examples/slime_r3.py [STORE_URL]
 """
@@ -37,7 +38,7 @@ import torch
 import routelog
 from routelog.align import RankCoords
 from routelog.integrations import slime
-from routelog.testing import slime_prepare
+from routelog.testing import SlimeRoutingReplay, slime_prepare
 
 LAYERS, EXPERTS, TOPK = 8, 16, 2
 FREQ = [0, 1, 1, 1, 0, 1, 1, 1]  # Megatron's moe_layer_freq: layers 0 and 4 are dense
@@ -112,22 +113,6 @@ rollout_data = [
 ]
 
 
-class RoutingReplay:
-    """Stand-in for slime.utils.routing_replay.RoutingReplay (one per MoE router of a rank, build order): it keeps
-    what it records, and a router's forward pops the next micro-batch, materializing routelog's lazy reference."""
-
-    def __init__(self) -> None:
-        self.top_indices_list: list[Any] = []
-        self.forward_index = 0
-
-    def record(self, top_indices: Any) -> None:
-        self.top_indices_list.append(top_indices)
-
-    def pop_forward(self) -> Any:
-        self.forward_index += 1
-        return self.top_indices_list[self.forward_index - 1].materialize_for_routing_replay("forward")
-
-
 # -- training side: what the patched MegatronTrainRayActor.fill_routing_replay and the routers do on each rank ---
 payload = sum(ROUTES[j].nbytes for j in partitions[0])  # what slime ships every rank of DP rank 0
 for dp, tp, cp, pp in itertools.product(range(2), range(2), range(2), range(2)):
@@ -137,7 +122,7 @@ for dp, tp, cp, pp in itertools.product(range(2), range(2), range(2), range(2)):
     place = slime_prepare(tp_rank=tp, tp_size=2, cp_rank=cp, cp_size=2)
     replay = slime.SlimeReplay(store, rank=rank, prepare=place)
     plan = replay.plan(ROLLOUT_ID, args, rollout_data[dp])
-    replays = [RoutingReplay() for _ in plan.routers]
+    replays = [SlimeRoutingReplay() for _ in plan.routers]
     report = replay.record(ROLLOUT_ID, args, rollout_data[dp], replays)  # lazy references: nothing read yet
     # Check: each router pops exactly what slime's own fill_routing_replay would have recorded from the routing it
     # ships (padding rows included).

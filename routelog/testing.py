@@ -190,6 +190,38 @@ def megatron_on_cpu() -> None:
         parallel_state.initialize_model_parallel()
 
 
+class SlimeRoutingReplay:
+    """Stand-in for slime's ``slime.utils.routing_replay.RoutingReplay`` (slime is not on the package index), one
+    per MoE router of a rank in build order, as slime at ``624b824a`` behaves: ``record`` keeps what
+    ``fill_routing_replay`` hands it (routelog's lazy references as they are, tensors on the host), and a router's
+    forward (``pop_forward``) or backward recompute (``pop_backward``) takes the next one, materializing a lazy
+    reference in that stage, or moving a tensor to int32 (slime also moves it to the accelerator)."""
+
+    def __init__(self) -> None:
+        self.top_indices_list: list[Any] = []
+        self.forward_index = 0
+        self.backward_index = 0
+
+    def record(self, top_indices: Any) -> None:
+        self.top_indices_list.append(top_indices)
+
+    def pop_forward(self) -> Any:
+        self.forward_index += 1
+        return self._materialized(self.top_indices_list[self.forward_index - 1], "forward")
+
+    def pop_backward(self) -> Any:
+        self.backward_index += 1
+        return self._materialized(self.top_indices_list[self.backward_index - 1], "backward")
+
+    @staticmethod
+    def _materialized(top_indices: Any, stage: str) -> Any:
+        if hasattr(top_indices, "materialize_for_routing_replay"):
+            return top_indices.materialize_for_routing_replay(stage)
+        import torch
+
+        return top_indices.to(dtype=torch.int32)
+
+
 def slime_prepare(*, tp_rank: int = 0, tp_size: int = 1, cp_rank: int = 0, cp_size: int = 1) -> Callable[..., Any]:
     """A stand-in, for one rank, for slime's ``prepare_routed_experts_for_routing_replay`` (slime 624b824a,
     ``slime/backends/megatron_utils/cp_utils.py``), which :mod:`routelog.integrations.slime` calls where slime is

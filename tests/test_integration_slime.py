@@ -33,7 +33,7 @@ from routelog.format.part import PartOptions
 from routelog.integrations import slime
 from routelog.integrations.slime import SlimeReplay
 from routelog.store.fidelity import ReplayFidelityError, StaleRoutingError
-from routelog.testing import slime_prepare
+from routelog.testing import SlimeRoutingReplay, slime_prepare
 
 torch = pytest.importorskip("torch")
 
@@ -329,23 +329,6 @@ class DataIterator:
     def reset(self) -> DataIterator:
         self.offset = 0
         return self
-
-
-class SlimeRoutingReplay(StubReplay):
-    """slime's ``RoutingReplay`` with its forward and backward cursors: a lazy reference is materialized when
-    popped, in the stage that pops it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.forward_index = self.backward_index = 0
-
-    def pop_forward(self) -> Any:
-        self.forward_index += 1
-        return self.top_indices_list[self.forward_index - 1].materialize_for_routing_replay("forward")
-
-    def pop_backward(self) -> Any:
-        self.backward_index += 1
-        return self.top_indices_list[self.backward_index - 1].materialize_for_routing_replay("backward")
 
 
 def registry() -> Any:

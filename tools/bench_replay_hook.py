@@ -419,7 +419,7 @@ def _slime_sides(
 
     from routelog.align import RankCoords
     from routelog.integrations import slime
-    from routelog.testing import slime_prepare
+    from routelog.testing import SlimeRoutingReplay, slime_prepare
 
     rng = np.random.default_rng(1)
     args = SimpleNamespace(
@@ -454,24 +454,7 @@ def _slime_sides(
     place = slime_prepare()
     moe_layers = range(1, layers)
 
-    class RoutingReplay:
-        """slime's: keeps what it records; a router's forward pops the next one (a lazy reference materialized)."""
-
-        def __init__(self) -> None:
-            self.top_indices_list: list[Any] = []
-            self.forward_index = 0
-
-        def record(self, top_indices: Any) -> None:
-            self.top_indices_list.append(top_indices)
-
-        def pop_forward(self) -> Any:
-            self.forward_index += 1
-            top = self.top_indices_list[self.forward_index - 1]
-            if hasattr(top, "materialize_for_routing_replay"):
-                return top.materialize_for_routing_replay("forward")
-            return top.to(dtype=torch.int32)
-
-    def timed(replays: list[RoutingReplay]) -> list[float]:
+    def timed(replays: list[SlimeRoutingReplay]) -> list[float]:
         def one(m: int) -> None:
             for replay in replays:
                 replay.pop_forward()
@@ -480,7 +463,7 @@ def _slime_sides(
         return [_timed(one, m) for m in range(len(loaded))]
 
     def native() -> tuple[list[float], Any]:
-        replays = [RoutingReplay() for _ in moe_layers]
+        replays = [SlimeRoutingReplay() for _ in moe_layers]
         for batch in schedule:
             prepared = place(
                 [torch.from_numpy(samples[j].routes) for j in batch],
@@ -496,7 +479,7 @@ def _slime_sides(
 
     def routelog_side() -> tuple[list[float], Any]:
         replay = slime.SlimeReplay(url, rank=RankCoords(), prepare=place)
-        replays = [RoutingReplay() for _ in moe_layers]
+        replays = [SlimeRoutingReplay() for _ in moe_layers]
         replay.record(0, args, rollout_data, replays)
         return timed(replays), (lambda: replay.end_rollout(0), replay.close)
 

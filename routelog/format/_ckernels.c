@@ -68,8 +68,6 @@ static inline uint64_t load64(const uint8_t *p) {
     return v;
 }
 static inline void store64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
-/* A row of eight uint8 IDs as a word, wherever it lies (a reader's window may start at any byte). */
-typedef uint64_t word_t __attribute__((aligned(1)));
 
 /* An ID of a uint8 or uint16 array (native order). */
 static inline int64_t load_id(const uint8_t *p, int itemsize) {
@@ -98,7 +96,13 @@ static inline int64_t put_le(uint8_t *buffer, int64_t at, int64_t value, int nby
     return at + nbytes;
 }
 
-static inline int popcount64(uint64_t x) { return __builtin_popcountll(x); }
+/* Set bits of a byte (a table: baseline x86-64 has no popcount instruction, and libgcc's call costs more). */
+static const uint8_t BITS[256] = {
+#define B2(n) n, n + 1, n + 1, n + 2
+#define B4(n) B2(n), B2(n + 1), B2(n + 1), B2(n + 2)
+#define B6(n) B4(n), B4(n + 1), B4(n + 1), B4(n + 2)
+    B6(0), B6(1), B6(1), B6(2)};
+static inline int popcount8(uint64_t x) { return BITS[x & 255]; }
 
 /* -- rows as words (eight uint8 IDs) -------------------------------------------------------------------------- */
 static inline uint64_t word_gaps(uint64_t word) { return word - ((word << 8) + FIRST_ONES); }
@@ -122,10 +126,25 @@ static inline uint64_t word_ids(uint64_t gaps) {
     return x + (x << 32);
 }
 
-/* Whether some row whose gaps are one of the n words at rows is no set below num_experts: its last ID, the gaps'
- * byte sum + 7, is at least min(E, 256). */
-static int gaps_past(const uint8_t *bytes, int64_t n, int64_t num_experts) {
-    const word_t *restrict rows = (const word_t *)bytes;
+/* The loops every chunk runs, compiled twice where the toolchain can (AVX2 and baseline x86-64, chosen when the
+ * module loads): over 64-bit lanes the baseline's vectorizer gives up, and these are most of a chunk's work. Word
+ * arrays are 8-byte aligned (the callers copy a misaligned buffer first). */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define HOT __attribute__((target_clones("avx2", "default"), noinline))
+#elif defined(__GNUC__)
+#define HOT __attribute__((noinline))
+#else
+#define HOT
+#endif
+
+/* ids[r] = the IDs whose gaps are gaps[r]. */
+HOT static void ids_from_gaps(const uint64_t *restrict gaps, uint64_t *restrict ids, int64_t n) {
+    for (int64_t r = 0; r < n; r++) ids[r] = word_ids(gaps[r]);
+}
+
+/* Whether some row whose gaps are one of the n words is no set below num_experts: its last ID, the gaps' byte sum
+ * + 7, is at least min(E, 256). */
+HOT static int gaps_past(const uint64_t *restrict rows, int64_t n, int64_t num_experts) {
     uint64_t over = 0;
     uint64_t bias = (uint64_t)(2048 + 7 - (num_experts < 256 ? num_experts : 256));
     for (int64_t r = 0; r < n; r++) {
@@ -135,6 +154,91 @@ static int gaps_past(const uint8_t *bytes, int64_t n, int64_t num_experts) {
         over |= (((quads + (quads >> 32)) & 0xFFFF) + bias) & 2048;
     }
     return over != 0;
+}
+
+/* gaps[r] = the gaps of ids[r]; returns how many rows are no strictly ascending set below num_experts. */
+HOT static int64_t gaps_of_ids(const uint64_t *restrict ids, uint64_t *restrict gaps, int64_t n, int64_t num_experts) {
+    int64_t invalid = 0;
+    for (int64_t r = 0; r < n; r++) {
+        uint64_t g = word_gaps(ids[r]);
+        gaps[r] = g;
+        invalid += !word_valid(ids[r], g, num_experts);
+    }
+    return invalid;
+}
+
+/* flags[r] = whether row r equals row r - 1 (flags[0] = 0); returns how many do. */
+HOT static int64_t repeat_flags(const uint64_t *restrict ids, uint8_t *restrict flags, int64_t n) {
+    int64_t repeats = 0;
+    if (n > 0) flags[0] = 0;
+    for (int64_t r = 1; r < n; r++) {
+        flags[r] = ids[r] == ids[r - 1];
+        repeats += flags[r];
+    }
+    return repeats;
+}
+
+#define MIN_MAX_8(a, b)                 \
+    do {                                \
+        uint8_t lo_ = a < b ? a : b;    \
+        uint8_t hi_ = a < b ? b : a;    \
+        a = lo_;                        \
+        b = hi_;                        \
+    } while (0)
+#define MIN_MAX_16(a, b)                \
+    do {                                \
+        uint16_t lo_ = a < b ? a : b;   \
+        uint16_t hi_ = a < b ? b : a;   \
+        a = lo_;                        \
+        b = hi_;                        \
+    } while (0)
+/* Batcher's network for eight (19 compare-exchanges; codec.sorting_network). */
+#define NETWORK(MM)                                                           \
+    MM(a0, a1); MM(a2, a3); MM(a4, a5); MM(a6, a7); MM(a0, a2); MM(a1, a3);   \
+    MM(a4, a6); MM(a5, a7); MM(a1, a2); MM(a5, a6); MM(a0, a4); MM(a1, a5);   \
+    MM(a2, a6); MM(a3, a7); MM(a2, a4); MM(a3, a5); MM(a1, a2); MM(a3, a4);   \
+    MM(a5, a6)
+
+/* Rows of eight uint8 values sorted in place (the loop vectorizes across rows); nonzero when some row holds a value
+ * above largest or a repeated one. */
+HOT static int sort_rows_u8(uint8_t *rows, int64_t n, uint8_t largest) {
+    uint8_t bad = 0;
+    for (int64_t r = 0; r < n; r++) {
+        uint8_t *s = rows + 8 * r;
+        uint8_t a0 = s[0], a1 = s[1], a2 = s[2], a3 = s[3], a4 = s[4], a5 = s[5], a6 = s[6], a7 = s[7];
+        NETWORK(MIN_MAX_8);
+        bad |= (a0 == a1) | (a1 == a2) | (a2 == a3) | (a3 == a4) | (a4 == a5) | (a5 == a6) | (a6 == a7) | (a7 > largest);
+        s[0] = a0; s[1] = a1; s[2] = a2; s[3] = a3; s[4] = a4; s[5] = a5; s[6] = a6; s[7] = a7;
+    }
+    return bad;
+}
+
+HOT static int sort_rows_u16(uint16_t *rows, int64_t n, uint16_t largest) {
+    uint16_t bad = 0;
+    for (int64_t r = 0; r < n; r++) {
+        uint16_t *s = rows + 8 * r;
+        uint16_t a0 = s[0], a1 = s[1], a2 = s[2], a3 = s[3], a4 = s[4], a5 = s[5], a6 = s[6], a7 = s[7];
+        NETWORK(MIN_MAX_16);
+        bad |= (a0 == a1) | (a1 == a2) | (a2 == a3) | (a3 == a4) | (a4 == a5) | (a5 == a6) | (a6 == a7) | (a7 > largest);
+        s[0] = a0; s[1] = a1; s[2] = a2; s[3] = a3; s[4] = a4; s[5] = a5; s[6] = a6; s[7] = a7;
+    }
+    return bad;
+}
+
+/* Rows of eight uint8 IDs given as gaps, each mapped through lookup (256 bytes) and sorted, into out (n words);
+ * returns whether every row's IDs were a strictly ascending set below num_experts. */
+static int map_and_sort_rows(const uint64_t *gaps, uint64_t *out, int64_t n, const uint8_t *lookup,
+                             int64_t num_experts) {
+    int valid = 1;
+    uint8_t *bytes = (uint8_t *)out;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t g = gaps[i]; /* read before the row is written: out may be gaps */
+        uint64_t ids = word_ids(g);
+        valid &= word_valid(ids, g, num_experts);
+        for (int c = 0; c < 8; c++) bytes[8 * i + c] = lookup[(ids >> (8 * c)) & 255];
+    }
+    sort_rows_u8(bytes, n, 255);
+    return valid;
 }
 
 #define MIN_MAX(a, b)                       \
@@ -229,6 +333,7 @@ typedef struct {
     int64_t *tables;     /* [L, E] rank -> ID of ranked layers */
     int64_t *exceptions; /* [L * R, 2] (unique row, flat row) of rows that are no valid set */
     int64_t *layer_unique, *entries, *indices;
+    uint8_t *flags; /* [R] scratch: rows equal to the row before */
     int64_t placed, n_exceptions, matched;
 } Encoding;
 
@@ -296,18 +401,32 @@ static inline int64_t layer_gaps(Encoding *x, int64_t j, int64_t unique, int64_t
     int64_t rows = x->rows, k = x->k, per_bitmap = (rows + 7) / 8;
     const uint8_t *layer = x->ids + j * rows * k * x->itemsize;
     int64_t first = unique; /* a row's number is numbered + its position - first */
-    for (int64_t r = 0; r < rows; r++) {
-        int valid;
-        if (x->words) {
-            uint64_t w = load64(layer + 8 * r);
-            if (r > 0 && w == load64(layer + 8 * (r - 1))) {
+    if (x->words) { /* whole-layer passes that vectorize, then only where needed the repeats and the invalid rows */
+        const uint64_t *ids = (const uint64_t *)layer;
+        uint64_t *out = x->gap_words + unique;
+        int64_t invalid = gaps_of_ids(ids, out, rows, x->num_experts);
+        int64_t repeats = repeat_flags(ids, x->flags, rows);
+        if (!repeats && !invalid) return unique + rows;
+        int64_t u = 0;
+        for (int64_t r = 0; r < rows; r++) {
+            if (x->flags[r]) {
                 x->bitmaps[j * per_bitmap + (r >> 3)] |= (uint8_t)(0x80 >> (r & 7));
                 continue;
             }
-            uint64_t g = word_gaps(w);
-            valid = word_valid(w, g, x->num_experts);
-            x->gap_words[unique] = valid ? g : 0;
-        } else {
+            out[u] = out[r];
+            if (invalid && !word_valid(ids[r], out[r], x->num_experts)) {
+                out[u] = 0;
+                x->exceptions[2 * x->n_exceptions] = numbered + u;
+                x->exceptions[2 * x->n_exceptions + 1] = j * rows + r;
+                x->n_exceptions++;
+            }
+            u++;
+        }
+        return unique + u;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        int valid;
+        {
             int64_t size = k * x->itemsize;
             if (r > 0 && memcmp(layer + r * size, layer + (r - 1) * size, (size_t)size) == 0) {
                 x->bitmaps[j * per_bitmap + (r >> 3)] |= (uint8_t)(0x80 >> (r & 7));
@@ -477,6 +596,14 @@ static int transform(Encoding *result) {
         /* 5. Relabel by popularity rank: the ranked gaps replace the plain ones, in place. */
         x->modes[j] |= 1;
         for (int64_t e = 0; e < E; e++) x->tables[j * E + e] = order[e];
+        if (x->words) { /* every row is a set (exceptions hold a placeholder): lanes mapped to ranks, sorted, gaps */
+            uint8_t lookup[256] = {0};
+            for (int64_t e = 0; e < E && e < 256; e++) lookup[e] = (uint8_t)rank_of[e];
+            uint64_t *rows = x->gap_words + base;
+            map_and_sort_rows(rows, rows, unique - base, lookup, E);
+            for (int64_t i = 0; i < unique - base; i++) rows[i] = word_gaps(rows[i]);
+            continue;
+        }
         for (int64_t i = base; i < unique; i++) {
             ranked_row(x, i, rank_of, values);
             set_row(x, i, values);
@@ -578,6 +705,16 @@ static PyObject *encode_chunk(PyObject *self, PyObject *args) {
     x.dictionaries = dictionaries;
     x.words = allow_words && x.itemsize == 1 && x.k == 8;
     PyObject *result = NULL;
+    uint8_t *aligned_ids = NULL;
+    if (x.words && ((uintptr_t)x.ids % 8)) { /* the word passes read 8-byte aligned rows */
+        aligned_ids = malloc((size_t)(x.layers * x.rows * 8 + 8));
+        if (!aligned_ids) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        memcpy(aligned_ids, x.ids, (size_t)(x.layers * x.rows * 8));
+        x.ids = aligned_ids;
+    }
     int64_t n = x.layers * x.rows, per_bitmap = (x.rows + 7) / 8;
     if (num_experts < 1 || x.k < 1) {
         PyErr_SetString(PyExc_ValueError, "encode_chunk: num_experts and K must be positive");
@@ -594,8 +731,9 @@ static PyObject *encode_chunk(PyObject *self, PyObject *args) {
     x.layer_unique = calloc((size_t)x.layers + 1, sizeof(int64_t));
     x.entries = calloc((size_t)x.layers + 1, sizeof(int64_t));
     x.indices = malloc((size_t)(n + 1) * sizeof(int64_t));
+    x.flags = malloc((size_t)x.rows + 1);
     if ((!x.gap_words && !x.gaps) || !x.bitmaps || !x.modes || !x.tables || !x.exceptions || !x.layer_unique ||
-        !x.entries || !x.indices) {
+        !x.entries || !x.indices || !x.flags) {
         PyErr_NoMemory();
         goto fail;
     }
@@ -637,6 +775,8 @@ fail:
     free(x.layer_unique);
     free(x.entries);
     free(x.indices);
+    free(x.flags);
+    free(aligned_ids);
     PyBuffer_Release(&view);
     return result;
 }
@@ -663,8 +803,8 @@ static inline int repeat_bit(const uint8_t *bits, int64_t nbits, int64_t row) {
 static inline int64_t repeats_before(const uint8_t *bits, int64_t nbits, int64_t row) {
     if (nbits == 0) return 0;
     int64_t count = 0;
-    for (int64_t byte = 0; byte < (row >> 3); byte++) count += popcount64(bits[byte]);
-    if ((row & 7) && (row >> 3) < nbits) count += popcount64(bits[row >> 3] & ((0xFF00 >> (row & 7)) & 0xFF));
+    for (int64_t byte = 0; byte < (row >> 3); byte++) count += popcount8(bits[byte]);
+    if ((row & 7) && (row >> 3) < nbits) count += popcount8(bits[row >> 3] & ((0xFF00 >> (row & 7)) & 0xFF));
     return count;
 }
 
@@ -696,33 +836,21 @@ static inline int decode_row(const Decoding *d, int64_t u, int64_t high, int64_t
  * are strictly ascending and below E, else 0. */
 static inline int decode_words(const Decoding *d, int64_t first, uint64_t *out, int64_t n, int ranked, const int64_t *table,
                         int64_t *values) {
-    const uint8_t *source = d->gap_bytes + 8 * first;
-    const word_t *restrict words = (const word_t *)source;
+    const uint64_t *words = (const uint64_t *)d->gap_bytes + first;
     int64_t E = d->num_experts;
     if (!ranked) {
-        for (int64_t i = 0; i < n; i++) out[i] = word_ids(words[i]);
-        return gaps_past(source, n, E) ? 0 : 1;
+        ids_from_gaps(words, out, n);
+        return gaps_past(words, n, E) ? 0 : 1;
     }
-    int64_t mapped[256];
-    for (int v = 0; v < 256; v++) mapped[v] = v < E ? (table[v] & 255) : 256;
-    int valid = 1;
-    for (int64_t i = 0; i < n; i++) {
-        uint64_t gaps = load64(source + 8 * i);
-        uint64_t ids = word_ids(gaps);
-        valid &= word_valid(ids, gaps, E);
-        int64_t v[8];
-        for (int c = 0; c < 8; c++) v[c] = mapped[(ids >> (8 * c)) & 255] & 255;
-        network_of_eight(v);
-        uint64_t w = 0;
-        for (int c = 0; c < 8; c++) w |= (uint64_t)v[c] << (8 * c);
-        out[i] = w;
-    }
-    if (valid) return 1;
+    uint8_t lookup[256];
+    for (int v = 0; v < 256; v++) lookup[v] = v < E ? (uint8_t)(table[v] & 255) : 0;
+    if (map_and_sort_rows(words, out, n, lookup, E)) return 1;
     /* a row of ranks that is no set (damage): row by row, one ID at a time where needed */
+    int64_t mapped[256];
     for (int v = 0; v < 256; v++) mapped[v] = v < E ? table[v] : 256;
     for (int64_t i = 0; i < n; i++) {
         uint64_t word;
-        if (!sorted_lanes(word_ids(load64(source + 8 * i)), mapped, E <= 64, &word)) {
+        if (!sorted_lanes(word_ids(words[i]), mapped, E <= 64, &word)) {
             if (decode_row(d, first + i, 0, 255, table, 1, values) < 0) return -1;
             word = 0;
             for (int c = 0; c < 8; c++) word |= (uint64_t)(values[c] & 255) << (8 * c);
@@ -880,7 +1008,7 @@ static Result decode(const Decoding *given) {
             for (int64_t byte = 0; byte < per_bitmap; byte++) {
                 uint64_t bits = rest[bitmap + byte];
                 if (byte == rows >> 3) bits &= (0xFF00 >> (rows & 7)) & 0xFF;
-                layer_unique[j] -= popcount64(bits);
+                layer_unique[j] -= popcount8(bits);
             }
             bitmap += per_bitmap;
         }
@@ -950,11 +1078,9 @@ static Result decode(const Decoding *given) {
         if (d->words) {
             uint8_t *layer = out_row(d, jw, 0);
             if (mode == 0) { /* plain, no repeats: straight into the output */
-                const word_t *restrict source = (const word_t *)(d->gap_bytes + 8 * (start + lo));
-                word_t *restrict target = (word_t *)layer;
-                const int64_t n = d->window_rows;
-                for (int64_t r = 0; r < n; r++) target[r] = word_ids(source[r]);
-                proven[jw] = !gaps_past((const uint8_t *)source, hi - lo, E);
+                const uint64_t *source = (const uint64_t *)d->gap_bytes + start + lo;
+                ids_from_gaps(source, (uint64_t *)layer, d->window_rows);
+                proven[jw] = !gaps_past(source, hi - lo, E);
                 continue;
             }
             uint64_t *rows_of_gaps = n_entries ? entry_words : decoded;
@@ -1061,9 +1187,39 @@ static PyObject *decode_chunk(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "decode_chunk: a window outside the chunk, or a layout it does not take");
         goto release;
     }
+    /* The word passes read and write 8-byte aligned rows: a misaligned section or window goes through a copy. */
+    uint8_t *gap_copy = NULL, *out_copy = NULL, *out_given = d.out;
+    int64_t stride_given = d.layer_stride;
+    if (d.words && ((uintptr_t)d.gap_bytes % 8)) {
+        gap_copy = malloc((size_t)d.gap_size + 8);
+        if (!gap_copy) {
+            PyErr_NoMemory();
+            goto release;
+        }
+        memcpy(gap_copy, d.gap_bytes, (size_t)d.gap_size);
+        d.gap_bytes = gap_copy;
+    }
+    if (d.words && (((uintptr_t)d.out % 8) || (d.layer_stride % 8))) {
+        out_copy = malloc((size_t)(d.window_layers * d.window_rows * 8 + 8));
+        if (!out_copy) {
+            free(gap_copy);
+            PyErr_NoMemory();
+            goto release;
+        }
+        for (int64_t jw = 0; jw < d.window_layers; jw++)
+            memcpy(out_copy + jw * d.window_rows * 8, out_given + jw * stride_given, (size_t)(d.window_rows * 8));
+        d.out = out_copy;
+        d.layer_stride = d.window_rows * 8;
+    }
     Result result;
     Py_BEGIN_ALLOW_THREADS result = decode(&d);
-    Py_END_ALLOW_THREADS if (result.status == -1) {
+    Py_END_ALLOW_THREADS if (out_copy) {
+        for (int64_t jw = 0; jw < d.window_layers; jw++)
+            memcpy(out_given + jw * stride_given, out_copy + jw * d.window_rows * 8, (size_t)(d.window_rows * 8));
+    }
+    free(gap_copy);
+    free(out_copy);
+    if (result.status == -1) {
         PyErr_NoMemory();
         goto release;
     }
@@ -1097,23 +1253,39 @@ static PyObject *sort_rows_of_eight(PyObject *self, PyObject *args) {
         goto release;
     }
     int64_t bad = -1;
+    size_t row_bytes = (size_t)8 * itemsize;
+    /* A block of tokens (every layer: contiguous in ids, small enough for the first-level cache) is sorted in a
+     * scratch buffer by the vectorized network, then each layer's rows of the block move to their place in out. */
+    int64_t block = layers > 0 ? 2048 / layers : 0;
+    block = block < 16 ? 16 : block;
+    uint8_t *scratch = malloc((size_t)(block * layers) * row_bytes + 16);
+    if (!scratch) {
+        PyErr_NoMemory();
+        goto release;
+    }
     Py_BEGIN_ALLOW_THREADS const uint8_t *src = ids.buf;
     uint8_t *dst = out.buf;
-    int64_t v[8];
-    for (int64_t t = 0; t < tokens; t++)
-        for (int64_t j = 0; j < layers; j++) {
-            const uint8_t *row = src + (t * layers + j) * 8 * itemsize;
-            for (int c = 0; c < 8; c++) v[c] = load_id(row + c * itemsize, itemsize);
-            network_of_eight(v);
-            uint8_t *to = dst + (j * tokens + t) * 8 * itemsize;
-            for (int c = 0; c < 8; c++) store_id(to + c * itemsize, itemsize, v[c]);
-            if (bad < 0) {
-                int wrong = v[7] > largest;
-                for (int c = 1; c < 8; c++) wrong |= v[c] == v[c - 1];
-                if (wrong) bad = t * layers + j;
-            }
+    int wrong = 0;
+    for (int64_t t0 = 0; t0 < tokens; t0 += block) {
+        int64_t n = tokens - t0 < block ? tokens - t0 : block;
+        memcpy(scratch, src + t0 * layers * row_bytes, (size_t)(n * layers) * row_bytes);
+        if (itemsize == 1)
+            wrong |= sort_rows_u8(scratch, n * layers, (uint8_t)(largest > 255 ? 255 : largest));
+        else
+            wrong |= sort_rows_u16((uint16_t *)scratch, n * layers, (uint16_t)(largest > 65535 ? 65535 : largest));
+        for (int64_t j = 0; j < layers; j++)
+            for (int64_t t = 0; t < n; t++)
+                memcpy(dst + (j * tokens + t0 + t) * row_bytes, scratch + (t * layers + j) * row_bytes, row_bytes);
+    }
+    for (int64_t t = 0; wrong && t < tokens && bad < 0; t++) /* the rare case: the first bad row, token order */
+        for (int64_t j = 0; j < layers && bad < 0; j++) {
+            const uint8_t *row = dst + (j * tokens + t) * row_bytes;
+            int w = load_id(row + 7 * itemsize, itemsize) > largest;
+            for (int c = 1; c < 8; c++) w |= load_id(row + c * itemsize, itemsize) == load_id(row + (c - 1) * itemsize, itemsize);
+            if (w) bad = t * layers + j;
         }
-    Py_END_ALLOW_THREADS answer = PyLong_FromLongLong(bad);
+    Py_END_ALLOW_THREADS free(scratch);
+    answer = PyLong_FromLongLong(bad);
 release:
     PyBuffer_Release(&ids);
     PyBuffer_Release(&out);
