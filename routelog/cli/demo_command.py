@@ -94,7 +94,18 @@ def demo(
         except KeyboardInterrupt:
             _interrupted(out, started_stores)
         progress.update(task, completed=STAGES)
-    seconds = time.perf_counter() - started
+    try:
+        _summarize(metrics, out, time.perf_counter() - started, json_out)
+    except KeyboardInterrupt:  # everything is written: say so rather than a bare "interrupted"
+        from routelog.errors import WriteInterruptedError
+
+        raise WriteInterruptedError(
+            f"interrupted while printing the summary: the demo had finished; {out / 'metrics.json'} holds its "
+            f"numbers and {out / 'report.png'} its figure"
+        ) from None
+
+
+def _summarize(metrics: dict[str, Any], out: Path, seconds: float, json_out: bool) -> None:
     if json_out:
         print_json(metrics | {"wall_seconds": seconds})
         return

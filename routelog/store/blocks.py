@@ -1,10 +1,13 @@
 """Reading blocks of committed parts: the shard indexes, then exactly the inner chunks a request touches, with
-concurrent ranged reads of the shard objects; each chunk is checksum-verified, decoded into place and its rows
-checked as sets (FORMAT.md section 5).
+concurrent ranged reads of the shard objects; each chunk is checksum-verified and decoded once (a snapshot keeps
+the latest decoded chunks, within a byte budget, for the reads that follow: records stored side by side share
+chunks), and the rows handed out are checked as sets (FORMAT.md section 5).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,11 +107,21 @@ class ShardRead:
     """The requested layers, counted from the shard's first."""
 
 
-class ShardIndexCache:
-    """Shard indexes already fetched, keyed by shard object (a snapshot keeps one, so each index is read once)."""
+CHUNK_CACHE_BYTES = 32 << 20
+"""What a snapshot keeps of the chunks it decoded last (a 4096-row chunk of 4 layers of top-8 uint8 IDs is 128 KiB):
+a record read after its neighbour finds the chunks they share decoded."""
 
-    def __init__(self) -> None:
+
+class ReadCache:
+    """What a snapshot keeps between reads: every shard index it fetched (each is read once), and the chunks it
+    decoded last, least recently used first out past ``chunk_bytes``. Safe to share between threads."""
+
+    def __init__(self, chunk_bytes: int = CHUNK_CACHE_BYTES) -> None:
         self._indexes: dict[str, npt.NDArray[np.uint64]] = {}
+        self._chunks: OrderedDict[tuple[str, int], np.ndarray[Any, Any]] = OrderedDict()
+        self._chunk_bytes = 0
+        self.chunk_budget = chunk_bytes
+        self._lock = threading.Lock()
 
     def fetch(self, storage: Storage, reads: Sequence[ShardRead]) -> dict[str, npt.NDArray[np.uint64]]:
         shards = {r.key: r for r in reads}
@@ -122,64 +135,78 @@ class ShardIndexCache:
             self._indexes[read.key] = index
         return {key: self._indexes[key] for key in shards}
 
+    def chunk(self, key: tuple[str, int]) -> np.ndarray[Any, Any] | None:
+        """The decoded chunk at ``key`` (shard key, chunk offset), when it is still kept."""
+        with self._lock:
+            found = self._chunks.get(key)
+            if found is not None:
+                self._chunks.move_to_end(key)
+            return found
+
+    def keep(self, key: tuple[str, int], chunk: np.ndarray[Any, Any]) -> None:
+        if chunk.nbytes > self.chunk_budget:
+            return
+        with self._lock:
+            if key in self._chunks:
+                return
+            self._chunks[key] = chunk
+            self._chunk_bytes += chunk.nbytes
+            while self._chunk_bytes > self.chunk_budget:
+                _, dropped = self._chunks.popitem(last=False)
+                self._chunk_bytes -= dropped.nbytes
+
 
 def fetch_blocks(
     storage: Storage,
     requests: Sequence[BlockRequest],
-    cache: ShardIndexCache | None = None,
+    cache: ReadCache | None = None,
     max_gap: int = MAX_GAP,
 ) -> list[np.ndarray[Any, Any]]:
     """Decoded expert IDs (or stored weights) for each request, layer-major ``[layers, rows, topk]`` in the
     storage dtype.
 
     Two rounds of concurrent ranged reads: the shard indexes not cached yet, then exactly the inner chunks the
-    requests touch (neighbouring chunks of a shard merged into one request). Each chunk is checksum-verified,
-    decompressed into its place in the output and un-transformed there while it is in cache.
+    requests touch that ``cache`` does not hold decoded (neighbouring chunks of a shard merged into one request).
+    Each chunk is checksum-verified and decoded whole once, its rows un-transformed; each request then takes its
+    overlap, checked as sets (a chunk's edge padding is never handed out).
     """
     if not requests:
         return []
+    cache = cache or ReadCache()
     reads = [request.shard_reads() for request in requests]
-    indexes = (cache or ShardIndexCache()).fetch(storage, [read for shards in reads for read in shards])
+    indexes = cache.fetch(storage, [read for shards in reads for read in shards])
     plans = [
         [(read, chunks_for(indexes[read.key], read.layout, read.layers, request.rows)) for read in shards]
         for request, shards in zip(requests, reads, strict=True)
     ]
-    pieces = _read_pieces(storage, requests, plans, max_gap)
+    # Chunks already decoded are held here for the whole call (the cache may drop them meanwhile); the others read.
+    held: dict[tuple[str, int], np.ndarray[Any, Any]] = {}
+    for planned in plans:
+        for read, chunks in planned:
+            for chunk in chunks:
+                found = cache.chunk((read.key, chunk.start))
+                if found is not None:
+                    held[(read.key, chunk.start)] = found
+    unread = [[(read, [c for c in chunks if (read.key, c.start) not in held]) for read, chunks in p] for p in plans]
+    pieces = _read_pieces(storage, requests, unread, max_gap)
     blocks = []
     for request, planned in zip(requests, plans, strict=True):
         array, layout_ = request.array, shard_layout(request.array)
-        # Ranked chunks decode to IDs themselves and untransformed ones are what they store; gaps are undone below.
-        direct = isinstance(array, WeightsArrayInfo) or array.transform != "sorted_gaps"
-        raw = np.empty(layout_.chunk_shape, layout_.dtype)  # scratch: stored form of one chunk
-        ids = np.empty(layout_.chunk_shape, layout_.dtype)  # scratch: its expert IDs (or weights)
         (l0, l1), (r0, r1) = request.layers, request.rows
         block = np.empty((l1 - l0, r1 - r0, array.topk), dtype=layout_.dtype)
-        # A ranked chunk decodes its overlap with the request straight into the block (each layer's rows are
-        # contiguous there): no copy, and no work for its layers and rows outside the request.
-        in_place = layout_.ranked
         chunk_layers, chunk_rows = layout_.chunk_layers, layout_.chunk_rows
         for read, chunks in planned:
             for chunk in chunks:
+                key = (read.key, chunk.start)
                 cl0 = read.first_layer + chunk.layer_chunk * chunk_layers
                 cr0 = chunk.row_chunk * chunk_rows
+                ids = held.get(key)
+                if ids is None:
+                    ids = _decoded(storage, read, chunk, pieces[key], request)
+                    held[key] = ids
+                    cache.keep(key, ids)
                 ls, le = max(l0, cl0), min(l1, cl0 + chunk_layers)
                 rs, re_ = max(r0, cr0), min(r1, cr0 + chunk_rows)
-                target = block[ls - l0 : le - l0, rs - r0 : re_ - r0] if in_place else ids if direct else raw
-                window = ((ls - cl0, le - cl0), (rs - cr0, re_ - cr0)) if in_place else None
-                try:
-                    decode_chunk(pieces[read.key, chunk.start], layout_, target, window)
-                except ShardFormatError as exc:
-                    raise CorruptDataError(
-                        f"{storage.url_of(read.key)}: inner chunk rows [{cr0}, {cr0 + layout_.chunk_rows}) "
-                        f"layer chunk {chunk.layer_chunk} cannot be decoded ({exc}); affected samples: "
-                        f"{list(request.samples[:8])}"
-                    ) from exc
-                if in_place:
-                    continue
-                # Un-transform the whole chunk while it is contiguous and in cache, then place the overlap: one
-                # contiguous copy per layer.
-                if not direct:
-                    decode_rows(raw, "sorted_gaps", out=ids)
                 placed = ids[ls - cl0 : le - cl0, rs - cr0 : re_ - cr0]
                 # FORMAT.md section 5: the rows handed out (never the chunk's padding, which is unspecified) are sets
                 problem = None if isinstance(array, WeightsArrayInfo) else invalid_row(placed, *_universe(array))
@@ -196,6 +223,26 @@ def fetch_blocks(
                 block[ls - l0 : le - l0, rs - r0 : re_ - r0] = placed
         blocks.append(block)
     return blocks
+
+
+def _decoded(
+    storage: Storage, read: ShardRead, chunk: ChunkRead, piece: memoryview, request: BlockRequest
+) -> np.ndarray[Any, Any]:
+    """One whole chunk's expert IDs (or weights), un-transformed; its edge padding is whatever was stored."""
+    layout_ = read.layout
+    array = request.array
+    try:
+        ids = decode_chunk(piece, layout_)
+    except ShardFormatError as exc:
+        raise CorruptDataError(
+            f"{storage.url_of(read.key)}: inner chunk rows [{chunk.row_chunk * layout_.chunk_rows}, "
+            f"{(chunk.row_chunk + 1) * layout_.chunk_rows}) layer chunk {chunk.layer_chunk} cannot be decoded "
+            f"({exc}); affected samples: {list(request.samples[:8])}"
+        ) from exc
+    # Ranked chunks decode to IDs themselves and untransformed ones are what they store; gaps are undone here.
+    if not isinstance(array, WeightsArrayInfo) and array.transform == "sorted_gaps":
+        ids = decode_rows(ids, "sorted_gaps", out=np.empty_like(ids))
+    return ids
 
 
 def _universe(array: RoutingArrayInfo | WeightsArrayInfo) -> tuple[int, TopkOrder]:

@@ -21,7 +21,7 @@ from routelog.format import keys
 from routelog.format.codec import IdArray
 from routelog.format.dedup import MIN_SHARED_TOKENS, PrefixIndex, WeightRows, consecutive
 from routelog.format.documents import CommitRecord, IndexRow
-from routelog.store.blocks import BlockRequest, ShardIndexCache, fetch_blocks
+from routelog.store.blocks import BlockRequest, ReadCache, fetch_blocks
 from routelog.store.history import StepView
 from routelog.store.root import StoreRoot
 
@@ -35,7 +35,7 @@ class StoredPart:
     def __init__(self, store: StoreRoot, part_key: str, commit: CommitRecord) -> None:
         self.store, self.part_key, self.commit = store, part_key, commit
         self._cache: OrderedDict[tuple[int, int], tuple[IdArray, WeightRows | None]] = OrderedDict()
-        self._index_cache = ShardIndexCache()
+        self._index_cache = ReadCache()
 
     def take(self, rows: npt.NDArray[np.int64]) -> tuple[IdArray, WeightRows | None]:
         lo, hi = int(rows.min()), int(rows.max()) + 1

@@ -35,7 +35,7 @@ from routelog.format.documents import (
 from routelog.format.routing import ROUTING_TABLE_SCHEMA, RecordRouting
 from routelog.format.values import FloatArray, values_from_parquet
 from routelog.format.weights import from_storage
-from routelog.store.blocks import MAX_GAP, BlockRequest, ShardIndexCache, fetch_blocks
+from routelog.store.blocks import MAX_GAP, BlockRequest, ReadCache, fetch_blocks
 from routelog.store.history import COMMIT_COLUMN, StepHistory
 from routelog.store.root import StoreRoot
 from routelog.store.steplog import Entry, object_info
@@ -110,7 +110,7 @@ class StepSnapshot:
     _commit_column: npt.NDArray[np.int32] = field(init=False, repr=False)
     _n_tokens: npt.NDArray[np.int32] = field(init=False, repr=False)
     _own: dict[str, tuple[int, CommitRecord]] = field(init=False, repr=False)
-    _index_cache: ShardIndexCache = field(default_factory=ShardIndexCache, init=False, repr=False)
+    _index_cache: ReadCache = field(default_factory=ReadCache, init=False, repr=False)
     _values_cache: OrderedDict[tuple[str, tuple[str, ...]], dict[str, tuple[str | None, dict[str, FloatArray]]]] = (
         field(default_factory=OrderedDict, init=False, repr=False)
     )
