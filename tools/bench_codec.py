@@ -232,7 +232,7 @@ def measure_routing(ids: np.ndarray, num_experts: int, args: argparse.Namespace)
 
     def measure(name: str, encode: Callable[[], Any], decode: Callable[[Any], Any], size: Callable[[Any], int]) -> None:
         codecs[name] = (encode, decode)
-        decode(encode())  # untimed warm-up: routelog's compiled kernels load (or compile) on their first chunk
+        decode(encode())  # untimed first call: caches and allocations outside the clock
         t_enc, encoded = best_time(encode, args.repeats)
         t_dec, decoded = best_time(lambda: decode(encoded), args.repeats)
         # Every layout must give back the routing (as a set per row: routelog canonicalises the order).

@@ -12,7 +12,9 @@ Every measurement runs in a fresh process (medians of ``--repeats``), with its b
 * **one record read** once the step is open (``StepSnapshot.read``), records in order (four share each chunk:
   the snapshot keeps the chunks it decoded) and with the snapshot's chunk cache off (each read decompresses every
   chunk it touches), next to ``np.load`` of the record's routing saved as one ``.npy`` file;
-* **a thousand 16-token records** written by one writer (records per second).
+* **a thousand 16-token records** written by one writer once it is open (records per second, from the first
+  append to the commit of the last): a process's second thousand (the goal), and its first (whose part loads the
+  modules a first part needs).
 
     python tools/bench_cold_start.py [--json] [--repeats N]
 """
@@ -66,7 +68,8 @@ WORKLOAD = _RSS + textwrap.dedent(
     url, records, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     spec = synthetic_spec(8, 128, 8)
     rng = np.random.default_rng(0)
-    ids = np.argsort(rng.random((records, tokens, 8, 128)), axis=-1)[..., :8].astype(np.uint8)
+    draws = [rng.random((tokens, 8, 128), np.float32) for _ in range(records)]
+    ids = [np.argsort(draw, axis=-1)[..., :8].astype(np.uint8) for draw in draws]
     t1 = time.perf_counter()
     with routelog.open_writer(url, 0, model_spec=spec) as writer:
         for n in range(records):
@@ -101,10 +104,10 @@ READS = textwrap.dedent(
     import numpy as np
     import routelog
     from routelog.synth import synthetic_spec
-    url, npy, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    url, npy = sys.argv[1], sys.argv[2]
     spec = synthetic_spec(48, 128, 8)
     rng = np.random.default_rng(1)
-    ids = np.argsort(rng.random((64, 1024, 48, 128)).astype(np.float32), axis=-1)[..., :8].astype(np.uint8)
+    ids = [np.argsort(rng.random((1024, 48, 128), np.float32), axis=-1)[..., :8].astype(np.uint8) for _ in range(64)]
     with routelog.open_writer(url, 0, model_spec=spec) as writer:
         for n in range(64):
             writer.append(routelog.Record(sample_id=f"r{n}", expert_ids=ids[n], prompt_len=24, response_len=1000))
@@ -121,17 +124,29 @@ READS = textwrap.dedent(
     loads = []
     for _ in range(40):
         t = time.perf_counter(); np.load(npy); loads.append(time.perf_counter() - t)
-    small = np.argsort(rng.random((count, 16, 8, 128)).astype(np.float32), axis=-1)[..., :8].astype(np.uint8)
-    t = time.perf_counter()
-    small_spec = synthetic_spec(8, 128, 8)
-    with routelog.open_writer(url + "-small", 0, model_spec=small_spec) as writer:
-        for n in range(count):
-            writer.append(routelog.Record(sample_id=f"s{n}", expert_ids=small[n], prompt_len=4, response_len=12))
-    small_seconds = time.perf_counter() - t
     median = lambda values: sorted(values)[len(values) // 2] * 1e3
-    rate = count / small_seconds
-    print(json.dumps({"read_ms": median(times), "uncached_read_ms": median(uncached), "np_load_ms": median(loads),
-                      "small_records_per_second": rate}))
+    print(json.dumps({"read_ms": median(times), "uncached_read_ms": median(uncached), "np_load_ms": median(loads)}))
+    """
+)
+
+SMALL = textwrap.dedent(
+    """
+    import json, sys, time
+    import numpy as np
+    import routelog
+    from routelog.synth import synthetic_spec
+    url, count = sys.argv[1], int(sys.argv[2])
+    rng = np.random.default_rng(2)
+    small = np.argsort(rng.random((count, 16, 8, 128), np.float32), axis=-1)[..., :8].astype(np.uint8)
+    rates = []
+    for step in range(2):  # the process's first thousand (its first part: modules load), then the next
+        writer = routelog.open_writer(url, step, model_spec=synthetic_spec(8, 128, 8))
+        t = time.perf_counter()
+        with writer:
+            for n in range(count):
+                writer.append(routelog.Record(sample_id=f"s{n}", expert_ids=small[n], prompt_len=4, response_len=12))
+        rates.append(count / (time.perf_counter() - t))
+    print(json.dumps({"first_records_per_second": rates[0], "records_per_second": rates[1]}))
     """
 )
 
@@ -185,11 +200,13 @@ def main() -> None:
         out["import_and_write_one_record_seconds"] = _median(one, "seconds")
         out["import_and_write_one_record_rss_mb"] = _median(one, "rss_mb")
 
-        reads = _run(READS, str(root / "reads"), str(root / "record.npy"), "1000")
+        reads = _run(READS, str(root / "reads"), str(root / "record.npy"))
         out["record_read_ms"] = reads["read_ms"]
         out["record_read_uncached_ms"] = reads["uncached_read_ms"]
         out["np_load_record_ms"] = reads["np_load_ms"]
-        out["small_records_per_second"] = reads["small_records_per_second"]
+        small = [_run(SMALL, str(root / f"small-{n}"), "1000") for n in range(args.repeats)]
+        out["small_records_per_second"] = _median(small, "records_per_second")
+        out["small_records_per_second_first"] = _median(small, "first_records_per_second")
     out["met"] = {
         "import_seconds": out["import_seconds"] <= GOALS["import_seconds"],
         "import_rss_mb": out["import_rss_mb"] <= GOALS["import_rss_mb"],
@@ -222,7 +239,8 @@ def main() -> None:
     )
     print(
         f"1000 records of 16 tokens, one writer: {out['small_records_per_second']:.0f} records/s "
-        f"(goal >= {GOALS['small_records_per_second']:.0f})"
+        f"(goal >= {GOALS['small_records_per_second']:.0f}); a process's first thousand: "
+        f"{out['small_records_per_second_first']:.0f} records/s"
     )
 
 

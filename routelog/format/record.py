@@ -200,13 +200,12 @@ def _stored_rows(
     the engine's order is kept)."""
     ids = _check_ids_shape(sid, given, axis, n)
     starts, stops = _runs(valid)
-    chosen = ids if valid.all() else ids[valid]
-    flat_valid = np.flatnonzero(valid)
+    chosen = ids if len(starts) == 1 and stops[0] - starts[0] == n else ids[valid]
     # Stored layer-major: [layers, n_valid_rows, topk]; sorting also checks every row (range, repeats).
     sorted_rows, problem = sort_by_layer(chosen, axis.universe)
     if problem is not None:  # rows of `chosen` in token order
         token, layer_pos = divmod(problem.row, axis.num_layers)
-        _raise_row_problem(sid, axis, problem, int(flat_valid[token]), axis.layer(layer_pos))
+        _raise_row_problem(sid, axis, problem, int(np.flatnonzero(valid)[token]), axis.layer(layer_pos))
     # Sorted sets are stored as IDs: the part's chunk codec (routelog.format.ranked) transforms them.
     stored = (
         sorted_rows if topk_order == "sorted" else layer_major(chosen.astype(storage_dtype(axis.universe), copy=False))
@@ -520,6 +519,8 @@ def _check_extra(record: Record) -> str | None:
 
 def _runs(valid: npt.NDArray[np.bool_]) -> tuple[list[int], list[int]]:
     """Start/stop positions of the runs of True in ``valid``."""
+    if valid.all():  # the common case, without the passes below
+        return ([0], [int(valid.size)]) if valid.size else ([], [])
     padded = np.concatenate(([False], valid, [False])).astype(np.int8)
     edges = np.flatnonzero(np.diff(padded))
     return [int(v) for v in edges[0::2]], [int(v) for v in edges[1::2]]
