@@ -7,7 +7,7 @@ chunks), and the rows handed out are checked as sets (FORMAT.md section 5).
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -189,6 +189,7 @@ def fetch_blocks(
                     held[(read.key, chunk.start)] = found
     unread = [[(read, [c for c in chunks if (read.key, c.start) not in held]) for read, chunks in p] for p in plans]
     pieces = _read_pieces(storage, requests, unread, max_gap)
+    uses = Counter((read.key, chunk.start) for planned in plans for read, chunks in planned for chunk in chunks)
     blocks = []
     for request, planned in zip(requests, plans, strict=True):
         array, layout_ = request.array, shard_layout(request.array)
@@ -200,13 +201,24 @@ def fetch_blocks(
                 key = (read.key, chunk.start)
                 cl0 = read.first_layer + chunk.layer_chunk * chunk_layers
                 cr0 = chunk.row_chunk * chunk_rows
+                ls, le = max(l0, cl0), min(l1, cl0 + chunk_layers)
+                rs, re_ = max(r0, cr0), min(r1, cr0 + chunk_rows)
                 ids = held.get(key)
+                if (
+                    ids is None
+                    and uses[key] == 1
+                    and layout_.ranked
+                    and (le - ls, re_ - rs) == (chunk_layers, chunk_rows)
+                ):
+                    # A whole chunk no other request of the call shares (a record's own rows): decoded in place,
+                    # its rows checked in the kernel's pass, and not kept (no neighbour reads it).
+                    target = block[ls - l0 : le - l0, rs - r0 : re_ - r0]
+                    _decoded(storage, read, chunk, pieces[key], request, target)
+                    continue
                 if ids is None:
                     ids = _decoded(storage, read, chunk, pieces[key], request)
                     held[key] = ids
                     cache.keep(key, ids)
-                ls, le = max(l0, cl0), min(l1, cl0 + chunk_layers)
-                rs, re_ = max(r0, cr0), min(r1, cr0 + chunk_rows)
                 placed = ids[ls - cl0 : le - cl0, rs - cr0 : re_ - cr0]
                 # FORMAT.md section 5: the rows handed out (never the chunk's padding, which is unspecified) are sets
                 problem = None if isinstance(array, WeightsArrayInfo) else invalid_row(placed, *_universe(array))
@@ -226,13 +238,20 @@ def fetch_blocks(
 
 
 def _decoded(
-    storage: Storage, read: ShardRead, chunk: ChunkRead, piece: memoryview, request: BlockRequest
+    storage: Storage,
+    read: ShardRead,
+    chunk: ChunkRead,
+    piece: memoryview,
+    request: BlockRequest,
+    out: np.ndarray[Any, Any] | None = None,
 ) -> np.ndarray[Any, Any]:
-    """One whole chunk's expert IDs (or weights), un-transformed; its edge padding is whatever was stored."""
+    """One whole chunk's expert IDs (or weights), un-transformed; its edge padding is whatever was stored. With
+    ``out`` (a ranked chunk wholly inside the array: no padding), into ``out``, every row checked as a set."""
     layout_ = read.layout
     array = request.array
     try:
-        ids = decode_chunk(piece, layout_)
+        whole = None if out is None else ((0, layout_.chunk_layers), (0, layout_.chunk_rows))
+        ids = decode_chunk(piece, layout_, out, whole)
     except ShardFormatError as exc:
         raise CorruptDataError(
             f"{storage.url_of(read.key)}: inner chunk rows [{chunk.row_chunk * layout_.chunk_rows}, "
