@@ -1,5 +1,8 @@
 """Writer benchmark: ingest throughput of 1, 2 and 4 concurrent writers to local disk and to S3 (a local moto
-server), peak RSS per writer and objects per flush, next to ``np.save`` of the same arrays (no compression).
+server), peak RSS per writer and objects per flush, next to the simplest tools on the same arrays in the same run:
+``np.save`` (no compression) and zstd-3 of each record's raw IDs, one file per record, one core (issue #32's goal:
+one writer at least as fast, and its peak RSS at most 2 x the flush buffer above what the process holds before
+its first append: its imports and the records it will append).
 
 Each writer is its own process (as rollout workers are); routing is generated before the clock starts. MB/s count
 raw-equivalent routing bytes (one byte per expert ID) over the wall time from the first append to the last commit.
@@ -53,7 +56,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchlib import peak_rss_mb
+import zstandard
+from benchlib import current_rss_mb, peak_rss_mb
 
 import routelog
 from routelog import Record
@@ -87,6 +91,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         spec,
         PartOptions(),
     )
+    before = current_rss_mb()  # imports, the routing to append, the warm-up part
     start = time.perf_counter()
     with store.writer(
         0,
@@ -108,6 +113,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": seconds,
         "raw_bytes": sum(a.nbytes for a in arrays),
         "peak_rss_mb": peak_rss_mb(),
+        "rss_before_mb": before,
         "parts": len(objects),
         "objects_per_flush": float(np.mean(objects)) if objects else 0.0,
     }
@@ -301,13 +307,18 @@ def _null_test(trials: list[float]) -> dict[str, Any]:
     return {"median": float(np.median(trials)), "spread": [float(min(trials)), float(max(trials))]}
 
 
-def baseline(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    """np.save of the same arrays to local disk, one file per record, no compression."""
+def baseline(args: argparse.Namespace, root: Path, kind: str = "np.save") -> dict[str, Any]:
+    """The same arrays to local disk, one file per record: ``np.save`` (no compression), or ``zstd-3`` of each
+    record's raw IDs (python-zstandard, one reused context)."""
     arrays = _routing(args, seed=0)
+    compressor = zstandard.ZstdCompressor(level=3)
     start = time.perf_counter()
     for i, ids in enumerate(arrays):
-        with (root / f"{i}.npy").open("wb") as handle:
-            np.save(handle, ids, allow_pickle=False)
+        with (root / f"{i}.{kind}").open("wb") as handle:
+            if kind == "np.save":
+                np.save(handle, ids, allow_pickle=False)
+            else:
+                handle.write(compressor.compress(np.ascontiguousarray(ids).tobytes()))
     seconds = time.perf_counter() - start
     raw = sum(a.nbytes for a in arrays)
     return {"seconds": seconds, "raw_bytes": raw, "MBps": raw / seconds / 1e6}
@@ -358,6 +369,7 @@ def run_writers(
         "MBps": raw / wall / 1e6,
         "seconds": wall,
         "peak_rss_mb_per_writer": max(r["peak_rss_mb"] for r in results),
+        "rss_above_before_over_flush": max((r["peak_rss_mb"] - r["rss_before_mb"]) / args.flush_mb for r in results),
         "objects_per_flush": float(np.mean([r["objects_per_flush"] for r in results])),
         "parts": sum(r["parts"] for r in results),
     }
@@ -524,13 +536,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="routelog-bench-writers-") as tmp:
         root = Path(tmp)
         (root / "npy").mkdir()
+        (root / "zstd").mkdir()
         report["np_save_local"] = baseline(args, root / "npy")
+        report["zstd3_per_record_local"] = baseline(args, root / "zstd", "zstd-3")
         report["local"] = [run_writers(args, str(root / f"local-{n}"), n, env) for n in counts]
         report["s3_moto"] = [run_writers(args, f"s3://bench/{uuid.uuid4().hex}-{n}", n, env) for n in counts]
     server.stop()
     base = report["np_save_local"]["MBps"]
+    zstd = report["zstd3_per_record_local"]["MBps"]
     report["ratios_vs_np_save"] = {
         f"{target}_{r['writers']}_writers": r["MBps"] / base for target in ("local", "s3_moto") for r in report[target]
+    }
+    one = next(r for r in report["local"] if r["writers"] == 1) if 1 in counts else None
+    report["goals"] = {
+        "one_writer_over_zstd3_per_record": None if one is None else one["MBps"] / zstd,
+        "peak_rss_above_before_over_flush_buffer": None if one is None else one["rss_above_before_over_flush"],
     }
     if args.json:
         print(json.dumps(report, indent=1))
@@ -540,17 +560,25 @@ def main() -> None:
         f"{cfg['records_per_writer']} records x {cfg['tokens']} tokens x {cfg['layers']} layers (top-8 of 128) "
         f"per writer, parts of {cfg['flush_mb']} MiB"
     )
-    print(f"np.save, local, no compression: {base:8.0f} MB/s")
+    print(f"np.save, local, no compression: {base:8.0f} MB/s; zstd-3 per record, local: {zstd:8.0f} MB/s")
     print(
-        f"{'target':10s} {'writers':>8s} {'MB/s':>8s} {'x np.save':>10s} {'peak RSS/writer MB':>19s} "
-        f"{'objects/flush':>14s}"
+        f"{'target':10s} {'writers':>8s} {'MB/s':>8s} {'x np.save':>10s} {'x zstd-3':>9s} {'peak RSS/writer MB':>19s} "
+        f"{'above start / flush':>20s} {'objects/flush':>14s}"
     )
     for target in ("local", "s3_moto"):
         for r in report[target]:
             print(
-                f"{target:10s} {r['writers']:8d} {r['MBps']:8.0f} {r['MBps'] / base:10.2f} "
-                f"{r['peak_rss_mb_per_writer']:19.0f} {r['objects_per_flush']:14.1f}"
+                f"{target:10s} {r['writers']:8d} {r['MBps']:8.0f} {r['MBps'] / base:10.2f} {r['MBps'] / zstd:9.2f} "
+                f"{r['peak_rss_mb_per_writer']:19.0f} {r['rss_above_before_over_flush']:20.2f} "
+                f"{r['objects_per_flush']:14.1f}"
             )
+    goals = report["goals"]
+    if goals["one_writer_over_zstd3_per_record"] is not None:
+        print(
+            f"goals: one writer / zstd-3 per record {goals['one_writer_over_zstd3_per_record']:.2f} x (>= 1); "
+            f"peak RSS above its start {goals['peak_rss_above_before_over_flush_buffer']:.2f} x the flush buffer "
+            "(<= 2)"
+        )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,14 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def current_rss_mb() -> float:
+    """This process's resident set now (VmRSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return peak_rss_mb()
+
+
 def count_reads(storage: Any) -> dict[str, int]:
     """Count what ``storage`` (a routelog Storage) reads from now on: ``routing`` (chunks of routing arrays),
     ``metadata`` (everything else) and ``requests``; returns the live counters."""
