@@ -1255,8 +1255,9 @@ static PyObject *sort_rows_of_eight(PyObject *self, PyObject *args) {
     }
     PyObject *answer = NULL;
     int itemsize = (int)ids.itemsize;
-    if (out.itemsize != itemsize || ids.shape[0] != tokens * layers * 8 || out.shape[0] != tokens * layers * 8) {
-        PyErr_SetString(PyExc_ValueError, "sort_rows_of_eight: ids and out must hold tokens x layers rows of eight");
+    if (out.itemsize != itemsize || ids.shape[0] != tokens * layers * 8 || out.shape[0] != tokens * layers * 8 ||
+        (uintptr_t)out.buf % 8) {
+        PyErr_SetString(PyExc_ValueError, "sort_rows_of_eight: ids and out (8-byte aligned) must hold tokens x layers rows of eight");
         goto release;
     }
     int64_t bad = -1;
@@ -1280,9 +1281,18 @@ static PyObject *sort_rows_of_eight(PyObject *self, PyObject *args) {
             wrong |= sort_rows_u8(scratch, n * layers, (uint8_t)(largest > 255 ? 255 : largest));
         else
             wrong |= sort_rows_u16((uint16_t *)scratch, n * layers, (uint16_t)(largest > 65535 ? 65535 : largest));
-        for (int64_t j = 0; j < layers; j++)
-            for (int64_t t = 0; t < n; t++)
-                memcpy(dst + (j * tokens + t0 + t) * row_bytes, scratch + (t * layers + j) * row_bytes, row_bytes);
+        for (int64_t j = 0; j < layers; j++) { /* rows as whole words: one (uint8) or two (uint16) per row */
+            uint64_t *to = (uint64_t *)(dst + (j * tokens + t0) * row_bytes);
+            const uint64_t *from = (const uint64_t *)scratch + j * itemsize;
+            if (itemsize == 1) {
+                for (int64_t t = 0; t < n; t++) to[t] = from[t * layers];
+            } else {
+                for (int64_t t = 0; t < n; t++) {
+                    to[2 * t] = from[2 * t * layers];
+                    to[2 * t + 1] = from[2 * t * layers + 1];
+                }
+            }
+        }
     }
     for (int64_t t = 0; wrong && t < tokens && bad < 0; t++) /* the rare case: the first bad row, token order */
         for (int64_t j = 0; j < layers && bad < 0; j++) {
