@@ -896,11 +896,13 @@ static inline void expand_repeats(const uint8_t *bits, const uint64_t *unique_ro
     if (last < 0) last = 0;
     uint64_t word = unique_rows[0];
     int64_t i = starts_repeat;
-    for (int64_t r = 0; r < n; r++) {
+    uint64_t *out = (uint64_t *)layer;
+    for (int64_t r = 0; r < n; r++) { /* branch-free: repeats fall anywhere, a branch on them mispredicts */
         int64_t row = first_row + r;
-        int repeat = (bits[row >> 3] >> (7 - (row & 7))) & 1;
-        if (!repeat) word = unique_rows[i < last ? i : last];
-        store64(layer + 8 * r, word);
+        int64_t repeat = (bits[row >> 3] >> (7 - (row & 7))) & 1;
+        uint64_t next = unique_rows[i < last ? i : last];
+        word = repeat ? word : next;
+        out[r] = word;
         i += 1 - repeat;
     }
 }
