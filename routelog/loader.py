@@ -131,16 +131,7 @@ class ReplayLoader:
         self.close()
 
 
-def _torch_dataset_base() -> Any:
-    try:
-        from torch.utils.data import IterableDataset
-
-        return IterableDataset
-    except ImportError:  # pragma: no cover - torch is an optional dependency
-        return object
-
-
-class ReplayDataset(_torch_dataset_base()):  # type: ignore[misc]
+class _ReplayDataset:
     """A torch ``IterableDataset`` over one rank's micro-batches; holds only its configuration (URL, step, plan).
 
     Use ``DataLoader(dataset, batch_size=None, num_workers=n, multiprocessing_context="spawn")``. Worker ``w``
@@ -178,3 +169,21 @@ class ReplayDataset(_torch_dataset_base()):  # type: ignore[misc]
                 "positions": torch.from_numpy(replay.positions),
                 "layer_numbers": torch.from_numpy(np.asarray([r.layer_number for r in replay.routers])),
             }
+
+
+def __getattr__(name: str) -> Any:
+    """``ReplayDataset``, built on first use: it subclasses torch's ``IterableDataset``, and importing torch (about
+    a second) is the dataset's cost, not ``routelog.loader``'s (a loader alone never needs torch)."""
+    if name != "ReplayDataset":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    bases: tuple[type, ...] = (_ReplayDataset,)
+    try:
+        from torch.utils.data import IterableDataset
+
+        bases += (IterableDataset,)
+    except ImportError:  # pragma: no cover - torch is an optional dependency
+        pass
+    dataset = type("ReplayDataset", bases, {"__module__": __name__})
+    dataset.__doc__ = _ReplayDataset.__doc__
+    globals()["ReplayDataset"] = dataset  # one class, so pickle (spawned workers) finds this one by name
+    return dataset
