@@ -116,7 +116,7 @@ def _index_rows(tasks: pa.Table) -> pa.Table:
     if not tables:  # stores with no steps: an empty block of the same schema
         index = INDEX_SCHEMA.remove(INDEX_SCHEMA.get_field_index("step")).append(pa.field("part", pa.string()))
         schema = pa.schema([("url", pa.string()), ("options", pa.string()), ("step", pa.int64()), *index])
-        return _plain_columns(schema.empty_table())
+        return _plain_columns(pa.Table.from_batches([], schema=schema))
     return pa.concat_tables(tables)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +60,25 @@ def test_the_cache_keeps_the_latest_chunks_within_its_budget() -> None:
     assert [n for n in range(5) if cache.chunk(("shard", n)) is not None] == [0, 3, 4]
     cache.keep(("shard", 9), np.zeros(4000, np.uint8))  # larger than the whole budget: not kept
     assert cache.chunk(("shard", 9)) is None and cache.chunk(("shard", 4)) is not None
+
+
+def test_reading_a_step_never_imports_pandas(tmp_path: Path) -> None:
+    """pyarrow imports pandas (a third of a second) on its first conversion to or from numpy; routelog's read path
+    converts through buffers, so a process that opens a step, reads records and loads a micro-batch never does."""
+    url, _ = _store(tmp_path)
+    code = f"""
+import sys
+import routelog
+from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
+from routelog.loader import ReplayLoader
+store = routelog.open_store({url!r})
+snapshot = store.step(0)
+snapshot.read("r1")
+snapshot.read_many(["r2", "r5"])
+plan = AlignmentPlan(store.model_spec, ParallelLayout(), Packing("verl"), RankCoords(), (MicroBatch(("r0", "r3")),))
+ReplayLoader(store, 0, plan, prefetch=0).load(0)
+print("pandas" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"

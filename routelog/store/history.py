@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 
 from routelog.errors import CorruptDataError, HistoryReclaimedError
 from routelog.format import keys
+from routelog.format.arrow import bool_array, numeric_array, string_array, to_numpy
 from routelog.format.documents import (
     INDEX_SCHEMA,
     AnnotationCommit,
@@ -87,13 +88,13 @@ class StepView:
     @property
     def index(self) -> pa.Table:
         """The live rows."""
-        return self.stored.filter(pa.array(self.live))
+        return self.stored.filter(bool_array(self.live))
 
     def live_records(self) -> dict[str, tuple[str | None, int, int]]:
         """``{sample_id: (token_hash, n_tokens, position of its commit)}`` of the live records."""
         live = self.index
         positions = np.array([e.position for e in self.commits], dtype=np.int64)
-        commit_of = live.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+        commit_of = to_numpy(live.column(COMMIT_COLUMN))
         return {
             sid: (digest, int(n), int(positions[c]))
             for sid, digest, n, c in zip(
@@ -221,7 +222,7 @@ class StepHistory:
             check_digest(raw[key], info.size, info.sha256, f"{storage.url_of(key)} (listed by commit {commit.name})")
             table = parquet_index(raw[key], storage.url_of(key), commit.n_records, commit.n_tokens, len(commit.streams))
             check_index(
-                table.append_column(COMMIT_COLUMN, pa.array([0] * table.num_rows, pa.int32())),
+                table.append_column(COMMIT_COLUMN, numeric_array(np.zeros(table.num_rows), np.int32)),
                 [commit],
                 self.step,
                 storage.url_of(key),
@@ -270,9 +271,9 @@ class StepHistory:
                         f"the seal of step {self.step} lists {commit.name}, which does not precede it"
                     )
                 by_position[commit.position] = commit
-        commit_of = index.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+        commit_of = to_numpy(index.column(COMMIT_COLUMN))
         order = np.argsort(commit_of, kind="stable")
-        grouped = index.take(pa.array(order)).drop_columns([COMMIT_COLUMN])
+        grouped = index.take(numeric_array(order)).drop_columns([COMMIT_COLUMN])
         bounds = np.searchsorted(commit_of[order], np.arange(len(commits) + 1))
         tables = {}
         for i, commit in enumerate(commits):
@@ -345,9 +346,9 @@ def _stored_index(history: StepHistory, commits: Sequence[Entry]) -> pa.Table:
         if table is None:  # an as-of view reaching a part no refresh read: read it now
             table = history._read_indexes([entry])[entry.key]
             history.tables[entry.key] = table
-        tables.append(table.append_column(COMMIT_COLUMN, pa.array(np.full(table.num_rows, i, np.int32))))
+        tables.append(table.append_column(COMMIT_COLUMN, numeric_array(np.full(table.num_rows, i), np.int32)))
     schema = INDEX_SCHEMA if history.columns is None else pa.schema([INDEX_SCHEMA.field(c) for c in history.columns])
-    empty = schema.empty_table().append_column(COMMIT_COLUMN, pa.array([], pa.int32()))
+    empty = pa.Table.from_batches([], schema=schema).append_column(COMMIT_COLUMN, numeric_array([], np.int32))
     try:
         return pa.concat_tables([empty, *tables], promote_options="permissive")
     except pa.ArrowException as exc:
@@ -361,12 +362,10 @@ def _removed_by_sample(stored: pa.Table, commits: Sequence[Entry], drops: Sequen
     by_sample = [(d.position, d.doc.sample_ids) for d in drops if isinstance(d.doc, DropRecord) and d.doc.sample_ids]
     if not by_sample or not stored.num_rows:
         return removed
-    positions = np.array([e.position for e in commits], dtype=np.int64)[
-        stored.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
-    ]
+    positions = np.array([e.position for e in commits], dtype=np.int64)[to_numpy(stored.column(COMMIT_COLUMN))]
     sample_ids = stored.column("sample_id")
     for position, named_ids in by_sample:
-        named = pc.is_in(sample_ids, value_set=pa.array(named_ids, pa.string())).to_numpy(zero_copy_only=False)
+        named = to_numpy(pc.is_in(sample_ids, value_set=string_array(named_ids)))
         removed |= named & (positions < position)
     return removed
 
@@ -377,8 +376,8 @@ def _winners(stored: pa.Table, removed: npt.NDArray[np.bool_]) -> npt.NDArray[np
     candidates = np.flatnonzero(~removed)
     if not candidates.size:
         return live
-    codes = pc.dictionary_encode(stored.column("sample_id").take(pa.array(candidates))).combine_chunks().indices
-    _, first = np.unique(codes.to_numpy(zero_copy_only=False), return_index=True)
+    codes = pc.dictionary_encode(stored.column("sample_id").take(numeric_array(candidates))).combine_chunks().indices
+    _, first = np.unique(to_numpy(codes), return_index=True)
     live[candidates[first]] = True
     return live
 
@@ -402,11 +401,11 @@ def parquet_index(data: bytes, where: str, n_records: int, n_tokens: int, n_stre
 def check_index(index: pa.Table, commits: Sequence[CommitRecord], step: int, where: str) -> None:
     """The rows agree with their commits: counts, token totals, step, unique sample ids per part, and own spans
     inside the part's rows."""
-    commit_of = index.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+    commit_of = to_numpy(index.column(COMMIT_COLUMN))
     if commit_of.size and (commit_of.min() < 0 or commit_of.max() >= len(commits)):
         raise CorruptDataError(f"{where}: a row names a commit the step does not have")
     counts = np.bincount(commit_of, minlength=len(commits)) if len(commits) else np.zeros(0, np.int64)
-    n_tokens = index.column("n_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+    n_tokens = to_numpy(index.column("n_tokens")).astype(np.int64)
     tokens = np.bincount(commit_of, weights=n_tokens, minlength=len(commits)) if len(commits) else counts
     for i, commit in enumerate(commits):
         if counts[i] != commit.n_records or int(tokens[i]) != commit.n_tokens:
@@ -414,12 +413,13 @@ def check_index(index: pa.Table, commits: Sequence[CommitRecord], step: int, whe
                 f"{where}: part {commit.part!r} indexes {int(counts[i])} records of {int(tokens[i])} tokens, its "
                 f"commit says {commit.n_records} records of {commit.n_tokens} tokens"
             )
-    steps = index.column("step").to_numpy(zero_copy_only=False)
+    steps = to_numpy(index.column("step"))
     if steps.size and (steps != step).any():
         raise CorruptDataError(f"{where}: index rows of step {int(steps[steps != step][0])} in step {step}")
-    if index.num_rows:
-        pairs = pa.table({"c": index.column(COMMIT_COLUMN), "s": index.column("sample_id")})
-        if pairs.group_by(["c", "s"]).aggregate([]).num_rows != index.num_rows:
+    if index.num_rows:  # (commit, sample id) pairs are distinct: sample ids as codes, one integer per pair
+        codes = to_numpy(pc.dictionary_encode(index.column("sample_id").combine_chunks()).indices).astype(np.int64)
+        pairs = commit_of.astype(np.int64) * (int(codes.max()) + 1) + codes
+        if np.unique(pairs).size != index.num_rows:
             raise CorruptDataError(f"{where}: a part indexes one sample id twice")
     limits = np.array([c.routing.n_rows for c in commits], dtype=np.int64)
     _check_span_rows(index.column("spans").combine_chunks(), commit_of, limits, commits, where)
@@ -429,7 +429,7 @@ def check_index(index: pa.Table, commits: Sequence[CommitRecord], step: int, whe
     entries = pc.list_flatten(streams)
     if len(entries) == 0:
         return
-    entry_commit = np.repeat(commit_of, pc.list_value_length(streams).fill_null(0).to_numpy(zero_copy_only=False))
+    entry_commit = np.repeat(commit_of, to_numpy(pc.list_value_length(streams), fill=0))
     names = entries.field("name").to_pylist()
     for i, name in enumerate(names):
         if name not in commits[int(entry_commit[i])].streams:
@@ -453,9 +453,9 @@ def _check_span_rows(
     flat = pc.list_flatten(spans)
     if len(flat) == 0:
         return
-    owner = np.repeat(owner_of_row, pc.list_value_length(spans).fill_null(0).to_numpy(zero_copy_only=False))
-    own = pc.is_null(flat.field("part")).to_numpy(zero_copy_only=False)
-    ends = flat.field("row").to_numpy(zero_copy_only=False) + flat.field("n_rows").to_numpy(zero_copy_only=False)
+    owner = np.repeat(owner_of_row, to_numpy(pc.list_value_length(spans), fill=0))
+    own = to_numpy(pc.is_null(flat.field("part")))
+    ends = to_numpy(flat.field("row")) + to_numpy(flat.field("n_rows"))
     past = own & (ends > limits[owner])
     if past.any():
         bad = int(np.argmax(past))
@@ -511,7 +511,7 @@ def _check_consolidated(
 ) -> None:
     """A format-3 consolidated index holds the whole index of every listed commit not dropped whole before the seal
     (none of the others), and the seal's counts are its totals."""
-    commit_of = index.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+    commit_of = to_numpy(index.column(COMMIT_COLUMN))
     present = np.zeros(len(commits), dtype=bool)
     if commit_of.size:
         if commit_of.min() < 0 or commit_of.max() >= len(commits):
@@ -523,7 +523,7 @@ def _check_consolidated(
         index.set_column(
             index.schema.get_field_index(COMMIT_COLUMN),
             COMMIT_COLUMN,
-            pa.array(renumber[commit_of].astype(np.int32), pa.int32()),
+            numeric_array(renumber[commit_of], np.int32),
         ),
         held,
         step,
@@ -540,6 +540,6 @@ def live_before(view: StepView, position: int) -> Mapping[str, int]:
     """``{sample_id: row of view.stored}`` of the live records committed before ``position``."""
     positions = np.array([e.position for e in view.commits], dtype=np.int64)
     rows = np.flatnonzero(view.live)
-    commit_of = view.stored.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+    commit_of = to_numpy(view.stored.column(COMMIT_COLUMN))
     sids = view.stored.column("sample_id").to_pylist()
     return {sids[r]: int(r) for r in rows if positions[commit_of[r]] < position}

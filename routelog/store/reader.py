@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 from routelog.display import html_card
 from routelog.errors import CorruptDataError, DuplicateSampleError, RecordNotFoundError
 from routelog.format import keys
+from routelog.format.arrow import numeric_array, string_array, to_numpy
 from routelog.format.codec import storage_dtype
 from routelog.format.documents import (
     AnnotationCommit,
@@ -116,8 +117,8 @@ class StepSnapshot:
     )
 
     def __post_init__(self) -> None:
-        self._commit_column = self.index.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
-        self._n_tokens = self.index.column("n_tokens").to_numpy(zero_copy_only=False)
+        self._commit_column = to_numpy(self.index.column(COMMIT_COLUMN))
+        self._n_tokens = to_numpy(self.index.column("n_tokens"))
         positions = self.positions or list(range(len(self.commits)))
         self._own = {keys.part_dir(self.step, c.part): (p, c) for p, c in zip(positions, self.commits, strict=True)}
         self._own.update(
@@ -143,7 +144,7 @@ class StepSnapshot:
         commits = [_commit_doc(e) for e in view.commits]
         stored = view.stored
         sids = stored.column("sample_id").to_pylist() if view.shadowed.any() else []
-        commit_of = stored.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
+        commit_of = to_numpy(stored.column(COMMIT_COLUMN))
         winner = {sids[r]: int(r) for r in np.flatnonzero(view.live)} if sids else {}
         shadowed = [
             Shadowed(sids[r], commits[int(commit_of[winner[sids[r]]])].name, commits[int(commit_of[r])].name)
@@ -362,16 +363,16 @@ class StepSnapshot:
         the records for a large step)."""
         ids = self.sample_ids if sample_ids is None else list(sample_ids)
         if not routing:
-            positions = pa.array([self._position(sid) for sid in ids], pa.int64())
+            positions = numeric_array([self._position(sid) for sid in ids])
             table = self.index.take(positions)
-            parts = pa.array([self.commits[i].part for i in table.column("_commit").to_pylist()], pa.string())
+            parts = string_array([self.commits[i].part for i in table.column("_commit").to_pylist()])
             return table.drop_columns(["_commit"]).append_column("part", parts)
         tables = [
             routing_.to_arrow()
             for start in range(0, len(ids), batch_records)
             for routing_ in self.read_many(ids[start : start + batch_records], moe_layers=moe_layers)
         ]
-        return pa.concat_tables(tables) if tables else ROUTING_TABLE_SCHEMA.empty_table()
+        return pa.concat_tables(tables) if tables else pa.Table.from_batches([], schema=ROUTING_TABLE_SCHEMA)
 
     def to_pandas(
         self,
