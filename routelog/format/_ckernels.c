@@ -62,11 +62,6 @@ static const uint64_t SUM_16 = 0x0001000100010001ULL;
 static const uint64_t HASH = 0x9E3779B97F4A7C15ULL;
 
 /* -- small helpers --------------------------------------------------------------------------------------------- */
-static inline uint64_t load64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-    return v;
-}
 static inline void store64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 
 /* An ID of a uint8 or uint16 array (native order). */
@@ -185,52 +180,38 @@ HOT static int64_t repeat_flags(const uint64_t *restrict ids, uint8_t *restrict 
     return repeats;
 }
 
-#define MIN_MAX_8(a, b)                 \
-    do {                                \
-        uint8_t lo_ = a < b ? a : b;    \
-        uint8_t hi_ = a < b ? b : a;    \
-        a = lo_;                        \
-        b = hi_;                        \
+/* Compare-exchange of two values of type T: the smaller into a, the larger into b (no branch on the data). */
+#define MIN_MAX(T, a, b)              \
+    do {                              \
+        T lo_ = a < b ? a : b;        \
+        T hi_ = a < b ? b : a;        \
+        a = lo_;                      \
+        b = hi_;                      \
     } while (0)
-#define MIN_MAX_16(a, b)                \
-    do {                                \
-        uint16_t lo_ = a < b ? a : b;   \
-        uint16_t hi_ = a < b ? b : a;   \
-        a = lo_;                        \
-        b = hi_;                        \
-    } while (0)
-/* Batcher's network for eight (19 compare-exchanges; codec.sorting_network). */
-#define NETWORK(MM)                                                           \
-    MM(a0, a1); MM(a2, a3); MM(a4, a5); MM(a6, a7); MM(a0, a2); MM(a1, a3);   \
-    MM(a4, a6); MM(a5, a7); MM(a1, a2); MM(a5, a6); MM(a0, a4); MM(a1, a5);   \
-    MM(a2, a6); MM(a3, a7); MM(a2, a4); MM(a3, a5); MM(a1, a2); MM(a3, a4);   \
-    MM(a5, a6)
+/* Batcher's network for eight values a0..a7 of type T (19 compare-exchanges; codec.sorting_network). */
+#define NETWORK(T)                                                                                            \
+    MIN_MAX(T, a0, a1); MIN_MAX(T, a2, a3); MIN_MAX(T, a4, a5); MIN_MAX(T, a6, a7); MIN_MAX(T, a0, a2);       \
+    MIN_MAX(T, a1, a3); MIN_MAX(T, a4, a6); MIN_MAX(T, a5, a7); MIN_MAX(T, a1, a2); MIN_MAX(T, a5, a6);       \
+    MIN_MAX(T, a0, a4); MIN_MAX(T, a1, a5); MIN_MAX(T, a2, a6); MIN_MAX(T, a3, a7); MIN_MAX(T, a2, a4);       \
+    MIN_MAX(T, a3, a5); MIN_MAX(T, a1, a2); MIN_MAX(T, a3, a4); MIN_MAX(T, a5, a6)
 
-/* Rows of eight uint8 values sorted in place (the loop vectorizes across rows); nonzero when some row holds a value
- * above largest or a repeated one. */
-HOT static int sort_rows_u8(uint8_t *rows, int64_t n, uint8_t largest) {
-    uint8_t bad = 0;
-    for (int64_t r = 0; r < n; r++) {
-        uint8_t *s = rows + 8 * r;
-        uint8_t a0 = s[0], a1 = s[1], a2 = s[2], a3 = s[3], a4 = s[4], a5 = s[5], a6 = s[6], a7 = s[7];
-        NETWORK(MIN_MAX_8);
-        bad |= (a0 == a1) | (a1 == a2) | (a2 == a3) | (a3 == a4) | (a4 == a5) | (a5 == a6) | (a6 == a7) | (a7 > largest);
-        s[0] = a0; s[1] = a1; s[2] = a2; s[3] = a3; s[4] = a4; s[5] = a5; s[6] = a6; s[7] = a7;
+/* Rows of eight values of type T sorted in place (the loop vectorizes across rows); nonzero when some row holds a
+ * value above largest or a repeated one. */
+#define SORT_ROWS(NAME, T)                                                                                      \
+    HOT static int NAME(T *rows, int64_t n, T largest) {                                                        \
+        T bad = 0;                                                                                              \
+        for (int64_t r = 0; r < n; r++) {                                                                       \
+            T *s = rows + 8 * r;                                                                                \
+            T a0 = s[0], a1 = s[1], a2 = s[2], a3 = s[3], a4 = s[4], a5 = s[5], a6 = s[6], a7 = s[7];           \
+            NETWORK(T);                                                                                         \
+            bad |= (a0 == a1) | (a1 == a2) | (a2 == a3) | (a3 == a4) | (a4 == a5) | (a5 == a6) | (a6 == a7) |   \
+                   (a7 > largest);                                                                              \
+            s[0] = a0; s[1] = a1; s[2] = a2; s[3] = a3; s[4] = a4; s[5] = a5; s[6] = a6; s[7] = a7;             \
+        }                                                                                                       \
+        return bad;                                                                                             \
     }
-    return bad;
-}
-
-HOT static int sort_rows_u16(uint16_t *rows, int64_t n, uint16_t largest) {
-    uint16_t bad = 0;
-    for (int64_t r = 0; r < n; r++) {
-        uint16_t *s = rows + 8 * r;
-        uint16_t a0 = s[0], a1 = s[1], a2 = s[2], a3 = s[3], a4 = s[4], a5 = s[5], a6 = s[6], a7 = s[7];
-        NETWORK(MIN_MAX_16);
-        bad |= (a0 == a1) | (a1 == a2) | (a2 == a3) | (a3 == a4) | (a4 == a5) | (a5 == a6) | (a6 == a7) | (a7 > largest);
-        s[0] = a0; s[1] = a1; s[2] = a2; s[3] = a3; s[4] = a4; s[5] = a5; s[6] = a6; s[7] = a7;
-    }
-    return bad;
-}
+SORT_ROWS(sort_rows_u8, uint8_t)
+SORT_ROWS(sort_rows_u16, uint16_t)
 
 /* Rows of eight uint8 IDs given as gaps, each mapped through lookup (256 bytes) and sorted, into out (n words);
  * returns whether every row's IDs were a strictly ascending set below num_experts. */
@@ -248,22 +229,10 @@ static int map_and_sort_rows(const uint64_t *gaps, uint64_t *out, int64_t n, con
     return valid;
 }
 
-#define MIN_MAX(a, b)                       \
-    do {                                    \
-        int64_t lo_ = a < b ? a : b;        \
-        int64_t hi_ = a < b ? b : a;        \
-        a = lo_;                            \
-        b = hi_;                            \
-    } while (0)
-
-/* Eight values sorted ascending by Batcher's network (19 compare-exchanges; codec.sorting_network). */
+/* Eight values sorted ascending in place (the network above, on wide values). */
 static inline void network_of_eight(int64_t *v) {
     int64_t a0 = v[0], a1 = v[1], a2 = v[2], a3 = v[3], a4 = v[4], a5 = v[5], a6 = v[6], a7 = v[7];
-    MIN_MAX(a0, a1); MIN_MAX(a2, a3); MIN_MAX(a4, a5); MIN_MAX(a6, a7);
-    MIN_MAX(a0, a2); MIN_MAX(a1, a3); MIN_MAX(a4, a6); MIN_MAX(a5, a7);
-    MIN_MAX(a1, a2); MIN_MAX(a5, a6); MIN_MAX(a0, a4); MIN_MAX(a1, a5);
-    MIN_MAX(a2, a6); MIN_MAX(a3, a7); MIN_MAX(a2, a4); MIN_MAX(a3, a5);
-    MIN_MAX(a1, a2); MIN_MAX(a3, a4); MIN_MAX(a5, a6);
+    NETWORK(int64_t);
     v[0] = a0; v[1] = a1; v[2] = a2; v[3] = a3; v[4] = a4; v[5] = a5; v[6] = a6; v[7] = a7;
 }
 
