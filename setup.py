@@ -1,7 +1,8 @@
-"""The compiled codec kernels (routelog/format/_ckernels.c), built from source by pip with the machine's compiler.
+"""The compiled kernels, built from source by pip with the machine's compiler: the codec's
+(routelog/format/_ckernels.c) and the audits' (routelog/audit/_ckernels.c).
 
-``optional``: where no compiler is found the package still installs, and routelog.format.kernels uses the numpy
-kernels (same results, slower). Everything else is configured in pyproject.toml.
+``optional``: where no compiler is found the package still installs, and routelog.format.kernels and
+routelog.audit.kernels use numpy (same results, slower). Everything else is configured in pyproject.toml.
 """
 
 import sys
@@ -14,6 +15,7 @@ FLAGS = [] if sys.platform == "win32" else ["-O3", "-ffp-contract=off", "-std=c1
 
 setup(
     ext_modules=[
-        Extension("routelog.format._ckernels", ["routelog/format/_ckernels.c"], extra_compile_args=FLAGS, optional=True)
+        Extension(name, [f"{name.replace('.', '/')}.c"], extra_compile_args=FLAGS, optional=True)
+        for name in ("routelog.format._ckernels", "routelog.audit._ckernels")
     ]
 )

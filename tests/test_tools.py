@@ -131,6 +131,10 @@ def test_bench_audit_measures_stats_and_diff_against_a_plain_read() -> None:
         assert report[name]["tokens"] == 64 * 1024 and report[name]["tokens_per_s"] > 0
         assert report[name]["peak_rss_mb"] > 0
     assert set(report["ratios"]) == {"stats_vs_read_only", "diff_vs_read_only"}
+    goals = report["goals"]
+    assert set(goals) == {"read_only_M_tokens_per_s", "stats_vs_read_only", "diff_vs_read_only"}
+    assert goals["stats_vs_read_only"]["measured"] == report["ratios"]["stats_vs_read_only"]
+    assert goals["diff_vs_read_only"]["met"] == (report["ratios"]["diff_vs_read_only"] >= 0.5)
 
 
 def _bench_codec() -> Any:

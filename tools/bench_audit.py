@@ -6,6 +6,9 @@ the wall time of the audit (Ray's start-up excluded, its scheduling included) an
 Ray, the driver's; each worker holds one unit's batch). The baseline measured in the same run is a plain read of
 every record's routing with no computation: the audit's cost above the data path.
 
+Goals (issue #32, :data:`GOALS`): the plain read >= 1 M tokens/s on one core; ``stats`` >= 0.8 x and ``diff``
+>= 0.5 x of the plain read's tokens/s (``diff`` reads two steps, so 0.5 x is what reading them costs alone).
+
     python tools/bench_audit.py [--json] [--quick] [--records N --tokens T --layers L]
 """
 
@@ -29,6 +32,9 @@ from routelog.synth import synth_routing, synthetic_spec
 
 POOL = 16
 """Distinct routing arrays cycled through the records (generation would otherwise dominate the set-up)."""
+
+
+GOALS = {"read_only_M_tokens_per_s": 1.0, "stats_vs_read_only": 0.8, "diff_vs_read_only": 0.5}
 
 
 def prepare(url: str, records: int, tokens: int, layers: int) -> None:
@@ -137,6 +143,10 @@ def main() -> int:
         ratios["stats_ray2_vs_single"] = results["stats_ray2"]["tokens_per_s"] / results["stats"]["tokens_per_s"]
         ratios["diff_ray2_vs_single"] = results["diff_ray2"]["tokens_per_s"] / results["diff"]["tokens_per_s"]
     results["ratios"] = ratios
+    figures = {"read_only_M_tokens_per_s": read / 1e6, **ratios}
+    results["goals"] = {
+        name: {"goal": goal, "measured": figures[name], "met": figures[name] >= goal} for name, goal in GOALS.items()
+    }
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
@@ -150,6 +160,8 @@ def main() -> int:
             )
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")
+    for name, goal in results["goals"].items():
+        print(f"goal {name}: {goal['measured']:.2f} (>= {goal['goal']}) {'met' if goal['met'] else 'NOT met'}")
     return 0
 
 

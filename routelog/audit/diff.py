@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel
 
-from routelog.audit.r3 import routing_differences
+from routelog.audit.kernels import Differences
 from routelog.audit.units import WorkUnit, batches, pack, unpack
 from routelog.errors import InvalidRecordError, ModelSpecError
 from routelog.format.documents import IndexRow
@@ -33,9 +33,7 @@ def diff_unit(unit: WorkUnit, batch_records: int) -> bytes:
             "recordings of one model)"
         )
     layers, k = spec.num_moe_layers, spec.topk
-    router_hist = np.zeros(k + 1, np.int64)
-    token_hist = np.zeros(layers * k + 1, np.int64)
-    layer_diff = np.zeros(layers, np.int64)
+    differences = Differences(layers, k)
     rows = 0
     seq_means: list[float] = []
     shared = [sid for sid in unit.sample_ids if sid in b]
@@ -46,21 +44,15 @@ def diff_unit(unit: WorkUnit, batch_records: int) -> bytes:
     for batch in batches(a, shared, batch_records=batch_records):
         others = b.read_many([r.sample_id for r in batch])
         for left, right in zip(batch, others, strict=True):
-            both = left.valid & right.valid
-            ordered = left.topk_order == right.topk_order == "sorted"
-            counts = routing_differences(left.ids[both], right.ids[both], assume_sorted=ordered)  # [T, L]
-            router_hist += np.bincount(counts.ravel(), minlength=k + 1)
-            per_token = counts.sum(axis=1)
-            token_hist += np.bincount(per_token, minlength=layers * k + 1)
-            layer_diff += (counts > 0).sum(axis=0)
-            rows += int(both.sum())
-            if per_token.size:
-                seq_means.append(float(per_token.mean()))
+            compared, differing = differences.add(left.by_layer, right.by_layer, left.valid & right.valid)
+            rows += compared
+            if compared:
+                seq_means.append(differing / compared)
     return pack(
         {
-            "router_hist": router_hist,
-            "token_hist": token_hist,
-            "layer_diff": layer_diff,
+            "router_hist": differences.router_hist,
+            "token_hist": differences.token_hist,
+            "layer_diff": differences.layer_diff,
             "rows": rows,
             "seq_means": np.asarray(seq_means, np.float64),
             "matched": len(shared),

@@ -3,21 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-import numpy.typing as npt
 from pydantic import BaseModel
 
+from routelog.audit.kernels import Counts, add_expert_counts
 from routelog.audit.units import WorkUnit, batches, pack, unpack
-
-Counts = npt.NDArray[np.int64]
-
-
-def expert_counts(by_layer: npt.NDArray[np.unsignedinteger], valid: npt.NDArray[np.bool_], num_experts: int) -> Counts:
-    """``[L, E]`` choices per expert from one record's ``[L, T, K]`` routing (rows not in ``valid`` skipped)."""
-    layers = by_layer.shape[0]
-    chosen = by_layer[:, valid] if not valid.all() else by_layer
-    flat = chosen.reshape(layers, -1).astype(np.int64) + (np.arange(layers, dtype=np.int64) * num_experts)[:, None]
-    counts: Counts = np.bincount(flat.ravel(), minlength=layers * num_experts).reshape(layers, num_experts)
-    return counts
 
 
 def load_unit(unit: WorkUnit, batch_records: int) -> bytes:
@@ -28,7 +17,7 @@ def load_unit(unit: WorkUnit, batch_records: int) -> bytes:
     tokens = rows = 0
     for batch in batches(snapshot, unit.sample_ids, batch_records=batch_records):
         for routing in batch:
-            counts += expert_counts(routing.by_layer, routing.valid, spec.num_experts)
+            add_expert_counts(routing.by_layer, routing.valid, counts)
             tokens += routing.info.n_tokens
             rows += int(routing.valid.sum())
     return pack({"step": unit.step, "counts": counts, "records": len(unit.sample_ids), "tokens": tokens, "rows": rows})

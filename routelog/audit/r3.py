@@ -34,18 +34,15 @@ def extreme_fraction(logp_train: npt.ArrayLike, logp_infer: npt.ArrayLike, t: fl
     return float(np.mean(log_ratio > np.log(t)))
 
 
-def routing_differences(a: npt.ArrayLike, b: npt.ArrayLike, *, assume_sorted: bool = False) -> npt.NDArray[np.int64]:
-    """``[..., L]``: experts of ``a`` not chosen by ``b`` per row (``[..., L, K]`` IDs, any order within a row;
-    ``assume_sorted`` skips sorting rows that are already ascending, as routelog stores them by default)."""
+def routing_differences(a: npt.ArrayLike, b: npt.ArrayLike) -> npt.NDArray[np.int64]:
+    """``[..., L]``: experts of ``a`` not chosen by ``b`` per row (``[..., L, K]`` IDs, any order within a row)."""
     left, right = np.asarray(a), np.asarray(b)
-    if not assume_sorted:
-        left, right = np.sort(left, axis=-1), np.sort(right, axis=-1)
     if left.shape != right.shape:
         raise ValueError(f"routings of different shapes {left.shape} and {right.shape}")
     k = left.shape[-1]
     diff: npt.NDArray[np.int64] = np.zeros(left.shape[:-1], np.int64)
-    # Most rows agree, and sorted sets are equal exactly when the rows are: compare rows first, then count
-    # |A \\ B| = K - |A & B| with a K x K broadcast on the differing rows only.
+    # Most rows agree: compare rows first, then count |A \\ B| = K - |A & B| with a K x K broadcast on the
+    # differing rows only (rows that are the same set in another order come out 0 there).
     differs = (left != right).any(axis=-1)
     if differs.any():
         rows_a, rows_b = left[differs], right[differs]

@@ -16,6 +16,7 @@ bounds. Nor does it return a row that is no top-k set (:data:`INVALID_ROW`; :dat
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 from typing import Any, Final, Literal
@@ -95,17 +96,19 @@ ACCEPT: Final = {"any": ANY_ROWS, "sets": SETS, "sets_or_fill": SETS_OR_FILL}
 """Those rules by the names :data:`routelog.format.ranked.Accept` gives them."""
 
 
-def _implementation() -> tuple[Literal["compiled", "numpy"], ModuleType | None]:
+def compiled_module(name: str) -> ModuleType | None:
+    """The compiled extension ``name`` (``routelog.format._ckernels``, ``routelog.audit._ckernels``), or None where
+    it was not built or ``ROUTELOG_KERNELS=numpy`` asks for the numpy kernels."""
     if os.environ.get("ROUTELOG_KERNELS", "").lower() == "numpy":
-        return "numpy", None
+        return None
     try:
-        from routelog.format import _ckernels  # type: ignore[attr-defined]
+        return importlib.import_module(name)
     except ImportError:  # built without a compiler: the numpy kernels
-        return "numpy", None
-    return "compiled", _ckernels
+        return None
 
 
-IMPLEMENTATION, _COMPILED = _implementation()
+_COMPILED = compiled_module("routelog.format._ckernels")
+IMPLEMENTATION: Literal["compiled", "numpy"] = "numpy" if _COMPILED is None else "compiled"
 """Which kernels this process runs: ``"compiled"`` (built at install) or ``"numpy"``."""
 
 

@@ -115,6 +115,35 @@ def test_an_index_row_claiming_two_billion_tokens_is_refused(memory_url: str) ->
         read_everything(memory_url)
 
 
+@pytest.mark.parametrize("token_type", ["int32", "int64"])
+def test_an_index_row_whose_token_ids_disagree_with_its_length_is_refused(memory_url: str, token_type: str) -> None:
+    """Token ids are checked as one array on the fast path (int32 lists) and by the model otherwise (any other
+    type): a list one token short is refused by both, naming the sample."""
+    build_store(memory_url, sealed=False)
+    storage = routelog.open_store(memory_url).storage
+    key, commit = _first_commit(storage)
+    index_key = f"{keys.part_dir(0, commit['part'])}/{keys.INDEX}"
+    table = pq.read_table(io.BytesIO(storage.read(index_key)))
+    rows = table.to_pylist()
+    before = routelog.open_store(memory_url).step(0)
+    other = next(sid for sid in before.sample_ids if sid != rows[0]["sample_id"])
+    other_tokens = before.info(other).token_ids
+    assert other_tokens is not None and len(other_tokens) > 1
+    rows[0]["token_ids"] = list(range(rows[0]["n_tokens"] - 1))
+    schema = table.schema
+    if token_type == "int64":
+        where = schema.get_field_index("token_ids")
+        schema = schema.set(where, pa.field("token_ids", pa.list_(pa.int64())))
+    sink = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), sink)
+    _replace_object(storage, key, commit, keys.INDEX, sink.getvalue())
+    snapshot = routelog.open_store(memory_url).step(0)
+    assert (snapshot._row_columns[1] is not None) == (token_type == "int32")  # which path checks them
+    with pytest.raises(CorruptDataError, match=f"(?s){rows[0]['sample_id']!r}.*token_ids for n_tokens"):
+        snapshot.info(rows[0]["sample_id"])
+    assert snapshot.info(other).token_ids == other_tokens  # the other records still read, their token ids whole
+
+
 def test_a_zstd_frame_expanding_to_a_gibibyte_is_refused(memory_url: str) -> None:
     build_store(memory_url, sealed=False)
     storage = routelog.open_store(memory_url).storage
