@@ -298,7 +298,8 @@ static int popularity(const int64_t *counts, int64_t n, int64_t *rank_of, int64_
 /* -- encoding ------------------------------------------------------------------------------------------------- */
 typedef struct {
     /* input */
-    const uint8_t *ids; /* [L, R, K], C-contiguous */
+    const uint8_t *ids; /* [L, R, K]: each layer's rows contiguous, layers layer_stride bytes apart */
+    int64_t layer_stride;
     int64_t layers, rows, k, num_experts;
     int itemsize, words, dictionaries;
     /* output of the transform */
@@ -375,7 +376,7 @@ static inline void set_row(Encoding *x, int64_t i, const int64_t *values) {
  * next free position. */
 static inline int64_t layer_gaps(Encoding *x, int64_t j, int64_t unique, int64_t numbered) {
     int64_t rows = x->rows, k = x->k, per_bitmap = (rows + 7) / 8;
-    const uint8_t *layer = x->ids + j * rows * k * x->itemsize;
+    const uint8_t *layer = x->ids + j * x->layer_stride;
     int64_t first = unique; /* a row's number is numbered + its position - first */
     if (x->words) { /* whole-layer passes that vectorize, then only where needed the repeats and the invalid rows */
         const uint64_t *ids = (const uint64_t *)layer;
@@ -644,7 +645,8 @@ static void write_rest(const Encoding *x, uint8_t *rest) {
     }
     for (int64_t n = 0; n < x->n_exceptions; n++) {
         at = put_le(rest, at, x->exceptions[2 * n], 4);
-        const uint8_t *row = x->ids + x->exceptions[2 * n + 1] * k * itemsize;
+        int64_t flat = x->exceptions[2 * n + 1]; /* layer * R + row */
+        const uint8_t *row = x->ids + (flat / x->rows) * x->layer_stride + (flat % x->rows) * k * itemsize;
         for (int64_t c = 0; c < k; c++) at = put_le(rest, at, load_id(row + c * itemsize, itemsize), itemsize);
     }
     (void)rows;
@@ -670,26 +672,37 @@ static PyObject *encode_chunk(PyObject *self, PyObject *args) {
     int dictionaries, allow_words = 1; /* allow_words 0: rows of eight uint8 IDs one ID at a time (tests) */
     if (!PyArg_ParseTuple(args, "OLi|p", &ids_obj, &num_experts, &dictionaries, &allow_words)) return NULL;
     Py_buffer view;
-    if (get_ids(ids_obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT, 3, "ids") < 0) return NULL;
+    if (get_ids(ids_obj, &view, PyBUF_STRIDES | PyBUF_FORMAT, 3, "ids") < 0) return NULL;
     Encoding x = {0};
     x.ids = view.buf;
     x.layers = view.shape[0];
     x.rows = view.shape[1];
     x.k = view.shape[2];
     x.itemsize = (int)view.itemsize;
+    x.layer_stride = view.strides[0];
     x.num_experts = num_experts;
     x.dictionaries = dictionaries;
     x.words = allow_words && x.itemsize == 1 && x.k == 8;
     PyObject *result = NULL;
     uint8_t *aligned_ids = NULL;
-    if (x.words && ((uintptr_t)x.ids % 8)) { /* the word passes read 8-byte aligned rows */
+    int64_t row_bytes = x.k * x.itemsize;
+    /* A chunk is read in place from the writer's part (a block of its layers): each layer's rows contiguous, the
+     * layers apart, never overlapping. */
+    if (view.strides[2] != x.itemsize || view.strides[1] != row_bytes ||
+        (x.layers > 1 && x.layer_stride < x.rows * row_bytes)) {
+        PyErr_SetString(PyExc_ValueError, "encode_chunk: ids must hold each layer's rows contiguous");
+        goto fail;
+    }
+    if (x.words && (((uintptr_t)x.ids % 8) || (x.layer_stride % 8))) { /* the word passes read aligned rows */
         aligned_ids = malloc((size_t)(x.layers * x.rows * 8 + 8));
         if (!aligned_ids) {
             PyErr_NoMemory();
             goto fail;
         }
-        memcpy(aligned_ids, x.ids, (size_t)(x.layers * x.rows * 8));
+        for (int64_t j = 0; j < x.layers; j++)
+            memcpy(aligned_ids + j * x.rows * 8, x.ids + j * x.layer_stride, (size_t)(x.rows * 8));
         x.ids = aligned_ids;
+        x.layer_stride = x.rows * 8;
     }
     int64_t n = x.layers * x.rows, per_bitmap = (x.rows + 7) / 8;
     if (num_experts < 1 || x.k < 1) {
@@ -836,15 +849,26 @@ static inline int decode_words(const Decoding *d, int64_t first, uint64_t *out, 
     return 0;
 }
 
-/* out[i] = the entry of unique row lo + i, for i < n; 1 when an index is past the n_entries entries. */
-static inline int gather_entries(const Decoding *d, int64_t at, int64_t n_unique, int64_t lo, const uint64_t *entries,
-                          int64_t n_entries, uint64_t *out, int64_t n) {
-    int two_bytes = n_entries > 256;
-    const uint8_t *low = d->rest + at + lo;
-    const uint8_t *high = d->rest + at + n_unique * two_bytes + lo;
+/* out[i] = the entry of unique row lo + i, for i < n; 1 when an index is past the n_entries entries (those read as
+ * the last entry). entries has room for 256 at least: with one-byte indices its tail repeats the last entry, so
+ * the loop indexes without a clamp. */
+static inline int gather_entries(const Decoding *d, int64_t at, int64_t n_unique, int64_t lo, uint64_t *restrict entries,
+                                 int64_t n_entries, uint64_t *restrict out, int64_t n) {
+    const uint8_t *restrict low = d->rest + at + lo;
     int64_t last = n_entries - 1, largest = 0;
+    if (n_entries <= 256) {
+        for (int64_t e = n_entries; e < 256; e++) entries[e] = entries[last];
+        uint8_t top = 0;
+        for (int64_t i = 0; i < n; i++) {
+            uint8_t e = low[i];
+            top = e > top ? e : top;
+            out[i] = entries[e];
+        }
+        return top > last;
+    }
+    const uint8_t *restrict high = d->rest + at + n_unique + lo;
     for (int64_t i = 0; i < n; i++) {
-        int64_t e = (int64_t)low[i] | (two_bytes ? (int64_t)high[i] << 8 : 0);
+        int64_t e = (int64_t)low[i] | (int64_t)high[i] << 8;
         largest = e > largest ? e : largest;
         out[i] = entries[e < last ? e : last];
     }
@@ -857,21 +881,55 @@ static inline int64_t entry_index(const Decoding *d, int64_t at, int64_t n_uniqu
     return e;
 }
 
+/* TAKEN[b][p]: of the rows a bitmap byte b covers (its first row in the high bit; a set bit: the row repeats the
+ * one before it), how many up to and including row p are not repeats, less one. Filled when the module loads. */
+static int8_t TAKEN[256][8];
+
+static void fill_taken(void) {
+    for (int b = 0; b < 256; b++) {
+        int count = 0;
+        for (int p = 0; p < 8; p++) {
+            count += !((b >> (7 - p)) & 1);
+            TAKEN[b][p] = (int8_t)(count - 1);
+        }
+    }
+}
+
 /* Rows first_row.. of a layer into layer (words, n of them), from the unique rows they expand from (the first one
  * the row before first_row, when starts_repeat) and the repeat bitmap: a repeat keeps the row before it. */
-static inline void expand_repeats(const uint8_t *bits, const uint64_t *unique_rows, int64_t n_unique_rows, uint8_t *layer,
-                           int64_t n, int64_t first_row, int starts_repeat) {
+static inline void expand_repeats(const uint8_t *bits, const uint64_t *restrict unique_rows, int64_t n_unique_rows,
+                                  uint8_t *layer, int64_t n, int64_t first_row, int starts_repeat) {
     int64_t last = n_unique_rows - 1; /* the counts were checked: the clamp only keeps damage inside the array */
     if (last < 0) last = 0;
-    uint64_t word = unique_rows[0];
-    int64_t i = starts_repeat;
-    uint64_t *out = (uint64_t *)layer;
-    for (int64_t r = 0; r < n; r++) { /* branch-free: repeats fall anywhere, a branch on them mispredicts */
+    int64_t i = starts_repeat; /* the unique rows taken so far */
+    uint64_t *restrict out = (uint64_t *)layer;
+    /* Branch-free, as an index rather than a select (which compilers turn into a branch): repeats fall anywhere,
+     * and a branch on them mispredicts. Row r takes unique row i + (rows up to r that are no repeat) - 1: the
+     * next one, or for a repeat the one taken last (at the first row, only when it starts on a repeat: i is 1).
+     * Whole bitmap bytes take their eight counts from TAKEN, so no row waits for the one before it. */
+    int64_t r = 0;
+    for (; r < n && ((first_row + r) & 7); r++) {
         int64_t row = first_row + r;
         int64_t repeat = (bits[row >> 3] >> (7 - (row & 7))) & 1;
-        uint64_t next = unique_rows[i < last ? i : last];
-        word = repeat ? word : next;
-        out[r] = word;
+        int64_t at = i - repeat;
+        out[r] = unique_rows[at < last ? at : last];
+        i += 1 - repeat;
+    }
+    for (; r + 8 <= n; r += 8) {
+        uint8_t byte = bits[(first_row + r) >> 3];
+        const int8_t *taken = TAKEN[byte];
+        for (int p = 0; p < 8; p++) {
+            int64_t at = i + taken[p];
+            at = at < 0 ? 0 : at;
+            out[r + p] = unique_rows[at < last ? at : last];
+        }
+        i += taken[7] + 1;
+    }
+    for (; r < n; r++) {
+        int64_t row = first_row + r;
+        int64_t repeat = (bits[row >> 3] >> (7 - (row & 7))) & 1;
+        int64_t at = i - repeat;
+        out[r] = unique_rows[at < last ? at : last];
         i += 1 - repeat;
     }
 }
@@ -1018,7 +1076,8 @@ static Result decode(const Decoding *given) {
     /* The window's rows, layer by layer. */
     if (d->words) {
         decoded = malloc((size_t)(d->window_rows + 1) * sizeof(uint64_t)); /* unique rows the window expands from */
-        entry_words = malloc((size_t)(largest_dictionary + 1) * sizeof(uint64_t)); /* a dictionary's entries */
+        /* a dictionary's entries; at least 256 (gather_entries) */
+        entry_words = malloc((size_t)((largest_dictionary > 256 ? largest_dictionary : 256) + 1) * sizeof(uint64_t));
         if (!decoded || !entry_words) FAIL(-1, 0);
     }
     int64_t high = itemsize == 2 ? total * k : 0; /* where the high-byte plane starts */
@@ -1333,6 +1392,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ckernels",
                                     methods};
 
 PyMODINIT_FUNC PyInit__ckernels(void) {
+    fill_taken();
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     PyObject *constants = Py_BuildValue(

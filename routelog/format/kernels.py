@@ -121,7 +121,8 @@ def _numpy() -> ModuleType:
 def encode_chunk(
     ids: npt.NDArray[Any], num_experts: int, dictionaries: int
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], int, int]:
-    """The two sections of one chunk ``ids`` ``[L, R, K]`` (uint8 or uint16, C-contiguous), as uint8 arrays: the
+    """The two sections of one chunk ``ids`` ``[L, R, K]`` (uint8 or uint16, native order; each layer's rows
+    contiguous, the layers anywhere: a block of a part's array is read in place), as uint8 arrays: the
     gaps section and the rest (:mod:`routelog.format.ranked` has their layout); then the rows the gaps section holds,
     and how many of them repeat an earlier row of their layer (what zstd's matches can find).
 

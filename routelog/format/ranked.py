@@ -120,7 +120,8 @@ def _sections(
     dtype = _native(ids.dtype)
     if ids.ndim != 3 or ids.shape[2] < 1:
         raise ValueError(f"{RANKED_CODEC} encodes [layers, rows, K >= 1] arrays, not shape {ids.shape}")
-    ids = np.ascontiguousarray(ids, dtype=dtype)
+    if ids.dtype != dtype or ids.strides[1:] != (ids.shape[2] * dtype.itemsize, dtype.itemsize):
+        ids = np.ascontiguousarray(ids, dtype=dtype)  # else read in place: each layer's rows are contiguous
     policy = {"auto": kernels.AUTO, "never": kernels.NEVER, "always": kernels.ALWAYS}[dictionaries]
     gaps, rest, placed, matched = kernels.encode_chunk(ids, num_experts, policy)
     return gaps, rest, matched > MATCHING * placed

@@ -187,10 +187,10 @@ def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int)
             block = stored[lc * cl : (lc + 1) * cl, rc * cr : (rc + 1) * cr]
             if block.shape != layout.chunk_shape:  # edge chunks are padded to the chunk shape (readers never see it)
                 block = _padded(block, layout)
-            block = np.ascontiguousarray(block, dtype=dtype)
-            if layout.ranked:
+            if layout.ranked:  # the codec reads the block in place (each layer's rows are contiguous)
                 payload = ranked.encode_pieces(block, layout.num_experts, level=zstd_level)
             else:
+                block = np.ascontiguousarray(block, dtype=dtype)
                 if layout.planes > 1:
                     block = np.ascontiguousarray(
                         np.moveaxis(block.view(np.uint8).reshape(*layout.chunk_shape, layout.planes), 3, 0)
