@@ -17,9 +17,15 @@ from routelog import __version__
 from routelog.cli.main import EXIT_STORAGE, EXIT_USAGE
 
 
-def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "routelog", *args], capture_output=True, text=True, timeout=120, env=env, check=False
+        [sys.executable, "-m", "routelog", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=cwd,
+        check=False,
     )
 
 
@@ -85,6 +91,18 @@ def test_url_that_is_a_file(tmp_path: Path) -> None:
     _one_line_error(_cli("synth", str(path), *SYNTH), EXIT_USAGE, "is a file")
     _one_line_error(_cli("synth", str(path / "below"), *SYNTH), EXIT_USAGE, "not a directory")
     assert path.read_text() == "not a store"
+
+
+def test_a_url_with_one_slash_is_refused_not_taken_as_a_local_path(tmp_path: Path) -> None:
+    """``s3:/bucket`` (or ``memory:name``) would be a relative local path, a directory named ``s3:`` written beside
+    the user's work: refused, naming the URL meant. A local name with a colon that is no filesystem's stays a path."""
+    for command in (("inspect", "s3:/bad/store"), ("synth", "memory:store", *SYNTH)):
+        meant = "s3://bad/store" if command[0] == "inspect" else "memory://store"
+        _one_line_error(_cli(*command, cwd=tmp_path), EXIT_USAGE, "is no URL", meant)
+    assert list(tmp_path.iterdir()) == []
+    result = _cli("synth", "run:1", *SYNTH, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "run:1" / "routelog.json").exists()
 
 
 def test_missing_input_and_output_paths(tmp_path: Path) -> None:

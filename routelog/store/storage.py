@@ -272,6 +272,16 @@ def _modified(info: Mapping[str, Any]) -> float:
     return 0.0
 
 
+def _check_not_a_mistyped_url(url: str) -> None:
+    """Refuse ``s3:/bucket`` or ``memory:name``: a known filesystem's name and a colon without ``//`` would
+    otherwise be a relative local path (a directory named ``s3:`` created beside the user's work)."""
+    scheme, colon, rest = url.partition(":")
+    if "://" in url or not colon or len(scheme) < 2 or scheme.lower() not in fsspec.available_protocols():
+        return  # a plain path (a one-letter scheme is a Windows drive)
+    path = rest if scheme.lower() in ("file", "local") else rest.lstrip("/")
+    raise StoreError(f"{url!r} is no URL: write {scheme}://{path} (a scheme is followed by '://')")
+
+
 @dataclass
 class Storage:
     """A store root on some filesystem; keys are ``/``-separated paths relative to the root."""
@@ -307,6 +317,7 @@ class Storage:
     @classmethod
     def open(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
         options = dict(storage_options or {})
+        _check_not_a_mistyped_url(url)
         protocol = url.split("://", 1)[0] if "://" in url else "file"
         if protocol in ("file", "local"):
             options.setdefault("auto_mkdir", True)
