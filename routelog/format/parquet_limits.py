@@ -142,12 +142,23 @@ class _Thrift:
         return value
 
     def varint(self) -> int:
+        # Called for nearly every value of every page header a bounded read walks: locals, no call per byte.
+        data, pos, end = self.data, self.pos, self.end
+        if pos < end and data[pos] < 0x80:  # most values fit one byte
+            self.pos = pos + 1
+            return data[pos]
         value = 0
         for shift in range(0, 70, 7):
-            b = self.byte()
+            if pos >= end:
+                self.pos = pos
+                self.fail("a Thrift structure runs past its bytes")
+            b = data[pos]
+            pos += 1
             value |= (b & 0x7F) << shift
             if not b & 0x80:
+                self.pos = pos
                 return value & 0xFFFFFFFFFFFFFFFF
+        self.pos = pos
         raise CorruptDataError(f"{self.where}: a Thrift integer is longer than 10 bytes")
 
     def size(self, what: str) -> int:
@@ -188,7 +199,10 @@ class _Thrift:
             self.fail(f"Thrift structures nested deeper than {_MAX_THRIFT_DEPTH}")
         field_id = 0
         while True:
-            header = self.byte()
+            if self.pos >= self.end:
+                self.fail("a Thrift structure runs past its bytes")
+            header = self.data[self.pos]
+            self.pos += 1
             kind, delta = header & 0x0F, header >> 4
             if kind == _STOP:
                 return
