@@ -21,6 +21,7 @@ from routelog.format import keys
 from routelog.format.codec import IdArray
 from routelog.format.dedup import MIN_SHARED_TOKENS, PrefixIndex, WeightRows, consecutive
 from routelog.format.documents import CommitRecord, IndexRow
+from routelog.format.index_rows import IndexRows
 from routelog.store.blocks import BlockRequest, ReadCache, fetch_blocks
 from routelog.store.history import StepView
 from routelog.store.root import StoreRoot
@@ -75,15 +76,18 @@ class PeerParts:
         for key, table in tables.items():
             commit = content.get(key)
             if isinstance(commit, CommitRecord) and "token_ids" in table.schema.names:
-                self._list(commit, [IndexRow.model_validate(row) for row in table.to_pylist()])
+                rows = IndexRows(table)
+                self._list(commit, [rows.row(position, with_tokens=False) for position in range(len(rows))])
         gone = [*view.whole_dropped, *view.refused]
         self.prefixes.forget(keys.part_dir(self.step, e.doc.part) for e in gone if isinstance(e.doc, CommitRecord))
 
-    def _list(self, commit: CommitRecord, rows: list[IndexRow]) -> None:
+    def _list(self, commit: CommitRecord, rows: list[tuple[IndexRow, npt.NDArray[np.int32] | None]]) -> None:
+        """``rows``: each record's index row and its token ids (as an array when kept apart from the row)."""
         own_key = keys.part_dir(self.step, commit.part)
         ids: dict[str, int] = {}
-        for row in rows:
-            if row.token_ids is None or len(row.token_ids) < MIN_SHARED_TOKENS:
+        for row, token_array in rows:
+            tokens = token_array if token_array is not None else row.token_ids
+            if tokens is None or len(tokens) < MIN_SHARED_TOKENS:
                 continue
             part = np.full(row.n_tokens, -1, np.int32)
             where = np.full(row.n_tokens, -1, np.int64)
@@ -102,4 +106,4 @@ class PeerParts:
                 part[span.token_start : stop] = ids[key]
                 where[span.token_start : stop] = np.arange(span.row, span.row + span.n_rows)
             else:
-                self.prefixes.add_record(np.asarray(row.token_ids, np.int64), part, where)
+                self.prefixes.add_record(np.asarray(tokens, np.int64), part, where)

@@ -34,6 +34,7 @@ from routelog.format.documents import (
     Span,
     ValuesInfo,
 )
+from routelog.format.index_rows import IndexRows
 from routelog.format.routing import ROUTING_TABLE_SCHEMA, RecordRouting
 from routelog.format.values import FloatArray, values_from_parquet
 from routelog.format.weights import from_storage
@@ -237,45 +238,17 @@ class StepSnapshot:
             ) from None
 
     @functools.cached_property
-    def _row_columns(
-        self,
-    ) -> tuple[dict[str, pa.Array], tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]] | None]:
-        """The index's columns but ``_commit``, each as one array (a row's values are taken one scalar each:
-        measured 2.4 x faster than a one-row table's ``to_pylist``), and, where they are lists of int32, the token
-        ids apart as numpy (each list's offsets, all values, which lists are present): a record's token ids become
-        a list through numpy, checked as one array (by pydantic, one int at a time, they took most of a read of one
-        4k-token record)."""
-        columns = {
-            name: column.combine_chunks()
-            for name, column in zip(self.index.column_names, self.index.columns, strict=True)
-            if name != COMMIT_COLUMN
-        }
-        tokens = columns.get("token_ids")
-        if tokens is None or not (pa.types.is_list(tokens.type) and tokens.type.value_type == pa.int32()):
-            return columns, None  # validated with the rest, one int at a time
-        del columns["token_ids"]
-        offsets = to_numpy(tokens.offsets)  # a combined array starts at offset 0; its values are every list's
-        return columns, (offsets, to_numpy(tokens.values), to_numpy(tokens.is_valid()))
+    def _rows(self) -> IndexRows:
+        return IndexRows(self.index, skip=[COMMIT_COLUMN])
 
     def _row(self, position: int) -> IndexRow:
-        columns, tokens = self._row_columns
-        data = {name: column[position].as_py() for name, column in columns.items()}
-        token_ids = None
-        if tokens is not None:
-            offsets, values, present = tokens
-            data["token_ids"] = None  # the other fields are validated without them, their length here
-            if present[position]:
-                token_ids = values[offsets[position] : offsets[position + 1]].tolist()  # int32: fits Int32
-                if len(token_ids) != data.get("n_tokens"):
-                    data["token_ids"] = token_ids  # the validator names what is wrong
-                    token_ids = None
         try:
-            row = IndexRow.model_validate(data)
-            return row if token_ids is None else row.model_copy(update={"token_ids": token_ids})
+            return self._rows.row(position)[0]
         except ValueError as exc:
             part = self.commits[self._commit_of(position)].part
             raise CorruptDataError(
-                f"step {self.step} of {self.store.url}, part {part!r}: index row {data.get('sample_id')!r} breaks "
+                f"step {self.step} of {self.store.url}, part {part!r}: index row "
+                f"{self._rows.fields(position).get('sample_id')!r} breaks "
                 f"the format ({exc})"
             ) from None
 

@@ -26,6 +26,7 @@ from routelog.format.documents import (
     load_json,
     parse_log_document,
 )
+from routelog.format.index_rows import IndexRows
 from routelog.format.part import shard_layout
 from routelog.format.routing import RecordRouting
 from routelog.store.history import StepHistory, StepView, parquet_index
@@ -134,7 +135,8 @@ def _verify_part(store: StoreRoot, step: int, commit: CommitRecord, report: Veri
         return None
     try:
         table = parquet_index(blobs[keys.INDEX], where, commit.n_records, commit.n_tokens, len(commit.streams))
-        rows = [IndexRow.model_validate(r) for r in table.to_pylist()]
+        index = IndexRows(table)
+        rows = [index.row(position)[0] for position in range(len(index))]
     except (ValueError, RoutelogError) as exc:
         report.problems.append(f"{where}: the index does not parse ({str(exc).splitlines()[0]})")
         return None

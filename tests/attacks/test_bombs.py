@@ -138,7 +138,7 @@ def test_an_index_row_whose_token_ids_disagree_with_its_length_is_refused(memory
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), sink)
     _replace_object(storage, key, commit, keys.INDEX, sink.getvalue())
     snapshot = routelog.open_store(memory_url).step(0)
-    assert (snapshot._row_columns[1] is not None) == (token_type == "int32")  # which path checks them
+    assert (snapshot._rows._tokens is not None) == (token_type == "int32")  # which path checks them
     with pytest.raises(CorruptDataError, match=f"(?s){rows[0]['sample_id']!r}.*token_ids for n_tokens"):
         snapshot.info(rows[0]["sample_id"])
     assert snapshot.info(other).token_ids == other_tokens  # the other records still read, their token ids whole

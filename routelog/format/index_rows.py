@@ -1,0 +1,62 @@
+"""Index rows (:class:`~routelog.format.documents.IndexRow`) out of an index table, one at a time and checked.
+
+A record's token ids are most of its row: pydantic checks a list of ints one int at a time (measured: 450 us of a
+4k-token record's row), and readers want them as an array anyway. So a row's other fields are taken one scalar per
+column and validated by the model, while its token ids, where the column is a list of int32 (every value fits the
+model's ``Int32``), are sliced out of the column's values as one array and only their count is checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+from routelog.format.arrow import to_numpy
+from routelog.format.documents import IndexRow
+
+
+class IndexRows:
+    """The rows of ``table`` (an index, as a part writes it or a step's concatenation), but ``skip`` columns."""
+
+    def __init__(self, table: pa.Table, skip: Sequence[str] = ()) -> None:
+        self._columns = {
+            name: column.combine_chunks()
+            for name, column in zip(table.column_names, table.columns, strict=True)
+            if name not in skip
+        }
+        self._tokens: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]] | None = None
+        tokens = self._columns.get("token_ids")
+        if tokens is not None and pa.types.is_list(tokens.type) and tokens.type.value_type == pa.int32():
+            del self._columns["token_ids"]  # any other type is validated with the rest, one int at a time
+            offsets = to_numpy(tokens.offsets)  # a combined array starts at offset 0; its values are every list's
+            self._tokens = (offsets, to_numpy(tokens.values), to_numpy(tokens.is_valid()))
+        self.n: int = table.num_rows
+
+    def __len__(self) -> int:
+        return self.n
+
+    def fields(self, position: int) -> dict[str, Any]:
+        """The row's values as Python objects (its token ids as they are stored, a list, where not apart)."""
+        return {name: column[position].as_py() for name, column in self._columns.items()}
+
+    def row(self, position: int, *, with_tokens: bool = True) -> tuple[IndexRow, npt.NDArray[np.int32] | None]:
+        """The validated row, and its token ids as an array where they are kept apart (then the row holds them
+        as a list too, unless ``with_tokens`` is false: a caller that only wants the array saves making it).
+        Raises pydantic's ``ValidationError`` (a ``ValueError``) naming what breaks the format."""
+        data = self.fields(position)
+        tokens = None
+        if self._tokens is not None:
+            offsets, values, present = self._tokens
+            data["token_ids"] = None  # the other fields are validated without them; their count here
+            if present[position]:
+                tokens = values[offsets[position] : offsets[position + 1]]
+                if len(tokens) != data.get("n_tokens"):
+                    data["token_ids"] = tokens.tolist()  # the model's check names what is wrong
+        row = IndexRow.model_validate(data)
+        if tokens is not None and with_tokens:
+            row = row.model_copy(update={"token_ids": tokens.tolist()})
+        return row, tokens
