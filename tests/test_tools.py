@@ -268,8 +268,9 @@ def test_bench_integration_installs_what_the_dense_path_installs_reading_less() 
 
 def test_the_kernel_fuzzer_builds_a_sanitized_kernel_and_finds_nothing() -> None:
     """tools/fuzz_kernels.py: the C kernels built with AddressSanitizer and UndefinedBehaviorSanitizer round-trip
-    random chunks and take forged ones without a report (a few seconds here; longer runs by hand)."""
+    random chunks, take forged ones and audit random routing without a report (a few seconds here; longer runs by
+    hand)."""
     done = _tool(str(TOOLS / "fuzz_kernels.py"), "--seconds", "4", "--seed", "7")
     assert done.returncode == 0, done.stderr[-3000:]
     counts = [int(word) for word in done.stdout.split() if word.isdigit()]
-    assert "no sanitizer report" in done.stdout and counts[0] > 0 and counts[1] > 0, done.stdout
+    assert "no sanitizer report" in done.stdout and counts[0] > 0 and counts[1] > 0 and counts[2] > 0, done.stdout

@@ -1,10 +1,12 @@
-"""Fuzz the compiled codec kernels under AddressSanitizer and UndefinedBehaviorSanitizer.
+"""Fuzz the compiled kernels under AddressSanitizer and UndefinedBehaviorSanitizer.
 
-Builds ``routelog/format/_ckernels.c`` with gcc's ``-fsanitize=address,undefined`` into a scratch directory, then
-runs it (libasan preloaded) on random chunks and on forged ones for ``--seconds``: every chunk encoded (both the
-word and the one-ID-at-a-time path) must decode to itself, and every forged payload (bytes flipped in either
-section, the tail section cut short, random windows, every accept rule, misaligned buffers) must return a status
-without a sanitizer report. A report aborts the run with the sanitizer's stack.
+Builds ``routelog/format/_ckernels.c`` (the codec's) and ``routelog/audit/_ckernels.c`` (the audits') with gcc's
+``-fsanitize=address,undefined`` into a scratch directory, then runs them (libasan preloaded) for ``--seconds``: the
+codec's on random chunks and on forged ones (every chunk encoded, by both the word and the one-ID-at-a-time path,
+must decode to itself, and every forged payload, with bytes flipped in either section, the tail section cut short,
+random windows, every accept rule, misaligned buffers, must return a status), the audits' on random routing
+(views with any strides, IDs past E, tokens left out) against plain numpy. A sanitizer report aborts the run with
+its stack.
 
     python tools/fuzz_kernels.py [--seconds 120] [--seed 1]
 """
@@ -12,6 +14,7 @@ without a sanitizer report. A report aborts the run with the sanitizer's stack.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
@@ -21,10 +24,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-SOURCE = Path(__file__).resolve().parent.parent / "routelog" / "format" / "_ckernels.c"
+PACKAGE = Path(__file__).resolve().parent.parent / "routelog"
+SOURCES = {"format": PACKAGE / "format" / "_ckernels.c", "audit": PACKAGE / "audit" / "_ckernels.c"}
+"""Both extensions' module is named ``_ckernels``: each is built into its own subdirectory of the scratch one."""
 
 
 def build(directory: Path) -> None:
+    for name, source in SOURCES.items():
+        (directory / name).mkdir()
+        _build(source, directory / name)
+
+
+def _build(source: Path, directory: Path) -> None:
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     command = [
         "gcc",
@@ -37,7 +48,7 @@ def build(directory: Path) -> None:
         "-shared",
         "-fPIC",
         f"-I{sysconfig.get_paths()['include']}",
-        str(SOURCE),
+        str(source),
         "-o",
         str(directory / f"_ckernels{suffix}"),
     ]
@@ -63,14 +74,27 @@ def _chunk(rng: Any, np: Any) -> tuple[Any, int]:
     return ids, experts
 
 
-def fuzz(seconds: float, seed: int) -> None:
-    import _ckernels as kernels  # the sanitized build, first on sys.path
+def _load(directory: Path) -> Any:
+    """The sanitized build of one extension in ``directory``."""
+    path = next(directory.glob("_ckernels*"))
+    spec = importlib.util.spec_from_file_location("_ckernels", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fuzz(scratch: Path, seconds: float, seed: int) -> None:
     import numpy as np
 
+    kernels, audit = _load(scratch / "format"), _load(scratch / "audit")
     rng = np.random.default_rng(seed)
     deadline = time.monotonic() + seconds
-    chunks = forged = 0
+    chunks = forged = routings = 0
     while time.monotonic() < deadline:
+        _fuzz_audit(audit, rng, np, seed)
+        routings += 1
         ids, experts = _chunk(rng, np)
         layers, rows, k = ids.shape
         words = bool(rng.random() < 0.8)
@@ -105,7 +129,51 @@ def fuzz(seconds: float, seed: int) -> None:
             accept = int(rng.integers(0, 3))
             kernels.decode_chunk(section, tail, experts, layers, rows, window, l0, r0, accept, 0, words)
             forged += 1
-    print(f"seed {seed}: {chunks} chunks round-tripped, {forged} forged payloads decoded, no sanitizer report")
+    print(
+        f"seed {seed}: {chunks} chunks round-tripped, {forged} forged payloads decoded, {routings} routings audited, "
+        "no sanitizer report"
+    )
+
+
+def _fuzz_audit(audit: Any, rng: Any, np: Any, seed: int) -> None:
+    """The audits' kernels on one random routing pair, against numpy: expert counts (stopping at an ID past E)
+    and set differences, on views with any strides."""
+    dtype = np.uint8 if rng.random() < 0.6 else np.uint16
+    layers, tokens, k = int(rng.integers(0, 5)), int(rng.integers(0, 300)), int(rng.integers(1, 10))
+    top = 255 if dtype == np.uint8 else 3000
+    a = rng.integers(0, top + 1, (layers, tokens + 3, 2 * k)).astype(dtype)
+    b = a.copy()
+    b[rng.random(b.shape) < 0.2] = rng.integers(0, top + 1)
+    step = int(rng.integers(1, 3))  # every ID, or every other one (an inner stride)
+    a, b = a[:, 1 : tokens + 1, : k * step : step], b[:, 1 : tokens + 1, : k * step : step]
+    valid = rng.random(tokens) < 0.8
+    experts = int(rng.integers(1, top + 2))
+    counts = np.zeros((layers, experts), np.int64)
+    bad = audit.count_experts(a, valid, counts)
+    expected = np.zeros_like(counts)
+    first_bad = -1
+    for j in range(layers):
+        chosen = a[j][valid]
+        if (chosen >= experts).any():
+            t = int(np.flatnonzero((a[j] >= experts).any(axis=1) & valid)[0])
+            first_bad = (j * tokens + t) * k + int(np.flatnonzero(a[j, t] >= experts)[0])
+            break
+        expected[j] = np.bincount(chosen.ravel(), minlength=experts)
+    if bad != first_bad or not np.array_equal(counts, expected):
+        raise SystemExit(f"seed {seed}: count_experts disagrees with numpy")
+    router, token = np.zeros(k + 1, np.int64), np.zeros(layers * k + 1, np.int64)
+    per_layer = np.zeros(layers, np.int64)
+    rows, differing = audit.compare_rows(a, b, valid, router, token, per_layer)
+    lacking = (k - (a[:, valid, :, None] == b[:, valid, None, :]).any(axis=-1).sum(axis=-1)).astype(np.int64)
+    histograms = (
+        (router, np.bincount(lacking.ravel(), minlength=k + 1)),
+        (token, np.bincount(lacking.sum(axis=0), minlength=layers * k + 1)),
+        (per_layer, (lacking > 0).sum(axis=1)),
+    )
+    if (rows, differing) != (int(valid.sum()), int(lacking.sum())) or any(
+        got.tolist() != want.tolist() for got, want in histograms
+    ):
+        raise SystemExit(f"seed {seed}: compare_rows disagrees with numpy")
 
 
 def main() -> None:
@@ -115,8 +183,7 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        sys.path.insert(0, args.child)
-        fuzz(args.seconds, args.seed)
+        fuzz(Path(args.child), args.seconds, args.seed)
         return
     with tempfile.TemporaryDirectory(prefix="routelog-fuzz-") as scratch:
         build(Path(scratch))
