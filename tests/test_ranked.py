@@ -550,3 +550,17 @@ def test_zarr_python_reads_its_own_edge_padding_and_refuses_forged_rows(tmp_path
     (tmp_path / "routing" / "c" / "0" / "0" / "0").write_bytes(ranked.encode(forged, 64))
     with pytest.raises(CorruptDataError, match=r"layer 0 row 3 of the chunk decodes to \[3, 3, 4"):
         zarr.open_array(str(tmp_path / "routing"), mode="r")[...]
+
+
+def test_a_view_encodes_to_the_bytes_of_its_contiguous_copy() -> None:
+    """The encoder reads a block of a part's array in place (each layer's rows contiguous, the layers apart) and
+    copies any other view first: either way the bytes are those of the contiguous array."""
+    rng = np.random.default_rng(5)
+    ids = np.sort(np.argsort(rng.random((8, 300, 40)), axis=-1)[..., :8], axis=-1).astype(np.uint8)
+    ids[:, 1::3] = ids[:, ::3][:, : ids[:, 1::3].shape[1]]  # repeats, so the layers take every mode
+    wide = ids.astype(np.uint16) * 7
+    for array, experts in ((ids, 40), (wide, 280)):
+        for view in (array[::2], array[::-1], array[2:5], array[:, 10:250], array[:1], array[:, ::2]):
+            assert ranked.encode(view, experts) == ranked.encode(np.ascontiguousarray(view), experts)
+            decoded = ranked.decode(ranked.encode(view, experts), view.shape, view.dtype, experts)
+            assert np.array_equal(decoded, view)

@@ -120,8 +120,12 @@ def _sections(
     dtype = _native(ids.dtype)
     if ids.ndim != 3 or ids.shape[2] < 1:
         raise ValueError(f"{RANKED_CODEC} encodes [layers, rows, K >= 1] arrays, not shape {ids.shape}")
-    if ids.dtype != dtype or ids.strides[1:] != (ids.shape[2] * dtype.itemsize, dtype.itemsize):
-        ids = np.ascontiguousarray(ids, dtype=dtype)  # else read in place: each layer's rows are contiguous
+    row_bytes = ids.shape[2] * dtype.itemsize
+    in_place = ids.strides[1:] == (row_bytes, dtype.itemsize) and (
+        ids.shape[0] < 2 or ids.strides[0] >= ids.shape[1] * row_bytes
+    )
+    if ids.dtype != dtype or not in_place:
+        ids = np.ascontiguousarray(ids, dtype=dtype)  # else read in place: each layer's rows contiguous, in order
     policy = {"auto": kernels.AUTO, "never": kernels.NEVER, "always": kernels.ALWAYS}[dictionaries]
     gaps, rest, placed, matched = kernels.encode_chunk(ids, num_experts, policy)
     return gaps, rest, matched > MATCHING * placed
