@@ -138,6 +138,8 @@ def fuzz(scratch: Path, seconds: float, seed: int) -> None:
 def _fuzz_audit(audit: Any, rng: Any, np: Any, seed: int) -> None:
     """The audits' kernels on one random routing pair, against numpy: expert counts (stopping at an ID past E)
     and set differences, on views with any strides."""
+    from routelog.audit.r3 import routing_differences
+
     dtype = np.uint8 if rng.random() < 0.6 else np.uint16
     layers, tokens, k = int(rng.integers(0, 5)), int(rng.integers(0, 300)), int(rng.integers(1, 10))
     top = 255 if dtype == np.uint8 else 3000
@@ -164,7 +166,7 @@ def _fuzz_audit(audit: Any, rng: Any, np: Any, seed: int) -> None:
     router, token = np.zeros(k + 1, np.int64), np.zeros(layers * k + 1, np.int64)
     per_layer = np.zeros(layers, np.int64)
     rows, differing = audit.compare_rows(a, b, valid, router, token, per_layer)
-    lacking = (k - (a[:, valid, :, None] == b[:, valid, None, :]).any(axis=-1).sum(axis=-1)).astype(np.int64)
+    lacking = routing_differences(a[:, valid], b[:, valid])  # the audits' numpy definition, [L, T]
     histograms = (
         (router, np.bincount(lacking.ravel(), minlength=k + 1)),
         (token, np.bincount(lacking.sum(axis=0), minlength=layers * k + 1)),

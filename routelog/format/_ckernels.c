@@ -895,6 +895,16 @@ static void fill_taken(void) {
     }
 }
 
+/* Row r of expand_repeats alone (before the first whole bitmap byte, after the last): returns i after it. */
+static inline int64_t expand_row(const uint8_t *bits, const uint64_t *restrict unique_rows, int64_t last,
+                                 uint64_t *restrict out, int64_t r, int64_t first_row, int64_t i) {
+    int64_t row = first_row + r;
+    int64_t repeat = (bits[row >> 3] >> (7 - (row & 7))) & 1;
+    int64_t at = i - repeat;
+    out[r] = unique_rows[at < last ? at : last];
+    return i + 1 - repeat;
+}
+
 /* Rows first_row.. of a layer into layer (words, n of them), from the unique rows they expand from (the first one
  * the row before first_row, when starts_repeat) and the repeat bitmap: a repeat keeps the row before it. */
 static inline void expand_repeats(const uint8_t *bits, const uint64_t *restrict unique_rows, int64_t n_unique_rows,
@@ -908,13 +918,7 @@ static inline void expand_repeats(const uint8_t *bits, const uint64_t *restrict 
      * next one, or for a repeat the one taken last (at the first row, only when it starts on a repeat: i is 1).
      * Whole bitmap bytes take their eight counts from TAKEN, so no row waits for the one before it. */
     int64_t r = 0;
-    for (; r < n && ((first_row + r) & 7); r++) {
-        int64_t row = first_row + r;
-        int64_t repeat = (bits[row >> 3] >> (7 - (row & 7))) & 1;
-        int64_t at = i - repeat;
-        out[r] = unique_rows[at < last ? at : last];
-        i += 1 - repeat;
-    }
+    for (; r < n && ((first_row + r) & 7); r++) i = expand_row(bits, unique_rows, last, out, r, first_row, i);
     for (; r + 8 <= n; r += 8) {
         uint8_t byte = bits[(first_row + r) >> 3];
         const int8_t *taken = TAKEN[byte];
@@ -925,13 +929,7 @@ static inline void expand_repeats(const uint8_t *bits, const uint64_t *restrict 
         }
         i += taken[7] + 1;
     }
-    for (; r < n; r++) {
-        int64_t row = first_row + r;
-        int64_t repeat = (bits[row >> 3] >> (7 - (row & 7))) & 1;
-        int64_t at = i - repeat;
-        out[r] = unique_rows[at < last ? at : last];
-        i += 1 - repeat;
-    }
+    for (; r < n; r++) i = expand_row(bits, unique_rows, last, out, r, first_row, i);
 }
 
 static inline int row_valid(const Decoding *d, int64_t jw, int64_t r) {

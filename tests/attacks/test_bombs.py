@@ -76,6 +76,19 @@ def _replace_object(storage: Storage, commit_key: str, commit: dict[str, Any], n
 
 
 # -- storage-side bombs ----------------------------------------------------------------------------------------------
+def _first_index(storage: Storage) -> tuple[str, dict[str, Any], pa.Table]:
+    """The first commit's key, the commit and its part's index table."""
+    key, commit = _first_commit(storage)
+    return key, commit, pq.read_table(io.BytesIO(storage.read(f"{keys.part_dir(0, commit['part'])}/{keys.INDEX}")))
+
+
+def _replace_index(storage: Storage, key: str, commit: dict[str, Any], rows: list[Any], schema: pa.Schema) -> None:
+    """The first commit's index rewritten as ``rows`` (and re-listed in the commit)."""
+    sink = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), sink)
+    _replace_object(storage, key, commit, keys.INDEX, sink.getvalue())
+
+
 def _unsealed_store_with_first_commit(url: str, field: str, value: Any) -> None:
     """A store whose first commit document has ``field`` (dotted) set to ``value``."""
     build_store(url, sealed=False)
@@ -98,16 +111,12 @@ def test_a_commit_claiming_huge_chunks_is_refused(memory_url: str) -> None:
 def test_an_index_row_claiming_two_billion_tokens_is_refused(memory_url: str) -> None:
     build_store(memory_url, sealed=False)
     storage = routelog.open_store(memory_url).storage
-    key, commit = _first_commit(storage)
-    index_key = f"{keys.part_dir(0, commit['part'])}/{keys.INDEX}"
-    table = pq.read_table(io.BytesIO(storage.read(index_key)))
+    key, commit, table = _first_index(storage)
     rows = table.to_pylist()
     rows[0]["n_tokens"] = rows[0]["prompt_len"] = 2**31 - 1 - rows[0]["response_len"]
     rows[0]["token_ids"] = None
-    sink = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), sink)
     commit["n_tokens"] = sum(r["n_tokens"] for r in rows)
-    _replace_object(storage, key, commit, keys.INDEX, sink.getvalue())
+    _replace_index(storage, key, commit, rows, table.schema)
     with (
         bounded_allocation(),
         pytest.raises(CorruptDataError, match=r"n_tokens|less than or equal|tokens in \d+ records"),
@@ -121,9 +130,7 @@ def test_an_index_row_whose_token_ids_disagree_with_its_length_is_refused(memory
     type): a list one token short is refused by both, naming the sample."""
     build_store(memory_url, sealed=False)
     storage = routelog.open_store(memory_url).storage
-    key, commit = _first_commit(storage)
-    index_key = f"{keys.part_dir(0, commit['part'])}/{keys.INDEX}"
-    table = pq.read_table(io.BytesIO(storage.read(index_key)))
+    key, commit, table = _first_index(storage)
     rows = table.to_pylist()
     before = routelog.open_store(memory_url).step(0)
     other = next(sid for sid in before.sample_ids if sid != rows[0]["sample_id"])
@@ -134,9 +141,7 @@ def test_an_index_row_whose_token_ids_disagree_with_its_length_is_refused(memory
     if token_type == "int64":
         where = schema.get_field_index("token_ids")
         schema = schema.set(where, pa.field("token_ids", pa.list_(pa.int64())))
-    sink = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), sink)
-    _replace_object(storage, key, commit, keys.INDEX, sink.getvalue())
+    _replace_index(storage, key, commit, rows, schema)
     snapshot = routelog.open_store(memory_url).step(0)
     assert (snapshot._rows._tokens is not None) == (token_type == "int32")  # which path checks them
     with pytest.raises(CorruptDataError, match=f"(?s){rows[0]['sample_id']!r}.*token_ids for n_tokens"):
