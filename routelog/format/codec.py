@@ -29,7 +29,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from routelog.format import kernels
+from routelog.format import kernels, mapped
 
 Transform = Literal["ranked_gaps", "sorted_gaps", "none"]
 TopkOrder = Literal["sorted", "score"]
@@ -107,7 +107,7 @@ def sort_by_layer(ids: npt.NDArray[Any], num_experts: int) -> tuple[IdArray, Row
         return np.empty((layers, 0, k), dtype), problem
     src = np.ascontiguousarray(ids, dtype=dtype)
     largest = dtype.type(num_experts - 1)
-    out = np.empty((layers, t, k), dtype)
+    out = mapped.empty((layers, t, k), dtype)  # a writer holds and frees these by the flush buffer
     if _sorts_compiled(src):
         bad = kernels.sort_rows_of_eight(src.reshape(-1), out.reshape(-1), t, layers, int(largest))
         row = None if bad < 0 else int(bad)

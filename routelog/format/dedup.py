@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from routelog.format.codec import IdArray
 from routelog.format.documents import Span
+from routelog.format.row_blocks import RowBlocks
 from routelog.format.weights import WeightsDtype, from_storage, missing
 
 MIN_SHARED_TOKENS = 16
@@ -66,62 +67,39 @@ class Placement:
 
 class PartRows:
     """The routing rows ``[layers, n, K]`` of a part being built (and their weights, once a record has some),
-    growing as records are placed."""
+    growing as records are placed. The records' own arrays are kept, not copied (:class:`RowBlocks`)."""
 
     def __init__(
         self,
         layers: int,
         topk: int,
         dtype: np.dtype[Any],
-        capacity: int = 1024,
         weights_dtype: WeightsDtype = "bfloat16",
     ) -> None:
-        self._data = np.empty((layers, max(1, capacity), topk), dtype)
-        self._weights: WeightRows | None = None
+        self.ids = RowBlocks(layers, topk, dtype)
+        self.weights: RowBlocks | None = None
         self.weights_dtype: WeightsDtype = weights_dtype
-        self.n = 0
+
+    @property
+    def n(self) -> int:
+        return self.ids.n
 
     def append(self, rows: IdArray, weights: WeightRows | None = None) -> int:
         """Add ``rows`` ``[layers, m, K]`` (and their stored weights); returns the part row of the first one."""
-        start, m = self.n, rows.shape[1]
-        if start + m > self._data.shape[1]:
-            self._data = _grown(self._data, start, start + m)
-            if self._weights is not None:
-                self._weights = _grown(self._weights, start, start + m)
-        self._data[:, start : start + m] = rows
-        if weights is not None and self._weights is None:  # the first weights: earlier rows have none (NaN)
-            self._weights = np.empty((self._data.shape[0], self._data.shape[1], self._data.shape[2]), weights.dtype)
-            self._weights[:, :start] = missing((self._data.shape[0], start, self._data.shape[2]), self.weights_dtype)
-        if self._weights is not None:
-            if weights is None:
-                weights = missing(rows.shape, self.weights_dtype)
-            self._weights[:, start : start + m] = weights
-        self.n += m
+        start = self.ids.append(rows)
+        if weights is not None and self.weights is None:  # the first weights: earlier rows have none (NaN)
+            self.weights = RowBlocks(rows.shape[0], rows.shape[2], weights.dtype)
+            self.weights.append(missing((rows.shape[0], start, rows.shape[2]), self.weights_dtype))
+        if self.weights is not None:
+            self.weights.append(missing(rows.shape, self.weights_dtype) if weights is None else weights)
         return start
 
     def take(self, rows: npt.NDArray[np.int64]) -> tuple[IdArray, WeightRows | None]:
-        at = consecutive(rows)
-        return self._data[:, at], None if self._weights is None else self._weights[:, at]
-
-    @property
-    def data(self) -> IdArray:
-        return self._data[:, : self.n]
-
-    @property
-    def weights(self) -> WeightRows | None:
-        return None if self._weights is None else self._weights[:, : self.n]
+        return self.ids.take(rows), None if self.weights is None else self.weights.take(rows)
 
     @property
     def nbytes(self) -> int:
-        weights = self.weights
-        return int(self.data.nbytes) + (0 if weights is None else int(weights.nbytes))
-
-
-def _grown(data: npt.NDArray[Any], used: int, needed: int) -> npt.NDArray[Any]:
-    layers, capacity, topk = data.shape
-    grown = np.empty((layers, max(2 * capacity, needed), topk), data.dtype)
-    grown[:, :used] = data[:, :used]
-    return grown
+        return self.ids.nbytes + (0 if self.weights is None else self.weights.nbytes)
 
 
 @dataclass
@@ -155,9 +133,11 @@ class PrefixIndex:
     _by_probe: dict[bytes, list[_Placed]] = field(default_factory=dict)
     _ids: dict[str, int] = field(default_factory=dict)
     _building: dict[int, PartRows] = field(default_factory=dict)
-    """Parts of this writer not committed yet, whose rows grow as records are placed."""
+    """Parts being built, whose rows grow as records are placed."""
     _next_id: int = 0
     _token_bytes: int = 0
+    _candidates_in: dict[int, int] = field(default_factory=dict)
+    """How many candidates point at rows of each part."""
 
     # -- parts --------------------------------------------------------------------------------------------------
     def begin_part(self, rows: PartRows, key: str) -> int:
@@ -176,10 +156,21 @@ class PrefixIndex:
         """Register a committed part (another writer's) whose records :meth:`add_record` will list."""
         return self._add(source, key, committed=True)
 
+    def placed(self, part: int) -> bool:
+        """Every record of the part is placed. Whether the index keeps its rows to compare against: not when no
+        candidate points at them (its records carry no token ids), so the build may let them go as it encodes."""
+        rows = self._building.pop(part)
+        if self._candidates_in.get(part):
+            return True
+        self._parts[part].source = PartRows(rows.ids.layers, rows.ids.topk, rows.ids.dtype)
+        return False
+
     def committed(self, part: int) -> None:
-        """The part was committed: it is kept until the budget or a drop forgets it."""
+        """The part was committed: it is kept until the budget or a drop forgets it, while a candidate points at
+        its rows (a part of records without token ids has nothing to share: its rows are let go at once)."""
         self._parts[part].committed = True
-        self._building.pop(part, None)
+        if not self._candidates_in.get(part):
+            self._forget({part})
         self._evict()
 
     def abandon(self, part: int) -> None:
@@ -303,6 +294,8 @@ class PrefixIndex:
     def _list(self, placed: _Placed) -> None:
         self._by_probe.setdefault(_probe(placed.tokens), []).append(placed)
         self._token_bytes += placed.tokens.nbytes + placed.part.nbytes + placed.row.nbytes
+        for part in placed.parts:
+            self._candidates_in[part] = self._candidates_in.get(part, 0) + 1
 
     @property
     def nbytes(self) -> int:
@@ -323,14 +316,10 @@ class PrefixIndex:
             entry = self._parts.pop(part, None)
             if entry is not None:
                 self._ids.pop(entry.key, None)
-        kept: dict[bytes, list[_Placed]] = {}
-        self._token_bytes = 0
-        for probe, placed in self._by_probe.items():
-            alive = [p for p in placed if not p.parts & parts]
-            if alive:
-                kept[probe] = alive
-                self._token_bytes += sum(p.tokens.nbytes + p.part.nbytes + p.row.nbytes for p in alive)
-        self._by_probe = kept
+        listed = [p for placed in self._by_probe.values() for p in placed if not p.parts & parts]
+        self._by_probe, self._token_bytes, self._candidates_in = {}, 0, {}
+        for placed in listed:
+            self._list(placed)
 
 
 def _placed(tokens: npt.NDArray[np.int64], part: npt.NDArray[np.int32], row: npt.NDArray[np.int64]) -> _Placed:

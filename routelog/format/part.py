@@ -11,18 +11,17 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from routelog.format import keys
 from routelog.format.codec import (
-    IdArray,
     TopkOrder,
     Transform,
     gaps_from_sorted,
@@ -45,6 +44,7 @@ from routelog.format.documents import (
 )
 from routelog.format.parquet_limits import MAX_STREAMS, BoundedParquet, ParquetLeaf, decoded_budget
 from routelog.format.record import PreparedRecord
+from routelog.format.row_blocks import ChunkSource, RowBlocks
 from routelog.format.shard import (
     ShardLayout,
     encode_shards,
@@ -107,8 +107,8 @@ class PartOptions:
 class BuiltPart:
     """The bytes of one part, ready to upload, and what its commit will say about them."""
 
-    objects: dict[str, bytes]
-    """Keys relative to the part directory."""
+    objects: dict[str, bytes | mmap.mmap]
+    """Keys relative to the part directory (a shard is mapped, see :mod:`routelog.format.mapped`)."""
     routing: RoutingArrayInfo
     rows: list[IndexRow]
     n_tokens: int
@@ -132,15 +132,20 @@ def build_part(
     options: PartOptions,
     prefixes: PrefixIndex | None = None,
     key: str = "",
+    *,
+    consume: bool = False,
 ) -> BuiltPart:
     """Concatenate the records' stored rows into one sharded zarr array (and one per extra stream the records
     carry, and one of routing weights when some record has them) and write their Parquet index.
 
     With ``dedup="step"``, ``prefixes`` is the writer's index of the step's earlier records (a fresh one when
     None): shared prefixes may then point at its earlier parts, and its later parts at this one, which they name
-    by ``key`` (the part's ``steps/<step>/parts/<name>``, required with ``prefixes``)."""
-    capacity = sum(r.rows.shape[1] for r in records)  # at most: shared prefixes only make it smaller
-    routing = PartRows(spec.num_moe_layers, spec.topk, spec.id_dtype, capacity, options.weights_dtype)
+    by ``key`` (the part's ``steps/<step>/parts/<name>``, required with ``prefixes``).
+
+    ``consume``: the records' routing rows are the caller's to give up (a writer's buffer). The build then lets
+    each record's rows go once copied, and each layer chunk's once compressed, unless the prefix index keeps them
+    to compare against: the part's raw rows are never held twice, and shrink as its objects grow."""
+    routing = PartRows(spec.num_moe_layers, spec.topk, spec.id_dtype, options.weights_dtype)
     if options.dedup == "off":
         prefixes = None
     elif options.dedup == "part" or prefixes is None:
@@ -149,7 +154,7 @@ def build_part(
         raise ValueError("build_part: a part placed in a shared prefix index needs its key")
     part_id = None if prefixes is None else prefixes.begin_part(routing, key)
     try:
-        return _build(records, spec, options, routing, prefixes, part_id)
+        return _build(records, spec, options, routing, prefixes, part_id, consume)
     except BaseException:
         if prefixes is not None and part_id is not None:
             prefixes.abandon(part_id)
@@ -163,6 +168,7 @@ def _build(
     routing: PartRows,
     prefixes: PrefixIndex | None,
     part_id: int | None,
+    consume: bool,
 ) -> BuiltPart:
     rows: list[IndexRow] = []
     stream_offsets: dict[str, int] = {}
@@ -183,10 +189,16 @@ def _build(
                 streams.append(entry.model_copy(update={"spans": [_shifted(s, base) for s in entry.spans]}))
                 stream_offsets[entry.name] = base + rec.streams[entry.name].shape[1]
         rows.append(rec.row.model_copy(update={"spans": spans, "streams": streams}))
-    objects: dict[str, bytes] = {}
+    ids: ChunkSource = routing.ids
+    kept = prefixes is not None and part_id is not None and prefixes.placed(part_id)
+    if consume and not kept:  # nothing compares against them later
+        for rec in records:
+            rec.release_routing()
+        ids = routing.ids.drain_by_layers(min(options.chunk_layers, spec.num_moe_layers))
+    objects: dict[str, bytes | mmap.mmap] = {}
     attributes = {"num_experts": spec.num_experts, "moe_layers": list(spec.moe_layers)}
     info = _encode_array(
-        [routing.data],
+        ids,
         keys.ROUTING,
         spec.num_moe_layers,
         spec.num_experts,
@@ -200,8 +212,12 @@ def _build(
         declared = spec.stream(name)
         if declared is None:
             raise ValueError(f"stream {name!r} is not declared by the model spec")
+        stream_rows = RowBlocks(declared.num_layers, declared.topk, storage_dtype(declared.universe))
+        for r in records:
+            if name in r.streams:
+                stream_rows.append(r.streams[name])
         streams_info[name] = _encode_array(
-            [r.streams[name] for r in records if name in r.streams],
+            stream_rows,
             f"{STREAMS_DIR}/{name}",
             declared.num_layers,
             declared.universe,
@@ -238,29 +254,25 @@ def _shifted(span: Span, offset: int) -> Span:
 
 
 def _encode_array(
-    blocks: list[IdArray],
+    rows: ChunkSource,
     path: str,
     layers: int,
     universe: int,
     topk: int,
     options: PartOptions,
     attributes: dict[str, Any],
-    objects: dict[str, bytes],
+    objects: dict[str, bytes | mmap.mmap],
 ) -> RoutingArrayInfo:
-    """Encode stored rows ``[layers, rows, topk]`` (concatenated on axis 1) as one sharded array under ``path``,
-    adding its objects to ``objects``; returns its description (with the ``zarr.json`` copy)."""
+    """Encode stored rows ``[layers, rows, topk]`` as one sharded array under ``path``, adding its objects to
+    ``objects``; returns its description (with the ``zarr.json`` copy)."""
     dtype = storage_dtype(universe)
-    if len(blocks) == 1:
-        data = blocks[0]
-    else:
-        data = np.concatenate(blocks, axis=1) if blocks else np.zeros((layers, 0, topk), dtype)
     transform: Transform = options.transform if options.topk_order == "sorted" else "none"
-    if transform == "sorted_gaps":  # format 1's transform: the shard stores the gaps themselves
-        data = gaps_from_sorted(np.array(data, order="C"))
+    # format 1's transform: the shard stores the gaps themselves, computed chunk by chunk
+    to_gaps = gaps_from_sorted if transform == "sorted_gaps" else None
     info = RoutingArrayInfo(
         path=path,
         dtype="uint8" if dtype == np.uint8 else "uint16",
-        n_rows=data.shape[1],
+        n_rows=rows.n,
         num_moe_layers=layers,
         topk=topk,
         num_experts=universe,
@@ -275,18 +287,18 @@ def _encode_array(
     metadata = layout_.zarr_metadata(options.zstd_level, {"routelog": {**stamp, **attributes}})
     objects[f"{path}/zarr.json"] = json.dumps(metadata, indent=1).encode()
     if info.n_rows:  # an empty array has no chunk to store
-        for key, shard in encode_shards(data, layout_, options.zstd_level).items():
+        for key, shard in encode_shards(rows, layout_, options.zstd_level, to_gaps).items():
             objects[f"{path}/{key}"] = shard
     return info.model_copy(update={"zarr_metadata": metadata})
 
 
 def _encode_weights(
-    data: npt.NDArray[Any], spec: ModelSpec, options: PartOptions, objects: dict[str, bytes]
+    data: RowBlocks, spec: ModelSpec, options: PartOptions, objects: dict[str, bytes | mmap.mmap]
 ) -> WeightsArrayInfo:
     """Encode the part's stored weights ``[layers, rows, topk]`` as the sharded array ``weights``."""
     info = WeightsArrayInfo(
         dtype=options.weights_dtype,
-        n_rows=data.shape[1],
+        n_rows=data.n,
         num_moe_layers=spec.num_moe_layers,
         topk=spec.topk,
         chunk_rows=options.chunk_rows,

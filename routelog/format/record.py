@@ -103,6 +103,22 @@ class PreparedRecord:
     """Size of the valid rows at one byte/two bytes per ID, the 'raw-equivalent' measure of throughput."""
     weights: npt.NDArray[Any] | None = None
     """Stored-form routing weights ``[n_moe_layers, n_valid_rows, topk]`` aligned with :attr:`rows`, or None."""
+    released: bool = False
+    """Its routing rows were handed to a part being built and are no longer held here (:meth:`release_routing`)."""
+
+    def release_routing(self) -> None:
+        """Let go of this record's routing rows: the part being built holds the only reference, and frees them as
+        they are encoded."""
+        self.rows = np.empty((self.rows.shape[0], 0, self.rows.shape[2]), self.rows.dtype)  # no view: frees them
+        self.released = True
+
+    def release(self) -> None:
+        """Let go of everything a built part holds (routing, weights, streams, values): a writer keeps only what
+        it reports on."""
+        self.release_routing()
+        self.weights = None
+        self.streams = {}
+        self.values = {}
 
 
 def prepare_record(

@@ -35,6 +35,7 @@ the same zstd work done directly runs at > 600 MB/s).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -42,8 +43,9 @@ import google_crc32c
 import numpy as np
 import numpy.typing as npt
 
-from routelog.format import ranked, zstd_frames
+from routelog.format import mapped, ranked, zstd_frames
 from routelog.format.ranked import RANKED_CODEC
+from routelog.format.row_blocks import ChunkSource, RowBlocks
 
 EMPTY = np.uint64(2**64 - 1)
 """Index entry of an inner chunk that was never written (zarr reads it as the fill value 0; routelog refuses it:
@@ -157,34 +159,58 @@ class ShardLayout:
         }
 
 
-def _crc(*pieces: bytes | memoryview) -> bytes:
+def _crc(*pieces: bytes | bytearray | memoryview) -> bytes:
     """The crc32c of the pieces' bytes joined, as zarr stores it (little-endian)."""
     crc = 0
-    for data in pieces:  # google_crc32c takes bytes or numpy arrays (zero-copy), not memoryviews
-        crc = google_crc32c.extend(crc, np.frombuffer(data, dtype=np.uint8) if isinstance(data, memoryview) else data)
+    for data in pieces:  # google_crc32c takes bytes or numpy arrays (zero-copy), not other buffers
+        crc = google_crc32c.extend(crc, data if isinstance(data, bytes) else np.frombuffer(data, dtype=np.uint8))
     return int(crc).to_bytes(4, "little")
 
 
-def encode_shards(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int) -> dict[str, bytes]:
-    """The shard objects for ``stored`` (``[num_layers, n_rows, topk]``, already in stored form), by key."""
+def encode_shards(
+    stored: npt.NDArray[Any] | ChunkSource,
+    layout: ShardLayout,
+    zstd_level: int,
+    transform: Callable[[npt.NDArray[Any]], npt.NDArray[Any]] | None = None,
+) -> dict[str, mapped.Bytes]:
+    """The shard objects for ``stored`` (``[num_layers, n_rows, topk]``, already in stored form, or the blocks it
+    was appended in, see :mod:`routelog.format.row_blocks`), by key. ``transform`` maps each chunk's rows to what is
+    stored, in place on a copy."""
+    blocks = RowBlocks.of(stored) if isinstance(stored, np.ndarray) else stored
     span = layout.layers_per_shard
     return {
-        layout.shard_key(i): encode_shard(stored[i * span : (i + 1) * span], layout, zstd_level)
+        layout.shard_key(i): _encode_shard(blocks, i * span, layout, zstd_level, transform)
         for i in range(layout.n_shards)
     }
 
 
-def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int) -> bytes:
+def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int) -> mapped.Bytes:
     """One shard object for ``stored`` (its layers, at most ``layout.layers_per_shard``, in stored form)."""
+    return _encode_shard(RowBlocks.of(stored), 0, layout, zstd_level, None)
+
+
+def _encode_shard(
+    blocks: ChunkSource,
+    first_layer: int,
+    layout: ShardLayout,
+    zstd_level: int,
+    transform: Callable[[npt.NDArray[Any]], npt.NDArray[Any]] | None,
+) -> mapped.Bytes:
+    """The shard holding layers from ``first_layer`` on. Its chunks are appended to the object as they are
+    compressed, after room left for the index: the object is never held twice (joining the pieces would, for a
+    moment, take a second copy of the whole shard), and it is mapped (:mod:`routelog.format.mapped`)."""
     grid = layout.grid
     index = np.zeros((*grid, 2), dtype="<u8")
-    pieces: list[bytes] = []
-    offset = layout.index_nbytes
+    shard = mapped.Buffer(layout.index_nbytes + math.prod(grid) * max_piece_nbytes(layout), layout.index_nbytes)
     cl, cr = layout.chunk_layers, layout.chunk_rows
+    last_layer = min(blocks.layers, first_layer + layout.layers_per_shard)
     dtype = layout.dtype.newbyteorder("<")
     for lc in range(grid[0]):
+        layers = slice(min(last_layer, first_layer + lc * cl), min(last_layer, first_layer + (lc + 1) * cl))
         for rc in range(grid[1]):
-            block = stored[lc * cl : (lc + 1) * cl, rc * cr : (rc + 1) * cr]
+            block = blocks.rows(min(blocks.n, rc * cr), min(blocks.n, (rc + 1) * cr), layers)
+            if transform is not None:
+                block = transform(np.array(block, order="C"))
             if block.shape != layout.chunk_shape:  # edge chunks are padded to the chunk shape (readers never see it)
                 block = _padded(block, layout)
             if layout.ranked:  # the codec reads the block in place (each layer's rows are contiguous)
@@ -196,12 +222,14 @@ def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int)
                         np.moveaxis(block.view(np.uint8).reshape(*layout.chunk_shape, layout.planes), 3, 0)
                     )
                 payload = [zstd_frames.compress(block, zstd_level)]
-            pieces += [*payload, _crc(*payload)]  # joined once, below: no copy per chunk
-            nbytes = sum(len(piece) for piece in payload) + 4
-            index[lc, rc] = (offset, nbytes)
-            offset += nbytes
+            offset = shard.size
+            for piece in payload:
+                shard.add(piece)
+            shard.add(_crc(*payload))
+            index[lc, rc] = (offset, shard.size - offset)
+        blocks.release(layers)
     index_bytes = index.tobytes()
-    return b"".join([index_bytes, _crc(index_bytes), *pieces])
+    return shard.finish(index_bytes + _crc(index_bytes))
 
 
 def _padded(block: npt.NDArray[Any], layout: ShardLayout) -> npt.NDArray[Any]:

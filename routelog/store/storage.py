@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import mmap
 import os
 import posixpath
 import random
@@ -185,7 +186,7 @@ def _new_directories(directory: str) -> list[str]:
     return changed
 
 
-def _write_new_files(files: Mapping[str, bytes]) -> None:
+def _write_new_files(files: Mapping[str, bytes | mmap.mmap]) -> None:
     """Write local files under names nobody else uses (a new part's objects, read only once a later commit names
     them), durably: each is written in place, then every file and every directory that gained a name is fsynced,
     concurrently (the filesystem's journal commits them together instead of once each)."""
@@ -474,7 +475,7 @@ class Storage:
         else:
             self._call("write", key, lambda: self.fs.pipe_file(path, data))
 
-    def write_many(self, objects: Mapping[str, bytes]) -> None:
+    def write_many(self, objects: Mapping[str, bytes | mmap.mmap]) -> None:
         """Write several uniquely named objects (concurrently on async filesystems), durably."""
         if not objects:
             return
@@ -482,7 +483,8 @@ class Storage:
             paths = {self.path(k): v for k, v in objects.items()}
             self._call("write", next(iter(objects)), lambda: _write_new_files(paths))
             return
-        paths = {self.path(k): v for k, v in objects.items()}
+        # HTTP clients take bytes, not mappings (a mapped shard is copied here, one part's objects at a time)
+        paths = {self.path(k): v if isinstance(v, bytes) else bytes(v) for k, v in objects.items()}
         self._call("write", next(iter(objects)), lambda: self.fs.pipe(paths))
 
     def create(self, key: str, data: bytes) -> bool:

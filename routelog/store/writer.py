@@ -9,9 +9,12 @@ a step without coordination.
 Streaming: ``append`` validates and canonicalises a record on the caller's thread (so a bad record raises there and
 nothing else is affected, at about 1 GB/s of routing); compression runs on a background thread, upload and commit on
 another, so a part is compressed while the one before it is written and made durable (a part that shares rows with
-an earlier part of the writer is committed after it, or fails with it). A bound on the parts pending gives
-backpressure, so memory stays within about ``(max_pending + 2) x flush_bytes`` plus the shared-prefix index's budget
-(:data:`routelog.format.dedup.DEFAULT_BUDGET_BYTES`) whatever the run length. Parts are flushed by size and by age.
+an earlier part of the writer is committed after it, or fails with it). Backpressure is by bytes: ``append`` waits
+while the records buffered and the parts not yet committed (their raw rows until they are compressed, then their
+objects) hold 1.5 x ``flush_bytes`` (:data:`HELD_FLUSHES`), and a build lets each layer chunk's raw rows go once they
+are compressed, so the writer's memory stays within about 2 x ``flush_bytes`` whatever the run length, plus the
+shared-prefix index's budget (:data:`routelog.format.dedup.DEFAULT_BUDGET_BYTES`; it keeps only rows a record with
+token ids may share). Parts are flushed by size and by age.
 
 What a writer reports is true at its commit's position in the log, where every entry before it is known to it:
 
@@ -60,6 +63,10 @@ from routelog.store.storage import Storage
 
 DEFAULT_FLUSH_BYTES = 64 << 20
 """Raw-equivalent bytes of routing buffered before a part is written (zarr's >= 1 MB advice, S3's 8-16 MB GETs)."""
+HELD_FLUSHES = 1.5
+"""``append`` waits while the buffer and the parts not yet committed hold this many flush buffers and a part is being
+built (or two are held): a part is still compressed while the one before it is uploaded, and a writer's peak stays
+within about 2 x ``flush_bytes`` (``tools/bench_writers.py`` measures it)."""
 DEFAULT_FLUSH_SECONDS = 30.0
 """A part is also written once its oldest record has waited this long."""
 MAX_COMMIT_DELAY = 600.0
@@ -88,6 +95,10 @@ class _Batch:
     presumed: list[PreparedRecord] = field(default_factory=list)
     """Records appended while a live record of the same sample id and tokens was known: checked again at the
     flush, written if that record is gone."""
+    held: int = 0
+    """Bytes of it the writer counts as held: its raw rows until its part is built, then the part's objects."""
+    unbuilt: bool = False
+    """Handed to the builder and not built yet."""
 
 
 @dataclass
@@ -203,6 +214,10 @@ class StepWriter:
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
         self._pending = 0
+        self._held_bytes = 0
+        """Bytes held by the parts handed to the background (see :attr:`_Batch.held`)."""
+        self._unbuilt = 0
+        """Parts handed to the background and not built yet."""
         self._error: WriterError | None = None
         self._closed = False
         self._aborted = False
@@ -259,9 +274,10 @@ class StepWriter:
 
     # -- appending -------------------------------------------------------------------------------------------
     def append(self, record: Record) -> None:
-        """Validate and buffer one record; a full buffer is handed to the background uploader (blocking only
-        while ``max_pending`` parts are already waiting)."""
+        """Validate and buffer one record; a full buffer is handed to the background uploader (blocking while
+        ``max_pending`` parts are already waiting, or while the background holds too many bytes: see the module)."""
         self._check_usable()
+        self._wait_for_memory()
         sid = record.sample_id
         if sid in self._sample_ids:
             raise DuplicateSampleError(
@@ -288,6 +304,27 @@ class StepWriter:
             full = self._buffered_bytes >= self.flush_bytes
         if full:
             self._submit()
+
+    def _wait_for_memory(self) -> None:
+        """Backpressure by bytes: while the buffer and the parts in the background hold :data:`HELD_FLUSHES` x
+        ``flush_bytes``, wait for a part to be compressed or committed (a part that failed lets its bytes go too).
+        One part being uploaded never holds back the next one's records: the next part is always built while the
+        one before it is written."""
+        with self._done:
+            while (
+                self._unbuilt or self._pending > 1
+            ) and self._buffered_bytes + self._held_bytes >= HELD_FLUSHES * self.flush_bytes:
+                self._done.wait(timeout=1.0)
+
+    def _hold(self, batch: _Batch, nbytes: int) -> None:
+        """``batch`` is built (or done, with ``nbytes`` 0): count ``nbytes`` as what it holds now."""
+        with self._done:
+            self._held_bytes += nbytes - batch.held
+            batch.held = nbytes
+            if batch.unbuilt:
+                batch.unbuilt = False
+                self._unbuilt -= 1
+            self._done.notify_all()
 
     def _present(self, prepared: PreparedRecord) -> bool:
         """Whether the step holds a live record of this sample id with the same tokens (as this writer last read
@@ -316,8 +353,10 @@ class StepWriter:
         """Under the lock: the buffered records as the next part (with its commit number)."""
         if not self._buffer and not self._presumed:
             return None
-        batch = _Batch(self._next_seq, self._buffer, self._presumed)
+        batch = _Batch(self._next_seq, self._buffer, self._presumed, held=self._buffered_bytes, unbuilt=True)
         self._next_seq += 1
+        self._held_bytes += self._buffered_bytes
+        self._unbuilt += 1
         self._buffer, self._presumed, self._buffered_bytes, self._buffer_since = [], [], 0, None
         self._pending += 1
         return batch
@@ -381,7 +420,7 @@ class StepWriter:
                 return self._stage(batch, share=True)
         except Exception as exc:  # surfaced to the caller at its next call
             self._fail(batch, exc, _ids([*batch.records, *batch.presumed]))
-        self._finished()
+        self._finished(batch)
         return None
 
     def _stage(self, batch: _Batch, *, share: bool) -> _Staged:
@@ -413,18 +452,22 @@ class StepWriter:
             key = keys.part_dir(self.step, name)
             spec = self.store.model_spec
             try:
-                staged.built = build_part(records, spec, options, prefixes, key)
+                staged.built = build_part(records, spec, options, prefixes, key, consume=True)
             except Exception:  # append validated these records: find the one that still fails
                 staged.records, refused = _isolate_failures(records, self.store, self.options)
                 outcome.refused.update(refused)
                 if staged.records:
-                    staged.built = build_part(staged.records, spec, options, prefixes, key)
+                    staged.built = build_part(staged.records, spec, options, prefixes, key, consume=True)
+            for record in staged.records:  # the part holds them now
+                record.release()
+            self._hold(batch, 0 if staged.built is None else sum(len(data) for data in staged.built.objects.values()))
             return staged
 
     def _complete(self, staged: _Staged) -> None:
         """Upload and commit a built part, report what happened to each of its records, and write the records a
         concurrent drop left without their present copy."""
         batch = staged.batch
+        stages = [staged]  # and the follow-up parts': what they hold is let go at the end
         try:
             for _ in range(_REWRITE_ROUNDS):
                 if self._aborted:
@@ -449,14 +492,19 @@ class StepWriter:
                     batch = _Batch(self._next_seq, outcome.rewrite)
                     self._next_seq += 1
                 staged = self._stage(batch, share=False)
+                stages.append(staged)
             else:
                 self._fail(batch, RoutelogError("drops kept removing the copies found present"), _ids(batch.records))
         except Exception as exc:  # surfaced to the caller at its next call
             self._fail(batch, exc, _ids([*batch.records, *batch.presumed]))
         finally:
-            self._finished()
+            for done in stages:  # its objects are written or given up: free them now, not when the next comes
+                done.built = None
+            self._finished(*(done.batch for done in stages))
 
-    def _finished(self) -> None:
+    def _finished(self, *batches: _Batch) -> None:
+        for batch in batches:
+            self._hold(batch, 0)
         with self._done:
             self._pending -= 1
             self._done.notify_all()
@@ -660,6 +708,11 @@ def _isolate_failures(
     good: list[PreparedRecord] = []
     refused: dict[str, str] = {}
     for record in records:
+        if record.released:  # the failed build had taken its rows (to let them go as it encoded)
+            refused[record.row.sample_id] = (
+                f"sample {record.row.sample_id!r} was not stored: its part failed while being encoded; append it again"
+            )
+            continue
         try:
             build_part([record], store.model_spec, replace(options, dedup="off"))
         except Exception as exc:  # reported to the caller with the sample id

@@ -87,10 +87,10 @@ def test_a_record_that_fails_at_flush_costs_only_itself(memory_url: str, monkeyp
 
     real_build = writer_module.build_part
 
-    def build(records: list[Any], *args: Any) -> Any:
+    def build(records: list[Any], *args: Any, **kwargs: Any) -> Any:
         if any(r.row.sample_id == "s1" for r in records):
             raise OverflowError("simulated: a value that passed validation does not fit its column")
-        return real_build(records, *args)
+        return real_build(records, *args, **kwargs)
 
     monkeypatch.setattr(writer_module, "build_part", build)
     store = routelog.create_store(memory_url, SPEC)

@@ -1,0 +1,146 @@
+"""The rows a part encodes, ``[layers, rows, K]``, held so that the build never holds them twice.
+
+A part's routing rows arrive one record at a time. Copying them into one array before encoding held every row
+twice (the records, then the part) for the whole build. :class:`RowBlocks` keeps the blocks as they came instead,
+and gathers a chunk that crosses a record boundary alone (one chunk's bytes, never the part's).
+
+When nothing else needs the rows, :meth:`RowBlocks.drain_by_layers` moves them, block by block, into one array per
+layer chunk (:class:`LayerGroups`): shards are encoded one layer chunk after the other, so each group is let go as
+soon as its chunks are compressed, and the part's raw rows shrink while its compressed bytes grow.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from routelog.format import mapped
+
+
+class ChunkSource(Protocol):
+    """Rows an encoder reads chunk by chunk."""
+
+    layers: int
+    topk: int
+    n: int
+
+    def rows(self, start: int, stop: int, layers: slice) -> npt.NDArray[Any]:
+        """Rows ``[start, stop)`` of ``layers`` (a range within one layer chunk)."""
+        ...
+
+    def release(self, layers: slice) -> None:
+        """The encoder is done with these layers' rows."""
+        ...
+
+
+class RowBlocks:
+    """Blocks ``[layers, m_i, K]`` of one dtype, read as their concatenation on axis 1."""
+
+    def __init__(self, layers: int, topk: int, dtype: np.dtype[Any]) -> None:
+        self.layers, self.topk, self.dtype = layers, topk, np.dtype(dtype)
+        self._blocks: list[npt.NDArray[Any]] = []
+        self._starts: list[int] = []
+        self.n = 0
+
+    @classmethod
+    def of(cls, array: npt.NDArray[Any]) -> RowBlocks:
+        """One array as a single block."""
+        blocks = cls(array.shape[0], array.shape[2], array.dtype)
+        blocks.append(array)
+        return blocks
+
+    def append(self, block: npt.NDArray[Any]) -> int:
+        """Add ``block`` (kept, not copied: it must not change afterwards); returns the row of its first row."""
+        start = self.n
+        if block.shape[0] != self.layers or block.shape[2] != self.topk or block.dtype != self.dtype:
+            raise ValueError(
+                f"a block of {block.shape} {block.dtype} does not fit rows of "
+                f"[{self.layers}, *, {self.topk}] {self.dtype}"
+            )
+        if block.shape[1]:
+            self._blocks.append(block)
+            self._starts.append(start)
+            self.n += block.shape[1]
+        return start
+
+    def rows(self, start: int, stop: int, layers: slice = slice(None)) -> npt.NDArray[Any]:
+        """Rows ``[start, stop)`` of ``layers``: a view where one block holds them, else a gathered copy."""
+        if not 0 <= start <= stop <= self.n:
+            raise IndexError(f"rows [{start}, {stop}) outside [0, {self.n})")
+        first = max(0, bisect.bisect_right(self._starts, start) - 1)
+        if first < len(self._blocks) and stop <= self._starts[first] + self._blocks[first].shape[1]:
+            base = self._starts[first]
+            return self._blocks[first][layers, start - base : stop - base]
+        out = np.empty((len(range(self.layers)[layers]), stop - start, self.topk), self.dtype)
+        at, i = start, first
+        while at < stop:
+            block, base = self._blocks[i], self._starts[i]
+            end = min(stop, base + block.shape[1])
+            out[:, at - start : end - start] = block[layers, at - base : end - base]
+            at, i = end, i + 1
+        return out
+
+    def take(self, rows: npt.NDArray[np.int64]) -> npt.NDArray[Any]:
+        """Rows at the given positions (a view where they are consecutive within one block)."""
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+        if not breaks.size:
+            return self.rows(int(rows[0]), int(rows[-1]) + 1) if rows.size else self.rows(0, 0)
+        runs = np.split(rows, breaks)
+        return np.concatenate([self.rows(int(run[0]), int(run[-1]) + 1) for run in runs], axis=1)
+
+    def release(self, layers: slice) -> None:
+        """Nothing to let go: the blocks belong to their records."""
+
+    def drain_by_layers(self, chunk_layers: int) -> LayerGroups:
+        """Move the rows into one array per ``chunk_layers`` layers, letting each block go once copied (the
+        caller must hold no other reference to the blocks for their memory to be freed); leaves this empty."""
+        n = self.n
+        groups = [
+            mapped.empty((min(chunk_layers, self.layers - first), n, self.topk), self.dtype)
+            for first in range(0, self.layers, chunk_layers)
+        ]
+        self._blocks.reverse()
+        at = 0
+        while self._blocks:
+            block = self._blocks.pop()
+            m = block.shape[1]
+            for g, group in enumerate(groups):
+                group[:, at : at + m] = block[g * chunk_layers : (g + 1) * chunk_layers]
+            at += m
+            del block
+        self._starts, self.n = [], 0
+        return LayerGroups(groups, chunk_layers, n, self.topk, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(block.nbytes) for block in self._blocks)
+
+
+class LayerGroups:
+    """Rows held as one contiguous array per layer chunk, each let go by :meth:`release`."""
+
+    def __init__(
+        self, groups: list[npt.NDArray[Any]], chunk_layers: int, n: int, topk: int, dtype: np.dtype[Any]
+    ) -> None:
+        self._groups: list[npt.NDArray[Any] | None] = list(groups)
+        self.chunk_layers, self.n, self.topk, self.dtype = chunk_layers, n, topk, dtype
+        self.layers = sum(g.shape[0] for g in groups)
+
+    def rows(self, start: int, stop: int, layers: slice) -> npt.NDArray[Any]:
+        first, last = layers.start, layers.stop
+        if first >= last:  # a padding layer chunk past the last layer
+            return np.empty((0, stop - start, self.topk), self.dtype)
+        g = first // self.chunk_layers
+        group = self._groups[g]
+        if group is None or last > (g + 1) * self.chunk_layers:
+            raise ValueError(f"layers [{first}, {last}) are not one layer chunk still held")
+        view: npt.NDArray[Any] = group[first - g * self.chunk_layers : last - g * self.chunk_layers, start:stop]
+        return view
+
+    def release(self, layers: slice) -> None:
+        g = layers.start // self.chunk_layers
+        if layers.start < layers.stop and g < len(self._groups):
+            self._groups[g] = None

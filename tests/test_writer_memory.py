@@ -1,0 +1,230 @@
+"""A writer's memory: a part's rows are never held twice, let go as they are encoded, and appends wait while the
+background holds too many bytes (routelog.format.row_blocks, routelog.format.mapped, the writer's backpressure)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import uuid
+import weakref
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import routelog
+from routelog import PartOptions, Record
+from routelog.format import mapped
+from routelog.format.dedup import PrefixIndex
+from routelog.format.part import build_part
+from routelog.format.record import PreparedRecord, prepare_record
+from routelog.format.row_blocks import RowBlocks
+from routelog.format.shard import encode_shard, encode_shards
+from routelog.store.writer import HELD_FLUSHES
+from routelog.synth import synthetic_spec
+from tests.records import random_routing
+
+SPEC = synthetic_spec(layers=6, experts=32, topk=4)
+
+
+def _blocks(draw: st.DrawFn) -> tuple[list[np.ndarray], int]:
+    layers = draw(st.integers(1, 7))
+    sizes = draw(st.lists(st.integers(0, 9), min_size=1, max_size=6))
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 250, (layers, m, 3), dtype=np.uint8) for m in sizes], layers
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_row_blocks_read_as_their_concatenation(data: st.DataObject) -> None:
+    blocks, layers = _blocks(data.draw)
+    whole = np.concatenate(blocks, axis=1)
+    rows = RowBlocks(layers, 3, np.dtype(np.uint8))
+    starts = [rows.append(block) for block in blocks]
+    assert starts == list(np.cumsum([0, *(b.shape[1] for b in blocks)])[:-1])
+    assert rows.n == whole.shape[1]
+    start = data.draw(st.integers(0, rows.n))
+    stop = data.draw(st.integers(start, rows.n))
+    first = data.draw(st.integers(0, layers))
+    last = data.draw(st.integers(first, layers))
+    np.testing.assert_array_equal(rows.rows(start, stop, slice(first, last)), whole[first:last, start:stop])
+    if rows.n:
+        positions = np.array(data.draw(st.lists(st.integers(0, rows.n - 1), min_size=1, max_size=12)), np.int64)
+        np.testing.assert_array_equal(rows.take(positions), whole[:, positions])
+    chunk_layers = data.draw(st.integers(1, layers))
+    groups = rows.drain_by_layers(chunk_layers)
+    assert rows.n == 0, "drained"
+    for g in range(0, layers, chunk_layers):
+        layer_range = slice(g, min(layers, g + chunk_layers))
+        np.testing.assert_array_equal(groups.rows(start, stop, layer_range), whole[layer_range, start:stop])
+        groups.release(layer_range)
+        with pytest.raises(ValueError, match="not one layer chunk still held"):
+            groups.rows(start, stop, layer_range)
+
+
+def test_a_block_of_another_shape_is_refused() -> None:
+    rows = RowBlocks(2, 3, np.dtype(np.uint8))
+    with pytest.raises(ValueError, match="does not fit"):
+        rows.append(np.zeros((2, 4, 4), np.uint8))
+    with pytest.raises(IndexError):
+        rows.rows(0, 1)
+
+
+def _prepared(rng: np.random.Generator, sizes: list[int], spec: Any = SPEC, token_ids: bool = False) -> list[Any]:
+    records = []
+    for i, m in enumerate(sizes):
+        record = Record(
+            sample_id=f"s{i}",
+            expert_ids=random_routing(rng, m, spec.num_moe_layers, spec.num_experts, spec.topk),
+            prompt_len=1,
+            response_len=m - 1,
+            token_ids=rng.integers(0, 1000, m) if token_ids else None,
+        )
+        records.append(prepare_record(record, spec, 0, "sorted"))
+    return records
+
+
+def _one_record(records: list[PreparedRecord], spec: Any) -> list[PreparedRecord]:
+    """One prepared record holding the records' rows concatenated (each already a sorted set, layer-major)."""
+    whole = np.concatenate([r.rows for r in records], axis=1)
+    record = Record(
+        sample_id="all",
+        expert_ids=np.ascontiguousarray(np.moveaxis(whole, 0, 1)),
+        prompt_len=1,
+        response_len=whole.shape[1] - 1,
+    )
+    return [prepare_record(record, spec, 0, "sorted")]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_a_part_encodes_from_its_records_blocks_to_the_bytes_of_one_array(data: st.DataObject) -> None:
+    """Chunks gathered across the records' own arrays, or read from the drained layer groups of a consuming build,
+    are stored as the same bytes as the chunks of one concatenated array."""
+    spec = synthetic_spec(layers=data.draw(st.integers(1, 9)), experts=32, topk=4)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    records = _prepared(rng, data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=5)), spec)
+    chunk_layers = data.draw(st.integers(1, 4))
+    options = PartOptions(
+        chunk_rows=data.draw(st.sampled_from([8, 16, 64])),
+        chunk_layers=chunk_layers,
+        transform=data.draw(st.sampled_from(["ranked_gaps", "sorted_gaps"])),
+        dedup="off",
+        shard_layers=data.draw(st.sampled_from([None, chunk_layers])),
+    )
+
+    def arrays(objects: dict[str, Any]) -> dict[str, bytes]:
+        return {key: bytes(value) for key, value in objects.items() if key.startswith("routing/")}
+
+    one_array = arrays(build_part(_one_record(records, spec), spec, options).objects)
+    assert arrays(build_part(records, spec, options).objects) == one_array
+    assert not any(r.released for r in records), "a build that does not consume leaves the records whole"
+    assert arrays(build_part(records, spec, options, consume=True).objects) == one_array
+    assert all(r.released and r.rows.shape[1] == 0 for r in records), "the consuming build took their rows"
+
+
+def test_encode_shard_of_an_array_is_one_of_encode_shards() -> None:
+    rng = np.random.default_rng(5)
+    records = _prepared(rng, [50, 30])
+    built = build_part(records, SPEC, PartOptions(chunk_rows=16, dedup="off"))
+    from routelog.format.part import shard_layout
+
+    layout = shard_layout(built.routing)
+    whole = np.concatenate([r.rows for r in records], axis=1)
+    shard = encode_shard(whole, layout, 3)
+    assert bytes(shard) == bytes(built.objects["routing/" + layout.shard_key()])
+    assert {k: bytes(v) for k, v in encode_shards(whole, layout, 3).items()} == {layout.shard_key(): bytes(shard)}
+
+
+def _alive(records: list[PreparedRecord]) -> list[weakref.ref[np.ndarray]]:
+    return [weakref.ref(r.rows) for r in records]
+
+
+def test_a_consuming_build_lets_the_rows_go_unless_the_prefix_index_keeps_them() -> None:
+    """Rows no later record can share (no token ids) are freed by the build; rows candidates point at stay with
+    the writer's prefix index, which compares later records against them."""
+    rng = np.random.default_rng(7)
+    options = PartOptions(dedup="step")
+    plain = _prepared(rng, [40, 40])
+    refs = _alive(plain)
+    built = build_part(plain, SPEC, options, PrefixIndex(), "steps/0/parts/a", consume=True)
+    gc.collect()
+    assert built.routing.n_rows == 80
+    assert [ref() for ref in refs] == [None, None], "nothing keeps the rows of records without token ids"
+
+    shared = _prepared(rng, [40, 40], token_ids=True)
+    refs = _alive(shared)
+    prefixes = PrefixIndex()
+    build_part(shared, SPEC, options, prefixes, "steps/0/parts/b", consume=True)
+    gc.collect()
+    assert all(ref() is not None for ref in refs), "the prefix index keeps rows that later records may share"
+    assert not any(r.released for r in shared)
+    assert prefixes.nbytes >= sum(ref().nbytes for ref in refs)  # type: ignore[union-attr]
+
+
+def test_mapped_buffers() -> None:
+    small = mapped.empty((2, 3), np.uint16)
+    large = mapped.empty((4, mapped.MAPPED_MIN_BYTES), np.uint8)
+    assert small.shape == (2, 3) and small.dtype == np.uint16
+    assert large.shape == (4, mapped.MAPPED_MIN_BYTES) and large.flags.writeable
+    large[:] = 7
+    assert int(large.sum()) == 7 * large.size
+    buffer = mapped.Buffer(1 << 20, start=4)
+    buffer.add(b"abc")
+    buffer.add(b"de")
+    data = buffer.finish(b"HEAD")
+    assert len(data) == 9 and bytes(data) == b"HEADabcde"
+
+
+def test_appends_wait_while_the_background_holds_too_many_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one part being uploaded the next is still buffered and built; with two held, an append waits until the
+    upload lets go of its bytes, and nothing is lost."""
+    store = routelog.create_store(f"memory://writer-memory/{uuid.uuid4().hex}", SPEC)
+    rng = np.random.default_rng(11)
+    tokens = 400
+    records = [
+        Record(
+            sample_id=f"r{i}",
+            expert_ids=random_routing(rng, tokens, SPEC.num_moe_layers, SPEC.num_experts, SPEC.topk),
+            prompt_len=1,
+            response_len=tokens - 1,
+        )
+        for i in range(3)
+    ]
+    raw = tokens * SPEC.num_moe_layers * SPEC.topk
+    gate = threading.Event()
+    real_write_many = store.storage.write_many
+    uploads: list[int] = []
+
+    def held_write_many(objects: Any) -> None:
+        uploads.append(len(objects))
+        assert gate.wait(timeout=60), "the test never opened the gate"
+        real_write_many(objects)
+
+    monkeypatch.setattr(store.storage, "write_many", held_write_many)
+    writer = store.writer(0, "w", flush_bytes=raw // 4, flush_seconds=None, max_pending=8)
+    writer.append(records[0])  # its part is built, then held at its upload
+    writer.append(records[1])  # one part being uploaded holds nothing back
+    appended = threading.Event()
+
+    def third() -> None:
+        writer.append(records[2])
+        appended.set()
+
+    thread = threading.Thread(target=third, daemon=True)
+    thread.start()
+    assert not appended.wait(timeout=1.0), "two parts hold more than 1.5 flush buffers: the append must wait"
+    assert writer.pending_parts == 2 and HELD_FLUSHES == 1.5
+    gate.set()
+    assert appended.wait(timeout=60)
+    thread.join(timeout=60)
+    writer.close()
+    assert sorted(store.step(0).sample_ids) == ["r0", "r1", "r2"]
+    for record in records:
+        routing = store.step(0).read(record.sample_id)
+        expected = np.sort(np.asarray(record.expert_ids), axis=-1).transpose(1, 0, 2)
+        np.testing.assert_array_equal(routing.by_layer[:, routing.valid], expected[:, routing.valid])
+        assert routing.valid.sum() >= tokens - 1
