@@ -4,6 +4,7 @@ background holds too many bytes (routelog.format.row_blocks, routelog.format.map
 from __future__ import annotations
 
 import gc
+import queue
 import threading
 import uuid
 import weakref
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import routelog
 from routelog import PartOptions, Record
@@ -228,3 +230,92 @@ def test_appends_wait_while_the_background_holds_too_many_bytes(monkeypatch: pyt
         expected = np.sort(np.asarray(record.expert_ids), axis=-1).transpose(1, 0, 2)
         np.testing.assert_array_equal(routing.by_layer[:, routing.valid], expected[:, routing.valid])
         assert routing.valid.sum() >= tokens - 1
+
+
+class BackpressureMachine(RuleBasedStateMachine):
+    """An engine thread appends records of any size (several flush buffers, or a few rows) while uploads are held
+    and let go, and flushes come between: the bytes the writer counts as held by its parts are never negative and
+    return to nothing once it is idle, no append waits forever whatever the order, and every record is committed
+    once and reads back. (That an append waits while the background holds too much is
+    ``test_appends_wait_while_the_background_holds_too_many_bytes``.)"""
+
+    FLUSH = 6 * 4 * 40  # 40 rows of SPEC's 6 layers x K = 4, in bytes
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = routelog.create_store(f"memory://writer-memory/{uuid.uuid4().hex}", SPEC)
+        self.gate = threading.Event()
+        self.gate.set()
+        real_write_many = self.store.storage.write_many
+
+        def gated_write_many(objects: Any) -> None:
+            assert self.gate.wait(timeout=60), "uploads were held past the test"
+            real_write_many(objects)
+
+        self.store.storage.write_many = gated_write_many  # type: ignore[method-assign]
+        self.writer = self.store.writer(0, "w", flush_bytes=self.FLUSH, flush_seconds=None, max_pending=8)
+        self.rng = np.random.default_rng(0)
+        self.records: dict[str, Record] = {}
+        self.work: queue.Queue[Record | None] = queue.Queue()
+        self.engine = threading.Thread(target=self._engine, daemon=True)
+        self.engine.start()
+
+    def _engine(self) -> None:
+        while (record := self.work.get()) is not None:
+            self.writer.append(record)
+
+    @rule(tokens=st.integers(2, 120))
+    def append(self, tokens: int) -> None:
+        sid = f"s{len(self.records)}"
+        record = Record(
+            sample_id=sid,
+            expert_ids=random_routing(self.rng, tokens, SPEC.num_moe_layers, SPEC.num_experts, SPEC.topk),
+            prompt_len=1,
+            response_len=tokens - 1,
+        )
+        self.records[sid] = record
+        self.work.put(record)
+
+    @rule()
+    def hold_uploads(self) -> None:
+        self.gate.clear()
+
+    @rule()
+    def let_uploads_go(self) -> None:
+        self.gate.set()
+
+    @rule()
+    def flush(self) -> None:
+        self.gate.set()
+        self.work.put(None)  # the engine finishes its appends first
+        self.engine.join(timeout=120)
+        assert not self.engine.is_alive(), "an append never returned"
+        self.writer.flush()
+        with self.writer._lock:
+            assert (self.writer._held_bytes, self.writer._unbuilt, self.writer._pending) == (0, 0, 0)
+        self.engine = threading.Thread(target=self._engine, daemon=True)
+        self.engine.start()
+
+    @invariant()
+    def the_accounting_holds(self) -> None:
+        with self.writer._lock:
+            assert self.writer._held_bytes >= 0 and 0 <= self.writer._unbuilt <= self.writer._pending
+
+    def teardown(self) -> None:
+        self.flush()
+        self.work.put(None)
+        self.engine.join(timeout=60)
+        self.writer.close()
+        if not self.records:
+            assert self.store.steps() == []
+            return
+        step = self.store.step(0)
+        assert sorted(step.sample_ids) == sorted(self.records)
+        for sid, record in self.records.items():
+            routing = step.read(sid)
+            expected = np.sort(np.asarray(record.expert_ids), axis=-1).transpose(1, 0, 2)
+            np.testing.assert_array_equal(routing.by_layer[:, routing.valid], expected[:, routing.valid])
+
+
+BackpressureMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
+test_backpressure_interleavings = BackpressureMachine.TestCase
