@@ -56,15 +56,28 @@ def test_row_blocks_read_as_their_concatenation(data: st.DataObject) -> None:
     if rows.n:
         positions = np.array(data.draw(st.lists(st.integers(0, rows.n - 1), min_size=1, max_size=12)), np.int64)
         np.testing.assert_array_equal(rows.take(positions), whole[:, positions])
-    chunk_layers = data.draw(st.integers(1, layers))
-    groups = rows.drain_by_layers(chunk_layers)
-    assert rows.n == 0, "drained"
-    for g in range(0, layers, chunk_layers):
-        layer_range = slice(g, min(layers, g + chunk_layers))
-        np.testing.assert_array_equal(groups.rows(start, stop, layer_range), whole[layer_range, start:stop])
-        groups.release(layer_range)
-        with pytest.raises(ValueError, match="not one layer chunk still held"):
-            groups.rows(start, stop, layer_range)
+    rows.release(slice(0, layers))
+    np.testing.assert_array_equal(rows.rows(0, rows.n), whole), "releasing rows not consumed changes nothing"
+
+
+def test_consumed_rows_go_back_to_the_os_layer_by_layer() -> None:
+    """A consumed block's released layers are discarded (their pages read as zeros: nothing reads them again); the
+    layers not released yet are intact."""
+    block = mapped.empty((4, 16384, 8), np.uint8)  # 512 KiB: mapped
+    block[:] = 9
+    rows = RowBlocks(4, 8, np.dtype(np.uint8))
+    rows.append(block)
+    rows.append(block[:, 100:])  # a record stored after a shared prefix: each layer's rows are a contiguous run
+    assert isinstance(mapped.empty((1, 1 << 18), np.uint8).base.base, memoryview)
+    rows.release(slice(0, 2))
+    assert (block == 9).all(), "not consumed: nothing is discarded"
+    rows.consume()
+    rows.release(slice(0, 2))
+    assert not block[:2].any(), "the released layers' pages went back"
+    assert (block[2:] == 9).all(), "the other layers are untouched"
+    small = np.full((2, 3, 8), 5, np.uint8)  # malloc's: never discarded
+    mapped.discard(small)
+    assert (small == 5).all()
 
 
 def test_a_block_of_another_shape_is_refused() -> None:
@@ -104,8 +117,8 @@ def _one_record(records: list[PreparedRecord], spec: Any) -> list[PreparedRecord
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_a_part_encodes_from_its_records_blocks_to_the_bytes_of_one_array(data: st.DataObject) -> None:
-    """Chunks gathered across the records' own arrays, or read from the drained layer groups of a consuming build,
-    are stored as the same bytes as the chunks of one concatenated array."""
+    """Chunks gathered across the records' own arrays, by a build that keeps them or one that consumes them, are
+    stored as the same bytes as the chunks of one concatenated array."""
     spec = synthetic_spec(layers=data.draw(st.integers(1, 9)), experts=32, topk=4)
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
     records = _prepared(rng, data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=5)), spec)
@@ -292,14 +305,14 @@ class BackpressureMachine(RuleBasedStateMachine):
         assert not self.engine.is_alive(), "an append never returned"
         self.writer.flush()
         with self.writer._lock:
-            assert (self.writer._held_bytes, self.writer._unbuilt, self.writer._pending) == (0, 0, 0)
+            assert (self.writer._held_bytes, self.writer._pending) == (0, 0)
         self.engine = threading.Thread(target=self._engine, daemon=True)
         self.engine.start()
 
     @invariant()
     def the_accounting_holds(self) -> None:
         with self.writer._lock:
-            assert self.writer._held_bytes >= 0 and 0 <= self.writer._unbuilt <= self.writer._pending
+            assert self.writer._held_bytes >= 0 and self.writer._pending >= 0
 
     def teardown(self) -> None:
         self.flush()

@@ -2,7 +2,8 @@
 server), peak RSS per writer and objects per flush, next to the simplest tools on the same arrays in the same run:
 ``np.save`` (no compression) and zstd-3 of each record's raw IDs, one file per record, one core (issue #32's goal:
 one writer at least as fast, and its peak RSS at most 2 x the flush buffer above what the process holds before
-its first append: its imports and the records it will append).
+its first append: its imports, a warm-up commit to another step, and the records it will append). 128 records a
+writer by default, six flush buffers: a writer's memory is measured over many parts, not one or two.
 
 Each writer is its own process (as rollout workers are); routing is generated before the clock starts. MB/s count
 raw-equivalent routing bytes (one byte per expert ID) over the wall time from the first append to the last commit.

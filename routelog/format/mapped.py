@@ -3,7 +3,8 @@
 malloc keeps the blocks it frees for later use, and after the first large block is freed it serves blocks of that
 size from its heap too (glibc raises its mmap threshold), where a freed block in the middle never goes back: a
 writer that allocates and frees a flush buffer's worth of record rows per part measured a peak RSS of 4 x its
-flush buffer, of which 1.5 x was such freed heap. An anonymous mapping is unmapped when its array is collected.
+flush buffer, of which 1.5 x was such freed heap. An anonymous mapping is unmapped when its array is collected, and
+:func:`discard` gives part of one back before that (a part's layers, once they are encoded).
 """
 
 from __future__ import annotations
@@ -29,7 +30,33 @@ def empty(shape: tuple[int, ...], dtype: np.dtype[Any] | type[Any]) -> npt.NDArr
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MAPPED_MIN_BYTES:
         return np.empty(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
+    return np.frombuffer(_anonymous(nbytes), dtype=dtype).reshape(shape)
+
+
+def _anonymous(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory, as malloc maps it (Python's default, a shared mapping, is shared memory: slower to
+    fault in, and :func:`discard` cannot free it)."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def discard(view: npt.NDArray[Any]) -> None:
+    """Give the whole pages under ``view`` back to the OS, when it lies in a mapping (:func:`empty`; else nothing
+    happens): they read as zeros afterwards, so only for rows that are never read again. A view that is not
+    contiguous is discarded one contiguous run of its first axis at a time."""
+    owner: Any = view
+    while owner is not None and not isinstance(owner, mmap.mmap):  # arrays -> the memoryview -> its mapping
+        owner = owner.obj if isinstance(owner, memoryview) else getattr(owner, "base", None)
+    if owner is None or not view.size:
+        return
+    if not view.flags.c_contiguous:
+        for run in view:
+            discard(run)
+        return
+    start = view.ctypes.data - np.frombuffer(owner, np.uint8, count=1).ctypes.data
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (start + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        owner.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 class Buffer:
@@ -37,7 +64,7 @@ class Buffer:
     to the size written."""
 
     def __init__(self, capacity: int, start: int = 0) -> None:
-        self._map = mmap.mmap(-1, max(1, capacity))
+        self._map = _anonymous(max(1, capacity))
         self.size = start
         """Bytes written so far (the first ``start`` are left for :meth:`finish`'s head)."""
 

@@ -44,7 +44,7 @@ from routelog.format.documents import (
 )
 from routelog.format.parquet_limits import MAX_STREAMS, BoundedParquet, ParquetLeaf, decoded_budget
 from routelog.format.record import PreparedRecord
-from routelog.format.row_blocks import ChunkSource, RowBlocks
+from routelog.format.row_blocks import RowBlocks
 from routelog.format.shard import (
     ShardLayout,
     encode_shards,
@@ -189,16 +189,15 @@ def _build(
                 streams.append(entry.model_copy(update={"spans": [_shifted(s, base) for s in entry.spans]}))
                 stream_offsets[entry.name] = base + rec.streams[entry.name].shape[1]
         rows.append(rec.row.model_copy(update={"spans": spans, "streams": streams}))
-    ids: ChunkSource = routing.ids
     kept = prefixes is not None and part_id is not None and prefixes.placed(part_id)
     if consume and not kept:  # nothing compares against them later
         for rec in records:
             rec.release_routing()
-        ids = routing.ids.drain_by_layers(min(options.chunk_layers, spec.num_moe_layers))
+        routing.ids.consume()
     objects: dict[str, bytes | mmap.mmap] = {}
     attributes = {"num_experts": spec.num_experts, "moe_layers": list(spec.moe_layers)}
     info = _encode_array(
-        ids,
+        routing.ids,
         keys.ROUTING,
         spec.num_moe_layers,
         spec.num_experts,
@@ -254,7 +253,7 @@ def _shifted(span: Span, offset: int) -> Span:
 
 
 def _encode_array(
-    rows: ChunkSource,
+    rows: RowBlocks,
     path: str,
     layers: int,
     universe: int,

@@ -4,36 +4,21 @@ A part's routing rows arrive one record at a time. Copying them into one array b
 twice (the records, then the part) for the whole build. :class:`RowBlocks` keeps the blocks as they came instead,
 and gathers a chunk that crosses a record boundary alone (one chunk's bytes, never the part's).
 
-When nothing else needs the rows, :meth:`RowBlocks.drain_by_layers` moves them, block by block, into one array per
-layer chunk (:class:`LayerGroups`): shards are encoded one layer chunk after the other, so each group is let go as
-soon as its chunks are compressed, and the part's raw rows shrink while its compressed bytes grow.
+When nothing else needs the rows (:meth:`RowBlocks.consume`), each layer chunk's rows are given back to the OS as
+soon as its chunks are compressed (shards are encoded one layer chunk after the other, and each record's rows are
+layer-major in memory mapped for them, see :func:`routelog.format.mapped.discard`): the part's raw rows shrink while
+its compressed bytes grow, with no copy.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from routelog.format import mapped
-
-
-class ChunkSource(Protocol):
-    """Rows an encoder reads chunk by chunk."""
-
-    layers: int
-    topk: int
-    n: int
-
-    def rows(self, start: int, stop: int, layers: slice) -> npt.NDArray[Any]:
-        """Rows ``[start, stop)`` of ``layers`` (a range within one layer chunk)."""
-        ...
-
-    def release(self, layers: slice) -> None:
-        """The encoder is done with these layers' rows."""
-        ...
 
 
 class RowBlocks:
@@ -43,6 +28,7 @@ class RowBlocks:
         self.layers, self.topk, self.dtype = layers, topk, np.dtype(dtype)
         self._blocks: list[npt.NDArray[Any]] = []
         self._starts: list[int] = []
+        self._consumed = False
         self.n = 0
 
     @classmethod
@@ -91,56 +77,16 @@ class RowBlocks:
         runs = np.split(rows, breaks)
         return np.concatenate([self.rows(int(run[0]), int(run[-1]) + 1) for run in runs], axis=1)
 
-    def release(self, layers: slice) -> None:
-        """Nothing to let go: the blocks belong to their records."""
+    def consume(self) -> None:
+        """From now on :meth:`release` gives the released layers' memory back: nothing else reads these rows."""
+        self._consumed = True
 
-    def drain_by_layers(self, chunk_layers: int) -> LayerGroups:
-        """Move the rows into one array per ``chunk_layers`` layers, letting each block go once copied (the
-        caller must hold no other reference to the blocks for their memory to be freed); leaves this empty."""
-        n = self.n
-        groups = [
-            mapped.empty((min(chunk_layers, self.layers - first), n, self.topk), self.dtype)
-            for first in range(0, self.layers, chunk_layers)
-        ]
-        self._blocks.reverse()
-        at = 0
-        while self._blocks:
-            block = self._blocks.pop()
-            m = block.shape[1]
-            for g, group in enumerate(groups):
-                group[:, at : at + m] = block[g * chunk_layers : (g + 1) * chunk_layers]
-            at += m
-            del block
-        self._starts, self.n = [], 0
-        return LayerGroups(groups, chunk_layers, n, self.topk, self.dtype)
+    def release(self, layers: slice) -> None:
+        """The encoder is done with these layers: their memory goes back to the OS once consumed."""
+        if self._consumed:
+            for block in self._blocks:
+                mapped.discard(block[layers])
 
     @property
     def nbytes(self) -> int:
         return sum(int(block.nbytes) for block in self._blocks)
-
-
-class LayerGroups:
-    """Rows held as one contiguous array per layer chunk, each let go by :meth:`release`."""
-
-    def __init__(
-        self, groups: list[npt.NDArray[Any]], chunk_layers: int, n: int, topk: int, dtype: np.dtype[Any]
-    ) -> None:
-        self._groups: list[npt.NDArray[Any] | None] = list(groups)
-        self.chunk_layers, self.n, self.topk, self.dtype = chunk_layers, n, topk, dtype
-        self.layers = sum(g.shape[0] for g in groups)
-
-    def rows(self, start: int, stop: int, layers: slice) -> npt.NDArray[Any]:
-        first, last = layers.start, layers.stop
-        if first >= last:  # a padding layer chunk past the last layer
-            return np.empty((0, stop - start, self.topk), self.dtype)
-        g = first // self.chunk_layers
-        group = self._groups[g]
-        if group is None or last > (g + 1) * self.chunk_layers:
-            raise ValueError(f"layers [{first}, {last}) are not one layer chunk still held")
-        view: npt.NDArray[Any] = group[first - g * self.chunk_layers : last - g * self.chunk_layers, start:stop]
-        return view
-
-    def release(self, layers: slice) -> None:
-        g = layers.start // self.chunk_layers
-        if layers.start < layers.stop and g < len(self._groups):
-            self._groups[g] = None

@@ -45,7 +45,7 @@ import numpy.typing as npt
 
 from routelog.format import mapped, ranked, zstd_frames
 from routelog.format.ranked import RANKED_CODEC
-from routelog.format.row_blocks import ChunkSource, RowBlocks
+from routelog.format.row_blocks import RowBlocks
 
 EMPTY = np.uint64(2**64 - 1)
 """Index entry of an inner chunk that was never written (zarr reads it as the fill value 0; routelog refuses it:
@@ -168,7 +168,7 @@ def _crc(*pieces: bytes | bytearray | memoryview) -> bytes:
 
 
 def encode_shards(
-    stored: npt.NDArray[Any] | ChunkSource,
+    stored: npt.NDArray[Any] | RowBlocks,
     layout: ShardLayout,
     zstd_level: int,
     transform: Callable[[npt.NDArray[Any]], npt.NDArray[Any]] | None = None,
@@ -190,7 +190,7 @@ def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int)
 
 
 def _encode_shard(
-    blocks: ChunkSource,
+    blocks: RowBlocks,
     first_layer: int,
     layout: ShardLayout,
     zstd_level: int,

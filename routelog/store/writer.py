@@ -10,11 +10,11 @@ Streaming: ``append`` validates and canonicalises a record on the caller's threa
 nothing else is affected, at about 1 GB/s of routing); compression runs on a background thread, upload and commit on
 another, so a part is compressed while the one before it is written and made durable (a part that shares rows with
 an earlier part of the writer is committed after it, or fails with it). Backpressure is by bytes: ``append`` waits
-while the records buffered and the parts not yet committed (their raw rows until they are compressed, then their
-objects) hold 1.5 x ``flush_bytes`` (:data:`HELD_FLUSHES`), and a build lets each layer chunk's raw rows go once they
-are compressed, so the writer's memory stays within about 2 x ``flush_bytes`` whatever the run length, plus the
-shared-prefix index's budget (:data:`routelog.format.dedup.DEFAULT_BUDGET_BYTES`; it keeps only rows a record with
-token ids may share). Parts are flushed by size and by age.
+while the records buffered and the parts not yet written (their raw rows until they are compressed, then their
+objects) hold 1.5 x ``flush_bytes`` (:data:`HELD_FLUSHES`), and a build gives each layer chunk's raw rows back to the
+OS once they are compressed, so the writer's memory stays within about 2 x ``flush_bytes`` whatever the run
+length, plus the shared-prefix index's budget (:data:`routelog.format.dedup.DEFAULT_BUDGET_BYTES`; it keeps only rows
+a record with token ids may share). Parts are flushed by size and by age.
 
 What a writer reports is true at its commit's position in the log, where every entry before it is known to it:
 
@@ -64,9 +64,10 @@ from routelog.store.storage import Storage
 DEFAULT_FLUSH_BYTES = 64 << 20
 """Raw-equivalent bytes of routing buffered before a part is written (zarr's >= 1 MB advice, S3's 8-16 MB GETs)."""
 HELD_FLUSHES = 1.5
-"""``append`` waits while the buffer and the parts not yet committed hold this many flush buffers and a part is being
-built (or two are held): a part is still compressed while the one before it is uploaded, and a writer's peak stays
-within about 2 x ``flush_bytes`` (``tools/bench_writers.py`` measures it)."""
+"""``append`` waits while the buffer and the parts not yet written hold this many flush buffers (unless the buffer
+is empty and one part is in the background: a part is still compressed while the one before it is written). A
+build's working memory and Python's come on top, so a writer's peak stays within 2 x ``flush_bytes``
+(``tools/bench_writers.py`` measures it)."""
 DEFAULT_FLUSH_SECONDS = 30.0
 """A part is also written once its oldest record has waited this long."""
 MAX_COMMIT_DELAY = 600.0
@@ -97,8 +98,6 @@ class _Batch:
     flush, written if that record is gone."""
     held: int = 0
     """Bytes of it the writer counts as held: its raw rows until its part is built, then the part's objects."""
-    unbuilt: bool = False
-    """Handed to the builder and not built yet."""
 
 
 @dataclass
@@ -216,8 +215,6 @@ class StepWriter:
         self._pending = 0
         self._held_bytes = 0
         """Bytes held by the parts handed to the background (see :attr:`_Batch.held`)."""
-        self._unbuilt = 0
-        """Parts handed to the background and not built yet."""
         self._error: WriterError | None = None
         self._closed = False
         self._aborted = False
@@ -307,13 +304,15 @@ class StepWriter:
 
     def _wait_for_memory(self) -> None:
         """Backpressure by bytes: while the buffer and the parts in the background hold :data:`HELD_FLUSHES` x
-        ``flush_bytes``, wait for a part to be compressed or committed (a part that failed lets its bytes go too).
-        One part being uploaded never holds back the next one's records: the next part is always built while the
-        one before it is written."""
+        ``flush_bytes``, wait for a part to be compressed or written (a part that failed lets its bytes go too).
+        With one part in the background, an empty buffer takes the next record: a part is always built while the one
+        before it is written."""
         with self._done:
             while (
-                self._unbuilt or self._pending > 1
-            ) and self._buffered_bytes + self._held_bytes >= HELD_FLUSHES * self.flush_bytes:
+                self._held_bytes
+                and (self._buffered_bytes or self._pending > 1)
+                and self._buffered_bytes + self._held_bytes >= HELD_FLUSHES * self.flush_bytes
+            ):
                 self._done.wait(timeout=1.0)
 
     def _hold(self, batch: _Batch, nbytes: int) -> None:
@@ -321,9 +320,6 @@ class StepWriter:
         with self._done:
             self._held_bytes += nbytes - batch.held
             batch.held = nbytes
-            if batch.unbuilt:
-                batch.unbuilt = False
-                self._unbuilt -= 1
             self._done.notify_all()
 
     def _present(self, prepared: PreparedRecord) -> bool:
@@ -353,10 +349,9 @@ class StepWriter:
         """Under the lock: the buffered records as the next part (with its commit number)."""
         if not self._buffer and not self._presumed:
             return None
-        batch = _Batch(self._next_seq, self._buffer, self._presumed, held=self._buffered_bytes, unbuilt=True)
+        batch = _Batch(self._next_seq, self._buffer, self._presumed, held=self._buffered_bytes)
         self._next_seq += 1
         self._held_bytes += self._buffered_bytes
-        self._unbuilt += 1
         self._buffer, self._presumed, self._buffered_bytes, self._buffer_since = [], [], 0, None
         self._pending += 1
         return batch
@@ -565,6 +560,8 @@ class StepWriter:
                     f"part {staged.name} shares rows with part {base} of this writer, which was not committed"
                 )
             infos = upload_part(self.store.storage, self.step, staged.name, built)
+            built.objects.clear()  # written and durable: the commit needs only their digests
+            self._hold(staged.batch, 0)
             with self._state:
                 entry = commit_part(
                     self._history.log,
