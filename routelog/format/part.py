@@ -142,9 +142,9 @@ def build_part(
     None): shared prefixes may then point at its earlier parts, and its later parts at this one, which they name
     by ``key`` (the part's ``steps/<step>/parts/<name>``, required with ``prefixes``).
 
-    ``consume``: the records' routing rows are the caller's to give up (a writer's buffer). The build then lets
-    each record's rows go once copied, and each layer chunk's once compressed, unless the prefix index keeps them
-    to compare against: the part's raw rows are never held twice, and shrink as its objects grow."""
+    ``consume``: the records' routing rows are the caller's to give up (a writer's buffer). Unless the prefix index
+    keeps them to compare against, the build then takes them from the records and gives each layer chunk's back to
+    the OS once compressed: the part's raw rows are never copied, and shrink as its objects grow."""
     routing = PartRows(spec.num_moe_layers, spec.topk, spec.id_dtype, options.weights_dtype)
     if options.dedup == "off":
         prefixes = None
