@@ -37,6 +37,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import routelog
 import routelog.store.storage
+from routelog import PartOptions
 from routelog.errors import (
     DuplicateSampleError,
     HistoryReclaimedError,
@@ -146,12 +147,16 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.counts[what] = self.counts.get(what, 0) + 1
 
     # -- writers -------------------------------------------------------------------------------------------------
-    @initialize(variants=st.lists(st.integers(0, VARIANTS - 1), min_size=len(SAMPLES), max_size=len(SAMPLES)))
-    def start(self, variants: list[int]) -> None:
+    @initialize(
+        variants=st.lists(st.integers(0, VARIANTS - 1), min_size=len(SAMPLES), max_size=len(SAMPLES)),
+        shares=st.booleans(),
+    )
+    def start(self, variants: list[int], shares: bool) -> None:
         """Every run starts from a step that holds records (so its operations meet them): one writer has committed a
-        record of each sample id, and stays open."""
+        record of each sample id, and stays open. ``shares``: whether it stores shared prompts once (see
+        :meth:`open_writer`)."""
         self.checkpoints.append(datetime.now(UTC))
-        self.writers[WRITER_IDS[0]] = self._open(WRITER_IDS[0], in_process=True)
+        self.writers[WRITER_IDS[0]] = self._open(WRITER_IDS[0], in_process=True, shares=shares)
         for sample, variant in zip(SAMPLES, variants, strict=True):
             self._append(self.writers[WRITER_IDS[0]], sample, variant)
         self._flush(WRITER_IDS[0], close=False)
@@ -159,6 +164,8 @@ class ProtocolMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.writers) < 3)
     @rule(index=st.integers(0, len(WRITER_IDS) - 1), process=st.integers(0, 9), pipelined=st.booleans())
     def open_writer(self, index: int, process: int, pipelined: bool) -> None:
+        """Writer ``w2`` stores shared prompts once (its prefix index keeps their rows); ``w1``'s builds take their
+        records' rows and give them back to the OS as they encode (and ``w0``'s, as :meth:`start` drew)."""
         writer_id = WRITER_IDS[index]
         if writer_id in self.writers:
             return
@@ -168,15 +175,21 @@ class ProtocolMachine(RuleBasedStateMachine):
             with pytest.raises(StepSealedError):
                 self._open(writer_id, in_process)
             return
-        self.writers[writer_id] = self._open(writer_id, in_process, pipelined=pipelined)
+        self.writers[writer_id] = self._open(writer_id, in_process, pipelined=pipelined, shares=index % 2 == 0)
 
-    def _open(self, writer_id: str, in_process: bool, *, pipelined: bool = False) -> ModelWriter:
+    def _open(self, writer_id: str, in_process: bool, *, pipelined: bool = False, shares: bool = True) -> ModelWriter:
         if in_process:
             store = self._open_store()
             real: StepWriter | ProcessWriter = store.writer(
-                STEP, writer_id, background=pipelined, flush_bytes=1 << 40, flush_seconds=None
+                STEP,
+                writer_id,
+                background=pipelined,
+                flush_bytes=1 << 40,
+                flush_seconds=None,
+                options=PartOptions(dedup="step" if shares else "off"),
             )
             self._count("open_pipelined" if pipelined else "open_in_process")
+            self._count("open_sharing" if shares else "open_consuming")
             return ModelWriter(writer_id, real, store, len(self.model.entries), pipelined=pipelined)
         self.processes += 1
         self._count("open_process")
@@ -300,6 +313,9 @@ class ProtocolMachine(RuleBasedStateMachine):
             self._record_commit(writer, expected_commit)
         if isinstance(writer.real, StepWriter):
             assert len(writer.real.commits) == before + (expected_commit is not None)
+            # whatever happened to the part (committed, refused, sealed, a lost response), the bytes the writer
+            # counted as held for it are all given back once it is idle
+            assert (writer.real._held_bytes, writer.real._pending) == (0, 0)
             writer.present += present
             assert sorted(writer.real.already_present) == sorted(writer.present), (
                 writer.real.already_present,
