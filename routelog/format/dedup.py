@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from routelog.format.codec import IdArray
 from routelog.format.documents import Span
-from routelog.format.row_blocks import RowBlocks
+from routelog.format.row_blocks import RowBlocks, consecutive
 from routelog.format.weights import WeightsDtype, from_storage, missing
 
 MIN_SHARED_TOKENS = 16
@@ -337,13 +337,6 @@ def _distinct(parts: npt.NDArray[np.int32]) -> list[int]:
     """The part ids in ``parts``; one look when all rows sit in one part (the common case)."""
     first = int(parts[0])
     return [first] if (parts == first).all() else [int(p) for p in np.unique(parts)]
-
-
-def consecutive(rows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64] | slice:
-    """``rows`` as a slice where they are consecutive, so that taking them copies nothing."""
-    if rows[-1] - rows[0] == rows.size - 1 and (rows.size < 2 or bool((np.diff(rows) == 1).all())):
-        return slice(int(rows[0]), int(rows[-1]) + 1)
-    return rows
 
 
 def _probe(tokens: npt.NDArray[np.int64]) -> bytes:

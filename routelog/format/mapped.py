@@ -17,8 +17,8 @@ import numpy as np
 import numpy.typing as npt
 
 Bytes = mmap.mmap
-"""An object's bytes in an anonymous mapping: bytes-like (``len``, slices, hashing, file writes) and file-like (an
-S3 client streams it)."""
+"""An object's bytes in an anonymous mapping: bytes-like (``len``, slices, hashing, file writes; an HTTP client
+needs a copy as ``bytes``)."""
 
 MAPPED_MIN_BYTES = 1 << 18
 """Smaller buffers come from malloc (a mapping costs a system call and whole pages)."""

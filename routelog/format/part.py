@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from routelog.format import keys
+from routelog.format import keys, mapped
 from routelog.format.codec import (
     TopkOrder,
     Transform,
@@ -107,7 +106,7 @@ class PartOptions:
 class BuiltPart:
     """The bytes of one part, ready to upload, and what its commit will say about them."""
 
-    objects: dict[str, bytes | mmap.mmap]
+    objects: dict[str, bytes | mapped.Bytes]
     """Keys relative to the part directory (a shard is mapped, see :mod:`routelog.format.mapped`)."""
     routing: RoutingArrayInfo
     rows: list[IndexRow]
@@ -194,7 +193,7 @@ def _build(
         for rec in records:
             rec.release_routing()
         routing.ids.consume()
-    objects: dict[str, bytes | mmap.mmap] = {}
+    objects: dict[str, bytes | mapped.Bytes] = {}
     attributes = {"num_experts": spec.num_experts, "moe_layers": list(spec.moe_layers)}
     info = _encode_array(
         routing.ids,
@@ -260,7 +259,7 @@ def _encode_array(
     topk: int,
     options: PartOptions,
     attributes: dict[str, Any],
-    objects: dict[str, bytes | mmap.mmap],
+    objects: dict[str, bytes | mapped.Bytes],
 ) -> RoutingArrayInfo:
     """Encode stored rows ``[layers, rows, topk]`` as one sharded array under ``path``, adding its objects to
     ``objects``; returns its description (with the ``zarr.json`` copy)."""
@@ -292,7 +291,7 @@ def _encode_array(
 
 
 def _encode_weights(
-    data: RowBlocks, spec: ModelSpec, options: PartOptions, objects: dict[str, bytes | mmap.mmap]
+    data: RowBlocks, spec: ModelSpec, options: PartOptions, objects: dict[str, bytes | mapped.Bytes]
 ) -> WeightsArrayInfo:
     """Encode the part's stored weights ``[layers, rows, topk]`` as the sharded array ``weights``."""
     info = WeightsArrayInfo(

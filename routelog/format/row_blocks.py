@@ -71,10 +71,10 @@ class RowBlocks:
 
     def take(self, rows: npt.NDArray[np.int64]) -> npt.NDArray[Any]:
         """Rows at the given positions (a view where they are consecutive within one block)."""
-        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-        if not breaks.size:
-            return self.rows(int(rows[0]), int(rows[-1]) + 1) if rows.size else self.rows(0, 0)
-        runs = np.split(rows, breaks)
+        at = consecutive(rows) if rows.size else slice(0, 0)
+        if isinstance(at, slice):
+            return self.rows(at.start, at.stop)
+        runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)
         return np.concatenate([self.rows(int(run[0]), int(run[-1]) + 1) for run in runs], axis=1)
 
     def consume(self) -> None:
@@ -90,3 +90,10 @@ class RowBlocks:
     @property
     def nbytes(self) -> int:
         return sum(int(block.nbytes) for block in self._blocks)
+
+
+def consecutive(rows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64] | slice:
+    """``rows`` as a slice where they are consecutive, so that taking them copies nothing."""
+    if rows[-1] - rows[0] == rows.size - 1 and (rows.size < 2 or bool((np.diff(rows) == 1).all())):
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return rows

@@ -19,9 +19,10 @@ import pyarrow as pa
 from routelog.errors import RoutelogError
 from routelog.format import keys
 from routelog.format.codec import IdArray
-from routelog.format.dedup import MIN_SHARED_TOKENS, PrefixIndex, WeightRows, consecutive
+from routelog.format.dedup import MIN_SHARED_TOKENS, PrefixIndex, WeightRows
 from routelog.format.documents import CommitRecord, IndexRow
 from routelog.format.index_rows import IndexRows
+from routelog.format.row_blocks import consecutive
 from routelog.store.blocks import BlockRequest, ReadCache, fetch_blocks
 from routelog.store.history import StepView
 from routelog.store.root import StoreRoot

@@ -18,7 +18,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import mmap
 import os
 import posixpath
 import random
@@ -37,6 +36,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
 from routelog.errors import CorruptDataError, StoreAccessError, StoreError, StoreUnreachableError, UnsafeKeyError
+from routelog.format import mapped
 from routelog.format.keys import check_key
 
 if TYPE_CHECKING:  # zarr loads on the first zarr store (a fifth of ``import routelog`` otherwise)
@@ -186,7 +186,7 @@ def _new_directories(directory: str) -> list[str]:
     return changed
 
 
-def _write_new_files(files: Mapping[str, bytes | mmap.mmap]) -> None:
+def _write_new_files(files: Mapping[str, bytes | mapped.Bytes]) -> None:
     """Write local files under names nobody else uses (a new part's objects, read only once a later commit names
     them), durably: each is written in place, then every file and every directory that gained a name is fsynced,
     concurrently (the filesystem's journal commits them together instead of once each)."""
@@ -475,7 +475,7 @@ class Storage:
         else:
             self._call("write", key, lambda: self.fs.pipe_file(path, data))
 
-    def write_many(self, objects: Mapping[str, bytes | mmap.mmap]) -> None:
+    def write_many(self, objects: Mapping[str, bytes | mapped.Bytes]) -> None:
         """Write several uniquely named objects (concurrently on async filesystems), durably."""
         if not objects:
             return
