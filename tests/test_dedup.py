@@ -251,9 +251,9 @@ def test_a_micro_batch_of_a_group_fetches_the_shared_prompt_once(monkeypatch: py
     storage = snapshot.store.storage
     read_ranges = storage.read_ranges
 
-    def counting(ranges: list[tuple[str, int, int]]) -> list[bytes]:
+    def counting(ranges: list[tuple[str, int, int]], *into: memoryview) -> list[Any]:
         fetched.extend(stop - start for _, start, stop in ranges)
-        return read_ranges(ranges)
+        return read_ranges(ranges, *into)
 
     monkeypatch.setattr(storage, "read_ranges", counting)
     snapshot.read_many(["g/0"])

@@ -639,9 +639,9 @@ def test_a_rank_reads_only_its_own_rows_and_layers(monkeypatch: pytest.MonkeyPat
     read_ranges = storage.read_ranges
     fetched: list[int] = []
 
-    def counting(ranges: list[tuple[str, int, int]]) -> list[bytes]:
+    def counting(ranges: list[tuple[str, int, int]], *into: memoryview) -> list[Any]:
         fetched.extend(stop - start for _, start, stop in ranges)
-        return read_ranges(ranges)
+        return read_ranges(ranges, *into)
 
     monkeypatch.setattr(storage, "read_ranges", counting)  # the loader reads a rank's chunks only (no gap merging)
     data = {

@@ -4,6 +4,7 @@ reader fetches only its own shards (indexes and chunks), and plain zarr still re
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import numpy as np
 import pytest
@@ -63,9 +64,9 @@ def test_a_stage_reads_only_its_own_shard(monkeypatch: pytest.MonkeyPatch) -> No
     read: list[str] = []
     original = store.storage.read_ranges
 
-    def counting(ranges: list[tuple[str, int, int]]) -> list[bytes]:
+    def counting(ranges: list[tuple[str, int, int]], *into: memoryview) -> list[Any]:
         read.extend(key for key, _, _ in ranges)
-        return original(ranges)
+        return original(ranges, *into)
 
     monkeypatch.setattr(store.storage, "read_ranges", counting)
     snapshot = store.step(0)

@@ -87,9 +87,9 @@ def test_loader_reads_only_its_records_and_layers(memory_url: str, make_routing:
     fetched: list[tuple[str, int, int]] = []
     original = storage.read_ranges
 
-    def counting(ranges: list[tuple[str, int, int]]) -> list[bytes]:
+    def counting(ranges: list[tuple[str, int, int]], *into: memoryview) -> list[Any]:
         fetched.extend(ranges)
-        return original(ranges)
+        return original(ranges, *into)
 
     storage.read_ranges = counting  # type: ignore[method-assign]
     plan = plan_for(RankCoords(pp=1), batches="r0,r1")

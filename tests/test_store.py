@@ -401,9 +401,9 @@ def test_reads_fetch_about_only_the_requested_bytes(
     requested: list[tuple[str, int, int]] = []
     original = storage.read_ranges
 
-    def counting(ranges: list[tuple[str, int, int]]) -> list[bytes]:
+    def counting(ranges: list[tuple[str, int, int]], *into: memoryview) -> list[Any]:
         requested.extend(ranges)
-        return original(ranges)
+        return original(ranges, *into)
 
     storage.read_ranges = counting  # type: ignore[method-assign]
     snapshot.read_many(["r2", "r3"], moe_layers=[4, 5, 6, 7])  # 2 of 8 records, 4 of 16 layers

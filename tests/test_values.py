@@ -67,7 +67,7 @@ def test_readers_that_do_not_ask_never_fetch_values(memory_url: str, small_spec:
     storage = store.storage
     real_read, real_ranges = storage.read, storage.read_ranges
     storage.read = lambda key: fetched.append(key) or real_read(key)  # type: ignore[method-assign]
-    storage.read_ranges = lambda r: fetched.extend(k for k, _, _ in r) or real_ranges(r)  # type: ignore[method-assign]
+    storage.read_ranges = lambda r, *into: fetched.extend(k for k, _, _ in r) or real_ranges(r, *into)  # type: ignore[method-assign]
     snapshot = store.step(0)
     snapshot.read_many(snapshot.sample_ids)
     assert fetched and not any(key.endswith(VALUES_OBJECT) for key in fetched)

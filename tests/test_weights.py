@@ -4,7 +4,7 @@ precision, are never fetched unless asked for, and take part in shared-prefix co
 from __future__ import annotations
 
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -94,9 +94,9 @@ def test_weights_are_fetched_only_when_asked(monkeypatch: pytest.MonkeyPatch) ->
     read_ranges = storage.read_ranges
     keys_read: list[str] = []
 
-    def counting(ranges: list[tuple[str, int, int]]) -> list[bytes]:
+    def counting(ranges: list[tuple[str, int, int]], *into: memoryview) -> list[Any]:
         keys_read.extend(key for key, _, _ in ranges)
-        return read_ranges(ranges)
+        return read_ranges(ranges, *into)
 
     monkeypatch.setattr(storage, "read_ranges", counting)
     plain = snapshot.read_many(["r0", "r1"])

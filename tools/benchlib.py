@@ -43,12 +43,12 @@ def count_reads(storage: Any) -> dict[str, int]:
     read = {"routing": 0, "metadata": 0, "requests": 0}
     ranges, whole, many = storage.read_ranges, storage.read, storage.read_many
 
-    def count(key: str, data: bytes) -> bytes:
+    def count(key: str, data: Any) -> Any:
         read["routing" if "/routing/c/" in key else "metadata"] += len(data)
         read["requests"] += 1
         return data
 
-    storage.read_ranges = lambda r: [count(k, d) for (k, _, _), d in zip(r, ranges(r), strict=True)]
+    storage.read_ranges = lambda r, *into: [count(k, d) for (k, _, _), d in zip(r, ranges(r, *into), strict=True)]
     storage.read = lambda k: count(k, whole(k))
     storage.read_many = lambda ks: {k: count(k, v) for k, v in many(ks).items()}
     return read

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,9 +113,15 @@ CHUNK_CACHE_BYTES = 32 << 20
 a record read after its neighbour finds the chunks they share decoded."""
 
 
+SCRATCH_BYTES = 64 << 20
+"""The largest read buffer a snapshot keeps, per thread, for its next read (a batch of 32 records of 4096 tokens,
+48 layers of top-8 of 128, reads 33 MB of chunks); a larger read gets a buffer of its own."""
+
+
 class ReadCache:
-    """What a snapshot keeps between reads: every shard index it fetched (each is read once), and the chunks it
-    decoded last, least recently used first out past ``chunk_bytes``. Safe to share between threads."""
+    """What a snapshot keeps between reads: every shard index it fetched (each is read once), the chunks it
+    decoded last, least recently used first out past ``chunk_bytes``, and each thread's read buffer. Safe to share
+    between threads."""
 
     def __init__(self, chunk_bytes: int = CHUNK_CACHE_BYTES) -> None:
         self._indexes: dict[str, npt.NDArray[np.uint64]] = {}
@@ -122,12 +129,26 @@ class ReadCache:
         self._chunk_bytes = 0
         self.chunk_budget = chunk_bytes
         self._lock = threading.Lock()
+        self._scratch = threading.local()
+
+    def scratch(self, nbytes: int) -> memoryview:
+        """A buffer of at least ``nbytes`` for this thread's read; the same memory as its last one when that was
+        large enough (what it held is overwritten)."""
+        kept: bytearray | None = getattr(self._scratch, "buffer", None)
+        if kept is not None and len(kept) >= nbytes:
+            return memoryview(kept)
+        buffer = bytearray(nbytes)
+        if nbytes <= SCRATCH_BYTES:
+            self._scratch.buffer = buffer
+        return memoryview(buffer)
 
     def fetch(self, storage: Storage, reads: Sequence[ShardRead]) -> dict[str, npt.NDArray[np.uint64]]:
         shards = {r.key: r for r in reads}
         missing = [r for key, r in shards.items() if key not in self._indexes]
         ranges = [(r.key, 0, r.layout.index_nbytes) for r in missing]
-        for read, data in zip(missing, _read_ranges(storage, ranges, [()] * len(missing)), strict=True):
+        with _objects_listed(storage, [()]):
+            datas = storage.read_ranges(ranges)
+        for read, data in zip(missing, datas, strict=True):
             try:
                 index = decode_shard_index(data, read.layout, read.nbytes)
             except ShardFormatError as exc:
@@ -156,19 +177,27 @@ class ReadCache:
                 self._chunk_bytes -= dropped.nbytes
 
 
+Destination = tuple[int, np.ndarray[Any, Any]]
+"""Where some of a request's rows go: ``(first row, view)``, the view ``[layers, rows, topk]`` (each layer's rows
+contiguous) taking the request's layers for rows ``[first row, first row + rows)`` of the array."""
+
+
 def fetch_blocks(
     storage: Storage,
     requests: Sequence[BlockRequest],
     cache: ReadCache | None = None,
     max_gap: int = MAX_GAP,
+    into: Sequence[Sequence[Destination] | None] | None = None,
 ) -> list[np.ndarray[Any, Any]]:
     """Decoded expert IDs (or stored weights) for each request, layer-major ``[layers, rows, topk]`` in the
-    storage dtype.
+    storage dtype; where ``into`` lists a request's destinations, written to them instead (rows between them are
+    not written anywhere) and the request's entry in the result is an empty array.
 
     Two rounds of concurrent ranged reads: the shard indexes not cached yet, then exactly the inner chunks the
     requests touch that ``cache`` does not hold decoded (neighbouring chunks of a shard merged into one request).
     Each chunk is checksum-verified and decoded whole once, its rows un-transformed; each request then takes its
-    overlap, checked as sets (a chunk's edge padding is never handed out).
+    overlap, checked as sets (a chunk's edge padding is never handed out). A whole chunk that one destination
+    takes and no other request shares (a record's own rows) is decoded straight into it: no copy.
     """
     if not requests:
         return []
@@ -188,13 +217,18 @@ def fetch_blocks(
                 if found is not None:
                     held[(read.key, chunk.start)] = found
     unread = [[(read, [c for c in chunks if (read.key, c.start) not in held]) for read, chunks in p] for p in plans]
-    pieces = _read_pieces(storage, requests, unread, max_gap)
+    pieces = _read_pieces(storage, cache, requests, unread, max_gap)
     uses = Counter((read.key, chunk.start) for planned in plans for read, chunks in planned for chunk in chunks)
     blocks = []
-    for request, planned in zip(requests, plans, strict=True):
+    for i, (request, planned) in enumerate(zip(requests, plans, strict=True)):
         array, layout_ = request.array, shard_layout(request.array)
         (l0, l1), (r0, r1) = request.layers, request.rows
-        block = np.empty((l1 - l0, r1 - r0, array.topk), dtype=layout_.dtype)
+        destinations = None if into is None else into[i]
+        if destinations is None:
+            block = np.empty((l1 - l0, r1 - r0, array.topk), dtype=layout_.dtype)
+            destinations = ((r0, block),)
+        else:
+            block = np.empty((0, 0, array.topk), dtype=layout_.dtype)
         chunk_layers, chunk_rows = layout_.chunk_layers, layout_.chunk_rows
         for read, chunks in planned:
             for chunk in chunks:
@@ -203,25 +237,36 @@ def fetch_blocks(
                 cr0 = chunk.row_chunk * chunk_rows
                 ls, le = max(l0, cl0), min(l1, cl0 + chunk_layers)
                 rs, re_ = max(r0, cr0), min(r1, cr0 + chunk_rows)
+                takers = [(d0, view) for d0, view in destinations if d0 < re_ and rs < d0 + view.shape[1]]
                 ids = held.get(key)
+                checked = False
                 if (
                     ids is None
                     and uses[key] == 1
                     and layout_.ranked
                     and (le - ls, re_ - rs) == (chunk_layers, chunk_rows)
                 ):
-                    # A whole chunk no other request of the call shares (a record's own rows): decoded in place,
-                    # its rows checked in the kernel's pass, and not kept (no neighbour reads it).
-                    target = block[ls - l0 : le - l0, rs - r0 : re_ - r0]
-                    _decoded(storage, read, chunk, pieces[key], request, target)
-                    continue
-                if ids is None:
+                    # A whole chunk no other request of the call shares: its rows are checked in the kernel's pass,
+                    # and it is not kept (no neighbour reads it). One destination taking all of it gets it in place.
+                    d0, view = takers[0] if len(takers) == 1 else (0, block)
+                    if len(takers) == 1 and d0 <= rs and re_ <= d0 + view.shape[1]:
+                        target = view[ls - l0 : le - l0, rs - d0 : re_ - d0]
+                        _decoded(storage, read, chunk, pieces[key], request, target)
+                        continue
+                    ids = np.empty((chunk_layers, chunk_rows, array.topk), dtype=layout_.dtype)
+                    _decoded(storage, read, chunk, pieces[key], request, ids)
+                    checked = True
+                elif ids is None:
                     ids = _decoded(storage, read, chunk, pieces[key], request)
                     held[key] = ids
                     cache.keep(key, ids)
-                placed = ids[ls - cl0 : le - cl0, rs - cr0 : re_ - cr0]
+                placed = ids[ls - cl0 : le - cl0]
                 # FORMAT.md section 5: the rows handed out (never the chunk's padding, which is unspecified) are sets
-                problem = None if isinstance(array, WeightsArrayInfo) else invalid_row(placed, *_universe(array))
+                problem = (
+                    None
+                    if checked or isinstance(array, WeightsArrayInfo)
+                    else invalid_row(placed[:, rs - cr0 : re_ - cr0], *_universe(array))
+                )
                 if problem is not None:
                     layer, row = divmod(problem.row, re_ - rs)
                     experts, order = _universe(array)
@@ -232,7 +277,9 @@ def fetch_blocks(
                         f"{' in ascending order' if order == 'sorted' else ''} ({problem.kind}); "
                         f"affected samples: {list(request.samples[:8])}"
                     )
-                block[ls - l0 : le - l0, rs - r0 : re_ - r0] = placed
+                for d0, view in takers:
+                    a, b = max(rs, d0), min(re_, d0 + view.shape[1])
+                    view[ls - l0 : le - l0, a - d0 : b - d0] = placed[:, a - cr0 : b - cr0]
         blocks.append(block)
     return blocks
 
@@ -273,11 +320,13 @@ def _universe(array: RoutingArrayInfo | WeightsArrayInfo) -> tuple[int, TopkOrde
 
 def _read_pieces(
     storage: Storage,
+    cache: ReadCache,
     requests: Sequence[BlockRequest],
     plans: list[list[tuple[ShardRead, list[ChunkRead]]]],
     max_gap: int,
 ) -> dict[tuple[str, int], memoryview]:
-    """The stored bytes of every planned chunk, keyed by (shard, offset); nearby chunks share one ranged read."""
+    """The stored bytes of every planned chunk, keyed by (shard, offset), read into the cache's buffer for this
+    thread (valid until its next read); nearby chunks share one ranged read."""
     wanted: dict[str, set[tuple[int, int]]] = {}
     samples: dict[str, set[str]] = {}
     for request, planned in zip(requests, plans, strict=True):
@@ -285,19 +334,22 @@ def _read_pieces(
             wanted.setdefault(read.key, set()).update((chunk.start, chunk.stop) for chunk in chunks)
             samples.setdefault(read.key, set()).update(request.samples)
     ranges = [(key, lo, hi) for key, spans in wanted.items() for lo, hi in coalesce(list(spans), max_gap)]
-    datas = _read_ranges(storage, ranges, [tuple(samples[key]) for key, _, _ in ranges])
+    buffer = cache.scratch(sum(hi - lo for _, lo, hi in ranges))
+    with _objects_listed(storage, [tuple(samples[key]) for key, _, _ in ranges]):
+        views = storage.read_ranges(ranges, buffer)
     pieces: dict[tuple[str, int], memoryview] = {}
-    for (key, lo, hi), data in zip(ranges, datas, strict=True):
-        view = memoryview(data)
+    for (key, lo, hi), view in zip(ranges, views, strict=True):
         for start, stop in wanted[key]:
             if lo <= start and stop <= hi:
                 pieces[(key, start)] = view[start - lo : stop - lo]
     return pieces
 
 
-def _read_ranges(storage: Storage, ranges: list[tuple[str, int, int]], samples: list[tuple[str, ...]]) -> list[bytes]:
+@contextmanager
+def _objects_listed(storage: Storage, samples: list[tuple[str, ...]]) -> Iterator[None]:
+    """Reads of objects a commit lists: one that is missing is corrupt data, named with the samples it holds."""
     try:
-        return storage.read_ranges(ranges)
+        yield
     except FileNotFoundError as exc:
         affected = sorted({s for group in samples for s in group})[:8]
         raise CorruptDataError(

@@ -38,7 +38,7 @@ from routelog.format.index_rows import IndexRows
 from routelog.format.routing import ROUTING_TABLE_SCHEMA, RecordRouting
 from routelog.format.values import FloatArray, values_from_parquet
 from routelog.format.weights import from_storage
-from routelog.store.blocks import MAX_GAP, BlockRequest, ReadCache, fetch_blocks
+from routelog.store.blocks import MAX_GAP, BlockRequest, Destination, ReadCache, fetch_blocks
 from routelog.store.history import COMMIT_COLUMN, StepHistory
 from routelog.store.root import StoreRoot
 from routelog.store.steplog import Entry, object_info
@@ -323,11 +323,16 @@ class StepSnapshot:
             (read, info) for read in reads if weights and (info := commits[read.part_key].weights) is not None
         ]
         requests += [read.request(commits[read.part_key], None, weights=True) for read, _ in with_weights]
-        blocks = fetch_blocks(self.store.storage, requests, self._index_cache, max_gap)
-        for read, block in zip(reads, blocks[: len(reads)], strict=True):
-            for sid, span in read.members:
-                src = block[:, span.row - read.row_start : span.row - read.row_start + span.n_rows]
-                out[sid][read.out_start : read.out_stop, span.token_start : span.token_start + span.n_rows] = src
+        # Each record's rows are decoded into its own array (a chunk wholly inside one record in place, no copy).
+        into: list[list[Destination] | None] = [
+            [
+                (span.row, out[sid][read.out_start : read.out_stop, span.token_start : span.token_start + span.n_rows])
+                for sid, span in read.members
+            ]
+            for read in reads
+        ]
+        into += [None] * len(with_weights)  # the weights are read into blocks (converted below)
+        blocks = fetch_blocks(self.store.storage, requests, self._index_cache, max_gap, into)
         weights_out = (
             {r.sample_id: np.full(out[r.sample_id].shape, np.nan, np.float32) for r in rows} if weights else {}
         )
