@@ -87,8 +87,9 @@ class StepView:
 
     @property
     def index(self) -> pa.Table:
-        """The live rows."""
-        return self.stored.filter(bool_array(self.live))
+        """The live rows (the stored table itself when every row is: filtering copies every column, the step's
+        token ids included, 0.18 s of opening a step of 10M tokens)."""
+        return self.stored if self.live.all() else self.stored.filter(bool_array(self.live))
 
     def live_records(self) -> dict[str, tuple[str | None, int, int]]:
         """``{sample_id: (token_hash, n_tokens, position of its commit)}`` of the live records."""
