@@ -1,12 +1,14 @@
 """Fuzz the compiled kernels under AddressSanitizer and UndefinedBehaviorSanitizer.
 
-Builds ``routelog/format/_ckernels.c`` (the codec's) and ``routelog/audit/_ckernels.c`` (the audits') with gcc's
+Builds ``routelog/format/_ckernels.c`` (the codec's), ``routelog/format/_cthrift.c`` (the bounded Parquet reader's
+Thrift walks) and ``routelog/audit/_ckernels.c`` (the audits') with gcc's
 ``-fsanitize=address,undefined`` into a scratch directory, then runs them (libasan preloaded) for ``--seconds``: the
 codec's on random chunks and on forged ones (every chunk encoded, by both the word and the one-ID-at-a-time path,
 must decode to itself, and every forged payload, with bytes flipped in either section, the tail section cut short,
 random windows, every accept rule, misaligned buffers, must return a status), the audits' on random routing
-(views with any strides, IDs past E, tokens left out) against plain numpy. A sanitizer report aborts the run with
-its stack.
+(views with any strides, IDs past E, tokens left out) against plain numpy, the Thrift walks on forged Parquet footers
+and page headers against the Python walks (same values or same problem). A sanitizer report aborts the run with its
+stack.
 
     python tools/fuzz_kernels.py [--seconds 120] [--seed 1]
 """
@@ -25,8 +27,12 @@ from pathlib import Path
 from typing import Any
 
 PACKAGE = Path(__file__).resolve().parent.parent / "routelog"
-SOURCES = {"format": PACKAGE / "format" / "_ckernels.c", "audit": PACKAGE / "audit" / "_ckernels.c"}
-"""Both extensions' module is named ``_ckernels``: each is built into its own subdirectory of the scratch one."""
+SOURCES = {
+    "format": PACKAGE / "format" / "_ckernels.c",
+    "audit": PACKAGE / "audit" / "_ckernels.c",
+    "thrift": PACKAGE / "format" / "_cthrift.c",
+}
+"""Each extension is built into its own subdirectory of the scratch one (two modules are named ``_ckernels``)."""
 
 
 def build(directory: Path) -> None:
@@ -50,7 +56,7 @@ def _build(source: Path, directory: Path) -> None:
         f"-I{sysconfig.get_paths()['include']}",
         str(source),
         "-o",
-        str(directory / f"_ckernels{suffix}"),
+        str(directory / f"{source.stem}{suffix}"),
     ]
     subprocess.run(command, check=True)
 
@@ -76,8 +82,8 @@ def _chunk(rng: Any, np: Any) -> tuple[Any, int]:
 
 def _load(directory: Path) -> Any:
     """The sanitized build of one extension in ``directory``."""
-    path = next(directory.glob("_ckernels*"))
-    spec = importlib.util.spec_from_file_location("_ckernels", path)
+    path = next(directory.glob("_c*"))
+    spec = importlib.util.spec_from_file_location(path.name.split(".")[0], path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
@@ -88,13 +94,17 @@ def _load(directory: Path) -> Any:
 def fuzz(scratch: Path, seconds: float, seed: int) -> None:
     import numpy as np
 
-    kernels, audit = _load(scratch / "format"), _load(scratch / "audit")
+    kernels, audit, thrift = _load(scratch / "format"), _load(scratch / "audit"), _load(scratch / "thrift")
     rng = np.random.default_rng(seed)
     deadline = time.monotonic() + seconds
-    chunks = forged = routings = 0
+    chunks = forged = routings = walks = 0
+    parquet = _parquet_objects()
     while time.monotonic() < deadline:
         _fuzz_audit(audit, rng, np, seed)
         routings += 1
+        for _ in range(20):
+            _fuzz_thrift(thrift, parquet, rng, seed)
+            walks += 1
         ids, experts = _chunk(rng, np)
         layers, rows, k = ids.shape
         words = bool(rng.random() < 0.8)
@@ -131,8 +141,73 @@ def fuzz(scratch: Path, seconds: float, seed: int) -> None:
             forged += 1
     print(
         f"seed {seed}: {chunks} chunks round-tripped, {forged} forged payloads decoded, {routings} routings audited, "
-        "no sanitizer report"
+        f"{walks} forged Parquet footers and page headers walked alike, no sanitizer report"
     )
+
+
+def _parquet_objects() -> list[bytes]:
+    """Parquet objects as routelog writes its index (strings, lists, lists of structs, nulls), in a few codecs."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "sample_id": ["a", "bb", None],
+            "token_ids": pa.array([[1, 2], [], None], pa.list_(pa.int32())),
+            "spans": pa.array([[{"row": 1}], [], None], pa.list_(pa.struct([("row", pa.int64())]))),
+        }
+    )
+    objects = []
+    for options in ({}, {"compression": "zstd", "data_page_version": "2.0"}, {"use_dictionary": False}):
+        sink = io.BytesIO()
+        pq.write_table(table, sink, **options)
+        objects.append(sink.getvalue())
+    return objects
+
+
+def _fuzz_thrift(thrift: Any, objects: list[bytes], rng: Any, seed: int) -> None:
+    """The compiled Thrift walks on a forged footer or page header (bytes overwritten, cut short, grown, or
+    random), against the Python walks of routelog.format.parquet_limits: the same values or the same problem."""
+    from dataclasses import astuple
+
+    from routelog.errors import CorruptDataError
+    from routelog.format import parquet_limits as limits
+
+    data = objects[int(rng.integers(len(objects)))]
+    end = len(data) - 8
+    start = end - int.from_bytes(data[-8:-4], "little")
+    footer = rng.random() < 0.5
+    if not footer:  # a page header: the first column chunk's, right after the magic
+        start, end = 4, start
+    body = bytearray(data[start:end] if rng.random() < 0.9 else rng.bytes(int(rng.integers(1, 200))))
+    for _ in range(int(rng.integers(0, 8))):
+        body[int(rng.integers(len(body)))] = int(rng.integers(256))
+    cut = int(rng.integers(len(body) + 1))
+    body = body[:cut] + rng.bytes(int(rng.integers(0, 9))) if rng.random() < 0.5 else body
+    forged = data[:start] + bytes(body)
+    end = len(forged)
+    max_rows = int(rng.choice([0, 3, 1 << 40]))
+    outcomes = []
+    for compiled in (True, False):
+        try:
+            if footer and compiled:
+                value: Any = thrift.footer(forged, start, end, limits.MAX_SCHEMA_ELEMENTS, max_rows + 1, 16)
+            elif footer:
+                rows, elements, groups = limits._footer_walk(limits._Thrift(forged, start, end, "w"), max_rows)
+                value = (rows, [astuple(e) for e in elements], [astuple(g) for g in groups])
+            else:
+                value = (
+                    thrift.page_header(forged, start, end)
+                    if compiled
+                    else astuple(limits._page_header(limits._Thrift(forged, start, end, "w")))
+                )
+            outcomes.append(("ok", value))
+        except (ValueError, CorruptDataError) as exc:  # the compiled walk's, the Python walk's
+            outcomes.append(("error", str(exc).removeprefix("w: ")))
+    if outcomes[0] != outcomes[1]:
+        raise SystemExit(f"seed {seed}: the Thrift walks disagree: {outcomes}")
 
 
 def _fuzz_audit(audit: Any, rng: Any, np: Any, seed: int) -> None:

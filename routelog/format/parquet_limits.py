@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from routelog.errors import CorruptDataError
+from routelog.format.kernels import compiled_module
 
 # -- budgets ----------------------------------------------------------------------------------------------------------
 RECORD_BYTES: Final = 64 << 10
@@ -100,6 +101,17 @@ def decoded_budget(records: int, tokens: int, *, token_bytes: int = TOKEN_BYTES)
 
 
 # -- Thrift compact protocol ------------------------------------------------------------------------------------------
+_COMPILED: Final = compiled_module("routelog.format._cthrift")
+"""The walks below compiled (``routelog/format/_cthrift.c``: same reads, checks and messages, ~30 x faster), or
+None where routelog was installed without a compiler (or ``ROUTELOG_KERNELS=numpy`` asks for the pure paths)."""
+_MAX_COUNT: Final = 1 << 62
+"""Limits handed to the compiled walk are clamped to this (no container can hold that many: each entry takes a
+byte)."""
+IMPLEMENTATION: Final = "python" if _COMPILED is None else "compiled"
+"""Which Thrift walk this process runs."""
+
+
+# -- Thrift compact protocol, in Python --------------------------------------------------------------------------------
 def _int32(raw: int) -> int:
     """Apache Thrift's ``readVarint32``: the 64-bit varint truncated to a signed 32-bit integer."""
     raw &= 0xFFFFFFFF
@@ -428,6 +440,16 @@ class _Page:
     """Offset of the page's (compressed) data."""
 
 
+def _page(data: bytes, start: int, end: int, where: str) -> _Page:
+    """The page header at ``start``, read by the compiled walk where it was built."""
+    if _COMPILED is None:
+        return _page_header(_Thrift(data, start, end, where))
+    try:
+        return _Page(*_COMPILED.page_header(data, start, end))
+    except ValueError as exc:
+        raise CorruptDataError(f"{where}: {exc}") from exc
+
+
 def _page_header(thrift: _Thrift) -> _Page:
     """A PageHeader, with the count and encoding of the sub-header its type names (as pyarrow picks them)."""
     kind = uncompressed = compressed = None
@@ -475,6 +497,51 @@ def _sub_header(thrift: _Thrift, which: int) -> tuple[int, int]:
     return num_values, encoding
 
 
+def _footer(
+    data: bytes, start: int, end: int, where: str, max_rows: int
+) -> tuple[int | None, list[_Element], list[_RowGroup]]:
+    """The footer's rows, schema elements and row groups, read by the compiled walk where it was built."""
+    if _COMPILED is not None:
+        try:
+            rows, elements, groups = _COMPILED.footer(
+                data, start, end, MAX_SCHEMA_ELEMENTS, min(max_rows + 1, _MAX_COUNT), MAX_SCHEMA_DEPTH
+            )
+        except ValueError as exc:
+            raise CorruptDataError(f"{where}: {exc}") from exc
+        return (
+            rows,
+            [_Element(*element) for element in elements],
+            [_RowGroup(n, [_Chunk(*chunk) for chunk in chunks]) for n, chunks in groups],
+        )
+    return _footer_walk(_Thrift(data, start, end, where), max_rows)
+
+
+def _footer_walk(thrift: _Thrift, max_rows: int) -> tuple[int | None, list[_Element], list[_RowGroup]]:
+    """:func:`_footer` in Python."""
+    elements: list[_Element] = []
+    groups: list[_RowGroup] = []
+    num_rows = None
+    for field_id, kind in thrift.fields(0):
+        if field_id == 2 and kind == _LIST:
+            count, element = thrift.container(MAX_SCHEMA_ELEMENTS, "the schema")
+            if element != _STRUCT:
+                thrift.fail("the schema is not a list of structs")
+            elements = [_schema_element(thrift, 1) for _ in range(count)]
+        elif field_id == 3 and kind == _I64:
+            num_rows = _read_i64(thrift)
+        elif field_id == 4 and kind == _LIST:
+            # At most one row group per row (pyarrow writes one per 1 Mi rows): each costs decoding.
+            count, element = thrift.container(max_rows + 1, "the row group list")
+            if element != _STRUCT:
+                thrift.fail("the row groups are not structs")
+            groups = [_row_group(thrift, 1, len(elements) or MAX_SCHEMA_ELEMENTS) for _ in range(count)]
+        elif field_id == 8:
+            thrift.fail("the footer is encrypted")
+        else:
+            thrift.skip(kind, 0)
+    return num_rows, elements, groups
+
+
 # -- the checked object -----------------------------------------------------------------------------------------------
 _PHYSICAL: Final = {
     _BOOLEAN: "BOOLEAN",
@@ -501,28 +568,7 @@ class BoundedParquet:
         self.footer_start = size - 8 - footer
         if footer <= 0 or self.footer_start < 4:
             self._fail(f"the footer declares {footer} bytes, the object holds {size}")
-        thrift = _Thrift(data, self.footer_start, size - 8, f"{where} (Parquet footer)")
-        elements: list[_Element] = []
-        groups: list[_RowGroup] = []
-        num_rows = None
-        for field_id, kind in thrift.fields(0):
-            if field_id == 2 and kind == _LIST:
-                count, element = thrift.container(MAX_SCHEMA_ELEMENTS, "the schema")
-                if element != _STRUCT:
-                    thrift.fail("the schema is not a list of structs")
-                elements = [_schema_element(thrift, 1) for _ in range(count)]
-            elif field_id == 3 and kind == _I64:
-                num_rows = _read_i64(thrift)
-            elif field_id == 4 and kind == _LIST:
-                # At most one row group per row (pyarrow writes one per 1 Mi rows): each costs decoding.
-                count, element = thrift.container(max_rows + 1, "the row group list")
-                if element != _STRUCT:
-                    thrift.fail("the row groups are not structs")
-                groups = [_row_group(thrift, 1, len(elements) or MAX_SCHEMA_ELEMENTS) for _ in range(count)]
-            elif field_id == 8:
-                thrift.fail("the footer is encrypted")
-            else:
-                thrift.skip(kind, 0)
+        num_rows, elements, groups = _footer(data, self.footer_start, size - 8, f"{where} (Parquet footer)", max_rows)
         if num_rows is None or num_rows < 0:
             self._fail("the footer does not say how many rows the object holds")
         if num_rows > max_rows:
@@ -634,14 +680,15 @@ class BoundedParquet:
         width = _WIDTH.get(leaf.physical, leaf.type_length)
         if width <= 0:
             self._fail(f"column {name} has values of {width} bytes")
-        thrift = _Thrift(self.data, start, end, f"{self.where} (page header of column {name})")
+        where = f"{self.where} (page header of column {name})"
         cost = seen = pages = 0
         longest: int | None = None  # longest dictionary entry (its width for fixed-width values)
-        while thrift.pos < end:
-            page = _page_header(thrift)
+        position = start
+        while position < end:
+            page = _page(self.data, position, end, where)
             if page.compressed > end - page.body:
                 self._fail(f"column {name}: a page of {page.compressed} bytes runs past its chunk")
-            thrift.pos = page.body + page.compressed
+            position = page.body + page.compressed
             cost += page.uncompressed  # pyarrow decompresses each page into a buffer of this size
             if cost > budget:
                 return cost
@@ -669,9 +716,9 @@ class BoundedParquet:
                 cost += self._string_bytes(leaf, page, longest)
             elif page.kind != _INDEX_PAGE:
                 self._fail(f"column {name}: a page of unknown type {page.kind}")
-        if thrift.pos != end or seen != chunk.num_values:
+        if position != end or seen != chunk.num_values:
             self._fail(
-                f"column {name}: its pages hold {seen} values in {thrift.pos - start} bytes, its footer declares "
+                f"column {name}: its pages hold {seen} values in {position - start} bytes, its footer declares "
                 f"{chunk.num_values} values in {chunk.compressed} bytes"
             )
         return cost
