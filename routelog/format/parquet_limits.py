@@ -4,7 +4,8 @@ A Parquet file's footer declares its rows and column chunks, and each page heade
 page holds; run-length and dictionary encodings let a few bytes stand for millions of values (a 9 KB index whose
 ``token_ids`` is one list of 20 million zeros decodes to hundreds of MB). pyarrow trusts those declarations, so
 routelog hands it an object only after this module has read the footer and every page header of the columns it
-will decode, with its own Thrift reader (which allocates nothing the bytes do not hold), and checked them against
+will decode, with its own Thrift reader (which allocates nothing the bytes do not hold; compiled where routelog was
+built with a compiler, the same walk in Python otherwise), and checked them against
 bounds the caller derives from what vouches for the object (a commit's records and tokens):
 
 - the rows (and row groups) the footer declares;
@@ -102,7 +103,8 @@ def decoded_budget(records: int, tokens: int, *, token_bytes: int = TOKEN_BYTES)
 
 # -- Thrift compact protocol ------------------------------------------------------------------------------------------
 _COMPILED: Final = compiled_module("routelog.format._cthrift")
-"""The walks below compiled (``routelog/format/_cthrift.c``: same reads, checks and messages, ~30 x faster), or
+"""The walks below compiled (``routelog/format/_cthrift.c``: same reads, checks and messages; a part's index walked
+in 0.25 ms rather than 1.9, 7.6 x, on the 2-core AMD EPYC), or
 None where routelog was installed without a compiler (or ``ROUTELOG_KERNELS=numpy`` asks for the pure paths)."""
 _MAX_COUNT: Final = 1 << 62
 """Limits handed to the compiled walk are clamped to this (no container can hold that many: each entry takes a
