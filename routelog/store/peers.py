@@ -77,8 +77,7 @@ class PeerParts:
         for key, table in tables.items():
             commit = content.get(key)
             if isinstance(commit, CommitRecord) and "token_ids" in table.schema.names:
-                rows = IndexRows(table)
-                self._list(commit, [rows.row(position, with_tokens=False) for position in range(len(rows))])
+                self._list(commit, IndexRows(table).every(with_tokens=False))
         gone = [*view.whole_dropped, *view.refused]
         self.prefixes.forget(keys.part_dir(self.step, e.doc.part) for e in gone if isinstance(e.doc, CommitRecord))
 

@@ -135,8 +135,7 @@ def _verify_part(store: StoreRoot, step: int, commit: CommitRecord, report: Veri
         return None
     try:
         table = parquet_index(blobs[keys.INDEX], where, commit.n_records, commit.n_tokens, len(commit.streams))
-        index = IndexRows(table)
-        rows = [index.row(position)[0] for position in range(len(index))]
+        rows = [row for row, _ in IndexRows(table).every()]
     except (ValueError, RoutelogError) as exc:
         report.problems.append(f"{where}: the index does not parse ({str(exc).splitlines()[0]})")
         return None
