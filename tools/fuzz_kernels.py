@@ -170,8 +170,6 @@ def _parquet_objects() -> list[bytes]:
 def _fuzz_thrift(thrift: Any, objects: list[bytes], rng: Any, seed: int) -> None:
     """The compiled Thrift walks on a forged footer or page header (bytes overwritten, cut short, grown, or
     random), against the Python walks of routelog.format.parquet_limits: the same values or the same problem."""
-    from dataclasses import astuple
-
     from routelog.errors import CorruptDataError
     from routelog.format import parquet_limits as limits
 
@@ -196,12 +194,12 @@ def _fuzz_thrift(thrift: Any, objects: list[bytes], rng: Any, seed: int) -> None
                 value: Any = thrift.footer(forged, start, end, limits.MAX_SCHEMA_ELEMENTS, max_rows + 1, 16)
             elif footer:
                 rows, elements, groups = limits._footer_walk(limits._Thrift(forged, start, end, "w"), max_rows)
-                value = (rows, [astuple(e) for e in elements], [astuple(g) for g in groups])
+                value = (rows, elements, groups)  # named tuples: equal to the compiled walk's tuples
             else:
                 value = (
                     thrift.page_header(forged, start, end)
                     if compiled
-                    else astuple(limits._page_header(limits._Thrift(forged, start, end, "w")))
+                    else limits._page_header(limits._Thrift(forged, start, end, "w"))
                 )
             outcomes.append(("ok", value))
         except (ValueError, CorruptDataError) as exc:  # the compiled walk's, the Python walk's
