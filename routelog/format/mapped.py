@@ -22,6 +22,8 @@ needs a copy as ``bytes``)."""
 
 MAPPED_MIN_BYTES = 1 << 18
 """Smaller buffers come from malloc (a mapping costs a system call and whole pages)."""
+HUGE_MIN_BYTES = 4 << 20
+"""A :class:`Buffer` this large asks for huge pages."""
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype[Any] | type[Any]) -> npt.NDArray[Any]:
@@ -33,10 +35,14 @@ def empty(shape: tuple[int, ...], dtype: np.dtype[Any] | type[Any]) -> npt.NDArr
     return np.frombuffer(_anonymous(nbytes), dtype=dtype).reshape(shape)
 
 
-def _anonymous(nbytes: int) -> mmap.mmap:
+def _anonymous(nbytes: int, *, huge: bool = False) -> mmap.mmap:
     """Private anonymous memory, as malloc maps it (Python's default, a shared mapping, is shared memory: slower to
-    fault in, and :func:`discard` cannot free it)."""
-    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    fault in, and :func:`discard` cannot free it); ``huge``: in transparent huge pages where the kernel has them
+    (where it asks for them with madvise, as numpy does for its arrays of 4 MiB or more)."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge and nbytes >= HUGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    return mapping
 
 
 def discard(view: npt.NDArray[Any]) -> None:
@@ -61,10 +67,17 @@ def discard(view: npt.NDArray[Any]) -> None:
 
 class Buffer:
     """Bytes written in order into a mapping as large as they can get (pages never written cost nothing), then cut
-    to the size written."""
+    to the size written.
+
+    The mapping asks for huge pages: the bytes are written once, front to back, and faulting them in 4 KiB at a
+    time took 2.6 ms of a 16.5 ms encode of 16k tokens of uniform routing (48 layers, top-8 of 128) on the 2-core
+    AMD EPYC; with huge pages the encode took 14.4-15.0 ms (0.53-0.59 x zstd-3's speed, against 0.49-0.51). At
+    most one huge page past the bytes written is held until :meth:`finish` cuts the mapping. The rows a build
+    discards as it encodes (:func:`empty`) keep small pages: huge ones there made the encode faster still (0.65-0.70
+    x) but raised a writer's peak RSS from 1.8 to 1.95 x its flush buffer."""
 
     def __init__(self, capacity: int, start: int = 0) -> None:
-        self._map = _anonymous(max(1, capacity))
+        self._map = _anonymous(max(1, capacity), huge=True)
         self.size = start
         """Bytes written so far (the first ``start`` are left for :meth:`finish`'s head)."""
 

@@ -238,24 +238,31 @@ def fetch_blocks(
                 ls, le = max(l0, cl0), min(l1, cl0 + chunk_layers)
                 rs, re_ = max(r0, cr0), min(r1, cr0 + chunk_rows)
                 takers = [(d0, view) for d0, view in destinations if d0 < re_ and rs < d0 + view.shape[1]]
+                # The chunk's rows inside the array (an edge chunk's padding past them is never decoded)
+                real_layers = min(chunk_layers, layout_.num_layers - cl0)
+                real_rows = min(chunk_rows, layout_.n_rows - cr0)
                 ids = held.get(key)
-                checked = False
-                if (
-                    ids is None
-                    and uses[key] == 1
-                    and layout_.ranked
-                    and (le - ls, re_ - rs) == (chunk_layers, chunk_rows)
-                ):
-                    # A whole chunk no other request of the call shares: its rows are checked in the kernel's pass,
-                    # and it is not kept (no neighbour reads it). One destination taking all of it gets it in place.
-                    d0, view = takers[0] if len(takers) == 1 else (0, block)
-                    if len(takers) == 1 and d0 <= rs and re_ <= d0 + view.shape[1]:
-                        target = view[ls - l0 : le - l0, rs - d0 : re_ - d0]
-                        _decoded(storage, read, chunk, pieces[key], request, target)
+                checked = layout_.ranked  # a ranked chunk's rows are checked in the kernel's pass as it decodes
+                if ids is None and layout_.ranked:
+                    whole_once = uses[key] == 1 and (le - ls, re_ - rs) == (real_layers, real_rows)
+                    if (
+                        whole_once
+                        and len(takers) == 1
+                        and takers[0][0] <= rs
+                        and re_ <= takers[0][0] + takers[0][1].shape[1]
+                    ):
+                        # A whole chunk no other request of the call shares, all of it for one destination: decoded
+                        # in place, and not kept (no neighbour reads it).
+                        d0, view = takers[0]
+                        _decoded(
+                            storage, read, chunk, pieces[key], request, view[ls - l0 : le - l0, rs - d0 : re_ - d0]
+                        )
                         continue
                     ids = np.empty((chunk_layers, chunk_rows, array.topk), dtype=layout_.dtype)
-                    _decoded(storage, read, chunk, pieces[key], request, ids)
-                    checked = True
+                    _decoded(storage, read, chunk, pieces[key], request, ids[:real_layers, :real_rows])
+                    if not whole_once:
+                        held[key] = ids
+                        cache.keep(key, ids)
                 elif ids is None:
                     ids = _decoded(storage, read, chunk, pieces[key], request)
                     held[key] = ids
@@ -293,12 +300,13 @@ def _decoded(
     out: np.ndarray[Any, Any] | None = None,
 ) -> np.ndarray[Any, Any]:
     """One whole chunk's expert IDs (or weights), un-transformed; its edge padding is whatever was stored. With
-    ``out`` (a ranked chunk wholly inside the array: no padding), into ``out``, every row checked as a set."""
+    ``out`` (a ranked chunk's first ``out.shape[0]`` layers of its first ``out.shape[1]`` rows, each layer's rows
+    contiguous: the chunk's rows inside the array), only those, into ``out``, every row checked as a set."""
     layout_ = read.layout
     array = request.array
     try:
-        whole = None if out is None else ((0, layout_.chunk_layers), (0, layout_.chunk_rows))
-        ids = decode_chunk(piece, layout_, out, whole)
+        window = None if out is None else ((0, out.shape[0]), (0, out.shape[1]))
+        ids = decode_chunk(piece, layout_, out, window)
     except ShardFormatError as exc:
         raise CorruptDataError(
             f"{storage.url_of(read.key)}: inner chunk rows [{chunk.row_chunk * layout_.chunk_rows}, "
