@@ -157,7 +157,7 @@ def _shared_store(tmp_path: Path, chunk_rows: int) -> tuple[str, np.ndarray[Any,
         ids = np.sort(np.argsort(rng.random((tokens, 4, 64)), axis=-1)[..., :8], axis=-1).astype(np.uint8)
         records.append(routelog.Record(sample_id=f"r{n}", expert_ids=ids, prompt_len=8, response_len=tokens - 8))
     if not Path(url).exists():
-        options = PartOptions(chunk_rows=chunk_rows, chunk_layers=2)
+        options = PartOptions(chunk_rows=chunk_rows, chunk_layers=3)  # the last layer chunk: 1 layer, 2 of padding
         with routelog.open_writer(url, 0, model_spec=synthetic_spec(4, 64, 8), options=options) as writer:
             for record in records:
                 writer.append(record)
