@@ -23,7 +23,13 @@ needs a copy as ``bytes``)."""
 MAPPED_MIN_BYTES = 1 << 18
 """Smaller buffers come from malloc (a mapping costs a system call and whole pages)."""
 HUGE_MIN_BYTES = 4 << 20
-"""A :class:`Buffer` this large asks for huge pages."""
+"""An :func:`empty` array this large asks for transparent huge pages, as numpy does for its own arrays from 4 MiB:
+the sort writes the rows once, and faulting them in 4 KiB at a time took as long as the sorting (a uniform 16k
+tokens x 48 layers, top-8 of 128, encoded in 14.4-15.9 ms rather than 16.4-16.7 on the 2-core AMD EPYC; 0.53-0.60 x
+zstd-3's speed, against 0.49-0.51). A writer's records are mostly smaller, and its peak RSS was unchanged (1.81 x
+its flush buffer, two runs each). A :class:`Buffer` keeps small pages: huge ones there sped the encode as much
+again, but held up to a huge page past the bytes written, and a writer to S3 peaked at 4.0 x its flush buffer in
+two runs of four, against 3.3."""
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype[Any] | type[Any]) -> npt.NDArray[Any]:
@@ -32,13 +38,13 @@ def empty(shape: tuple[int, ...], dtype: np.dtype[Any] | type[Any]) -> npt.NDArr
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MAPPED_MIN_BYTES:
         return np.empty(shape, dtype)
-    return np.frombuffer(_anonymous(nbytes), dtype=dtype).reshape(shape)
+    return np.frombuffer(_anonymous(nbytes, huge=True), dtype=dtype).reshape(shape)
 
 
 def _anonymous(nbytes: int, *, huge: bool = False) -> mmap.mmap:
     """Private anonymous memory, as malloc maps it (Python's default, a shared mapping, is shared memory: slower to
     fault in, and :func:`discard` cannot free it); ``huge``: in transparent huge pages where the kernel has them
-    (where it asks for them with madvise, as numpy does for its arrays of 4 MiB or more)."""
+    and the mapping is large enough (:data:`HUGE_MIN_BYTES`)."""
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge and nbytes >= HUGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
         mapping.madvise(mmap.MADV_HUGEPAGE)
@@ -67,17 +73,10 @@ def discard(view: npt.NDArray[Any]) -> None:
 
 class Buffer:
     """Bytes written in order into a mapping as large as they can get (pages never written cost nothing), then cut
-    to the size written.
-
-    The mapping asks for huge pages: the bytes are written once, front to back, and faulting them in 4 KiB at a
-    time took 2.6 ms of a 16.5 ms encode of 16k tokens of uniform routing (48 layers, top-8 of 128) on the 2-core
-    AMD EPYC; with huge pages the encode took 14.4-15.0 ms (0.53-0.59 x zstd-3's speed, against 0.49-0.51). At
-    most one huge page past the bytes written is held until :meth:`finish` cuts the mapping. The rows a build
-    discards as it encodes (:func:`empty`) keep small pages: huge ones there made the encode faster still (0.65-0.70
-    x) but raised a writer's peak RSS from 1.8 to 1.95 x its flush buffer."""
+    to the size written."""
 
     def __init__(self, capacity: int, start: int = 0) -> None:
-        self._map = _anonymous(max(1, capacity), huge=True)
+        self._map = _anonymous(max(1, capacity))
         self.size = start
         """Bytes written so far (the first ``start`` are left for :meth:`finish`'s head)."""
 
