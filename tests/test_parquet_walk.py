@@ -5,6 +5,7 @@ bytes (random bytes over a real footer or page header, cut short, grown) the sam
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -97,6 +98,27 @@ def test_both_walks_read_what_pyarrow_writes(data: bytes) -> None:
             page = _compiled_page(data, position, position + chunk.compressed)
             assert page == _python_page(data, position, position + chunk.compressed)
             assert page.compressed >= 0 and page.body > position
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+STORED = sorted(FIXTURES.rglob("*.parquet"))
+"""Every Parquet object of the golden stores, the corpus and the engine fixtures."""
+
+
+@pytest.mark.parametrize("path", STORED, ids=lambda path: str(path.relative_to(FIXTURES)))
+def test_both_walks_read_every_stored_object_alike(path: Path) -> None:
+    data = path.read_bytes()
+    start, end = _footer_span(data)
+    compiled = _compiled_footer(data, start, end, 1 << 20)
+    assert compiled == _python_footer(data, start, end, 1 << 20)
+    for group in compiled[2]:
+        for chunk in group.chunks:
+            position = min(chunk.data_page_offset, chunk.dictionary_page_offset or chunk.data_page_offset)
+            stop = position + chunk.compressed
+            while position < stop:
+                page = _compiled_page(data, position, stop)
+                assert page == _python_page(data, position, stop)
+                position = page.body + page.compressed
 
 
 def _forged(data: bytes, start: int, end: int, draw: st.DataObject) -> tuple[bytes, int, int]:
