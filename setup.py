@@ -3,7 +3,8 @@
 audits' (routelog/audit/_ckernels.c).
 
 ``optional``: where no compiler is found the package still installs, and routelog.format.kernels and
-routelog.audit.kernels use numpy, routelog.format.parquet_limits its Python reader (same results, slower). Everything else is configured in pyproject.toml.
+routelog.audit.kernels use numpy, routelog.format.parquet_limits its Python reader (same results, slower).
+Everything else is configured in pyproject.toml.
 """
 
 import sys
