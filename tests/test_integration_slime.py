@@ -32,6 +32,7 @@ from routelog.align import RankCoords
 from routelog.format.part import PartOptions
 from routelog.integrations import slime
 from routelog.integrations.slime import SlimeReplay
+from routelog.integrations.slime_source import RolloutSource
 from routelog.store.fidelity import ReplayFidelityError, StaleRoutingError
 from routelog.testing import SlimeRoutingReplay, slime_prepare
 
@@ -644,6 +645,14 @@ def test_a_rank_reads_only_its_own_rows_and_layers(monkeypatch: pytest.MonkeyPat
         return read_ranges(ranges, *into)
 
     monkeypatch.setattr(storage, "read_ranges", counting)  # the loader reads a rank's chunks only (no gap merging)
+    read_when_started: list[int] = []  # what record had read when it started the read-ahead (its last step)
+    start = RolloutSource.start
+
+    def started(source: RolloutSource) -> None:
+        read_when_started.append(len(fetched))
+        start(source)
+
+    monkeypatch.setattr(RolloutSource, "start", started)
     data = {
         "partition": partitions[0],
         "tokens": [torch.as_tensor(samples[j].tokens) for j in partitions[0]],
@@ -656,7 +665,9 @@ def test_a_rank_reads_only_its_own_rows_and_layers(monkeypatch: pytest.MonkeyPat
         replays = [StubReplay() for _ in range(3 if pp == 0 else 4)]  # layer 0 is dense
         rank = RankCoords(tp=1, cp=1, pp=pp)
         report = SlimeReplay(store, rank=rank, prepare=prepare_of(args, rank)).record(ROLLOUT, args, data, replays)
-        assert not fetched, "nothing is read before a router pops it"  # (the read-ahead waits for record to return)
+        # record reads no routing: the first read is the read-ahead's (which starts as record returns) or a pop's
+        assert read_when_started == [0]
+        read_when_started.clear()
         recorded = sum(t.nbytes for tensors in popped(replays) for t in tensors)
         per_rank[pp] = sum(fetched)
         assert report.routers == len(replays) and report.micro_batches == 4
