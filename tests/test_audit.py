@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from routelog import ModelSpec, Record, audit
 from routelog.audit.diff import TokenMismatchError
 from routelog.audit.figures import diff_figure, drift_figure, mismatch_figure, stats_figure
 from routelog.audit.r3 import extreme_fraction, k3_kl, routing_differences
+from routelog.audit.units import batches
 from routelog.cli import app
 from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN
 
@@ -367,3 +369,27 @@ def test_degenerate_figures_do_not_mislead(monkeypatch: pytest.MonkeyPatch, tmp_
     labels = [t.get_text() for t in ax.texts]
     assert any("0.48x" in label for label in labels), labels
     plt.close(fig)
+
+
+@pytest.mark.parametrize("batch_records", [1, 4, 7, 40])
+def test_batches_read_ahead_and_hand_out_every_record_in_order(runs: dict[str, object], batch_records: int) -> None:
+    """An audit's batches come from both snapshots, in the order asked, the next read while this one is used;
+    a read that fails fails the batch that needed it, and a caller that stops early leaves no reader behind."""
+    a = routelog.open_store(str(runs["a"])).step(1)
+    b = routelog.open_store(str(runs["b"])).step(1)
+    shared = [sid for sid in a.sample_ids if sid in b]
+    got = list(batches([a, b], shared, batch_records=batch_records))
+    starts = range(0, len(shared), batch_records)
+    assert len(got) == len(starts) > 0
+    for (left, right), start in zip(got, starts, strict=True):
+        ids = shared[start : start + batch_records]
+        assert [r.sample_id for r in left] == [r.sample_id for r in right] == ids
+        for mine, theirs in zip(left, a.read_many(ids), strict=True):
+            np.testing.assert_array_equal(mine.by_layer, theirs.by_layer)
+    assert list(batches([a], [], batch_records=batch_records)) == []
+    with pytest.raises(KeyError):
+        list(batches([a], [*shared[:batch_records], "no-such-record"], batch_records=batch_records))
+    early = batches([a, b], shared, batch_records=batch_records)
+    next(early)
+    early.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("routelog-audit-read")]

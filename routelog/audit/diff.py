@@ -41,8 +41,7 @@ def diff_unit(unit: WorkUnit, batch_records: int) -> bytes:
         _check_same_tokens(
             sid, a.info(sid), b.info(sid), f"{a.store.url} step {a.step}", f"{b.store.url} step {b.step}"
         )
-    for batch in batches(a, shared, batch_records=batch_records):
-        others = b.read_many([r.sample_id for r in batch])
+    for batch, others in batches([a, b], shared, batch_records=batch_records):
         for left, right in zip(batch, others, strict=True):
             compared, differing = differences.add(left.by_layer, right.by_layer, left.valid & right.valid)
             rows += compared

@@ -15,7 +15,7 @@ def load_unit(unit: WorkUnit, batch_records: int) -> bytes:
     spec = snapshot.store.model_spec
     counts = np.zeros((spec.num_moe_layers, spec.num_experts), np.int64)
     tokens = rows = 0
-    for batch in batches(snapshot, unit.sample_ids, batch_records=batch_records):
+    for (batch,) in batches([snapshot], unit.sample_ids, batch_records=batch_records):
         for routing in batch:
             add_expert_counts(routing.by_layer, routing.valid, counts)
             tokens += routing.info.n_tokens

@@ -12,6 +12,7 @@ import io
 import json
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
@@ -130,11 +131,28 @@ def plan_units(
 
 
 def batches(
-    snapshot: StepSnapshot, sample_ids: Sequence[str], *, batch_records: int = DEFAULT_BATCH_RECORDS
-) -> Iterator[list[RecordRouting]]:
-    """The routing of ``sample_ids``, ``batch_records`` records at a time."""
-    for start in range(0, len(sample_ids), batch_records):
-        yield snapshot.read_many(sample_ids[start : start + batch_records])
+    snapshots: Sequence[StepSnapshot], sample_ids: Sequence[str], *, batch_records: int = DEFAULT_BATCH_RECORDS
+) -> Iterator[list[list[RecordRouting]]]:
+    """The routing of ``sample_ids`` in each of ``snapshots``, ``batch_records`` records at a time: for each batch,
+    one list per snapshot.
+
+    The next batch is read in a background thread while the caller works on this one: a read spends most of its
+    time in file reads, zstd and the decoding kernel, which release the GIL, so on two cores an audit's pass over a
+    batch and the read of the next overlap (one batch more is held)."""
+    starts = range(0, len(sample_ids), batch_records)
+
+    def read(start: int) -> list[list[RecordRouting]]:
+        ids = sample_ids[start : start + batch_records]
+        return [snapshot.read_many(ids) for snapshot in snapshots]
+
+    with ThreadPoolExecutor(1, thread_name_prefix="routelog-audit-read") as pool:
+        pending = [pool.submit(read, start) for start in starts[:1]]
+        for start in starts[1:]:
+            batch = pending.pop().result()
+            pending.append(pool.submit(read, start))
+            yield batch
+        for last in pending:
+            yield last.result()
 
 
 def pack(arrays: Mapping[str, npt.ArrayLike]) -> bytes:
