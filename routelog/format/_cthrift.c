@@ -322,14 +322,23 @@ error:
     return NULL;
 }
 
-/* A list of count structs read by read_one, or NULL. */
 typedef PyObject *(*ReadStruct)(Reader *, int, long long);
 
-static PyObject *struct_list(Reader *r, Py_ssize_t count, ReadStruct read_one, int depth, long long limit) {
+/* A Thrift list of at most limit structs (what: its name in errors; not_structs: the error when its elements are
+ * another type), each read by read_one(r, depth, arg): a Python list, or NULL. */
+static PyObject *struct_list(Reader *r, long long limit, const char *what, const char *not_structs, ReadStruct read_one,
+                             int depth, long long arg) {
+    Py_ssize_t count = 0;
+    int element = 0;
+    if (container(r, limit, what, &count, &element) < 0) return NULL;
+    if (element != T_STRUCT) {
+        fail("%s", not_structs);
+        return NULL;
+    }
     PyObject *list = PyList_New(count);
     if (!list) return NULL;
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *item = read_one(r, depth, limit);
+        PyObject *item = read_one(r, depth, arg);
         if (!item) {
             Py_DECREF(list);
             return NULL;
@@ -354,14 +363,8 @@ static PyObject *row_group(Reader *r, int depth, long long max_columns) {
     if (check_depth(depth) < 0) goto error;
     while ((more = next_field(r, &field_id, &kind)) == 1) {
         if (field_id == 1 && kind == T_LIST) {
-            Py_ssize_t size = 0;
-            int element = 0;
-            if (container(r, max_columns, "a row group's column list", &size, &element) < 0) goto error;
-            if (element != T_STRUCT) {
-                fail("a row group's columns are not structs");
-                goto error;
-            }
-            PyObject *read = struct_list(r, size, column_chunk, depth + 1, 0);
+            PyObject *read = struct_list(r, max_columns, "a row group's column list",
+                                         "a row group's columns are not structs", column_chunk, depth + 1, 0);
             if (!read) goto error;
             Py_SETREF(chunks, read);
         } else if (field_id == 3 && kind == T_I64) {
@@ -408,28 +411,18 @@ static PyObject *footer(PyObject *self, PyObject *args) {
     if (!elements || !groups || reader_of(&view, start, end, &r) < 0) goto done;
     r.max_path = max_path;
     while ((more = next_field(&r, &field_id, &kind)) == 1) {
-        Py_ssize_t count = 0;
-        int element = 0;
         if (field_id == 2 && kind == T_LIST) {
-            if (container(&r, max_elements, "the schema", &count, &element) < 0) goto done;
-            if (element != T_STRUCT) {
-                fail("the schema is not a list of structs");
-                goto done;
-            }
-            PyObject *read = struct_list(&r, count, schema_element_entry, 1, 0);
+            PyObject *read = struct_list(&r, max_elements, "the schema", "the schema is not a list of structs",
+                                         schema_element_entry, 1, 0);
             if (!read) goto done;
             Py_SETREF(elements, read);
         } else if (field_id == 3 && kind == T_I64) {
             if (read_i64(&r, &num_rows) < 0) goto done;
             has_rows = 1;
         } else if (field_id == 4 && kind == T_LIST) {
-            if (container(&r, max_groups, "the row group list", &count, &element) < 0) goto done;
-            if (element != T_STRUCT) {
-                fail("the row groups are not structs");
-                goto done;
-            }
             Py_ssize_t columns = PyList_GET_SIZE(elements);
-            PyObject *read = struct_list(&r, count, row_group, 1, columns ? columns : max_elements);
+            PyObject *read = struct_list(&r, max_groups, "the row group list", "the row groups are not structs",
+                                         row_group, 1, columns ? columns : max_elements);
             if (!read) goto done;
             Py_SETREF(groups, read);
         } else if (field_id == 8) {
