@@ -109,8 +109,6 @@ None where routelog was installed without a compiler (or ``ROUTELOG_KERNELS=nump
 _MAX_COUNT: Final = 1 << 62
 """Limits handed to the compiled walk are clamped to this (no container can hold that many: each entry takes a
 byte)."""
-IMPLEMENTATION: Final = "python" if _COMPILED is None else "compiled"
-"""Which Thrift walk this process runs."""
 
 
 # -- Thrift compact protocol, in Python --------------------------------------------------------------------------------
