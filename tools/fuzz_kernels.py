@@ -97,7 +97,7 @@ def fuzz(scratch: Path, seconds: float, seed: int) -> None:
     kernels, audit, thrift = _load(scratch / "format"), _load(scratch / "audit"), _load(scratch / "thrift")
     rng = np.random.default_rng(seed)
     deadline = time.monotonic() + seconds
-    chunks = forged = routings = walks = 0
+    chunks = forged = routings = walks = sorts = 0
     parquet = _parquet_objects()
     while time.monotonic() < deadline:
         _fuzz_audit(audit, rng, np, seed)
@@ -105,6 +105,8 @@ def fuzz(scratch: Path, seconds: float, seed: int) -> None:
         for _ in range(20):
             _fuzz_thrift(thrift, parquet, rng, seed)
             walks += 1
+        _fuzz_sort(kernels, rng, np, seed)
+        sorts += 1
         ids, experts = _chunk(rng, np)
         layers, rows, k = ids.shape
         words = bool(rng.random() < 0.8)
@@ -141,8 +143,35 @@ def fuzz(scratch: Path, seconds: float, seed: int) -> None:
             forged += 1
     print(
         f"seed {seed}: {chunks} chunks round-tripped, {forged} forged payloads decoded, {routings} routings audited, "
-        f"{walks} forged Parquet footers and page headers walked alike, no sanitizer report"
+        f"{walks} forged Parquet footers and page headers walked alike, {sorts} token-order routings sorted into layer "
+        "order as numpy sorts them, no sanitizer report"
     )
+
+
+def _fuzz_sort(kernels: Any, rng: Any, np: Any, seed: int) -> None:
+    """The writer's sort (token order -> sorted rows in layer order) against numpy's, rows valid or not: a few
+    tokens or several blocks of them, one layer or many, uint8 or uint16 IDs."""
+    tokens, layers = int(rng.integers(0, 2000)), int(rng.integers(1, 64))
+    dtype = np.uint16 if rng.random() < 0.2 else np.uint8
+    largest = int(rng.integers(7, 300 if dtype == np.uint8 else 70000)) if rng.random() < 0.9 else 7
+    largest = min(largest, np.iinfo(dtype).max)
+    ids = (
+        np.argsort(rng.random((tokens * layers, largest + 1)), axis=1)[:, :8].astype(dtype)
+        if largest < 512
+        else (rng.choice(largest + 1, (tokens * layers, 8)).astype(dtype))
+    )
+    if rng.random() < 0.3 and ids.size:  # a few rows with a repeated or too large ID
+        broken = rng.integers(0, ids.shape[0], int(rng.integers(1, 4)))
+        ids[broken, rng.integers(0, 8)] = rng.integers(0, np.iinfo(dtype).max, broken.size)
+    out = np.zeros((layers, tokens, 8), dtype)
+    bad = kernels.sort_rows_of_eight(ids.reshape(-1), out.reshape(-1), tokens, layers, largest)
+    ordered = np.sort(ids.reshape(tokens, layers, 8), axis=2)
+    wrong = (ordered[..., -1] > largest) | (ordered[..., 1:] == ordered[..., :-1]).any(axis=2)
+    expected = int(np.argmax(wrong.reshape(-1))) if wrong.any() else -1
+    if bad != expected or (bad < 0 and not np.array_equal(out, ordered.transpose(1, 0, 2))):
+        raise SystemExit(
+            f"seed {seed}: the sort of {tokens} tokens x {layers} layers ({dtype.__name__}) is not numpy's"
+        )
 
 
 def _parquet_objects() -> list[bytes]:

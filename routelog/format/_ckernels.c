@@ -188,12 +188,16 @@ HOT static int64_t repeat_flags(const uint64_t *restrict ids, uint8_t *restrict 
         a = lo_;                      \
         b = hi_;                      \
     } while (0)
-/* Batcher's network for eight values a0..a7 of type T (19 compare-exchanges; codec.sorting_network). */
-#define NETWORK(T)                                                                                            \
-    MIN_MAX(T, a0, a1); MIN_MAX(T, a2, a3); MIN_MAX(T, a4, a5); MIN_MAX(T, a6, a7); MIN_MAX(T, a0, a2);       \
-    MIN_MAX(T, a1, a3); MIN_MAX(T, a4, a6); MIN_MAX(T, a5, a7); MIN_MAX(T, a1, a2); MIN_MAX(T, a5, a6);       \
-    MIN_MAX(T, a0, a4); MIN_MAX(T, a1, a5); MIN_MAX(T, a2, a6); MIN_MAX(T, a3, a7); MIN_MAX(T, a2, a4);       \
-    MIN_MAX(T, a3, a5); MIN_MAX(T, a1, a2); MIN_MAX(T, a3, a4); MIN_MAX(T, a5, a6)
+/* Batcher's network for eight values a0..a7, each compare-exchange made by CX(a, b) (19 of them;
+ * codec.sorting_network); NETWORK(T) for values of type T. */
+#define NETWORK_BY(CX)                                                                                        \
+    CX(a0, a1); CX(a2, a3); CX(a4, a5); CX(a6, a7); CX(a0, a2); CX(a1, a3); CX(a4, a6); CX(a5, a7); CX(a1, a2); \
+    CX(a5, a6); CX(a0, a4); CX(a1, a5); CX(a2, a6); CX(a3, a7); CX(a2, a4); CX(a3, a5); CX(a1, a2); CX(a3, a4); \
+    CX(a5, a6)
+#define MIN_MAX_OF_int64_t(a, b) MIN_MAX(int64_t, a, b)
+#define MIN_MAX_OF_uint8_t(a, b) MIN_MAX(uint8_t, a, b)
+#define MIN_MAX_OF_uint16_t(a, b) MIN_MAX(uint16_t, a, b)
+#define NETWORK(T) NETWORK_BY(MIN_MAX_OF_##T)
 
 /* Rows of eight values of type T sorted in place (the loop vectorizes across rows); nonzero when some row holds a
  * value above largest or a repeated one. */
@@ -210,8 +214,131 @@ HOT static int64_t repeat_flags(const uint64_t *restrict ids, uint8_t *restrict 
         }                                                                                                       \
         return bad;                                                                                             \
     }
-SORT_ROWS(sort_rows_u8, uint8_t)
+SORT_ROWS(sort_rows_u8_scalar, uint8_t)
 SORT_ROWS(sort_rows_u16, uint16_t)
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+/* The same network on sixteen rows of eight uint8 at a time: the rows are transposed into eight registers (one per
+ * position, a byte per row, rows in the order 0, 2, .., 14, 1, 3, .., 15), each compare-exchange is a min and a max
+ * of two registers, and the transpose is undone: about 8 instructions a row. Sorting 2 M rows of 48 layers into layer
+ * order took 8.7 ms with the loop above (vectorized by the compiler) after a copy into a block, and 3.0 ms so, from
+ * the token rows straight into their places (2-core AMD EPYC). */
+#define MIN_MAX_U8X16(a, b)                  \
+    do {                                     \
+        __m128i lo_ = _mm_min_epu8(a, b);    \
+        b = _mm_max_epu8(a, b);              \
+        a = lo_;                             \
+    } while (0)
+
+/* Sixteen rows of eight uint8, the i-th at src + i * stride, sorted into dst (128 contiguous bytes; dst may be src
+ * when stride is 8); repeated IDs and the largest ID seen accumulate in duplicate and top. */
+static inline void sort_sixteen_u8(const uint8_t *src, int64_t stride, uint8_t *dst, __m128i *duplicate,
+                                   __m128i *top) {
+    __m128i r0 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)src),
+                                    _mm_loadl_epi64((const __m128i *)(src + stride))),
+            r1 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(src + 2 * stride)),
+                                    _mm_loadl_epi64((const __m128i *)(src + 3 * stride))),
+            r2 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(src + 4 * stride)),
+                                    _mm_loadl_epi64((const __m128i *)(src + 5 * stride))),
+            r3 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(src + 6 * stride)),
+                                    _mm_loadl_epi64((const __m128i *)(src + 7 * stride))),
+            r4 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(src + 8 * stride)),
+                                    _mm_loadl_epi64((const __m128i *)(src + 9 * stride))),
+            r5 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(src + 10 * stride)),
+                                    _mm_loadl_epi64((const __m128i *)(src + 11 * stride))),
+            r6 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(src + 12 * stride)),
+                                    _mm_loadl_epi64((const __m128i *)(src + 13 * stride))),
+            r7 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(src + 14 * stride)),
+                                    _mm_loadl_epi64((const __m128i *)(src + 15 * stride)));
+    /* rows (2i, 2i + 1) in r_i -> bytes of rows (0, 2), (1, 3), (4, 6), .. interleaved per position */
+    __m128i b0 = _mm_unpacklo_epi8(r0, r1), b1 = _mm_unpackhi_epi8(r0, r1), b2 = _mm_unpacklo_epi8(r2, r3),
+            b3 = _mm_unpackhi_epi8(r2, r3), b4 = _mm_unpacklo_epi8(r4, r5), b5 = _mm_unpackhi_epi8(r4, r5),
+            b6 = _mm_unpacklo_epi8(r6, r7), b7 = _mm_unpackhi_epi8(r6, r7);
+    /* -> positions 0-3 and 4-7 of rows (0, 2, 4, 6), (1, 3, 5, 7), (8, .., 14), (9, .., 15) */
+    __m128i c0 = _mm_unpacklo_epi16(b0, b2), c1 = _mm_unpackhi_epi16(b0, b2), c2 = _mm_unpacklo_epi16(b1, b3),
+            c3 = _mm_unpackhi_epi16(b1, b3), c4 = _mm_unpacklo_epi16(b4, b6), c5 = _mm_unpackhi_epi16(b4, b6),
+            c6 = _mm_unpacklo_epi16(b5, b7), c7 = _mm_unpackhi_epi16(b5, b7);
+    /* -> positions (0, 1), (2, 3), (4, 5), (6, 7) of the even rows, then of the odd rows */
+    __m128i d0 = _mm_unpacklo_epi32(c0, c4), d1 = _mm_unpackhi_epi32(c0, c4), d2 = _mm_unpacklo_epi32(c1, c5),
+            d3 = _mm_unpackhi_epi32(c1, c5), d4 = _mm_unpacklo_epi32(c2, c6), d5 = _mm_unpackhi_epi32(c2, c6),
+            d6 = _mm_unpacklo_epi32(c3, c7), d7 = _mm_unpackhi_epi32(c3, c7);
+    /* -> one register per position: its byte of the even rows, then of the odd rows */
+    __m128i a0 = _mm_unpacklo_epi64(d0, d4), a1 = _mm_unpackhi_epi64(d0, d4), a2 = _mm_unpacklo_epi64(d1, d5),
+            a3 = _mm_unpackhi_epi64(d1, d5), a4 = _mm_unpacklo_epi64(d2, d6), a5 = _mm_unpackhi_epi64(d2, d6),
+            a6 = _mm_unpacklo_epi64(d3, d7), a7 = _mm_unpackhi_epi64(d3, d7);
+    NETWORK_BY(MIN_MAX_U8X16);
+    *duplicate = _mm_or_si128(*duplicate, _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(a0, a1), _mm_cmpeq_epi8(a1, a2)),
+                                                     _mm_or_si128(_mm_cmpeq_epi8(a2, a3), _mm_cmpeq_epi8(a3, a4))));
+    *duplicate = _mm_or_si128(*duplicate, _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(a4, a5), _mm_cmpeq_epi8(a5, a6)),
+                                                     _mm_cmpeq_epi8(a6, a7)));
+    *top = _mm_max_epu8(*top, a7);
+    __m128i *out = (__m128i *)dst;
+    /* back: positions (0, 1), (2, 3), .. interleaved per row, then 4 positions, then whole rows of eight */
+    b0 = _mm_unpacklo_epi8(a0, a1); b1 = _mm_unpackhi_epi8(a0, a1); b2 = _mm_unpacklo_epi8(a2, a3);
+    b3 = _mm_unpackhi_epi8(a2, a3); b4 = _mm_unpacklo_epi8(a4, a5); b5 = _mm_unpackhi_epi8(a4, a5);
+    b6 = _mm_unpacklo_epi8(a6, a7); b7 = _mm_unpackhi_epi8(a6, a7);
+    c0 = _mm_unpacklo_epi16(b0, b2); c1 = _mm_unpackhi_epi16(b0, b2); c2 = _mm_unpacklo_epi16(b1, b3);
+    c3 = _mm_unpackhi_epi16(b1, b3); c4 = _mm_unpacklo_epi16(b4, b6); c5 = _mm_unpackhi_epi16(b4, b6);
+    c6 = _mm_unpacklo_epi16(b5, b7); c7 = _mm_unpackhi_epi16(b5, b7);
+    /* c0: rows 0, 2, 4, 6 (positions 0-3), c4: the same rows' positions 4-7; c1: rows 8-14, c2: rows 1-7, c3: 9-15 */
+    d0 = _mm_unpacklo_epi32(c0, c4); d1 = _mm_unpackhi_epi32(c0, c4); d2 = _mm_unpacklo_epi32(c1, c5);
+    d3 = _mm_unpackhi_epi32(c1, c5); d4 = _mm_unpacklo_epi32(c2, c6); d5 = _mm_unpackhi_epi32(c2, c6);
+    d6 = _mm_unpacklo_epi32(c3, c7); d7 = _mm_unpackhi_epi32(c3, c7);
+    /* d0: rows 0, 2; d1: 4, 6; d2: 8, 10; d3: 12, 14; d4: 1, 3; d5: 5, 7; d6: 9, 11; d7: 13, 15 */
+    _mm_storeu_si128(out, _mm_unpacklo_epi64(d0, d4));
+    _mm_storeu_si128(out + 1, _mm_unpackhi_epi64(d0, d4));
+    _mm_storeu_si128(out + 2, _mm_unpacklo_epi64(d1, d5));
+    _mm_storeu_si128(out + 3, _mm_unpackhi_epi64(d1, d5));
+    _mm_storeu_si128(out + 4, _mm_unpacklo_epi64(d2, d6));
+    _mm_storeu_si128(out + 5, _mm_unpackhi_epi64(d2, d6));
+    _mm_storeu_si128(out + 6, _mm_unpacklo_epi64(d3, d7));
+    _mm_storeu_si128(out + 7, _mm_unpackhi_epi64(d3, d7));
+}
+
+/* Whether duplicate or top (sort_sixteen_u8's) saw a repeated ID or one above largest. */
+static inline int sixteen_bad(__m128i duplicate, __m128i top, uint8_t largest) {
+    uint8_t lanes[16];
+    _mm_storeu_si128((__m128i *)lanes, top);
+    int bad = _mm_movemask_epi8(duplicate) != 0;
+    for (int i = 0; i < 16; i++) bad |= lanes[i] > largest;
+    return bad;
+}
+
+/* Rows of eight uint8 sorted in place. */
+HOT static int sort_rows_u8(uint8_t *rows, int64_t n, uint8_t largest) {
+    int64_t whole = n - n % 16;
+    __m128i duplicate = _mm_setzero_si128(), top = _mm_setzero_si128();
+    for (int64_t r = 0; r < whole; r += 16) sort_sixteen_u8(rows + 8 * r, 8, rows + 8 * r, &duplicate, &top);
+    return sixteen_bad(duplicate, top, largest) | sort_rows_u8_scalar(rows + 8 * whole, n - whole, largest);
+}
+
+/* Rows of eight uint8 IDs in token order [tokens, layers, 8] sorted into layer order [layers, tokens, 8] (out),
+ * a block of tokens at a time: its rows (SORT_BLOCK_BYTES, in the second-level cache) are read once from memory
+ * while each layer's are gathered (32 KiB blocks took 1.5 times as long, 256 KiB as long). */
+#define SORT_BLOCK_BYTES 131072
+HOT static int sort_rows_u8_by_layer(const uint8_t *ids, uint8_t *out, int64_t tokens, int64_t layers,
+                                     uint8_t largest) {
+    int64_t block = SORT_BLOCK_BYTES / (8 * layers) / 16 * 16;
+    block = block < 16 ? 16 : block;
+    __m128i duplicate = _mm_setzero_si128(), top = _mm_setzero_si128();
+    int bad = 0;
+    int64_t stride = 8 * layers;
+    for (int64_t t0 = 0; t0 < tokens; t0 += block) {
+        int64_t n = tokens - t0 < block ? tokens - t0 : block, whole = n - n % 16;
+        for (int64_t j = 0; j < layers; j++) {
+            const uint8_t *from = ids + (t0 * layers + j) * 8;
+            uint8_t *to = out + (j * tokens + t0) * 8;
+            for (int64_t t = 0; t < whole; t += 16) sort_sixteen_u8(from + t * stride, stride, to + 8 * t, &duplicate, &top);
+            for (int64_t t = whole; t < n; t++) memcpy(to + 8 * t, from + t * stride, 8);
+            bad |= sort_rows_u8_scalar(to + 8 * whole, n - whole, largest);
+        }
+    }
+    return bad | sixteen_bad(duplicate, top, largest);
+}
+#else
+#define sort_rows_u8 sort_rows_u8_scalar
+#endif
 
 /* Rows of eight uint8 IDs given as gaps, each mapped through lookup (256 bytes) and sorted, into out (n words);
  * returns whether every row's IDs were a strictly ascending set below num_experts. */
@@ -1290,7 +1417,8 @@ static PyObject *sort_rows_of_eight(PyObject *self, PyObject *args) {
     }
     int64_t bad = -1;
     size_t row_bytes = (size_t)8 * itemsize;
-    /* A block of tokens (every layer: contiguous in ids, small enough for the first-level cache) is sorted in a
+    /* Rows of uint16 IDs (uint8 ones go straight to their places: sort_rows_u8_by_layer): a block of tokens (every
+     * layer: contiguous in ids, small enough for the first-level cache) is sorted in a
      * scratch buffer by the vectorized network, then each layer's rows of the block move to their place in out. */
     int64_t block = layers > 0 ? 2048 / layers : 0;
     block = block < 16 ? 16 : block;
@@ -1302,6 +1430,11 @@ static PyObject *sort_rows_of_eight(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS const uint8_t *src = ids.buf;
     uint8_t *dst = out.buf;
     int wrong = 0;
+#if defined(__SSE2__)
+    if (itemsize == 1) /* sorted straight from the token rows into their layer's place */
+        wrong = sort_rows_u8_by_layer(src, dst, tokens, layers, (uint8_t)(largest > 255 ? 255 : largest));
+    else
+#endif
     for (int64_t t0 = 0; t0 < tokens; t0 += block) {
         int64_t n = tokens - t0 < block ? tokens - t0 : block;
         memcpy(scratch, src + t0 * layers * row_bytes, (size_t)(n * layers) * row_bytes);

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import posixpath
@@ -283,6 +284,43 @@ def _check_not_a_mistyped_url(url: str) -> None:
     raise StoreError(f"{url!r} is no URL: write {scheme}://{path} (a scheme is followed by '://')")
 
 
+class MappedBody(io.RawIOBase):
+    """A mapped object's bytes as the seekable file an S3 client sends as a request body, read in place.
+
+    s3fs takes its size with ``len`` and, for a multipart upload, its parts as slices (each a body of its own)."""
+
+    def __init__(self, data: mapped.Bytes | memoryview) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._position = 0
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def __getitem__(self, part: slice) -> MappedBody:
+        return MappedBody(self._view[part])
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        piece = self._view[self._position : self._position + len(buffer)]
+        memoryview(buffer).cast("B")[: len(piece)] = piece
+        self._position += len(piece)
+        return len(piece)
+
+
 @dataclass
 class Storage:
     """A store root on some filesystem; keys are ``/``-separated paths relative to the root."""
@@ -508,9 +546,19 @@ class Storage:
             paths = {self.path(k): v for k, v in objects.items()}
             self._call("write", next(iter(objects)), lambda: _write_new_files(paths))
             return
-        # HTTP clients take bytes, not mappings (a mapped shard is copied here, one part's objects at a time)
-        paths = {self.path(k): v if isinstance(v, bytes) else bytes(v) for k, v in objects.items()}
-        self._call("write", next(iter(objects)), lambda: self.fs.pipe(paths))
+        s3 = self.protocol in ("s3", "s3a")
+
+        def body(data: bytes | mapped.Bytes) -> bytes | MappedBody:
+            # botocore takes bytes or a file, not a mapping: S3 reads a mapped shard as a file, in place (a copy
+            # as bytes held another shard's worth for the whole upload); other filesystems keep a copy as bytes
+            if isinstance(data, bytes):
+                return data
+            return MappedBody(data) if s3 else bytes(data)
+
+        # the bodies are made for each try: a retried request reads its file from the start
+        self._call(
+            "write", next(iter(objects)), lambda: self.fs.pipe({self.path(k): body(v) for k, v in objects.items()})
+        )
 
     def create(self, key: str, data: bytes) -> bool:
         """Create ``key`` holding ``data`` only if it does not exist; ``False`` when another's object is there.
