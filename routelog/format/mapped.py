@@ -71,18 +71,38 @@ def discard(view: npt.NDArray[Any]) -> None:
         owner.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+"""Linux 5.14+: fault a range of pages in, writable, in one call (Python names it from 3.13)."""
+POPULATE_BYTES = 1 << 20
+"""A :class:`Buffer` faults its next pages in this many bytes at a time, ahead of the pieces copied into them: the
+4.3 MB of a shard's 52 chunks took 1.05-1.09 ms to write rather than 1.44-1.51 one page fault at a time (2-core AMD
+EPYC; 4 MiB at a time was slower than none, pages past the end faulted in for nothing)."""
+
+
 class Buffer:
     """Bytes written in order into a mapping as large as they can get (pages never written cost nothing), then cut
     to the size written."""
 
+    _populates = True
+    """Whether the kernel takes MADV_POPULATE_WRITE (cleared for the process at its first refusal)."""
+
     def __init__(self, capacity: int, start: int = 0) -> None:
         self._map = _anonymous(max(1, capacity))
+        self._populated = 0
         self.size = start
         """Bytes written so far (the first ``start`` are left for :meth:`finish`'s head)."""
 
     def add(self, piece: bytes) -> None:
-        self._map[self.size : self.size + len(piece)] = piece
-        self.size += len(piece)
+        end = self.size + len(piece)
+        if end > self._populated and Buffer._populates:
+            length = min(max(POPULATE_BYTES, end - self._populated), len(self._map) - self._populated)
+            try:
+                self._map.madvise(MADV_POPULATE_WRITE, self._populated, length)
+            except OSError:  # an older kernel: the pages fault in one at a time
+                Buffer._populates = False
+            self._populated += length
+        self._map[self.size : end] = piece
+        self.size = end
 
     def finish(self, head: bytes = b"") -> Bytes:
         """The bytes written, with ``head`` written over their start."""

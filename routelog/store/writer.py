@@ -11,7 +11,7 @@ nothing else is affected, at about 1 GB/s of routing); compression runs on a bac
 another, so a part is compressed while the one before it is written and made durable (a part that shares rows with
 an earlier part of the writer is committed after it, or fails with it). Backpressure is by bytes: ``append`` waits
 while the records buffered and the parts not yet written (their raw rows until they are compressed, then their
-objects) hold 1.25 x ``flush_bytes`` (:data:`HELD_FLUSHES`), and a build gives each layer chunk's raw rows back to the
+objects) hold 1 x ``flush_bytes`` (:data:`HELD_FLUSHES`), and a build gives each layer chunk's raw rows back to the
 OS once they are compressed, so the writer's memory stays within about 2 x ``flush_bytes`` whatever the run
 length, plus the shared-prefix index's budget (:data:`routelog.format.dedup.DEFAULT_BUDGET_BYTES`; it keeps only rows
 a record with token ids may share). Parts are flushed by size and by age.
@@ -63,12 +63,13 @@ from routelog.store.storage import Storage
 
 DEFAULT_FLUSH_BYTES = 64 << 20
 """Raw-equivalent bytes of routing buffered before a part is written (zarr's >= 1 MB advice, S3's 8-16 MB GETs)."""
-HELD_FLUSHES = 1.25
+HELD_FLUSHES = 1.0
 """``append`` waits while the buffer and the parts not yet written hold this many flush buffers (unless the buffer
 is empty and one part is in the background: a part is still compressed while the one before it is written). A
 build's working memory and Python's come on top, so a writer's peak stays within 2 x ``flush_bytes``
-(``tools/bench_writers.py`` measures it: with 1.5, one writer peaked at 1.8 x to local disk and 2.1 x to S3; with
-1.25, at 1.55 x and 1.7 x, as fast within the runs' noise)."""
+(``tools/bench_writers.py`` measures it: with 1.5, one writer peaked at 1.8 x to local disk and 2.1 x to S3, and 4
+writers sharing 2 cores at 2.0 x and 2.1 x; with 1.0, at 1.4 x and 1.55 x, and 1.5-1.7 x and 1.7-1.9 x, as fast
+within the runs' noise)."""
 DEFAULT_FLUSH_SECONDS = 30.0
 """A part is also written once its oldest record has waited this long."""
 MAX_COMMIT_DELAY = 600.0
