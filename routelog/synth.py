@@ -121,6 +121,43 @@ def synth_routing(
     return out
 
 
+def zipf_token_ids(rng: np.random.Generator, n_tokens: int, vocab_size: int, exponent: float = 1.0) -> npt.NDArray[Any]:
+    """``n_tokens`` int32 token ids drawn with probability proportional to ``rank ** -exponent`` over the vocabulary
+    (text's Zipf law), the ranks shuffled over the ids so that frequent tokens are not the small ids."""
+    weights = np.arange(1, vocab_size + 1, dtype=np.float64) ** -exponent
+    ranks = rng.choice(vocab_size, size=n_tokens, p=weights / weights.sum())
+    ids: npt.NDArray[Any] = rng.permutation(vocab_size).astype(np.int32)[ranks]
+    return ids
+
+
+def token_dependent_routing(
+    rng: np.random.Generator,
+    token_ids: npt.NDArray[Any],
+    spec: ModelSpec,
+    *,
+    preferred_share: float = 0.6,
+    skew: float = 3.0,
+) -> npt.NDArray[Any]:
+    """``[n_tokens, n_moe_layers, topk]`` routing that depends on the token: in each layer, each token id has a
+    preferred set (drawn once per id, from the layer's skewed expert popularity) that a token takes with
+    probability ``preferred_share``; otherwise its set is a fresh draw from that popularity (Dirichlet(1/skew),
+    as :class:`SynthConfig`'s ``skew``). Only the ids present get a preferred set, so a 150k vocabulary costs what
+    its tokens do."""
+    if not 0 <= preferred_share <= 1 or skew <= 0:
+        raise ValueError("preferred_share must be in [0, 1] and skew > 0")
+    layers, k, e = spec.num_moe_layers, spec.topk, spec.num_experts
+    present, index = np.unique(np.asarray(token_ids), return_inverse=True)
+    n = index.size
+    out = np.empty((n, layers, k), dtype=spec.id_dtype)
+    for j in range(layers):
+        popularity = rng.dirichlet(np.full(e, 1.0 / skew))
+        preferred = random_topk(rng, present.size, e, k, popularity)
+        fresh = random_topk(rng, n, e, k, popularity)
+        takes = rng.random(n) < preferred_share
+        out[:, j] = np.where(takes[:, None], preferred[index], fresh)
+    return out
+
+
 def synth_records(spec: ModelSpec, config: SynthConfig) -> Iterator[Record]:
     """Deterministic synthetic records (same ``seed`` and ``step`` -> same records; another step, other routing)."""
     # Each step draws its own routing (a run's steps differ, as training's do); step 0 keeps the seed alone.

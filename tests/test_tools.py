@@ -17,7 +17,7 @@ import pytest
 import routelog
 from routelog import Record
 from routelog.format.spec import entropy_bound_bytes
-from routelog.synth import synthetic_spec
+from routelog.synth import synthetic_spec, token_dependent_routing, zipf_token_ids
 from tests.records import random_routing
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
@@ -67,6 +67,20 @@ def test_bench_codec_reports_every_layout() -> None:
     bound = judged["uniform", "size / bound"]
     assert bound["value"] == uniform["ratios"]["routelog_size_vs_bound"] and bound["limit"] == 1.05
     assert 1.0 < bound["gap_huffman_floor"] < bound["format_1"], "format 1 pays zstd's tables on top of the floor"
+    # issue 33's comparison: the store as written, every byte, against zstd-19 of the whole array (and the tokens)
+    archives = report["archive"]
+    assert [name.split(",")[0] for name in archives] == ["token-dependent", "token-dependent", "uniform 8 layers"]
+    for name, data in archives.items():
+        assert data["store_every_byte"] > data["store_routing"] > 0 and data["zstd3_whole_routing"] > 0
+        assert (data["zstd19_token_ids"] is None) == name.startswith("uniform"), "uniform records carry no tokens"
+        tokens = data["zstd19_token_ids"] or 0.0
+        assert data["store_every_byte_vs_zstd19_routing_and_tokens"] == pytest.approx(
+            data["store_every_byte"] / (data["zstd19_whole_routing"] + tokens)
+        )
+    goals = {(row["dataset"], row["goal"]): row for row in report["verdict"] if row["dataset"] in archives}
+    assert len(goals) == 4, "both goals on each token-dependent set; uniform routing has no archive goal"
+    for row in goals.values():
+        assert row["judged"] and row["met"] == (row["value"] <= row["limit"])
 
 
 def test_schemas_are_current() -> None:
@@ -274,3 +288,45 @@ def test_the_kernel_fuzzer_builds_a_sanitized_kernel_and_finds_nothing() -> None
     assert done.returncode == 0, done.stderr[-3000:]
     counts = [int(word) for word in done.stdout.split() if word.isdigit()]
     assert "no sanitizer report" in done.stdout and counts[0] > 0 and counts[1] > 0 and counts[2] > 0, done.stdout
+
+
+def test_the_archive_comparison_counts_every_object_of_the_store() -> None:
+    """``archive`` writes the records and counts every byte the store holds (the log, commits, index, array
+    metadata and shards): the sizes of the objects in the store, listed here on their own."""
+    bench_codec = _bench_codec()
+    spec = synthetic_spec(layers=3, experts=16, topk=4)
+    rng = np.random.default_rng(5)
+    records = bench_codec.token_dependent_records(rng, 600, spec, vocab_size=50, record_tokens=256)
+    assert [len(r.token_ids) for r in records] == [256, 256, 88]
+    result = bench_codec.archive([records[:2], records[2:]], spec)
+    assert result["token_layers"] == 600 * 3
+    store = routelog.open_store(result["store"])
+    assert store.steps() == [0, 1] and len(store.step(1).sample_ids) == 1
+    storage = store.storage
+    listed = {path: storage.fs.size(path) for path in storage.fs.find(storage.root)}
+    assert sum("/log/" in path for path in listed) >= 2, "each step's log is counted"
+    assert result["store_every_byte"] == pytest.approx(sum(listed.values()) / 1800)
+    assert 0 < result["store_routing"] < result["store_every_byte"]
+
+
+def test_token_dependent_routing_takes_each_tokens_preferred_set() -> None:
+    """Synthetic routing that depends on the token: a token id takes the same set in a layer about 60 % of the time
+    (its preferred set), Zipf-distributed ids put the most mass on few of them, and every row is a top-k set."""
+    spec = synthetic_spec(layers=4, experts=64, topk=8)
+    rng = np.random.default_rng(3)
+    ids = zipf_token_ids(rng, 40_000, 150_000)
+    assert ids.dtype == np.int32 and ids.min() >= 0 and ids.max() < 150_000
+    counts = np.sort(np.unique(ids, return_counts=True)[1])[::-1]
+    assert counts[:100].sum() > 0.3 * ids.size, "Zipf: a hundred ids of 150k carry a third of the tokens"
+    routing = token_dependent_routing(rng, ids, spec)
+    assert routing.shape == (40_000, 4, 8) and routing.dtype == np.uint8
+    ordered = np.sort(routing, axis=-1)
+    assert (ordered[..., 1:] > ordered[..., :-1]).all() and ordered.max() < 64
+    present, uses_of = np.unique(ids, return_counts=True)
+    frequent = uses_of.max()
+    rows = ordered[ids == present[np.argmax(uses_of)]]
+    for layer in range(4):
+        _, uses = np.unique(rows[:, layer], axis=0, return_counts=True)
+        assert 0.55 < uses.max() / frequent < 0.7, "the preferred set, 60 % of the time (and by chance a little more)"
+    with pytest.raises(ValueError, match="preferred_share"):
+        token_dependent_routing(rng, ids, spec, preferred_share=1.5)

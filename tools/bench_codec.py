@@ -54,18 +54,20 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import zstandard
 from numcodecs import Zstd
 
 import routelog
-from routelog.format import zstd_frames
+from routelog import Record
+from routelog.format import keys, zstd_frames
 from routelog.format.codec import Transform, encode_rows, layer_major, sort_by_layer
 from routelog.format.documents import CommitRecord, ObjectInfo, RoutingArrayInfo, utc_now
 from routelog.format.part import PartOptions, shard_layout
 from routelog.format.shard import encode_shard
-from routelog.format.spec import entropy_bound_bytes
+from routelog.format.spec import ModelSpec, entropy_bound_bytes
 from routelog.store.blocks import BlockRequest, fetch_blocks
 from routelog.store.storage import Storage
-from routelog.synth import synth_routing, synthetic_spec
+from routelog.synth import synth_routing, synthetic_spec, token_dependent_routing, zipf_token_ids
 
 
 def best_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
@@ -394,6 +396,91 @@ def stored_routing(url: str) -> np.ndarray:
     return np.concatenate(blocks, axis=1).transpose(1, 0, 2)
 
 
+def archive(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
+    """Issue #33's comparison: the records written by routelog's writer (default options, a step per list), every
+    byte the store holds on disk, against the simplest archive a user would make of them: the whole raw routing
+    array (every routed row in record order, uint8 or uint16 as the engine gave it) in one zstd-19 frame (and one
+    zstd-3 frame), plus the int32 token ids in one zstd-19 frame. Bytes per routed token-layer throughout."""
+    url = f"memory://bench-codec-archive/{uuid.uuid4().hex}"
+    for step, records in enumerate(steps):
+        with routelog.open_writer(url, step, model_spec=spec) as writer:
+            for record in records:
+                writer.append(record)
+    storage = routelog.open_store(url).storage
+    sizes = {path: int(info["size"]) for path, info in storage.fs.find(storage.root, detail=True).items()}
+    every = [r for records in steps for r in records]
+    routed = np.concatenate([np.asarray(r.expert_ids)[_valid(r)] for r in every])
+    token_layers = routed.shape[0] * routed.shape[1]
+    raw = np.ascontiguousarray(routed, dtype=spec.id_dtype).tobytes()
+    with_tokens = [r for r in every if r.token_ids is not None]
+    tokens = np.concatenate([np.asarray(r.token_ids, dtype="<i4") for r in with_tokens]) if with_tokens else None
+    result: dict[str, Any] = {
+        "store": url,
+        "token_layers": token_layers,
+        "store_every_byte": sum(sizes.values()) / token_layers,
+        "store_routing": sum(v for k, v in sizes.items() if f"/{keys.ROUTING}/" in k) / token_layers,
+        "zstd19_whole_routing": len(zstandard.ZstdCompressor(level=19).compress(raw)) / token_layers,
+        "zstd3_whole_routing": len(zstandard.ZstdCompressor(level=3).compress(raw)) / token_layers,
+        "zstd19_token_ids": None,
+    }
+    simple = result["zstd19_whole_routing"]
+    if tokens is not None:
+        result["zstd19_token_ids"] = len(zstandard.ZstdCompressor(level=19).compress(tokens.tobytes())) / token_layers
+        simple += result["zstd19_token_ids"]
+    result["store_routing_vs_zstd19_whole"] = result["store_routing"] / result["zstd19_whole_routing"]
+    result["store_every_byte_vs_zstd19_routing_and_tokens"] = result["store_every_byte"] / simple
+    return result
+
+
+def _valid(record: Record) -> np.ndarray:
+    n = np.asarray(record.expert_ids).shape[0]
+    return np.ones(n, bool) if record.valid is None else np.asarray(record.valid, bool)
+
+
+def corpus_steps(url: str) -> tuple[list[list[Record]], ModelSpec]:
+    """A store's records, a list per step, as they were appended (with their token ids)."""
+    store = routelog.open_store(url)
+    steps = []
+    for step in store.steps():
+        snapshot = store.step(step)
+        steps.append([got.to_record() for got in snapshot.read_many(snapshot.sample_ids)])
+    return steps, store.model_spec
+
+
+def token_dependent_records(
+    rng: np.random.Generator, tokens: int, spec: ModelSpec, vocab_size: int, record_tokens: int = 1024
+) -> list[Record]:
+    """Records of routing that depends on the token (:func:`routelog.synth.token_dependent_routing`: 60 % of
+    token-layers take their token id's preferred set, the rest a Dirichlet(1/3)-skewed draw) over Zipf-distributed
+    token ids, ``record_tokens`` each, a quarter of them prompt."""
+    ids = zipf_token_ids(rng, tokens, vocab_size)
+    routing = token_dependent_routing(rng, ids, spec)
+    records = []
+    for i, start in enumerate(range(0, tokens - 1, record_tokens)):
+        n = min(record_tokens, tokens - start)
+        prompt = max(1, n // 4)
+        records.append(
+            Record(
+                sample_id=f"token-dependent-{i:05d}",
+                expert_ids=routing[start : start + n],
+                prompt_len=prompt,
+                response_len=n - prompt,
+                token_ids=ids[start : start + n],
+            )
+        )
+    return records
+
+
+def uniform_records(rng: np.random.Generator, tokens: int, spec: ModelSpec, record_tokens: int = 1024) -> list[Record]:
+    """Records of uniform routing without token ids (what the store costs a writer that has none)."""
+    records = []
+    for i, start in enumerate(range(0, tokens - 1, record_tokens)):
+        n = min(record_tokens, tokens - start)
+        routing = synth_routing(rng, n, spec, None, 0.0)
+        records.append(Record(sample_id=f"uniform-{i:05d}", expert_ids=routing, prompt_len=1, response_len=n - 1))
+    return records
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     datasets: dict[str, Any] = {}
     rng = np.random.default_rng(args.seed)
@@ -425,11 +512,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         uniform = synth_routing(rng, args.tokens, spec, None, 0.0)
         name = f"uniform {args.layers} layers, top-{args.topk} of {args.experts}"
         datasets[name] = measure_routing(uniform, args.experts, args)
+    archives = {}
+    for url in args.corpus:
+        archives[f"corpus {url}"] = archive(*corpus_steps(url))
+    spec = synthetic_spec(args.layers, args.experts, args.topk)
+    for vocab in (150_000, 260):
+        name = (
+            f"token-dependent, {vocab:,}-token Zipf vocabulary, {args.layers} layers, top-{args.topk} of {args.experts}"
+        )
+        archives[name] = archive([token_dependent_records(rng, args.tokens, spec, vocab)], spec)
+    archives[f"uniform {args.layers} layers, top-{args.topk} of {args.experts}, no token ids"] = archive(
+        [uniform_records(rng, args.tokens, spec)], spec
+    )
     return {
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "datasets": datasets,
+        "archive": archives,
         "goals": GOALS,
-        "verdict": verdict(datasets),
+        "verdict": verdict(datasets) + archive_verdict(archives),
     }
 
 
@@ -442,6 +542,54 @@ GOALS = {
 }
 """Issue #14's targets. Uniform routing: no worse than format 1, which stores it within 1.05 x the bound at the shape
 the goal was set at (E = 128, K = 8: the defaults of --experts and --topk)."""
+
+ARCHIVE_GOALS = {
+    "store_routing_vs_zstd19_whole_max": 1.0,
+    "store_every_byte_vs_zstd19_routing_and_tokens_max": 1.0,
+    "token_dependent_every_byte_max": 3.0,
+}
+"""Issue #33's targets (format 2 meets none of them): on the corpora, the store's routing no larger than zstd-19 of
+the whole raw routing array in one frame; every byte of the store no larger than that plus zstd-19 of the int32
+token ids (on the corpora and the token-dependent sets); the token-dependent sets at most 3.0 bytes per token-layer,
+every byte counted."""
+
+
+def archive_verdict(archives: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue #33's goals on each archive comparison they apply to (:func:`archive`), in :func:`verdict`'s rows."""
+    rows = []
+    for name, data in archives.items():
+        checks = []
+        if name.startswith("corpus"):
+            checks.append(("size / zstd-19 whole, routing", "store_routing_vs_zstd19_whole"))
+        if data["zstd19_token_ids"] is not None:
+            checks.append(("size / zstd-19 whole, every byte", "store_every_byte_vs_zstd19_routing_and_tokens"))
+        for goal, key in checks:
+            value, limit = data[key], ARCHIVE_GOALS[f"{key}_max"]
+            rows.append(
+                {
+                    "goal": goal,
+                    "dataset": name,
+                    "value": value,
+                    "relation": "<=",
+                    "limit": limit,
+                    "judged": True,
+                    "met": value <= limit,
+                }
+            )
+        if name.startswith("token-dependent"):
+            value, limit = data["store_every_byte"], ARCHIVE_GOALS["token_dependent_every_byte_max"]
+            rows.append(
+                {
+                    "goal": "size (B / token-layer), every byte",
+                    "dataset": name,
+                    "value": value,
+                    "relation": "<=",
+                    "limit": limit,
+                    "judged": True,
+                    "met": value <= limit,
+                }
+            )
+    return rows
 
 
 def verdict(datasets: dict[str, Any]) -> list[dict[str, Any]]:
@@ -543,6 +691,17 @@ def main() -> None:
                 f"  written by routelog (bytes per routed token-layer): format 1 {w['format 1 writer']:.3f}, "
                 f"format 2 (codec + shared prefixes) {w['format 2 writer']:.3f}: {w['v1_size_vs_v2']:.2f}x smaller"
             )
+    print("\nas an archive (bytes per routed token-layer; routelog: the store as written, default options):")
+    print(
+        f"{'':44s} {'every byte':>10s} {'routing':>8s} {'zstd-19':>8s} {'zstd-3':>7s} {'tok zstd-19':>11s}"
+        f" {'/ zstd-19':>9s}"
+    )
+    for name, a in report["archive"].items():
+        tokens = "-" if a["zstd19_token_ids"] is None else f"{a['zstd19_token_ids']:.3f}"
+        print(
+            f"{name[:44]:44s} {a['store_every_byte']:10.3f} {a['store_routing']:8.3f} {a['zstd19_whole_routing']:8.3f}"
+            f" {a['zstd3_whole_routing']:7.3f} {tokens:>11s} {a['store_every_byte_vs_zstd19_routing_and_tokens']:9.2f}"
+        )
     print("\ngoals (speed against zstd-3 on the same inner chunks; one whole-array frame beside, not judged):")
     for row in report["verdict"]:
         state = ("met" if row["met"] else "NOT MET") if row["judged"] else "(info)"
