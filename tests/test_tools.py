@@ -330,3 +330,65 @@ def test_token_dependent_routing_takes_each_tokens_preferred_set() -> None:
         assert 0.55 < uses.max() / frequent < 0.7, "the preferred set, 60 % of the time (and by chance a little more)"
     with pytest.raises(ValueError, match="preferred_share"):
         token_dependent_routing(rng, ids, spec, preferred_share=1.5)
+
+
+def _explore_part_models() -> Any:
+    spec = importlib.util.spec_from_file_location("explore_part_models", TOOLS / "explore_part_models.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_token_table_predicts_every_row_of_a_token_seen_twice() -> None:
+    """Where routing is a function of the token, the table predicts every row of each token id seen at least twice
+    (one seen once is no entry); where it is not, it predicts next to nothing."""
+    explore = _explore_part_models()
+    rng = np.random.default_rng(9)
+    keys = rng.integers(0, 300, 2000)
+    per_token = np.sort(np.stack([rng.permutation(32)[:4] for _ in range(300 * 3)]).reshape(300, 3, 4), axis=-1)
+    rows = per_token[keys].astype(np.uint8)
+    seen = np.bincount(keys, minlength=300)
+    model = explore.table_model(keys, rows, 32)
+    assert model["hits"] == 3 * int(seen[seen >= 2].sum())
+    assert model["bytes"] == model["table"] + model["flags"] + model["misses"]
+    shuffled = np.sort(np.stack([rng.permutation(32)[:4] for _ in range(2000 * 3)]).reshape(2000, 3, 4), axis=-1)
+    assert explore.table_model(keys, shuffled.astype(np.uint8), 32)["hits"] < 0.01 * rows.size / 4
+
+
+def test_explore_part_models_sees_each_stored_row_with_its_token() -> None:
+    """The parts' rows come back with the token id each was recorded with and the one before it; the quick run
+    reports every candidate on both token-dependent sets."""
+    explore = _explore_part_models()
+    spec = synthetic_spec(layers=3, experts=16, topk=4)
+    steps = explore.token_dependent_steps(1, 700, spec, 40, 0.6, record_tokens=200)
+    url = f"memory://explore-tests/{uuid.uuid4().hex}"
+    with routelog.open_writer(url, 0, model_spec=spec) as writer:
+        for record in steps[0]:
+            writer.append(record)
+
+    def triples(tokens: np.ndarray, before: np.ndarray, rows: np.ndarray) -> set[tuple[int, int, bytes]]:
+        ordered = np.sort(rows, axis=-1).astype(np.uint8)
+        return {(int(t), int(b), bytes(r)) for t, b, r in zip(tokens, before, ordered, strict=True)}
+
+    stored: set[tuple[int, int, bytes]] = set()
+    for rows, tokens, before in explore.stored_parts(url):
+        stored |= triples(tokens, before, rows)
+    recorded: set[tuple[int, int, bytes]] = set()
+    for record in steps[0]:
+        ids = np.asarray(record.token_ids)
+        recorded |= triples(ids, np.r_[-1, ids[:-1]], np.asarray(record.expert_ids))
+    assert stored == recorded
+    result = _tool(str(TOOLS / "explore_part_models.py"), "--quick", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert len(report) == 2
+    for data in report.values():
+        assert set(data["bytes_per_token_layer"]) == {
+            "format 2",
+            "token table",
+            "token pair table",
+            "zstd-19 per part",
+            "zstd-19 per chunk, trained dictionary",
+        }
+        assert data["goal_zstd19_whole_array"] > 0 and 0 < data["predicted_share"]["token table"] < 1

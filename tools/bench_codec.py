@@ -31,6 +31,10 @@ Every layout runs once untimed first (routelog's kernels load, or compile, on th
 are paired (:func:`paired_speed`): routelog and both references timed back to back in each of ``--rounds`` rounds,
 the median round's ratio reported with the range; the MB/s columns come from the first, unpaired pass.
 
+As an archive (issue #33, :func:`archive`): the corpora's records, token-dependent routing over Zipf vocabularies
+of 150k and 260 token ids, and uniform routing without token ids, each written by routelog's writer (every byte of
+the store counted) against the whole raw routing array in one zstd-19 frame plus the int32 token ids in another.
+
     python tools/bench_codec.py [--json] [--quick] [--corpus tests/fixtures/corpus/qwen3moe ...]
                                 [--tokens T --layers L --experts E --topk K --skew S --locality P]
                                 [--repeats N --rounds N]

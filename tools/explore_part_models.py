@@ -1,0 +1,225 @@
+"""What a model shared by a part's chunks could save (issue #33): candidate models measured on the rows stores hold.
+
+Format 2 codes each 4096-row chunk alone and never looks at the token ids stored beside the routing. Issue #33 asks
+for a model shared by a part's chunks and read once with it. Before such a model enters the format, this tool
+measures candidates on the rows a format-2 store holds (each shared prefix once), every byte of the model counted,
+in bytes per routed token-layer of the records (the unit of ``tools/bench_codec.py``'s archive comparison):
+
+* ``format 2``: the chunk codec alone, layer-major chunks of 4096 rows x 4 layers (what the store holds today);
+* ``token table``: per layer, each token id seen at least twice with the same set gets that set as its entry; a row
+  equal to its token's entry costs a hit bit (the layer's bitmap in one zstd-19 frame), the other rows go through
+  the format-2 codec, and the table (token ids as deltas, sets through the codec) is counted;
+* ``token pair table``: the same, keyed by the token and the one before it in its record;
+* ``zstd-19 per part``: each part's rows token-major (a token's sets in every layer together) in one zstd-19 frame,
+  what long matches find when a frame sees the whole part (no micro-batch can be read without decoding it all);
+* ``zstd-19 per chunk, trained dictionary``: token-major chunks of 4096 rows, each a zstd-19 frame with a 32 KiB
+  dictionary trained on the part (the dictionary counted): a chunk decodes alone given the part's dictionary.
+
+Beside them, issue #33's goal: zstd-19 of the whole raw routing array of every record in one frame.
+
+    python tools/explore_part_models.py [--json] [--quick] [--corpus STORE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import zstandard
+
+import routelog
+from routelog import Record
+from routelog.format import ranked
+from routelog.format.spec import ModelSpec
+from routelog.synth import synthetic_spec, token_dependent_routing, zipf_token_ids
+
+CHUNK_ROWS = 4096
+CHUNK_LAYERS = 4
+DICTIONARY_BYTES = 32 << 10
+
+
+def codec_bytes(rows: np.ndarray, num_experts: int) -> int:
+    """The format-2 chunk codec's bytes for sorted rows ``[layers, n, K]`` in chunks of 4096 rows x 4 layers."""
+    layers, n, _ = rows.shape
+    return sum(
+        len(ranked.encode(np.ascontiguousarray(rows[l0 : l0 + CHUNK_LAYERS, r0 : r0 + CHUNK_ROWS]), num_experts))
+        for l0 in range(0, layers, CHUNK_LAYERS)
+        for r0 in range(0, n, CHUNK_ROWS)
+    )
+
+
+def zstd19(data: bytes) -> int:
+    return len(zstandard.ZstdCompressor(level=19).compress(data))
+
+
+def table_model(keys: np.ndarray, rows: np.ndarray, num_experts: int) -> dict[str, float]:
+    """Bytes of the keyed table model for token-major sorted rows ``[n, layers, K]`` (see the module): the table,
+    the hit bitmaps, the other rows; and the share of rows the table predicts."""
+    n, layers, k = rows.shape
+    table = flags = misses = hits = 0
+    as_items = np.ascontiguousarray(rows).view(np.dtype((np.void, k * rows.dtype.itemsize))).reshape(n, layers)
+    for layer in range(layers):
+        items = as_items[:, layer]
+        _, first_row, set_index = np.unique(items, return_index=True, return_inverse=True)
+        pairs, uses = np.unique(np.stack([keys, set_index.reshape(-1)], axis=1), axis=0, return_counts=True)
+        order = np.lexsort((-uses, pairs[:, 0]))  # per key, its most used set first
+        pairs, uses = pairs[order], uses[order]
+        first = np.r_[True, pairs[1:, 0] != pairs[:-1, 0]]
+        entries = first & (uses >= 2)
+        entry_keys, entry_sets = pairs[entries, 0], pairs[entries, 1]
+        hit = np.zeros(n, bool)
+        if entry_keys.size:
+            at = np.minimum(np.searchsorted(entry_keys, keys), entry_keys.size - 1)
+            hit = (entry_keys[at] == keys) & (entry_sets[at] == set_index.reshape(-1))
+        hits += int(hit.sum())
+        flags += zstd19(np.packbits(hit).tobytes())
+        if entry_keys.size:
+            table += zstd19(np.diff(entry_keys, prepend=0).astype("<u8").tobytes())
+            table += codec_bytes(rows[first_row[entry_sets], layer][None], num_experts)
+        if (~hit).any():
+            misses += codec_bytes(np.ascontiguousarray(rows[~hit, layer])[None], num_experts)
+    return {"bytes": table + flags + misses, "table": table, "flags": flags, "misses": misses, "hits": hits}
+
+
+def trained_chunks(rows: np.ndarray) -> int:
+    """Token-major chunks of 4096 rows, each a zstd-19 frame with a dictionary trained on the part, plus the
+    dictionary itself in a zstd-19 frame."""
+    data = np.ascontiguousarray(rows)
+    chunks = [data[r0 : r0 + CHUNK_ROWS].tobytes() for r0 in range(0, len(data), CHUNK_ROWS)]
+    samples = [data[r0 : r0 + 256].tobytes() for r0 in range(0, len(data), 256)]
+    try:
+        dictionary = zstandard.train_dictionary(DICTIONARY_BYTES, samples, level=19)
+    except zstandard.ZstdError:  # too few samples to train on: chunks without a dictionary
+        return sum(zstd19(chunk) for chunk in chunks)
+    compressor = zstandard.ZstdCompressor(level=19, dict_data=dictionary)
+    return sum(len(compressor.compress(chunk)) for chunk in chunks) + zstd19(dictionary.as_bytes())
+
+
+def stored_parts(url: str) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Each part of a store: its rows token-major ``[n, layers, K]``, each row's token id, and the token id before
+    it in its record (-1 at a record's start), from the records' spans in the part."""
+    store = routelog.open_store(url)
+    for snapshot in map(store.step, store.steps()):
+        records = snapshot.index.select(["token_ids", "spans"]).to_pylist()
+        for commit in snapshot.commits:
+            rows = np.asarray(snapshot.open_zarr(commit.part)[:]).transpose(1, 0, 2)
+            tokens = np.full(len(rows), -1, np.int64)
+            before = np.full(len(rows), -1, np.int64)
+            for record in records:
+                ids = np.asarray(record["token_ids"], np.int64)
+                for span in record["spans"]:
+                    if span["part"] not in (None, commit.part):
+                        continue
+                    start, count, row = span["token_start"], span["n_rows"], span["row"]
+                    tokens[row : row + count] = ids[start : start + count]
+                    before[row : row + count] = np.r_[-1, ids][start : start + count]
+            yield np.ascontiguousarray(rows), tokens, before
+
+
+def measure(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
+    """Every candidate on the records written by routelog's writer (default options, a step per list)."""
+    url = f"memory://explore-part-models/{uuid.uuid4().hex}"
+    for step, records in enumerate(steps):
+        with routelog.open_writer(url, step, model_spec=spec) as writer:
+            for record in records:
+                writer.append(record)
+    every = [r for records in steps for r in records]
+    routed = np.concatenate(
+        [np.asarray(r.expert_ids)[np.ones(len(r.expert_ids), bool) if r.valid is None else r.valid] for r in every]
+    )
+    token_layers = routed.shape[0] * routed.shape[1]
+    totals = dict.fromkeys(
+        ("format 2", "token table", "token pair table", "zstd-19 per part", "zstd-19 per chunk, trained dictionary"),
+        0,
+    )
+    predicted = {"token table": 0, "token pair table": 0}
+    stored_token_layers = 0
+    for rows, tokens, before in stored_parts(url):
+        stored_token_layers += rows.shape[0] * rows.shape[1]
+        totals["format 2"] += codec_bytes(np.ascontiguousarray(rows.transpose(1, 0, 2)), spec.num_experts)
+        for name, keys in (("token table", tokens), ("token pair table", tokens * (1 << 32) + before + 1)):
+            model = table_model(keys, rows, spec.num_experts)
+            totals[name] += model["bytes"]
+            predicted[name] += model["hits"]
+        totals["zstd-19 per part"] += zstd19(rows.tobytes())
+        totals["zstd-19 per chunk, trained dictionary"] += trained_chunks(rows)
+    goal = zstd19(np.ascontiguousarray(routed, dtype=spec.id_dtype).tobytes())
+    return {
+        "token_layers": token_layers,
+        "stored_token_layers": stored_token_layers,
+        "goal_zstd19_whole_array": goal / token_layers,
+        "bytes_per_token_layer": {name: total / token_layers for name, total in totals.items()},
+        "predicted_share": {name: hits / stored_token_layers for name, hits in predicted.items()},
+    }
+
+
+def corpus_steps(url: str) -> tuple[list[list[Record]], ModelSpec]:
+    store = routelog.open_store(url)
+    steps = [
+        [got.to_record() for got in snapshot.read_many(snapshot.sample_ids)]
+        for snapshot in map(store.step, store.steps())
+    ]
+    return steps, store.model_spec
+
+
+def token_dependent_steps(
+    seed: int, tokens: int, spec: ModelSpec, vocab_size: int, preferred_share: float, record_tokens: int = 1024
+) -> list[list[Record]]:
+    """One step of records whose routing depends on the token (``routelog.synth.token_dependent_routing``)."""
+    rng = np.random.default_rng(seed)
+    ids = zipf_token_ids(rng, tokens, vocab_size)
+    routing = token_dependent_routing(rng, ids, spec, preferred_share=preferred_share)
+    return [
+        [
+            Record(
+                sample_id=f"r{i:05d}",
+                expert_ids=routing[start : start + record_tokens],
+                prompt_len=1,
+                response_len=len(routing[start : start + record_tokens]) - 1,
+                token_ids=ids[start : start + record_tokens],
+            )
+            for i, start in enumerate(range(0, tokens - 1, record_tokens))
+        ]
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="small synthetic sets only (smoke test)")
+    parser.add_argument("--corpus", nargs="*", default=None, help="stores (default: the two corpus fixtures)")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--preferred-share", type=float, default=0.6)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    corpora = args.corpus
+    if corpora is None:
+        corpora = [] if args.quick else ["tests/fixtures/corpus/qwen3moe", "tests/fixtures/corpus/deepseekv3"]
+    if args.quick:
+        args.tokens, args.layers = 3000, 4
+    report: dict[str, Any] = {}
+    for url in corpora:
+        report[f"corpus {url}"] = measure(*corpus_steps(url))
+    spec = synthetic_spec(args.layers, 128, 8)
+    for vocab in (150_000, 260):
+        steps = token_dependent_steps(args.seed, args.tokens, spec, vocab, args.preferred_share)
+        report[f"token-dependent, {vocab:,}-token Zipf vocabulary"] = measure(steps, spec)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    print("bytes per routed token-layer, every byte of each model counted (issue #33's goal: <= zstd-19 whole array)")
+    for name, data in report.items():
+        print(f"\n{name}: zstd-19 of the whole array {data['goal_zstd19_whole_array']:.3f}")
+        for model, value in data["bytes_per_token_layer"].items():
+            share = data["predicted_share"].get(model)
+            beside = "" if share is None else f"  ({share:.0%} of the stored token-layers predicted)"
+            print(f"  {model:40s} {value:.3f}{beside}")
+
+
+if __name__ == "__main__":
+    main()
