@@ -390,5 +390,26 @@ def test_explore_part_models_sees_each_stored_row_with_its_token() -> None:
             "token pair table",
             "zstd-19 per part",
             "zstd-19 per chunk, trained dictionary",
+            "context model (token), per part",
+            "context model (token), per 4096-row chunk",
+            "context model (token, layer below), per part",
+            "context model (token, layer below), per 4096-row chunk",
         }
         assert data["goal_zstd19_whole_array"] > 0 and 0 < data["predicted_share"]["token table"] < 1
+
+
+def test_the_context_model_learns_what_the_token_decides() -> None:
+    """Restarted at every row the context model knows nothing: each set costs K log2 E - log2 K! bits. Over rows
+    that the token decides it pays for each token's first set and little after; adapting over the whole part never
+    costs more than restarting every 4096 rows."""
+    explore = _explore_part_models()
+    rng = np.random.default_rng(4)
+    keys = rng.integers(0, 50, 6000)
+    per_token = np.sort(np.stack([rng.permutation(32)[:4] for _ in range(50 * 2)]).reshape(50, 2, 4), axis=-1)
+    rows = per_token[keys].astype(np.uint8)
+    blind = explore.context_model_bits(rows, keys, 32, 1, False)
+    assert blind == pytest.approx(6000 * 2 * (4 * np.log2(32) - np.log2(24)))
+    for below in (False, True):
+        learned = explore.context_model_bits(rows, keys, 32, None, below)
+        chunked = explore.context_model_bits(rows, keys, 32, 4096, below)
+        assert learned < blind / 20 and learned <= chunked

@@ -13,7 +13,12 @@ in bytes per routed token-layer of the records (the unit of ``tools/bench_codec.
 * ``zstd-19 per part``: each part's rows token-major (a token's sets in every layer together) in one zstd-19 frame,
   what long matches find when a frame sees the whole part (no micro-batch can be read without decoding it all);
 * ``zstd-19 per chunk, trained dictionary``: token-major chunks of 4096 rows, each a zstd-19 frame with a 32 KiB
-  dictionary trained on the part (the dictionary counted): a chunk decodes alone given the part's dictionary.
+  dictionary trained on the part (the dictionary counted): a chunk decodes alone given the part's dictionary;
+* ``context model``: an ideal arithmetic coder's cost (the sum of -log2 P, nothing stored) of an adaptive model of
+  each layer's set given the token id and the set of the layer below (PPM's method C: a context's own counts,
+  escaping to the layer's set counts, escaping to a fresh set, whose experts cost what the layer's adaptive expert
+  counts give them, less log2 K! for their order), over each part in row order (no chunk then decodes alone) or
+  restarting every 4096 rows (each chunk alone, no part model).
 
 Beside them, issue #33's goal: zstd-19 of the whole raw routing array of every record in one frame.
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -99,6 +105,45 @@ def trained_chunks(rows: np.ndarray) -> int:
     return sum(len(compressor.compress(chunk)) for chunk in chunks) + zstd19(dictionary.as_bytes())
 
 
+def context_model_bits(
+    rows: np.ndarray, tokens: np.ndarray, num_experts: int, restart: int | None, layer_below: bool
+) -> float:
+    """The context model's cost in bits for token-major sorted rows ``[n, layers, K]`` (see the module), its
+    counts restarting every ``restart`` rows (``None``: never); the context is the token id, and the set of the
+    layer below where ``layer_below``."""
+    n, layers, k = rows.shape
+    order_bits = math.log2(math.factorial(k))
+    items = np.ascontiguousarray(rows).view(np.dtype((np.void, k * rows.dtype.itemsize))).reshape(n, layers)
+    keys = [[bytes(item) for item in row] for row in items]
+    bits = 0.0
+    for layer in range(layers):
+        counts: dict[Any, dict[bytes, int]] = {}  # context -> set -> uses; the layer's own counts under None
+        totals: dict[Any, int] = {}
+        experts = np.zeros(num_experts)
+        for i in range(n):
+            if restart and i % restart == 0:
+                counts, totals, experts = {}, {}, np.zeros(num_experts)
+            item = keys[i][layer]
+            context = (int(tokens[i]), keys[i][layer - 1] if layer_below and layer else b"")
+            for level in (context, None):  # the context, then the layer's counts; then a fresh set
+                seen = counts.setdefault(level, {})
+                total, kinds = totals.get(level, 0), len(seen)
+                found = seen.get(item, 0)
+                seen[item] = found + 1
+                totals[level] = total + 1
+                if found:
+                    bits -= math.log2(found / (total + kinds))
+                    break
+                if total:
+                    bits -= math.log2(kinds / (total + kinds))
+            else:
+                chosen = rows[i, layer].astype(np.int64)
+                p = (experts[chosen] + 0.5) / (experts.sum() + 0.5 * num_experts)
+                bits += float(-np.log2(p).sum()) - order_bits
+                experts[chosen] += 1
+    return bits
+
+
 def stored_parts(url: str) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Each part of a store: its rows token-major ``[n, layers, K]``, each row's token id, and the token id before
     it in its record (-1 at a record's start), from the records' spans in the part."""
@@ -133,8 +178,18 @@ def measure(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
     )
     token_layers = routed.shape[0] * routed.shape[1]
     totals = dict.fromkeys(
-        ("format 2", "token table", "token pair table", "zstd-19 per part", "zstd-19 per chunk, trained dictionary"),
-        0,
+        (
+            "format 2",
+            "token table",
+            "token pair table",
+            "zstd-19 per part",
+            "zstd-19 per chunk, trained dictionary",
+            "context model (token), per part",
+            "context model (token), per 4096-row chunk",
+            "context model (token, layer below), per part",
+            "context model (token, layer below), per 4096-row chunk",
+        ),
+        0.0,
     )
     predicted = {"token table": 0, "token pair table": 0}
     stored_token_layers = 0
@@ -147,6 +202,10 @@ def measure(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
             predicted[name] += model["hits"]
         totals["zstd-19 per part"] += zstd19(rows.tobytes())
         totals["zstd-19 per chunk, trained dictionary"] += trained_chunks(rows)
+        for below, context in ((False, "token"), (True, "token, layer below")):
+            for restart, scope in ((None, "per part"), (CHUNK_ROWS, "per 4096-row chunk")):
+                bits = context_model_bits(rows, tokens, spec.num_experts, restart, below)
+                totals[f"context model ({context}), {scope}"] += bits / 8
     goal = zstd19(np.ascontiguousarray(routed, dtype=spec.id_dtype).tobytes())
     return {
         "token_layers": token_layers,
