@@ -15,10 +15,12 @@ in bytes per routed token-layer of the records (the unit of ``tools/bench_codec.
 * ``zstd-19 per chunk, trained dictionary``: token-major chunks of 4096 rows, each a zstd-19 frame with a 32 KiB
   dictionary trained on the part (the dictionary counted): a chunk decodes alone given the part's dictionary;
 * ``context model``: an ideal arithmetic coder's cost (the sum of -log2 P, nothing stored) of an adaptive model of
-  each layer's set given the token id and the set of the layer below (PPM's method C: a context's own counts,
-  escaping to the layer's set counts, escaping to a fresh set, whose experts cost what the layer's adaptive expert
-  counts give them, less log2 K! for their order), over each part in row order (no chunk then decodes alone) or
-  restarting every 4096 rows (each chunk alone, no part model).
+  each layer's set given the token id, or the token id and the set of the layer below (PPM's method C: a context's
+  own counts, escaping to the layer's set counts, escaping to a fresh set, whose experts cost what the layer's
+  adaptive expert counts give them, less log2 K! for their order), over each part in row order (no chunk then
+  decodes alone) or restarting every 4096 rows (each chunk alone, no part model), or restarting so from a prior
+  the part stores (its token table, or its counts of sets per layer and per token; counted: each chunk alone given
+  the part's model, what issue #33 asks for).
 
 Beside them, issue #33's goal: zstd-19 of the whole raw routing array of every record in one frame.
 
@@ -46,6 +48,8 @@ from routelog.synth import synthetic_spec, token_dependent_routing, zipf_token_i
 CHUNK_ROWS = 4096
 CHUNK_LAYERS = 4
 DICTIONARY_BYTES = 32 << 10
+PRIOR_MODEL = "context model (token), per 4096-row chunk, the part's token table as prior"
+COUNT_PRIOR_MODEL = "context model (token), per 4096-row chunk, the part's counts as prior"
 
 
 def codec_bytes(rows: np.ndarray, num_experts: int) -> int:
@@ -62,30 +66,38 @@ def zstd19(data: bytes) -> int:
     return len(zstandard.ZstdCompressor(level=19).compress(data))
 
 
+def token_table(keys: np.ndarray, rows: np.ndarray, layer: int, num_experts: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """One layer's table for token-major sorted rows ``[n, layers, K]``: each key seen at least twice with one set
+    gets its most used set. Returns the keys (ascending), a row holding each entry's set, and the table's bytes
+    (the keys as deltas in a zstd-19 frame, the sets through the format-2 codec)."""
+    n, _, k = rows.shape
+    items = np.ascontiguousarray(rows[:, layer]).view(np.dtype((np.void, k * rows.dtype.itemsize))).reshape(n)
+    _, first_row, set_index = np.unique(items, return_index=True, return_inverse=True)
+    pairs, uses = np.unique(np.stack([keys, set_index.reshape(-1)], axis=1), axis=0, return_counts=True)
+    order = np.lexsort((-uses, pairs[:, 0]))  # per key, its most used set first
+    pairs, uses = pairs[order], uses[order]
+    entries = np.r_[True, pairs[1:, 0] != pairs[:-1, 0]] & (uses >= 2)
+    entry_keys, entry_rows = pairs[entries, 0], first_row[pairs[entries, 1]]
+    if not entry_keys.size:
+        return entry_keys, entry_rows, 0
+    size = zstd19(np.diff(entry_keys, prepend=0).astype("<u8").tobytes())
+    return entry_keys, entry_rows, size + codec_bytes(rows[entry_rows, layer][None], num_experts)
+
+
 def table_model(keys: np.ndarray, rows: np.ndarray, num_experts: int) -> dict[str, float]:
     """Bytes of the keyed table model for token-major sorted rows ``[n, layers, K]`` (see the module): the table,
-    the hit bitmaps, the other rows; and the share of rows the table predicts."""
-    n, layers, k = rows.shape
+    the hit bitmaps, the other rows; and how many rows the table predicts."""
+    n, layers, _ = rows.shape
     table = flags = misses = hits = 0
-    as_items = np.ascontiguousarray(rows).view(np.dtype((np.void, k * rows.dtype.itemsize))).reshape(n, layers)
     for layer in range(layers):
-        items = as_items[:, layer]
-        _, first_row, set_index = np.unique(items, return_index=True, return_inverse=True)
-        pairs, uses = np.unique(np.stack([keys, set_index.reshape(-1)], axis=1), axis=0, return_counts=True)
-        order = np.lexsort((-uses, pairs[:, 0]))  # per key, its most used set first
-        pairs, uses = pairs[order], uses[order]
-        first = np.r_[True, pairs[1:, 0] != pairs[:-1, 0]]
-        entries = first & (uses >= 2)
-        entry_keys, entry_sets = pairs[entries, 0], pairs[entries, 1]
+        entry_keys, entry_rows, size = token_table(keys, rows, layer, num_experts)
+        table += size
         hit = np.zeros(n, bool)
         if entry_keys.size:
             at = np.minimum(np.searchsorted(entry_keys, keys), entry_keys.size - 1)
-            hit = (entry_keys[at] == keys) & (entry_sets[at] == set_index.reshape(-1))
+            hit = (entry_keys[at] == keys) & (rows[entry_rows[at], layer] == rows[:, layer]).all(axis=1)
         hits += int(hit.sum())
         flags += zstd19(np.packbits(hit).tobytes())
-        if entry_keys.size:
-            table += zstd19(np.diff(entry_keys, prepend=0).astype("<u8").tobytes())
-            table += codec_bytes(rows[first_row[entry_sets], layer][None], num_experts)
         if (~hit).any():
             misses += codec_bytes(np.ascontiguousarray(rows[~hit, layer])[None], num_experts)
     return {"bytes": table + flags + misses, "table": table, "flags": flags, "misses": misses, "hits": hits}
@@ -106,11 +118,17 @@ def trained_chunks(rows: np.ndarray) -> int:
 
 
 def context_model_bits(
-    rows: np.ndarray, tokens: np.ndarray, num_experts: int, restart: int | None, layer_below: bool
+    rows: np.ndarray,
+    tokens: np.ndarray,
+    num_experts: int,
+    restart: int | None,
+    layer_below: bool,
+    prior: list[dict[Any, dict[bytes, int]]] | None = None,
 ) -> float:
     """The context model's cost in bits for token-major sorted rows ``[n, layers, K]`` (see the module), its
     counts restarting every ``restart`` rows (``None``: never); the context is the token id, and the set of the
-    layer below where ``layer_below``."""
+    layer below where ``layer_below``. ``prior`` (per layer: token id -> set -> uses, and under ``None`` the
+    layer's set -> uses) seeds the counts at each restart."""
     n, layers, k = rows.shape
     order_bits = math.log2(math.factorial(k))
     items = np.ascontiguousarray(rows).view(np.dtype((np.void, k * rows.dtype.itemsize))).reshape(n, layers)
@@ -121,8 +139,11 @@ def context_model_bits(
         totals: dict[Any, int] = {}
         experts = np.zeros(num_experts)
         for i in range(n):
-            if restart and i % restart == 0:
+            if i == 0 or (restart and i % restart == 0):
                 counts, totals, experts = {}, {}, np.zeros(num_experts)
+                for key, seeded in (prior[layer] if prior else {}).items():
+                    level = None if key is None else (key, b"")
+                    counts[level], totals[level] = dict(seeded), sum(seeded.values())
             item = keys[i][layer]
             context = (int(tokens[i]), keys[i][layer - 1] if layer_below and layer else b"")
             for level in (context, None):  # the context, then the layer's counts; then a fresh set
@@ -142,6 +163,57 @@ def context_model_bits(
                 bits += float(-np.log2(p).sum()) - order_bits
                 experts[chosen] += 1
     return bits
+
+
+def table_prior(
+    tokens: np.ndarray, rows: np.ndarray, num_experts: int
+) -> tuple[list[dict[Any, dict[bytes, int]]], int]:
+    """A prior from the part's token tables (:func:`token_table`): one use of each token's set; and its bytes."""
+    prior, size = [], 0
+    for layer in range(rows.shape[1]):
+        entry_keys, entry_rows, table_bytes = token_table(tokens, rows, layer, num_experts)
+        prior.append(
+            {int(key): {rows[row, layer].tobytes(): 1} for key, row in zip(entry_keys, entry_rows, strict=True)}
+        )
+        size += table_bytes
+    return prior, size
+
+
+def count_prior(
+    tokens: np.ndarray, rows: np.ndarray, num_experts: int, cap: int = 15
+) -> tuple[list[dict[Any, dict[bytes, int]]], int]:
+    """A prior from the part's counts: per layer, every set used at least twice (with its uses, at most ``cap``)
+    and, per token id, every such set it took at least twice; and its bytes: the layer's sets once through the
+    format-2 codec, their counts, and each token's entries (token deltas, set numbers, counts) in zstd-19 frames."""
+    prior, size = [], 0
+    n, layers, k = rows.shape
+    for layer in range(layers):
+        items = np.ascontiguousarray(rows[:, layer]).view(np.dtype((np.void, k * rows.dtype.itemsize))).reshape(n)
+        _, first_row, set_index = np.unique(items, return_index=True, return_inverse=True)
+        set_index = set_index.reshape(-1)
+        uses = np.bincount(set_index)
+        kept = np.flatnonzero(uses >= 2)
+        number = np.full(uses.size, -1)
+        number[kept] = np.arange(kept.size)
+        seeded: dict[Any, dict[bytes, int]] = {
+            None: {rows[first_row[s], layer].tobytes(): int(min(uses[s], cap)) for s in kept}
+        }
+        pairs, pair_uses = np.unique(np.stack([tokens, set_index], axis=1), axis=0, return_counts=True)
+        pairs, pair_uses = (
+            pairs[(pair_uses >= 2) & (number[pairs[:, 1]] >= 0)],
+            pair_uses[(pair_uses >= 2) & (number[pairs[:, 1]] >= 0)],
+        )
+        for (token, s), count in zip(pairs, pair_uses, strict=True):
+            seeded.setdefault(int(token), {})[rows[first_row[s], layer].tobytes()] = int(min(count, cap))
+        prior.append(seeded)
+        if kept.size:
+            size += codec_bytes(rows[first_row[kept], layer][None], num_experts)
+            size += zstd19(np.minimum(uses[kept], cap).astype(np.uint8).tobytes())
+        if pairs.size:
+            size += zstd19(np.diff(pairs[:, 0], prepend=0).astype("<u8").tobytes())
+            size += zstd19(number[pairs[:, 1]].astype("<u2").tobytes())
+            size += zstd19(np.minimum(pair_uses, cap).astype(np.uint8).tobytes())
+    return prior, size
 
 
 def stored_parts(url: str) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -188,6 +260,8 @@ def measure(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
             "context model (token), per 4096-row chunk",
             "context model (token, layer below), per part",
             "context model (token, layer below), per 4096-row chunk",
+            PRIOR_MODEL,
+            COUNT_PRIOR_MODEL,
         ),
         0.0,
     )
@@ -206,6 +280,10 @@ def measure(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
             for restart, scope in ((None, "per part"), (CHUNK_ROWS, "per 4096-row chunk")):
                 bits = context_model_bits(rows, tokens, spec.num_experts, restart, below)
                 totals[f"context model ({context}), {scope}"] += bits / 8
+        for name, build in ((PRIOR_MODEL, table_prior), (COUNT_PRIOR_MODEL, count_prior)):
+            prior, prior_bytes = build(tokens, rows, spec.num_experts)
+            bits = context_model_bits(rows, tokens, spec.num_experts, CHUNK_ROWS, False, prior)
+            totals[name] += bits / 8 + prior_bytes
     goal = zstd19(np.ascontiguousarray(routed, dtype=spec.id_dtype).tobytes())
     return {
         "token_layers": token_layers,
