@@ -396,6 +396,8 @@ def test_explore_part_models_sees_each_stored_row_with_its_token() -> None:
             "context model (token, layer below), per 4096-row chunk",
             "context model (token), per 4096-row chunk, the part's token table as prior",
             "context model (token), per 4096-row chunk, the part's counts as prior",
+            "recent sets per token, zstd-3 per 4096-row chunk",
+            "recent sets per token, zstd-3 per 4096-row chunk, the part's counts as prior",
         }
         assert data["goal_zstd19_whole_array"] > 0 and 0 < data["predicted_share"]["token table"] < 1
 

@@ -20,7 +20,10 @@ in bytes per routed token-layer of the records (the unit of ``tools/bench_codec.
   adaptive expert counts give them, less log2 K! for their order), over each part in row order (no chunk then
   decodes alone) or restarting every 4096 rows (each chunk alone, no part model), or restarting so from a prior
   the part stores (its token table, or its counts of sets per layer and per token; counted: each chunk alone given
-  the part's model, what issue #33 asks for).
+  the part's model, what issue #33 asks for);
+* ``recent sets per token``: a design that decodes at zstd's speed, where the context model needs an arithmetic
+  decoder: each row is its set's place in its token's list of recent sets (or in its layer's), in bytes through
+  zstd-3 per chunk (:func:`recency_ranks_bytes`), without and with the part's counts as prior.
 
 Beside them, issue #33's goal: zstd-19 of the whole raw routing array of every record in one frame.
 
@@ -50,6 +53,8 @@ CHUNK_LAYERS = 4
 DICTIONARY_BYTES = 32 << 10
 PRIOR_MODEL = "context model (token), per 4096-row chunk, the part's token table as prior"
 COUNT_PRIOR_MODEL = "context model (token), per 4096-row chunk, the part's counts as prior"
+RECENCY = "recent sets per token, zstd-3 per 4096-row chunk"
+RECENCY_PRIOR = "recent sets per token, zstd-3 per 4096-row chunk, the part's counts as prior"
 
 
 def codec_bytes(rows: np.ndarray, num_experts: int) -> int:
@@ -216,6 +221,46 @@ def count_prior(
     return prior, size
 
 
+def recency_ranks_bytes(
+    rows: np.ndarray, tokens: np.ndarray, num_experts: int, prior: list[dict[Any, dict[bytes, int]]] | None
+) -> int:
+    """A design that decodes at zstd's speed: per 4096-row chunk and layer, each token id keeps its sets most recent
+    first (at most 15; seeded from ``prior`` most used first), and a row is stored as its set's place in its
+    token's list, or an escape and its place in the layer's list (at most 1024), or an escape and the set itself;
+    the places are bytes in zstd-3 frames, new sets go through the format-2 codec."""
+    n, layers, _ = rows.shape
+    size = 0
+    for r0 in range(0, n, CHUNK_ROWS):
+        for layer in range(layers):
+            seeded = prior[layer] if prior else {}
+            ranked_sets = {key: sorted(sets, key=lambda s, sets=sets: -sets[s]) for key, sets in seeded.items()}
+            recent = {key: sets[:15] for key, sets in ranked_sets.items() if key is not None}
+            layer_recent = ranked_sets.get(None, [])[:1024]
+            places, layer_places, new = bytearray(), bytearray(), []
+            for i in range(r0, min(n, r0 + CHUNK_ROWS)):
+                item, mine = rows[i, layer].tobytes(), recent.setdefault(int(tokens[i]), [])
+                if item in mine:
+                    places.append(mine.index(item))
+                    mine.remove(item)
+                else:
+                    places.append(255)
+                    if item in layer_recent:
+                        layer_places.append(min(layer_recent.index(item), 254))
+                        layer_recent.remove(item)
+                    else:
+                        layer_places.append(255)
+                        new.append(rows[i, layer])
+                    layer_recent.insert(0, item)
+                    del layer_recent[1024:]
+                mine.insert(0, item)
+                del mine[15:]
+            compressor = zstandard.ZstdCompressor(level=3)
+            size += len(compressor.compress(bytes(places))) + len(compressor.compress(bytes(layer_places)))
+            if new:
+                size += codec_bytes(np.stack(new)[None], num_experts)
+    return size
+
+
 def stored_parts(url: str) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Each part of a store: its rows token-major ``[n, layers, K]``, each row's token id, and the token id before
     it in its record (-1 at a record's start), from the records' spans in the part."""
@@ -262,6 +307,8 @@ def measure(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
             "context model (token, layer below), per 4096-row chunk",
             PRIOR_MODEL,
             COUNT_PRIOR_MODEL,
+            RECENCY,
+            RECENCY_PRIOR,
         ),
         0.0,
     )
@@ -284,6 +331,8 @@ def measure(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
             prior, prior_bytes = build(tokens, rows, spec.num_experts)
             bits = context_model_bits(rows, tokens, spec.num_experts, CHUNK_ROWS, False, prior)
             totals[name] += bits / 8 + prior_bytes
+        totals[RECENCY] += recency_ranks_bytes(rows, tokens, spec.num_experts, None)
+        totals[RECENCY_PRIOR] += recency_ranks_bytes(rows, tokens, spec.num_experts, prior) + prior_bytes
     goal = zstd19(np.ascontiguousarray(routed, dtype=spec.id_dtype).tobytes())
     return {
         "token_layers": token_layers,
