@@ -329,7 +329,8 @@ HOT static int sort_rows_u8_by_layer(const uint8_t *ids, uint8_t *out, int64_t t
         for (int64_t j = 0; j < layers; j++) {
             const uint8_t *from = ids + (t0 * layers + j) * 8;
             uint8_t *to = out + (j * tokens + t0) * 8;
-            for (int64_t t = 0; t < whole; t += 16) sort_sixteen_u8(from + t * stride, stride, to + 8 * t, &duplicate, &top);
+            for (int64_t t = 0; t < whole; t += 16)
+                sort_sixteen_u8(from + t * stride, stride, to + 8 * t, &duplicate, &top);
             for (int64_t t = whole; t < n; t++) memcpy(to + 8 * t, from + t * stride, 8);
             bad |= sort_rows_u8_scalar(to + 8 * whole, n - whole, largest);
         }
