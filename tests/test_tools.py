@@ -151,12 +151,19 @@ def test_bench_audit_measures_stats_and_diff_against_a_plain_read() -> None:
     assert goals["diff_vs_read_only"]["met"] == (report["ratios"]["diff_vs_read_only"] >= 0.5)
 
 
-def _bench_codec() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_codec", TOOLS / "bench_codec.py")
+def _load_tool(name: str) -> Any:
+    """A script of ``tools/`` as a module (its sibling ``benchlib`` importable, as when it runs)."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
     assert spec is not None and spec.loader is not None
-    bench_codec = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_codec)
-    return bench_codec
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench_codec() -> Any:
+    return _load_tool("bench_codec")
 
 
 def test_the_gap_huffman_floor_is_an_optimal_code_of_the_exact_gaps() -> None:
@@ -333,11 +340,7 @@ def test_token_dependent_routing_takes_each_tokens_preferred_set() -> None:
 
 
 def _explore_part_models() -> Any:
-    spec = importlib.util.spec_from_file_location("explore_part_models", TOOLS / "explore_part_models.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load_tool("explore_part_models")
 
 
 def test_a_token_table_predicts_every_row_of_a_token_seen_twice() -> None:
@@ -361,7 +364,7 @@ def test_explore_part_models_sees_each_stored_row_with_its_token() -> None:
     reports every candidate on both token-dependent sets."""
     explore = _explore_part_models()
     spec = synthetic_spec(layers=3, experts=16, topk=4)
-    steps = explore.token_dependent_steps(1, 700, spec, 40, 0.6, record_tokens=200)
+    steps = [explore.token_dependent_records(np.random.default_rng(1), 700, spec, 40, 0.6, record_tokens=200)]
     url = f"memory://explore-tests/{uuid.uuid4().hex}"
     with routelog.open_writer(url, 0, model_spec=spec) as writer:
         for record in steps[0]:

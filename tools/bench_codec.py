@@ -59,6 +59,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
+from benchlib import corpus_steps, token_dependent_records
 from numcodecs import Zstd
 
 import routelog
@@ -71,7 +72,7 @@ from routelog.format.shard import encode_shard
 from routelog.format.spec import ModelSpec, entropy_bound_bytes
 from routelog.store.blocks import BlockRequest, fetch_blocks
 from routelog.store.storage import Storage
-from routelog.synth import synth_routing, synthetic_spec, token_dependent_routing, zipf_token_ids
+from routelog.synth import synth_routing, synthetic_spec
 
 
 def best_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
@@ -439,40 +440,6 @@ def archive(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
 def _valid(record: Record) -> np.ndarray:
     n = np.asarray(record.expert_ids).shape[0]
     return np.ones(n, bool) if record.valid is None else np.asarray(record.valid, bool)
-
-
-def corpus_steps(url: str) -> tuple[list[list[Record]], ModelSpec]:
-    """A store's records, a list per step, as they were appended (with their token ids)."""
-    store = routelog.open_store(url)
-    steps = []
-    for step in store.steps():
-        snapshot = store.step(step)
-        steps.append([got.to_record() for got in snapshot.read_many(snapshot.sample_ids)])
-    return steps, store.model_spec
-
-
-def token_dependent_records(
-    rng: np.random.Generator, tokens: int, spec: ModelSpec, vocab_size: int, record_tokens: int = 1024
-) -> list[Record]:
-    """Records of routing that depends on the token (:func:`routelog.synth.token_dependent_routing`: 60 % of
-    token-layers take their token id's preferred set, the rest a Dirichlet(1/3)-skewed draw) over Zipf-distributed
-    token ids, ``record_tokens`` each, a quarter of them prompt."""
-    ids = zipf_token_ids(rng, tokens, vocab_size)
-    routing = token_dependent_routing(rng, ids, spec)
-    records = []
-    for i, start in enumerate(range(0, tokens - 1, record_tokens)):
-        n = min(record_tokens, tokens - start)
-        prompt = max(1, n // 4)
-        records.append(
-            Record(
-                sample_id=f"token-dependent-{i:05d}",
-                expert_ids=routing[start : start + n],
-                prompt_len=prompt,
-                response_len=n - prompt,
-                token_ids=ids[start : start + n],
-            )
-        )
-    return records
 
 
 def uniform_records(rng: np.random.Generator, tokens: int, spec: ModelSpec, record_tokens: int = 1024) -> list[Record]:

@@ -81,3 +81,47 @@ def dense_routing(sid: str, ids: np.ndarray, moe_layers: list[int], num_layers: 
         topk_order="sorted",
         num_moe_layers=num_layers,
     )
+
+
+def corpus_steps(url: str) -> tuple[list[Any], Any]:
+    """A store's records, a list per step, as they were appended (with their token ids), and its model spec."""
+    import routelog
+
+    store = routelog.open_store(url)
+    steps = [
+        [got.to_record() for got in snapshot.read_many(snapshot.sample_ids)]
+        for snapshot in map(store.step, store.steps())
+    ]
+    return steps, store.model_spec
+
+
+def token_dependent_records(
+    rng: np.random.Generator,
+    tokens: int,
+    spec: Any,
+    vocab_size: int,
+    preferred_share: float = 0.6,
+    record_tokens: int = 1024,
+) -> list[Any]:
+    """Records of routing that depends on the token (``routelog.synth.token_dependent_routing``: a share of
+    token-layers take their token id's preferred set, the rest a Dirichlet(1/3)-skewed draw) over Zipf-distributed
+    token ids, ``record_tokens`` each, a quarter of them prompt."""
+    from routelog import Record
+    from routelog.synth import token_dependent_routing, zipf_token_ids
+
+    ids = zipf_token_ids(rng, tokens, vocab_size)
+    routing = token_dependent_routing(rng, ids, spec, preferred_share=preferred_share)
+    records = []
+    for i, start in enumerate(range(0, tokens - 1, record_tokens)):
+        n = min(record_tokens, tokens - start)
+        prompt = max(1, n // 4)
+        records.append(
+            Record(
+                sample_id=f"token-dependent-{i:05d}",
+                expert_ids=routing[start : start + n],
+                prompt_len=prompt,
+                response_len=n - prompt,
+                token_ids=ids[start : start + n],
+            )
+        )
+    return records

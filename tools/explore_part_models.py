@@ -41,12 +41,13 @@ from typing import Any
 
 import numpy as np
 import zstandard
+from benchlib import corpus_steps, token_dependent_records
 
 import routelog
 from routelog import Record
 from routelog.format import ranked
 from routelog.format.spec import ModelSpec
-from routelog.synth import synthetic_spec, token_dependent_routing, zipf_token_ids
+from routelog.synth import synthetic_spec
 
 CHUNK_ROWS = 4096
 CHUNK_LAYERS = 4
@@ -331,8 +332,9 @@ def measure(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
             prior, prior_bytes = build(tokens, rows, spec.num_experts)
             bits = context_model_bits(rows, tokens, spec.num_experts, CHUNK_ROWS, False, prior)
             totals[name] += bits / 8 + prior_bytes
+        counts, counts_bytes = count_prior(tokens, rows, spec.num_experts)
         totals[RECENCY] += recency_ranks_bytes(rows, tokens, spec.num_experts, None)
-        totals[RECENCY_PRIOR] += recency_ranks_bytes(rows, tokens, spec.num_experts, prior) + prior_bytes
+        totals[RECENCY_PRIOR] += recency_ranks_bytes(rows, tokens, spec.num_experts, counts) + counts_bytes
     goal = zstd19(np.ascontiguousarray(routed, dtype=spec.id_dtype).tobytes())
     return {
         "token_layers": token_layers,
@@ -341,36 +343,6 @@ def measure(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
         "bytes_per_token_layer": {name: total / token_layers for name, total in totals.items()},
         "predicted_share": {name: hits / stored_token_layers for name, hits in predicted.items()},
     }
-
-
-def corpus_steps(url: str) -> tuple[list[list[Record]], ModelSpec]:
-    store = routelog.open_store(url)
-    steps = [
-        [got.to_record() for got in snapshot.read_many(snapshot.sample_ids)]
-        for snapshot in map(store.step, store.steps())
-    ]
-    return steps, store.model_spec
-
-
-def token_dependent_steps(
-    seed: int, tokens: int, spec: ModelSpec, vocab_size: int, preferred_share: float, record_tokens: int = 1024
-) -> list[list[Record]]:
-    """One step of records whose routing depends on the token (``routelog.synth.token_dependent_routing``)."""
-    rng = np.random.default_rng(seed)
-    ids = zipf_token_ids(rng, tokens, vocab_size)
-    routing = token_dependent_routing(rng, ids, spec, preferred_share=preferred_share)
-    return [
-        [
-            Record(
-                sample_id=f"r{i:05d}",
-                expert_ids=routing[start : start + record_tokens],
-                prompt_len=1,
-                response_len=len(routing[start : start + record_tokens]) - 1,
-                token_ids=ids[start : start + record_tokens],
-            )
-            for i, start in enumerate(range(0, tokens - 1, record_tokens))
-        ]
-    ]
 
 
 def main() -> None:
@@ -393,8 +365,9 @@ def main() -> None:
         report[f"corpus {url}"] = measure(*corpus_steps(url))
     spec = synthetic_spec(args.layers, 128, 8)
     for vocab in (150_000, 260):
-        steps = token_dependent_steps(args.seed, args.tokens, spec, vocab, args.preferred_share)
-        report[f"token-dependent, {vocab:,}-token Zipf vocabulary"] = measure(steps, spec)
+        rng = np.random.default_rng(args.seed)
+        records = token_dependent_records(rng, args.tokens, spec, vocab, args.preferred_share)
+        report[f"token-dependent, {vocab:,}-token Zipf vocabulary"] = measure([records], spec)
     if args.json:
         print(json.dumps(report, indent=1))
         return
