@@ -3,7 +3,9 @@
 A hypothesis state machine interleaves every public operation on one step: writers (in-process and
 ``ProcessWriter``) that append, flush and close, re-write sample ids with the same or other tokens and re-open
 dropped writer ids; drops by sample, part and writer; seals; annotations; gc with a simulated clock; writer crashes
-between upload and commit; and lost create responses (the storage applied the create, the answer never came).
+between upload and commit; lost create responses (the storage applied the create, the answer never came); and part
+uploads that break off and are sent again (an S3 PUT's answer lost or its connection reset, a local upload failing
+after writing its files).
 After every operation every reader view (plain, sealed, as of every earlier moment, ``to_arrow``, routing,
 per-token values) must equal the model of ``tests/protocol_model.py``, ``verify`` must call the store sound, the
 log must hold exactly the model's entries, and each writer's report (committed, already present, refused) must be
@@ -75,17 +77,36 @@ class SimulatedCrash(BaseException):
 @dataclass
 class Faults:
     """The faults a machine injects: lost create responses (local disk: the create is applied, then the call
-    fails with a transient error; S3: the fault proxy drops the response) and writer crashes."""
+    fails with a transient error; S3: the fault proxy drops the response), part uploads that break off, and writer
+    crashes."""
 
     lost_local: int = 0
     """Creates still to lose on local disk."""
+    failed_uploads_local: int = 0
+    """Part uploads still to fail on local disk (after writing their files, before the fsyncs)."""
     proxy: Any = None
     fired: dict[str, int] = field(default_factory=dict)
 
     @property
     def armed(self) -> bool:
-        """A lost create response is still to come."""
-        return self.proxy.pending > 0 if self.proxy is not None else self.lost_local > 0
+        """A lost create response or a failed upload is still to come."""
+        if self.proxy is not None:
+            return bool(self.proxy.pending > 0)
+        return self.lost_local > 0 or self.failed_uploads_local > 0
+
+    def fail_next_upload(self, rst: bool) -> None:
+        """The next part upload fails midway and is retried: on S3 the proxy takes a part object's PUT and drops
+        its answer (the object is written, the client sends the body again), or with ``rst`` resets the connection
+        before forwarding (nothing written); on local disk the upload fails after writing its files."""
+        if self.proxy is not None:
+            from routelog.fault_proxy import Fault
+
+            kind: Any = "reset_before" if rst else "lost_response"
+            self.proxy.inject(Fault(kind, method="PUT", key=r"/parts/", rst=rst, times=1))
+        else:
+            self.failed_uploads_local += 1
+        name = "upload_reset" if rst else "upload_lost_response"
+        self.fired[name] = self.fired.get(name, 0) + 1
 
     def lose_next_create(self) -> None:
         if self.proxy is not None:
@@ -576,6 +597,14 @@ class ProtocolMachine(RuleBasedStateMachine):
         self._count("lost_response")
         self.faults.lose_next_create()
 
+    @precondition(lambda self: not self.faults.armed)
+    @rule(rst=st.booleans())
+    def fail_an_upload(self, rst: bool) -> None:
+        """The next part upload breaks off (its answer lost after the storage wrote it, or its connection reset
+        before): the writer sends it again from the start, and the part commits once."""
+        self._count("failed_upload")
+        self.faults.fail_next_upload(rst)
+
     # -- checks ----------------------------------------------------------------------------------------------------
     def _open_store(self) -> routelog.Store:
         return routelog.open_store(self.url, storage_options=self.storage_options)
@@ -689,7 +718,17 @@ def local_machine(tmp_path: Path) -> Iterator[type[ProtocolMachine]]:
         faults.append(Faults())
         return faults[-1]
 
+    original_write = routelog.store.storage._write_new_files
+
+    def write_new_files(files: Any) -> None:
+        original_write(files)
+        current = faults[-1] if faults else None
+        if current is not None and current.failed_uploads_local:
+            current.failed_uploads_local -= 1
+            raise TimeoutError("the upload broke off after writing its files")
+
     routelog.store.storage._create_file = create_file  # type: ignore[assignment]
+    routelog.store.storage._write_new_files = write_new_files  # type: ignore[assignment]
     roots = Path(tempfile.mkdtemp(dir=tmp_path))
 
     class LocalMachine(ProtocolMachine):
@@ -700,6 +739,7 @@ def local_machine(tmp_path: Path) -> Iterator[type[ProtocolMachine]]:
         yield LocalMachine
     finally:
         routelog.store.storage._create_file = original  # type: ignore[assignment]
+        routelog.store.storage._write_new_files = original_write  # type: ignore[assignment]
         shutil.rmtree(roots, ignore_errors=True)
 
 
