@@ -59,7 +59,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
-from benchlib import corpus_steps, token_dependent_records
+from benchlib import corpus_steps, routed_rows, token_dependent_records
 from numcodecs import Zstd
 
 import routelog
@@ -414,7 +414,7 @@ def archive(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
     storage = routelog.open_store(url).storage
     sizes = {path: int(info["size"]) for path, info in storage.fs.find(storage.root, detail=True).items()}
     every = [r for records in steps for r in records]
-    routed = np.concatenate([np.asarray(r.expert_ids)[_valid(r)] for r in every])
+    routed = routed_rows(every)
     token_layers = routed.shape[0] * routed.shape[1]
     raw = np.ascontiguousarray(routed, dtype=spec.id_dtype).tobytes()
     with_tokens = [r for r in every if r.token_ids is not None]
@@ -435,11 +435,6 @@ def archive(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
     result["store_routing_vs_zstd19_whole"] = result["store_routing"] / result["zstd19_whole_routing"]
     result["store_every_byte_vs_zstd19_routing_and_tokens"] = result["store_every_byte"] / simple
     return result
-
-
-def _valid(record: Record) -> np.ndarray:
-    n = np.asarray(record.expert_ids).shape[0]
-    return np.ones(n, bool) if record.valid is None else np.asarray(record.valid, bool)
 
 
 def uniform_records(rng: np.random.Generator, tokens: int, spec: ModelSpec, record_tokens: int = 1024) -> list[Record]:
@@ -535,32 +530,22 @@ def archive_verdict(archives: dict[str, Any]) -> list[dict[str, Any]]:
         if data["zstd19_token_ids"] is not None:
             checks.append(("size / zstd-19 whole, every byte", "store_every_byte_vs_zstd19_routing_and_tokens"))
         for goal, key in checks:
-            value, limit = data[key], ARCHIVE_GOALS[f"{key}_max"]
-            rows.append(
-                {
-                    "goal": goal,
-                    "dataset": name,
-                    "value": value,
-                    "relation": "<=",
-                    "limit": limit,
-                    "judged": True,
-                    "met": value <= limit,
-                }
-            )
+            rows.append(goal_row(goal, name, data[key], "<=", ARCHIVE_GOALS[f"{key}_max"], True, {}))
         if name.startswith("token-dependent"):
-            value, limit = data["store_every_byte"], ARCHIVE_GOALS["token_dependent_every_byte_max"]
+            limit = ARCHIVE_GOALS["token_dependent_every_byte_max"]
             rows.append(
-                {
-                    "goal": "size (B / token-layer), every byte",
-                    "dataset": name,
-                    "value": value,
-                    "relation": "<=",
-                    "limit": limit,
-                    "judged": True,
-                    "met": value <= limit,
-                }
+                goal_row("size (B / token-layer), every byte", name, data["store_every_byte"], "<=", limit, True, {})
             )
     return rows
+
+
+def goal_row(
+    goal: str, dataset: str, value: float, relation: str, limit: float, judged: bool, beside: dict[str, Any]
+) -> dict[str, Any]:
+    """One row of the verdict: a goal's figure on a dataset, its limit, whether it is met (and figures beside)."""
+    met = value <= limit if relation == "<=" else value >= limit
+    row = {"goal": goal, "dataset": dataset, "value": value, "relation": relation, "limit": limit}
+    return {**row, "judged": judged, "met": met, **beside}
 
 
 def verdict(datasets: dict[str, Any]) -> list[dict[str, Any]]:
@@ -580,10 +565,7 @@ def verdict(datasets: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
 
     def check(goal: str, dataset: str, value: float, limit: float, judged: bool = True, **beside: Any) -> None:
-        relation = "<=" if goal.startswith("size /") else ">="
-        met = value <= limit if relation == "<=" else value >= limit
-        row = {"goal": goal, "dataset": dataset, "value": value, "relation": relation, "limit": limit}
-        rows.append({**row, "judged": judged, "met": met, **beside})
+        rows.append(goal_row(goal, dataset, value, "<=" if goal.startswith("size /") else ">=", limit, judged, beside))
 
     goal_shape = [name for name in datasets if name.startswith("uniform ")]
     for name, data in datasets.items():

@@ -125,3 +125,10 @@ def token_dependent_records(
             )
         )
     return records
+
+
+def routed_rows(records: list[Any]) -> np.ndarray:
+    """Every routed row of the records (the rows their ``valid`` masks keep), in record order: ``[rows, L, K]``."""
+    return np.concatenate(
+        [np.asarray(r.expert_ids)[slice(None) if r.valid is None else np.asarray(r.valid, bool)] for r in records]
+    )

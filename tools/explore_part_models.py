@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import zstandard
-from benchlib import corpus_steps, token_dependent_records
+from benchlib import corpus_steps, routed_rows, token_dependent_records
 
 import routelog
 from routelog import Record
@@ -56,6 +56,12 @@ PRIOR_MODEL = "context model (token), per 4096-row chunk, the part's token table
 COUNT_PRIOR_MODEL = "context model (token), per 4096-row chunk, the part's counts as prior"
 RECENCY = "recent sets per token, zstd-3 per 4096-row chunk"
 RECENCY_PRIOR = "recent sets per token, zstd-3 per 4096-row chunk, the part's counts as prior"
+
+
+def set_items(rows: np.ndarray) -> np.ndarray:
+    """Token-major rows ``[n, layers, K]`` as ``[n, layers]`` items, one per set (compared and hashed whole)."""
+    n, layers, k = rows.shape
+    return np.ascontiguousarray(rows).view(np.dtype((np.void, k * rows.dtype.itemsize))).reshape(n, layers)
 
 
 def codec_bytes(rows: np.ndarray, num_experts: int) -> int:
@@ -76,8 +82,7 @@ def token_table(keys: np.ndarray, rows: np.ndarray, layer: int, num_experts: int
     """One layer's table for token-major sorted rows ``[n, layers, K]``: each key seen at least twice with one set
     gets its most used set. Returns the keys (ascending), a row holding each entry's set, and the table's bytes
     (the keys as deltas in a zstd-19 frame, the sets through the format-2 codec)."""
-    n, _, k = rows.shape
-    items = np.ascontiguousarray(rows[:, layer]).view(np.dtype((np.void, k * rows.dtype.itemsize))).reshape(n)
+    items = set_items(rows)[:, layer]
     _, first_row, set_index = np.unique(items, return_index=True, return_inverse=True)
     pairs, uses = np.unique(np.stack([keys, set_index.reshape(-1)], axis=1), axis=0, return_counts=True)
     order = np.lexsort((-uses, pairs[:, 0]))  # per key, its most used set first
@@ -137,8 +142,7 @@ def context_model_bits(
     layer's set -> uses) seeds the counts at each restart."""
     n, layers, k = rows.shape
     order_bits = math.log2(math.factorial(k))
-    items = np.ascontiguousarray(rows).view(np.dtype((np.void, k * rows.dtype.itemsize))).reshape(n, layers)
-    keys = [[bytes(item) for item in row] for row in items]
+    keys = [[bytes(item) for item in row] for row in set_items(rows)]
     bits = 0.0
     for layer in range(layers):
         counts: dict[Any, dict[bytes, int]] = {}  # context -> set -> uses; the layer's own counts under None
@@ -192,10 +196,9 @@ def count_prior(
     and, per token id, every such set it took at least twice; and its bytes: the layer's sets once through the
     format-2 codec, their counts, and each token's entries (token deltas, set numbers, counts) in zstd-19 frames."""
     prior, size = [], 0
-    n, layers, k = rows.shape
-    for layer in range(layers):
-        items = np.ascontiguousarray(rows[:, layer]).view(np.dtype((np.void, k * rows.dtype.itemsize))).reshape(n)
-        _, first_row, set_index = np.unique(items, return_index=True, return_inverse=True)
+    items = set_items(rows)
+    for layer in range(rows.shape[1]):
+        _, first_row, set_index = np.unique(items[:, layer], return_index=True, return_inverse=True)
         set_index = set_index.reshape(-1)
         uses = np.bincount(set_index)
         kept = np.flatnonzero(uses >= 2)
@@ -291,9 +294,7 @@ def measure(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
             for record in records:
                 writer.append(record)
     every = [r for records in steps for r in records]
-    routed = np.concatenate(
-        [np.asarray(r.expert_ids)[np.ones(len(r.expert_ids), bool) if r.valid is None else r.valid] for r in every]
-    )
+    routed = routed_rows(every)
     token_layers = routed.shape[0] * routed.shape[1]
     totals = dict.fromkeys(
         (

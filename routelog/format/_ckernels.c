@@ -231,26 +231,19 @@ SORT_ROWS(sort_rows_u16, uint16_t)
         a = lo_;                             \
     } while (0)
 
+/* Rows i and i + 1 of eight uint8 (the j-th at src + j * stride) in one register. */
+static inline __m128i two_rows(const uint8_t *src, int64_t i, int64_t stride) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(src + i * stride)),
+                              _mm_loadl_epi64((const __m128i *)(src + (i + 1) * stride)));
+}
+
 /* Sixteen rows of eight uint8, the i-th at src + i * stride, sorted into dst (128 contiguous bytes; dst may be src
  * when stride is 8); repeated IDs and the largest ID seen accumulate in duplicate and top. */
 static inline void sort_sixteen_u8(const uint8_t *src, int64_t stride, uint8_t *dst, __m128i *duplicate,
                                    __m128i *top) {
-    __m128i r0 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)src),
-                                    _mm_loadl_epi64((const __m128i *)(src + stride))),
-            r1 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(src + 2 * stride)),
-                                    _mm_loadl_epi64((const __m128i *)(src + 3 * stride))),
-            r2 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(src + 4 * stride)),
-                                    _mm_loadl_epi64((const __m128i *)(src + 5 * stride))),
-            r3 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(src + 6 * stride)),
-                                    _mm_loadl_epi64((const __m128i *)(src + 7 * stride))),
-            r4 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(src + 8 * stride)),
-                                    _mm_loadl_epi64((const __m128i *)(src + 9 * stride))),
-            r5 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(src + 10 * stride)),
-                                    _mm_loadl_epi64((const __m128i *)(src + 11 * stride))),
-            r6 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(src + 12 * stride)),
-                                    _mm_loadl_epi64((const __m128i *)(src + 13 * stride))),
-            r7 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(src + 14 * stride)),
-                                    _mm_loadl_epi64((const __m128i *)(src + 15 * stride)));
+    __m128i r0 = two_rows(src, 0, stride), r1 = two_rows(src, 2, stride), r2 = two_rows(src, 4, stride),
+            r3 = two_rows(src, 6, stride), r4 = two_rows(src, 8, stride), r5 = two_rows(src, 10, stride),
+            r6 = two_rows(src, 12, stride), r7 = two_rows(src, 14, stride);
     /* rows (2i, 2i + 1) in r_i -> bytes of rows (0, 2), (1, 3), (4, 6), .. interleaved per position */
     __m128i b0 = _mm_unpacklo_epi8(r0, r1), b1 = _mm_unpackhi_epi8(r0, r1), b2 = _mm_unpacklo_epi8(r2, r3),
             b3 = _mm_unpackhi_epi8(r2, r3), b4 = _mm_unpacklo_epi8(r4, r5), b5 = _mm_unpackhi_epi8(r4, r5),

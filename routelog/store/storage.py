@@ -396,7 +396,7 @@ class Storage:
     @property
     def endpoint(self) -> str | None:
         """The S3 endpoint in use (``None`` for other filesystems)."""
-        return s3_endpoint(self.fs) if self.protocol in ("s3", "s3a") else None
+        return s3_endpoint(self.fs) if self.s3 else None
 
     def _explain(self, exc: Exception, operation: str, key: str) -> StoreError | None:
         """A typed error with the fix for failures that mean the store cannot be used as configured (``None``
@@ -427,6 +427,11 @@ class Storage:
         proto = self.fs.protocol
         return proto if isinstance(proto, str) else proto[0]
 
+    @property
+    def s3(self) -> bool:
+        """Whether the store is on S3 (s3fs)."""
+        return self.protocol in ("s3", "s3a")
+
     def path(self, key: str) -> str:
         """The filesystem path of ``key``; a key that is not a plain relative key raises
         :class:`~routelog.errors.UnsafeKeyError` (no storage call can leave the store)."""
@@ -441,7 +446,7 @@ class Storage:
     @property
     def _whole_object_kwargs(self) -> dict[str, Any]:
         # s3fs issues HEAD + GET for unranged reads when max_concurrency > 1 (s3fs #1027); documents are small.
-        return {"max_concurrency": 1} if self.protocol in ("s3", "s3a") else {}
+        return {"max_concurrency": 1} if self.s3 else {}
 
     def read(self, key: str) -> bytes:
         """The whole object; ``FileNotFoundError`` when absent."""
@@ -546,14 +551,13 @@ class Storage:
             paths = {self.path(k): v for k, v in objects.items()}
             self._call("write", next(iter(objects)), lambda: _write_new_files(paths))
             return
-        s3 = self.protocol in ("s3", "s3a")
 
         def body(data: bytes | mapped.Bytes) -> bytes | MappedBody:
             # botocore takes bytes or a file, not a mapping: S3 reads a mapped shard as a file, in place (a copy
             # as bytes held another shard's worth for the whole upload); other filesystems keep a copy as bytes
             if isinstance(data, bytes):
                 return data
-            return MappedBody(data) if s3 else bytes(data)
+            return MappedBody(data) if self.s3 else bytes(data)
 
         # the bodies are made for each try: a retried request reads its file from the start
         self._call(
