@@ -8,6 +8,7 @@ import queue
 import threading
 import uuid
 import weakref
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from routelog.format.part import build_part
 from routelog.format.record import PreparedRecord, prepare_record
 from routelog.format.row_blocks import RowBlocks
 from routelog.format.shard import encode_shard, encode_shards
-from routelog.store.storage import MappedBody, Storage
+from routelog.store.storage import WRITE_PIECE_BYTES, MappedBody, Storage
 from routelog.store.writer import HELD_FLUSHES
 from routelog.synth import synthetic_spec
 from tests.records import random_routing
@@ -349,6 +350,27 @@ def test_s3_uploads_read_a_mapped_object_in_place_whole_and_in_parts(s3_bucket: 
     # s3fs cuts an object of at least twice its chunk size into parts, each a slice of the body
     storage.fs.pipe_file(storage.path("parts/shard"), MappedBody(data), chunksize=5 << 20)
     assert storage.read("parts/shard") == bytes(data)
+
+
+def test_local_files_larger_than_a_write_piece_are_written_whole(tmp_path: Path) -> None:
+    """Local objects go to disk a piece at a time (:data:`WRITE_PIECE_BYTES`): a mapped shard and bytes objects of a
+    piece and more, through every local write path (a part's new files, a replaced object, a create), read back byte
+    for byte."""
+    storage = Storage.open(str(tmp_path))
+    rng = np.random.default_rng(11)
+    buffer = mapped.Buffer(3 * WRITE_PIECE_BYTES, start=4)
+    buffer.add(rng.integers(0, 256, 2 * WRITE_PIECE_BYTES + 5, dtype=np.uint8).tobytes())
+    shard = buffer.finish(b"HEAD")
+    exact = rng.integers(0, 256, WRITE_PIECE_BYTES, dtype=np.uint8).tobytes()
+    longer = rng.integers(0, 256, WRITE_PIECE_BYTES + 1, dtype=np.uint8).tobytes()
+    storage.write_many({"part/shard": shard, "part/exact": exact, "part/small": b"x"})
+    storage.write("replaced", longer)
+    assert storage.create("created", longer + exact)
+    assert storage.read("part/shard") == bytes(shard) and len(shard) == 2 * WRITE_PIECE_BYTES + 9
+    assert storage.read("part/exact") == exact and storage.read("part/small") == b"x"
+    assert storage.read("replaced") == longer
+    assert storage.read("created") == longer + exact
+    assert not storage.create("created", b"other") and storage.read("created") == longer + exact
 
 
 def test_a_mapped_body_reads_seeks_and_slices_like_a_file() -> None:
