@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -123,10 +124,12 @@ def test_bench_replay_hook_times_every_integration_and_counts_device_reads() -> 
     assert 2 <= sides["nemo-rl"]["device_reads"]["per_step"] <= 3, "the pass's tokens, the tallies (once)"
 
 
-def test_bench_writers_commits_every_record_and_reports_the_np_save_baseline() -> None:
-    result = _tool(str(TOOLS / "bench_writers.py"), "--quick", "--json")
+@pytest.mark.parametrize("routing", ["uniform", "token-dependent"])
+def test_bench_writers_commits_every_record_and_reports_the_np_save_baseline(routing: str) -> None:
+    result = _tool(str(TOOLS / "bench_writers.py"), "--quick", "--json", "--routing", routing)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
+    assert report["config"]["routing"] == routing
     assert report["np_save_local"]["MBps"] > 0
     for target in ("local", "s3_moto"):
         assert [r["writers"] for r in report[target]] == [1, 2]
@@ -134,6 +137,30 @@ def test_bench_writers_commits_every_record_and_reports_the_np_save_baseline() -
             assert row["parts"] >= row["writers"], "every writer commits at least one part"
             assert row["objects_per_flush"] >= 2, "a flush writes data objects and one commit record"
     assert set(report["ratios_vs_np_save"]) == {f"{t}_{n}_writers" for t in ("local", "s3_moto") for n in (1, 2)}
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "token-dependent"])
+def test_bench_writers_routing_is_one_valid_top_k_set_per_token_layer(routing: str) -> None:
+    bench = _load_tool("bench_writers")
+    args = argparse.Namespace(routing=routing, records=3, tokens=64, layers=4)
+    arrays = bench._routing(args, seed=5)
+    assert len(arrays) == 3
+    for ids in arrays:
+        assert ids.shape == (64, 4, 8) and ids.dtype == np.uint8 and ids.flags.c_contiguous
+        ordered = np.sort(ids, axis=-1)
+        assert ordered.max() < 128 and (np.diff(ordered.astype(np.int16), axis=-1) > 0).all()
+    again = bench._routing(args, seed=5)
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, again, strict=True)), "a writer's routing is its seed's"
+
+
+def test_peak_rss_starts_over_from_the_resident_set_now() -> None:
+    benchlib = _load_tool("benchlib")
+    block = np.ones(40 << 20, dtype=np.uint8)  # 40 MiB resident
+    held = benchlib.peak_rss_mb()
+    del block
+    if not benchlib.reset_peak_rss():
+        pytest.skip("this kernel keeps its peak RSS")
+    assert benchlib.peak_rss_mb() < held - 30
 
 
 def test_bench_audit_measures_stats_and_diff_against_a_plain_read() -> None:

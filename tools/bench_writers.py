@@ -7,6 +7,8 @@ writer by default, six flush buffers: a writer's memory is measured over many pa
 
 Each writer is its own process (as rollout workers are); routing is generated before the clock starts. MB/s count
 raw-equivalent routing bytes (one byte per expert ID) over the wall time from the first append to the last commit.
+The routing is uniform unless ``--routing`` asks for skewed or token-dependent sets (:data:`ROUTING_KINDS`); the
+baselines store the same arrays.
 
 ``--scheduler`` measures instead what a writer costs the inference engine it runs in: the engine's scheduler is
 GIL-bound Python, so a loop of small pure-Python steps stands in for it, appending a record at a realistic rate
@@ -37,7 +39,7 @@ durability itself costs on this disk: the writer compresses part k + 1 while par
 the last part's write to the disk (fsyncs of one flush run concurrently, so per-call latency is hidden; synthetic
 uniform routing, the least compressible, stores 5 bytes per token-layer).
 
-    python tools/bench_writers.py [--json] [--quick] [--records N --tokens T --layers L]
+    python tools/bench_writers.py [--json] [--quick] [--records N --tokens T --layers L] [--routing KIND]
     python tools/bench_writers.py --scheduler [--pin] [--json] [--rate R --trials N --seconds S]
     python tools/bench_writers.py --durability [--baseline-ref REF] [--rounds N] [--json] [--quick]
 """
@@ -58,17 +60,30 @@ from typing import Any
 
 import numpy as np
 import zstandard
-from benchlib import current_rss_mb, peak_rss_mb
+from benchlib import current_rss_mb, peak_rss_mb, reset_peak_rss
 
 import routelog
 from routelog import Record
-from routelog.synth import synth_routing, synthetic_spec
+from routelog.synth import synth_routing, synthetic_spec, token_dependent_routing, zipf_token_ids
+
+ROUTING_KINDS = ("uniform", "skewed", "token-dependent")
+"""``--routing``: uniform sets (the least compressible, the default); each layer's experts drawn from a skewed
+popularity (Dirichlet(1/3), as trained routers' load); or sets that depend on the token (a 150k vocabulary of
+Zipf-distributed ids, 60 % of token-layers taking their id's preferred set: ``routelog.synth``)."""
 
 
 def _routing(args: argparse.Namespace, seed: int) -> list[np.ndarray]:
     spec = synthetic_spec(args.layers, 128, 8)
     rng = np.random.default_rng(seed)
-    return [synth_routing(rng, args.tokens, spec, None, 0.0) for _ in range(args.records)]
+    if args.routing == "token-dependent":
+        tokens = zipf_token_ids(rng, args.records * args.tokens, 150_000)
+        routing = token_dependent_routing(rng, tokens, spec)
+        return [np.ascontiguousarray(part) for part in np.split(routing, args.records)]
+    popularity = None
+    if args.routing == "skewed":
+        shared = np.random.default_rng(1000)  # every writer's layers share one popularity, as one model's do
+        popularity = [shared.dirichlet(np.full(128, 1 / 3)) for _ in range(args.layers)]
+    return [synth_routing(rng, args.tokens, spec, popularity, 0.0) for _ in range(args.records)]
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,6 +102,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             Record(sample_id=f"warmup-{args.writer}", expert_ids=arrays[0][:16], prompt_len=4, response_len=12)
         )
     before = current_rss_mb()  # imports, the routing to append, the warm-up commit
+    reset_peak_rss()  # generating the routing took temporaries (token-dependent sets: several times the records)
     start = time.perf_counter()
     with store.writer(
         0,
@@ -340,6 +356,8 @@ def run_writers(
                 str(args.layers),
                 "--flush-mb",
                 str(args.flush_mb),
+                "--routing",
+                args.routing,
                 *extra,
             ],
             stdout=subprocess.PIPE,
@@ -415,6 +433,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--flush-mb", type=int, default=None, help="(16; --durability: 64, the writer's default)")
     parser.add_argument("--writers", default="1,2,4")
+    parser.add_argument("--routing", choices=ROUTING_KINDS, default="uniform", help="what the records route like")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--writer", type=int, default=0, help=argparse.SUPPRESS)
@@ -526,6 +545,7 @@ def main() -> None:
             "experts": 128,
             "topk": 8,
             "flush_mb": args.flush_mb,
+            "routing": args.routing,
         }
     }
     with tempfile.TemporaryDirectory(prefix="routelog-bench-writers-") as tmp:
@@ -552,8 +572,8 @@ def main() -> None:
         return
     cfg = report["config"]
     print(
-        f"{cfg['records_per_writer']} records x {cfg['tokens']} tokens x {cfg['layers']} layers (top-8 of 128) "
-        f"per writer, parts of {cfg['flush_mb']} MiB"
+        f"{cfg['records_per_writer']} records x {cfg['tokens']} tokens x {cfg['layers']} layers (top-8 of 128, "
+        f"{cfg['routing']} routing) per writer, parts of {cfg['flush_mb']} MiB"
     )
     print(f"np.save, local, no compression: {base:8.0f} MB/s; zstd-3 per record, local: {zstd:8.0f} MB/s")
     print(

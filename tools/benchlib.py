@@ -21,6 +21,16 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def reset_peak_rss() -> bool:
+    """Start :func:`peak_rss_mb` over from the resident set now (Linux: ``/proc/self/clear_refs``), so that what a
+    benchmark did before its clock (generating its data) does not count; whether the kernel took it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 def current_rss_mb() -> float:
     """This process's resident set now (VmRSS)."""
     for line in Path("/proc/self/status").read_text().splitlines():

@@ -350,6 +350,23 @@ static int map_and_sort_rows(const uint64_t *gaps, uint64_t *out, int64_t n, con
     return valid;
 }
 
+/* counts[b] += how many of the n words' bytes are b. Four histograms take turns: a skewed layer's bytes are mostly
+ * one value, and one histogram's increments of it would wait on each other. */
+static void count_bytes(const uint64_t *words, int64_t n, int64_t *counts) {
+    uint32_t sub[4][256];
+    memset(sub, 0, sizeof(sub));
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t w = words[i];
+        for (int c = 0; c < 8; c += 4) {
+            sub[0][(w >> (8 * c)) & 255]++;
+            sub[1][(w >> (8 * c + 8)) & 255]++;
+            sub[2][(w >> (8 * c + 16)) & 255]++;
+            sub[3][(w >> (8 * c + 24)) & 255]++;
+        }
+    }
+    for (int b = 0; b < 256; b++) counts[b] += (int64_t)sub[0][b] + sub[1][b] + sub[2][b] + sub[3][b];
+}
+
 /* Eight values sorted ascending in place (the network above, on wide values). */
 static inline void network_of_eight(int64_t *v) {
     int64_t a0 = v[0], a1 = v[1], a2 = v[2], a3 = v[3], a4 = v[4], a5 = v[5], a6 = v[6], a7 = v[7];
@@ -585,9 +602,11 @@ static int transform(Encoding *result) {
     int64_t *ranks = malloc((size_t)(rows + 1) * sizeof(int64_t));
     uint16_t *entry_gaps = malloc((size_t)(rows + 1) * (size_t)k * sizeof(uint16_t));
     uint64_t *entry_words = malloc((size_t)(rows + 1) * sizeof(uint64_t));
+    uint64_t *sampled = malloc((size_t)(rows + 1) * sizeof(uint64_t)); /* words: the sampled first-seen rows */
+    uint8_t lookup[256] = {0};                                          /* words: ID -> popularity rank */
     int64_t literals[1024]; /* byte histograms of first-seen rows' gaps: plain [0, 512), ranked after */
     if (!counts || !rank_of || !order || !values || !entry_of || !entry_row || !entry_uses || !ranks || !entry_gaps ||
-        !entry_words)
+        !entry_words || !sampled)
         goto done;
     int64_t placed = 0, numbered = 0;
     for (int64_t j = 0; j < layers; j++) {
@@ -614,6 +633,8 @@ static int transform(Encoding *result) {
         if (skewed) {
             if (popularity(counts, E, rank_of, order) < 0) goto done;
             memset(literals, 0, sizeof(literals));
+            if (x->words)
+                for (int64_t e = 0; e < E && e < 256; e++) lookup[e] = (uint8_t)rank_of[e];
         }
         /* 3. Rows seen earlier in the layer (zstd matches them, or a dictionary names them), and for a skewed layer
          * both transforms' literals (the gaps of the rows seen first, on a sample of them). */
@@ -622,7 +643,7 @@ static int transform(Encoding *result) {
             if (!seen) goto done;
             for (int64_t h = 0; h < (1LL << hash_bits); h++) seen[h] = -1;
         }
-        int64_t runs = 0, long_runs = 0, run_length = 0, novel = 0, previous_match = -2;
+        int64_t runs = 0, long_runs = 0, run_length = 0, novel = 0, previous_match = -2, n_sampled = 0;
         int64_t first = numbered - n_unique;
         for (int64_t i = 0; i < n_unique; i++) {
             int64_t at = base + i;
@@ -651,6 +672,10 @@ static int transform(Encoding *result) {
             run_length = 0;
             novel++;
             if (!skewed || novel % sample) continue;
+            if (x->words) { /* counted below, all at once */
+                sampled[n_sampled++] = x->gap_words[at];
+                continue;
+            }
             row_ids(x, at, values); /* the plain gaps' bytes, then the ranked ones' */
             for (int64_t c = 0; c < k; c++) {
                 int64_t g = c == 0 ? values[0] : values[c] - values[c - 1] - 1;
@@ -662,6 +687,12 @@ static int transform(Encoding *result) {
                 literals[512 + (values[c] & 255)]++;
                 if (!x->words) literals[768 + ((values[c] >> 8) & 255)]++;
             }
+        }
+        if (n_sampled) { /* the words' plain gaps are their bytes; their ranked gaps come as step 5 makes them */
+            count_bytes(sampled, n_sampled, literals);
+            map_and_sort_rows(sampled, sampled, n_sampled, lookup, E);
+            for (int64_t i = 0; i < n_sampled; i++) sampled[i] = word_gaps(sampled[i]);
+            count_bytes(sampled, n_sampled, literals + 512);
         }
         /* 4. A dictionary of the layer's distinct rows when naming them costs less than zstd's matches would. */
         if (novel < n_unique && novel <= MAX_ENTRIES && x->dictionaries != NEVER) {
@@ -695,8 +726,6 @@ static int transform(Encoding *result) {
         x->modes[j] |= 1;
         for (int64_t e = 0; e < E; e++) x->tables[j * E + e] = order[e];
         if (x->words) { /* every row is a set (exceptions hold a placeholder): lanes mapped to ranks, sorted, gaps */
-            uint8_t lookup[256] = {0};
-            for (int64_t e = 0; e < E && e < 256; e++) lookup[e] = (uint8_t)rank_of[e];
             uint64_t *rows = x->gap_words + base;
             map_and_sort_rows(rows, rows, unique - base, lookup, E);
             for (int64_t i = 0; i < unique - base; i++) rows[i] = word_gaps(rows[i]);
@@ -722,6 +751,7 @@ done:
     free(ranks);
     free(entry_gaps);
     free(entry_words);
+    free(sampled);
     return status;
 }
 
