@@ -16,6 +16,7 @@ the model's. It runs on local disk and on a real S3 server (moto over HTTP) behi
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -84,6 +85,9 @@ class Faults:
     """Creates still to lose on local disk."""
     failed_uploads_local: int = 0
     """Part uploads still to fail on local disk (after writing their files, before the fsyncs)."""
+    disk_full_local: int = 0
+    """Shard writes still to find the local disk full (local disk only: a build writes its shards to their files
+    as it compresses them); armed for one flush at a time."""
     proxy: Any = None
     fired: dict[str, int] = field(default_factory=dict)
 
@@ -93,6 +97,11 @@ class Faults:
         if self.proxy is not None:
             return bool(self.proxy.pending > 0)
         return self.lost_local > 0 or self.failed_uploads_local > 0
+
+    def fill_the_disk(self) -> None:
+        """The next shard a writer in this process writes finds the disk full."""
+        self.disk_full_local += 1
+        self.fired["disk_full"] = self.fired.get("disk_full", 0) + 1
 
     def fail_next_upload(self, rst: bool) -> None:
         """The next part upload fails midway and is retried: on S3 the proxy takes a part object's PUT and drops
@@ -313,6 +322,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             return
         expected_commit, present, refused = self._flush_outcome(writer)
         before = len(writer.real.commits) if isinstance(writer.real, StepWriter) else 0
+        disk_full = self.faults.disk_full_local
         error: WriterError | None = None
         try:
             if close:
@@ -321,6 +331,11 @@ class ProtocolMachine(RuleBasedStateMachine):
                 writer.real.flush()
         except WriterError as exc:
             error = exc
+        if self.faults.disk_full_local < disk_full:  # this flush's part found the disk full: nothing of it commits
+            self._count("disk_full_fired")
+            assert error is not None and "no space left" in str(error), error
+            expected_commit, present = None, []
+            refused = {sid: "disk full" for sid, _ in writer.pending}
         if close:
             del self.writers[writer_id]
         if refused:
@@ -605,6 +620,38 @@ class ProtocolMachine(RuleBasedStateMachine):
         self._count("failed_upload")
         self.faults.fail_next_upload(rst)
 
+    @precondition(
+        lambda self: (
+            self.faults.proxy is None
+            and not self.faults.armed
+            and not self.intent
+            and not self.model.view().sealed
+            and any(w.in_process for w in self.writers.values())
+        )
+    )
+    @rule(data=st.data(), variant=st.integers(0, VARIANTS - 1))
+    def flush_to_a_full_disk(self, data: st.DataObject, variant: int) -> None:
+        """A writer's flush finds the disk full as its part's shard is written: the flush commits nothing and
+        reports every record it held with the storage's typed error, and the writer goes on (space is back). The
+        disk is full for this flush only (a part whose rows all lie in earlier parts writes no shard)."""
+        usable = sorted(w for w, m in self.writers.items() if m.in_process and set(SAMPLES) - m.appended)
+        if not usable:  # every in-process writer appended every sample: none may append one again
+            return
+        writer = self.writers[data.draw(st.sampled_from(usable))]
+        now = self.model.view()
+        fresh = [sid for sid in SAMPLES if sid not in now.live and sid not in writer.appended]
+        if not fresh:  # every other sample is live: drop one, so that the writer has a record to write (not present)
+            sample = data.draw(st.sampled_from(sorted(set(now.live) - writer.appended)))
+            self._record_drop(self.store.drop(STEP, sample_ids=[sample]).drop, sample_ids={sample})
+            fresh = [sample]
+        self._append(writer, data.draw(st.sampled_from(fresh)), variant)
+        self._count("disk_full")
+        self.faults.fill_the_disk()
+        try:
+            self._flush(writer.writer_id, close=False)
+        finally:
+            self.faults.disk_full_local = 0
+
     # -- checks ----------------------------------------------------------------------------------------------------
     def _open_store(self) -> routelog.Store:
         return routelog.open_store(self.url, storage_options=self.storage_options)
@@ -719,6 +766,14 @@ def local_machine(tmp_path: Path) -> Iterator[type[ProtocolMachine]]:
         return faults[-1]
 
     original_write = routelog.store.storage._write_new_files
+    original_flush = routelog.store.storage.FileSink._flush
+
+    def flush_shard(sink: routelog.store.storage.FileSink) -> None:
+        current = faults[-1] if faults else None
+        if current is not None and current.disk_full_local:
+            current.disk_full_local -= 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        original_flush(sink)
 
     def write_new_files(files: Any) -> None:
         original_write(files)
@@ -729,6 +784,7 @@ def local_machine(tmp_path: Path) -> Iterator[type[ProtocolMachine]]:
 
     routelog.store.storage._create_file = create_file  # type: ignore[assignment]
     routelog.store.storage._write_new_files = write_new_files  # type: ignore[assignment]
+    routelog.store.storage.FileSink._flush = flush_shard  # type: ignore[method-assign]
     roots = Path(tempfile.mkdtemp(dir=tmp_path))
 
     class LocalMachine(ProtocolMachine):
@@ -740,6 +796,7 @@ def local_machine(tmp_path: Path) -> Iterator[type[ProtocolMachine]]:
     finally:
         routelog.store.storage._create_file = original  # type: ignore[assignment]
         routelog.store.storage._write_new_files = original_write  # type: ignore[assignment]
+        routelog.store.storage.FileSink._flush = original_flush  # type: ignore[method-assign]
         shutil.rmtree(roots, ignore_errors=True)
 
 

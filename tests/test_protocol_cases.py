@@ -532,6 +532,35 @@ def test_timestamps_without_an_offset_are_read_as_utc(tmp_path: Path) -> None:
     assert verify_store(reopened).ok
 
 
+def test_a_full_disk_while_a_part_is_built_fails_its_records_with_a_typed_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On local disk a part's shard goes to its file as it is compressed: a full disk there fails the part's
+    records with the storage's typed error (not as records that cannot be stored), commits nothing, and the writer
+    goes on once there is space again."""
+    url, store = _store(tmp_path)
+    _write(store, "a", _records("s0"))
+
+    def full(*args: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    writer = store.writer(0, "b")
+    for record in _records("s1", "s2"):
+        writer.append(record)
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(WriterError, match="no space left on the device") as failed:
+        writer.flush()
+    assert sorted(failed.value.sample_ids) == ["s1", "s2"]
+    assert isinstance(failed.value.__cause__, StoreError) and "routelog gc" in str(failed.value.__cause__)
+    assert routelog.open_store(url).step(0).sample_ids == ["s0"]
+    monkeypatch.undo()
+    for record in _records("s1", "s2"):  # nothing of them was kept: they are appended again
+        writer.append(record)
+    writer.close()
+    assert sorted(_reads(url)) == ["s0", "s1", "s2"]
+    assert verify_store(routelog.open_store(url)).ok
+
+
 @pytest.mark.parametrize("operation", ["drop", "seal"])
 def test_a_full_disk_in_drop_and_seal_is_a_typed_error_that_changes_nothing(tmp_path: Path, operation: str) -> None:
     url, store = _store(tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import queue
+import tempfile
 import threading
 import uuid
 import weakref
@@ -24,7 +25,7 @@ from routelog.format.dedup import PrefixIndex
 from routelog.format.part import build_part
 from routelog.format.record import PreparedRecord, prepare_record
 from routelog.format.row_blocks import RowBlocks
-from routelog.format.shard import encode_shard, encode_shards
+from routelog.format.shard import WrittenFile, encode_shard, encode_shards
 from routelog.store.storage import WRITE_PIECE_BYTES, MappedBody, Storage
 from routelog.store.writer import HELD_FLUSHES
 from routelog.synth import synthetic_spec
@@ -122,8 +123,13 @@ def test_a_part_encodes_from_its_records_blocks_to_the_bytes_of_one_array(data: 
     """Chunks gathered across the records' own arrays, by a build that keeps them or one that consumes them, are
     stored as the same bytes as the chunks of one concatenated array."""
     spec = synthetic_spec(layers=data.draw(st.integers(1, 9)), experts=32, topk=4)
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
-    records = _prepared(rng, data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=5)), spec)
+    seed = data.draw(st.integers(0, 2**16))
+    sizes = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=5))
+
+    def prepared() -> list[PreparedRecord]:
+        return _prepared(np.random.default_rng(seed), sizes, spec)
+
+    records = prepared()
     chunk_layers = data.draw(st.integers(1, 4))
     options = PartOptions(
         chunk_rows=data.draw(st.sampled_from([8, 16, 64])),
@@ -139,8 +145,28 @@ def test_a_part_encodes_from_its_records_blocks_to_the_bytes_of_one_array(data: 
     one_array = arrays(build_part(_one_record(records, spec), spec, options).objects)
     assert arrays(build_part(records, spec, options).objects) == one_array
     assert not any(r.released for r in records), "a build that does not consume leaves the records whole"
+    copies = prepared()
     assert arrays(build_part(records, spec, options, consume=True).objects) == one_array
     assert all(r.released and r.rows.shape[1] == 0 for r in records), "the consuming build took their rows"
+    # written to their files as they are compressed: the same bytes, none held, the rows let go as they go
+    with tempfile.TemporaryDirectory() as root:
+        storage = Storage.open(root)
+        released: list[int] = []
+        built = build_part(
+            copies,
+            spec,
+            options,
+            consume=True,
+            sink=lambda key, capacity, start: storage.file_sink(f"part/{key}", start),
+            on_release=released.append,
+        )
+        shards = {key: data for key, data in built.objects.items() if key.startswith("routing/c")}
+        assert shards and all(isinstance(data, WrittenFile) for data in shards.values())
+        assert {key: storage.read(f"part/{key}") for key in shards} == {key: one_array[key] for key in shards}
+        assert built.memory_nbytes == sum(len(v) for k, v in built.objects.items() if k not in shards)
+        assert sum(released) == sum(r.raw_nbytes for r in copies), "every row is let go, and told"
+        in_memory = build_part(prepared(), spec, options)
+        assert built.object_infos() == in_memory.object_infos(), "the commit names the same objects and digests"
 
 
 def test_encode_shard_of_an_array_is_one_of_encode_shards() -> None:

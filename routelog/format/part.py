@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,6 +46,8 @@ from routelog.format.record import PreparedRecord
 from routelog.format.row_blocks import RowBlocks
 from routelog.format.shard import (
     ShardLayout,
+    SinkFactory,
+    WrittenFile,
     encode_shards,
 )
 from routelog.format.spec import ModelSpec
@@ -106,8 +108,9 @@ class PartOptions:
 class BuiltPart:
     """The bytes of one part, ready to upload, and what its commit will say about them."""
 
-    objects: dict[str, bytes | mapped.Bytes]
-    """Keys relative to the part directory (a shard is mapped, see :mod:`routelog.format.mapped`)."""
+    objects: dict[str, bytes | mapped.Bytes | WrittenFile]
+    """Keys relative to the part directory (a shard is mapped, see :mod:`routelog.format.mapped`, or already in its
+    local file)."""
     routing: RoutingArrayInfo
     rows: list[IndexRow]
     n_tokens: int
@@ -119,10 +122,16 @@ class BuiltPart:
     was committed (``committed``) or not (``abandon``)."""
 
     def object_infos(self) -> list[ObjectInfo]:
-        return [
-            ObjectInfo(key=key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
-            for key, data in sorted(self.objects.items())
-        ]
+        return [ObjectInfo(key=key, size=len(data), sha256=_sha256(data)) for key, data in sorted(self.objects.items())]
+
+    @property
+    def memory_nbytes(self) -> int:
+        """Bytes of the objects held in memory (a written file's are on disk)."""
+        return sum(len(data) for data in self.objects.values() if not isinstance(data, WrittenFile))
+
+
+def _sha256(data: bytes | mapped.Bytes | WrittenFile) -> str:
+    return data.sha256() if isinstance(data, WrittenFile) else hashlib.sha256(data).hexdigest()
 
 
 def build_part(
@@ -133,6 +142,8 @@ def build_part(
     key: str = "",
     *,
     consume: bool = False,
+    sink: SinkFactory | None = None,
+    on_release: Callable[[int], None] | None = None,
 ) -> BuiltPart:
     """Concatenate the records' stored rows into one sharded zarr array (and one per extra stream the records
     carry, and one of routing weights when some record has them) and write their Parquet index.
@@ -143,7 +154,11 @@ def build_part(
 
     ``consume``: the records' routing rows are the caller's to give up (a writer's buffer). Unless the prefix index
     keeps them to compare against, the build then takes them from the records and gives each layer chunk's back to
-    the OS once compressed: the part's raw rows are never copied, and shrink as its objects grow."""
+    the OS once compressed: the part's raw rows are never copied, and shrink as its objects grow; ``on_release`` is
+    told how many bytes of them each layer chunk gave back.
+
+    ``sink`` makes the sink of each shard object (keyed relative to the part; by default a mapped buffer): a writer
+    to local disk writes shards to their files as they are compressed."""
     routing = PartRows(spec.num_moe_layers, spec.topk, spec.id_dtype, options.weights_dtype)
     if options.dedup == "off":
         prefixes = None
@@ -153,7 +168,7 @@ def build_part(
         raise ValueError("build_part: a part placed in a shared prefix index needs its key")
     part_id = None if prefixes is None else prefixes.begin_part(routing, key)
     try:
-        return _build(records, spec, options, routing, prefixes, part_id, consume)
+        return _build(records, spec, options, routing, prefixes, part_id, consume, sink, on_release)
     except BaseException:
         if prefixes is not None and part_id is not None:
             prefixes.abandon(part_id)
@@ -168,6 +183,8 @@ def _build(
     prefixes: PrefixIndex | None,
     part_id: int | None,
     consume: bool,
+    sink: SinkFactory | None,
+    on_release: Callable[[int], None] | None,
 ) -> BuiltPart:
     rows: list[IndexRow] = []
     stream_offsets: dict[str, int] = {}
@@ -192,8 +209,8 @@ def _build(
     if consume and not kept:  # nothing compares against them later
         for rec in records:
             rec.release_routing()
-        routing.ids.consume()
-    objects: dict[str, bytes | mapped.Bytes] = {}
+        routing.ids.consume(on_release)
+    objects: dict[str, bytes | mapped.Bytes | WrittenFile] = {}
     attributes = {"num_experts": spec.num_experts, "moe_layers": list(spec.moe_layers)}
     info = _encode_array(
         routing.ids,
@@ -204,6 +221,7 @@ def _build(
         options,
         attributes,
         objects,
+        sink,
     )
     streams_info = {}
     for name in sorted(stream_offsets):
@@ -223,10 +241,11 @@ def _build(
             options,
             {"stream": name, "num_experts": declared.universe},
             objects,
+            sink,
         )
     weights = None
     if routing.weights is not None:
-        weights = _encode_weights(routing.weights, spec, options, objects)
+        weights = _encode_weights(routing.weights, spec, options, objects, sink)
     objects[keys.INDEX] = index_to_parquet(rows)
     names = sorted({name for r in records for name in r.values})
     values = None
@@ -259,7 +278,8 @@ def _encode_array(
     topk: int,
     options: PartOptions,
     attributes: dict[str, Any],
-    objects: dict[str, bytes | mapped.Bytes],
+    objects: dict[str, bytes | mapped.Bytes | WrittenFile],
+    sink: SinkFactory | None = None,
 ) -> RoutingArrayInfo:
     """Encode stored rows ``[layers, rows, topk]`` as one sharded array under ``path``, adding its objects to
     ``objects``; returns its description (with the ``zarr.json`` copy)."""
@@ -285,13 +305,24 @@ def _encode_array(
     metadata = layout_.zarr_metadata(options.zstd_level, {"routelog": {**stamp, **attributes}})
     objects[f"{path}/zarr.json"] = json.dumps(metadata, indent=1).encode()
     if info.n_rows:  # an empty array has no chunk to store
-        for key, shard in encode_shards(rows, layout_, options.zstd_level, to_gaps).items():
+        for key, shard in encode_shards(rows, layout_, options.zstd_level, to_gaps, _under(sink, path)).items():
             objects[f"{path}/{key}"] = shard
     return info.model_copy(update={"zarr_metadata": metadata})
 
 
+def _under(sink: SinkFactory | None, path: str) -> SinkFactory | None:
+    """``sink`` for the objects of the array at ``path`` (its keys are the array's)."""
+    if sink is None:
+        return None
+    return lambda key, capacity, start: sink(f"{path}/{key}", capacity, start)
+
+
 def _encode_weights(
-    data: RowBlocks, spec: ModelSpec, options: PartOptions, objects: dict[str, bytes | mapped.Bytes]
+    data: RowBlocks,
+    spec: ModelSpec,
+    options: PartOptions,
+    objects: dict[str, bytes | mapped.Bytes | WrittenFile],
+    sink: SinkFactory | None = None,
 ) -> WeightsArrayInfo:
     """Encode the part's stored weights ``[layers, rows, topk]`` as the sharded array ``weights``."""
     info = WeightsArrayInfo(
@@ -308,7 +339,7 @@ def _encode_weights(
     metadata = layout_.zarr_metadata(options.zstd_level, attributes)
     objects[f"{info.path}/zarr.json"] = json.dumps(metadata, indent=1).encode()
     if info.n_rows:
-        for key, shard in encode_shards(data, layout_, options.zstd_level).items():
+        for key, shard in encode_shards(data, layout_, options.zstd_level, None, _under(sink, info.path)).items():
             objects[f"{info.path}/{key}"] = shard
     return info.model_copy(update={"zarr_metadata": metadata})
 

@@ -13,6 +13,7 @@ its compressed bytes grow, with no copy.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ class RowBlocks:
         self._blocks: list[npt.NDArray[Any]] = []
         self._starts: list[int] = []
         self._consumed = False
+        self._on_release: Callable[[int], None] | None = None
         self.n = 0
 
     @classmethod
@@ -77,15 +79,21 @@ class RowBlocks:
         runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)
         return np.concatenate([self.rows(int(run[0]), int(run[-1]) + 1) for run in runs], axis=1)
 
-    def consume(self) -> None:
-        """From now on :meth:`release` gives the released layers' memory back: nothing else reads these rows."""
+    def consume(self, on_release: Callable[[int], None] | None = None) -> None:
+        """From now on :meth:`release` gives the released layers' memory back: nothing else reads these rows.
+        ``on_release`` is told how many bytes each release gave back."""
         self._consumed = True
+        self._on_release = on_release
 
     def release(self, layers: slice) -> None:
         """The encoder is done with these layers: their memory goes back to the OS once consumed."""
         if self._consumed:
+            released = 0
             for block in self._blocks:
                 mapped.discard(block[layers])
+                released += block[layers].nbytes
+            if self._on_release is not None:
+                self._on_release(released)
 
     @property
     def nbytes(self) -> int:

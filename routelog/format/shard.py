@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import google_crc32c
 import numpy as np
@@ -46,6 +46,37 @@ import numpy.typing as npt
 from routelog.format import mapped, ranked, zstd_frames
 from routelog.format.ranked import RANKED_CODEC
 from routelog.format.row_blocks import RowBlocks
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """An object a build wrote straight to its local file (:class:`ShardSink`), not held in memory: the upload
+    only makes it durable."""
+
+    path: str
+    size: int
+    sha256: Callable[[], str]
+    """Its digest, read back from the file by the store that wrote it."""
+    new_directories: tuple[str, ...] = ()
+    """Directories the sink created for it, whose entries (and their parents') must be made durable too."""
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class ShardSink(Protocol):
+    """Where a shard's bytes go as they are compressed: a :class:`routelog.format.mapped.Buffer`, or a local file
+    (``routelog.store.storage``'s), so the compressed part is never held in memory."""
+
+    size: int
+
+    def add(self, piece: bytes) -> None: ...
+
+    def finish(self, head: bytes) -> mapped.Bytes | WrittenFile: ...
+
+
+SinkFactory = Callable[[str, int, int], ShardSink]
+"""``(object key, capacity, start) -> sink``: the sink of one shard object (its head, ``start`` bytes, written last)."""
 
 EMPTY = np.uint64(2**64 - 1)
 """Index entry of an inner chunk that was never written (zarr reads it as the fill value 0; routelog refuses it:
@@ -172,21 +203,27 @@ def encode_shards(
     layout: ShardLayout,
     zstd_level: int,
     transform: Callable[[npt.NDArray[Any]], npt.NDArray[Any]] | None = None,
-) -> dict[str, mapped.Bytes]:
+    sink: SinkFactory | None = None,
+) -> dict[str, mapped.Bytes | WrittenFile]:
     """The shard objects for ``stored`` (``[num_layers, n_rows, topk]``, already in stored form, or the blocks it
     was appended in, see :mod:`routelog.format.row_blocks`), by key. ``transform`` maps each chunk's rows to what is
-    stored, in place on a copy."""
+    stored, in place on a copy. ``sink`` makes each shard's sink (by default a mapped buffer)."""
     blocks = RowBlocks.of(stored) if isinstance(stored, np.ndarray) else stored
     span = layout.layers_per_shard
-    return {
-        layout.shard_key(i): _encode_shard(blocks, i * span, layout, zstd_level, transform)
-        for i in range(layout.n_shards)
-    }
+    make = sink or (lambda key, capacity, start: mapped.Buffer(capacity, start))
+    shards: dict[str, mapped.Bytes | WrittenFile] = {}
+    for i in range(layout.n_shards):
+        key = layout.shard_key(i)
+        capacity = layout.index_nbytes + math.prod(layout.grid) * max_piece_nbytes(layout)
+        shard = make(key, capacity, layout.index_nbytes)
+        shards[key] = shard.finish(_encode_shard(blocks, i * span, layout, zstd_level, transform, shard))
+    return shards
 
 
 def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int) -> mapped.Bytes:
     """One shard object for ``stored`` (its layers, at most ``layout.layers_per_shard``, in stored form)."""
-    return _encode_shard(RowBlocks.of(stored), 0, layout, zstd_level, None)
+    buffer = mapped.Buffer(layout.index_nbytes + math.prod(layout.grid) * max_piece_nbytes(layout), layout.index_nbytes)
+    return buffer.finish(_encode_shard(RowBlocks.of(stored), 0, layout, zstd_level, None, buffer))
 
 
 def _encode_shard(
@@ -195,13 +232,14 @@ def _encode_shard(
     layout: ShardLayout,
     zstd_level: int,
     transform: Callable[[npt.NDArray[Any]], npt.NDArray[Any]] | None,
-) -> mapped.Bytes:
-    """The shard holding layers from ``first_layer`` on. Its chunks are appended to the object as they are
-    compressed, after room left for the index: the object is never held twice (joining the pieces would, for a
-    moment, take a second copy of the whole shard), and it is mapped (:mod:`routelog.format.mapped`)."""
+    shard: ShardSink,
+) -> bytes:
+    """The chunks of the shard holding layers from ``first_layer`` on, added to ``shard`` as they are compressed
+    (after room left for the index), and the shard's head, its index, to finish it with: the object is never held
+    twice (joining the pieces would, for a moment, take a second copy of the whole shard), and held in a mapping
+    (:mod:`routelog.format.mapped`) or not at all (a file)."""
     grid = layout.grid
     index = np.zeros((*grid, 2), dtype="<u8")
-    shard = mapped.Buffer(layout.index_nbytes + math.prod(grid) * max_piece_nbytes(layout), layout.index_nbytes)
     cl, cr = layout.chunk_layers, layout.chunk_rows
     last_layer = min(blocks.layers, first_layer + layout.layers_per_shard)
     dtype = layout.dtype.newbyteorder("<")
@@ -229,7 +267,7 @@ def _encode_shard(
             index[lc, rc] = (offset, shard.size - offset)
         blocks.release(layers)
     index_bytes = index.tobytes()
-    return shard.finish(index_bytes + _crc(index_bytes))
+    return index_bytes + _crc(index_bytes)
 
 
 def _padded(block: npt.NDArray[Any], layout: ShardLayout) -> npt.NDArray[Any]:

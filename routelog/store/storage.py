@@ -39,6 +39,7 @@ from fsspec.spec import AbstractFileSystem
 from routelog.errors import CorruptDataError, StoreAccessError, StoreError, StoreUnreachableError, UnsafeKeyError
 from routelog.format import mapped
 from routelog.format.keys import check_key
+from routelog.format.shard import WrittenFile
 
 if TYPE_CHECKING:  # zarr loads on the first zarr store (a fifth of ``import routelog`` otherwise)
     from zarr.storage import FsspecStore
@@ -198,17 +199,22 @@ def _new_directories(directory: str) -> list[str]:
     return changed
 
 
-def _write_new_files(files: Mapping[str, bytes | mapped.Bytes]) -> None:
+def _write_new_files(files: Mapping[str, bytes | mapped.Bytes | WrittenFile]) -> None:
     """Write local files under names nobody else uses (a new part's objects, read only once a later commit names
-    them), durably: each is written in place, then every file and every directory that gained a name is fsynced,
-    concurrently (the filesystem's journal commits them together instead of once each)."""
+    them), durably: each is written in place (a :class:`FileSink`'s already is), then every file and every
+    directory that gained a name is fsynced, concurrently (the filesystem's journal commits them together instead of
+    once each)."""
     directories: set[str] = set()
     descriptors = []
     try:
         for path, data in files.items():
             directory = os.path.dirname(path)
-            directories.update(_new_directories(directory))
             directories.add(directory)
+            if isinstance(data, WrittenFile):
+                directories.update(data.new_directories)
+                descriptors.append(os.open(path, os.O_RDONLY))
+                continue
+            directories.update(_new_directories(directory))
             descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # a retry rewrites it whole
             descriptors.append(descriptor)
             _write_all(descriptor, data)
@@ -294,6 +300,73 @@ def _check_not_a_mistyped_url(url: str) -> None:
         return  # a plain path (a one-letter scheme is a Windows drive)
     path = rest if scheme.lower() in ("file", "local") else rest.lstrip("/")
     raise StoreError(f"{url!r} is no URL: write {scheme}://{path} (a scheme is followed by '://')")
+
+
+class FileSink:
+    """A new local object written as its bytes come (a part's shard as it is compressed, see
+    :class:`routelog.format.shard.ShardSink`), so they are never held in memory: pieces gather into writes of
+    :data:`WRITE_PIECE_BYTES`, and the head, room for which is left at the start, is written last. Made durable by
+    the part's upload (:meth:`Storage.write_many`); a failure is the storage's typed error, the file left to gc."""
+
+    def __init__(self, storage: Storage, key: str, start: int) -> None:
+        self._storage, self._key = storage, key
+        self.path = storage.path(key)
+        self.size = start
+        self._written = start
+        self._pending = bytearray()
+        self._descriptor = -1
+
+        def open_file() -> tuple[str, ...]:
+            created = tuple(_new_directories(os.path.dirname(self.path)))
+            self._descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            return created
+
+        self._new_directories = self._guard(open_file)
+
+    def add(self, piece: bytes) -> None:
+        self._pending += piece
+        self.size += len(piece)
+        if len(self._pending) >= WRITE_PIECE_BYTES:
+            self._guard(self._flush)
+
+    def finish(self, head: bytes) -> WrittenFile:
+        def last() -> None:
+            self._flush()
+            os.pwrite(self._descriptor, head, 0)
+            os.close(self._descriptor)
+            self._descriptor = -1
+
+        self._guard(last)
+        return WrittenFile(self.path, self.size, self._sha256, self._new_directories)
+
+    def _sha256(self) -> str:
+        def digest() -> str:
+            with open(self.path, "rb") as file:  # written moments ago: read back from the page cache
+                return hashlib.file_digest(file, "sha256").hexdigest()
+
+        return self._guard(digest)
+
+    def _flush(self) -> None:
+        with memoryview(self._pending) as pending:  # released before the buffer is cleared
+            done = 0
+            while done < len(pending):
+                with pending[done : done + WRITE_PIECE_BYTES] as piece:
+                    done += os.pwrite(self._descriptor, piece, self._written + done)
+        self._written += done
+        self._pending.clear()
+
+    def _guard(self, fn: Callable[[], T]) -> T:
+        """``fn``, its failure closing the file and raised as the storage's typed error where it has one."""
+        try:
+            return fn()
+        except OSError as exc:
+            if self._descriptor >= 0:
+                os.close(self._descriptor)
+                self._descriptor = -1
+            explained = self._storage._explain(exc, "write", self._key)
+            if explained is None:
+                raise
+            raise explained from exc
 
 
 class MappedBody(io.RawIOBase):
@@ -555,8 +628,9 @@ class Storage:
         else:
             self._call("write", key, lambda: self.fs.pipe_file(path, data))
 
-    def write_many(self, objects: Mapping[str, bytes | mapped.Bytes]) -> None:
-        """Write several uniquely named objects (concurrently on async filesystems), durably."""
+    def write_many(self, objects: Mapping[str, bytes | mapped.Bytes | WrittenFile]) -> None:
+        """Write several uniquely named objects (concurrently on async filesystems), durably (on local disk, objects
+        a :meth:`file_sink` wrote are made durable where they are)."""
         if not objects:
             return
         if self.local:
@@ -564,9 +638,11 @@ class Storage:
             self._call("write", next(iter(objects)), lambda: _write_new_files(paths))
             return
 
-        def body(data: bytes | mapped.Bytes) -> bytes | MappedBody:
+        def body(data: bytes | mapped.Bytes | WrittenFile) -> bytes | MappedBody:
             # botocore takes bytes or a file, not a mapping: S3 reads a mapped shard as a file, in place (a copy
             # as bytes held another shard's worth for the whole upload); other filesystems keep a copy as bytes
+            if isinstance(data, WrittenFile):
+                raise TypeError(f"{data.path} is a local file; {self.url} takes objects in memory")
             if isinstance(data, bytes):
                 return data
             return MappedBody(data) if self.s3 else bytes(data)
@@ -575,6 +651,12 @@ class Storage:
         self._call(
             "write", next(iter(objects)), lambda: self.fs.pipe({self.path(k): body(v) for k, v in objects.items()})
         )
+
+    def file_sink(self, key: str, start: int) -> FileSink:
+        """A sink writing the new object ``key`` to its local file as its bytes come (local stores only)."""
+        if not self.local:
+            raise TypeError(f"{self.url} is not on local disk: its objects are uploaded from memory")
+        return FileSink(self, key, start)
 
     def create(self, key: str, data: bytes) -> bool:
         """Create ``key`` holding ``data`` only if it does not exist; ``False`` when another's object is there.
