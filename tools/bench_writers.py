@@ -403,6 +403,10 @@ def durability(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             capture_output=True,
             cwd=Path(__file__).resolve().parents[1],
         )
+        if (tree / "setup.py").exists():  # its compiled kernels, as an install builds them (else numpy's run)
+            subprocess.run(
+                [sys.executable, "setup.py", "build_ext", "--inplace"], check=True, capture_output=True, cwd=tree
+            )
         sides[f"routelog at {args.baseline_ref}"] = ({**os.environ, "PYTHONPATH": str(tree)}, ())
     rates: dict[str, list[float]] = {name: [] for name in sides}
     try:
