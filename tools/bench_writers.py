@@ -60,11 +60,11 @@ from typing import Any
 
 import numpy as np
 import zstandard
-from benchlib import current_rss_mb, peak_rss_mb, reset_peak_rss
+from benchlib import current_rss_mb, peak_rss_mb, reset_peak_rss, token_dependent_records
 
 import routelog
 from routelog import Record
-from routelog.synth import synth_routing, synthetic_spec, token_dependent_routing, zipf_token_ids
+from routelog.synth import synth_routing, synthetic_spec
 
 ROUTING_KINDS = ("uniform", "skewed", "token-dependent")
 """``--routing``: uniform sets (the least compressible, the default); each layer's experts drawn from a skewed
@@ -76,9 +76,8 @@ def _routing(args: argparse.Namespace, seed: int) -> list[np.ndarray]:
     spec = synthetic_spec(args.layers, 128, 8)
     rng = np.random.default_rng(seed)
     if args.routing == "token-dependent":
-        tokens = zipf_token_ids(rng, args.records * args.tokens, 150_000)
-        routing = token_dependent_routing(rng, tokens, spec)
-        return [np.ascontiguousarray(part) for part in np.split(routing, args.records)]
+        records = token_dependent_records(rng, args.records * args.tokens, spec, 150_000, record_tokens=args.tokens)
+        return [np.ascontiguousarray(record.expert_ids) for record in records]
     popularity = None
     if args.routing == "skewed":
         shared = np.random.default_rng(1000)  # every writer's layers share one popularity, as one model's do

@@ -56,6 +56,22 @@ PRIOR_MODEL = "context model (token), per 4096-row chunk, the part's token table
 COUNT_PRIOR_MODEL = "context model (token), per 4096-row chunk, the part's counts as prior"
 RECENCY = "recent sets per token, zstd-3 per 4096-row chunk"
 RECENCY_PRIOR = "recent sets per token, zstd-3 per 4096-row chunk, the part's counts as prior"
+CANDIDATES = (
+    "format 2",
+    "token table",
+    "token pair table",
+    "zstd-19 per part",
+    "zstd-19 per chunk, trained dictionary",
+    "context model (token), per part",
+    "context model (token), per 4096-row chunk",
+    "context model (token, layer below), per part",
+    "context model (token, layer below), per 4096-row chunk",
+    PRIOR_MODEL,
+    COUNT_PRIOR_MODEL,
+    RECENCY,
+    RECENCY_PRIOR,
+)
+"""Every model the tool measures, by the name its report gives it."""
 
 
 def set_items(rows: np.ndarray) -> np.ndarray:
@@ -296,24 +312,7 @@ def measure(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
     every = [r for records in steps for r in records]
     routed = routed_rows(every)
     token_layers = routed.shape[0] * routed.shape[1]
-    totals = dict.fromkeys(
-        (
-            "format 2",
-            "token table",
-            "token pair table",
-            "zstd-19 per part",
-            "zstd-19 per chunk, trained dictionary",
-            "context model (token), per part",
-            "context model (token), per 4096-row chunk",
-            "context model (token, layer below), per part",
-            "context model (token, layer below), per 4096-row chunk",
-            PRIOR_MODEL,
-            COUNT_PRIOR_MODEL,
-            RECENCY,
-            RECENCY_PRIOR,
-        ),
-        0.0,
-    )
+    totals = dict.fromkeys(CANDIDATES, 0.0)
     predicted = {"token table": 0, "token pair table": 0}
     stored_token_layers = 0
     for rows, tokens, before in stored_parts(url):

@@ -237,6 +237,19 @@ static inline __m128i two_rows(const uint8_t *src, int64_t i, int64_t stride) {
                               _mm_loadl_epi64((const __m128i *)(src + (i + 1) * stride)));
 }
 
+/* Eight registers out0..out7 from x0..x7 by LO and HI (an unpack's low and high halves) of the pairs of registers
+ * one apart (0, 1), (2, 3), (4, 5), (6, 7); two apart (0, 2), (1, 3), (4, 6), (5, 7); or four apart (0, 4) .. (3, 7):
+ * the stages of the 16 x 8 byte transpose. */
+#define UNPACK_NEIGHBOURS(out, x, LO, HI)                                                                    \
+    __m128i out##0 = LO(x##0, x##1), out##1 = HI(x##0, x##1), out##2 = LO(x##2, x##3), out##3 = HI(x##2, x##3), \
+            out##4 = LO(x##4, x##5), out##5 = HI(x##4, x##5), out##6 = LO(x##6, x##7), out##7 = HI(x##6, x##7)
+#define UNPACK_TWO_APART(out, x, LO, HI)                                                                     \
+    __m128i out##0 = LO(x##0, x##2), out##1 = HI(x##0, x##2), out##2 = LO(x##1, x##3), out##3 = HI(x##1, x##3), \
+            out##4 = LO(x##4, x##6), out##5 = HI(x##4, x##6), out##6 = LO(x##5, x##7), out##7 = HI(x##5, x##7)
+#define UNPACK_FOUR_APART(out, x, LO, HI)                                                                    \
+    __m128i out##0 = LO(x##0, x##4), out##1 = HI(x##0, x##4), out##2 = LO(x##1, x##5), out##3 = HI(x##1, x##5), \
+            out##4 = LO(x##2, x##6), out##5 = HI(x##2, x##6), out##6 = LO(x##3, x##7), out##7 = HI(x##3, x##7)
+
 /* Sixteen rows of eight uint8, the i-th at src + i * stride, sorted into dst (128 contiguous bytes; dst may be src
  * when stride is 8); repeated IDs and the largest ID seen accumulate in duplicate and top. */
 static inline void sort_sixteen_u8(const uint8_t *src, int64_t stride, uint8_t *dst, __m128i *duplicate,
@@ -245,48 +258,35 @@ static inline void sort_sixteen_u8(const uint8_t *src, int64_t stride, uint8_t *
             r3 = two_rows(src, 6, stride), r4 = two_rows(src, 8, stride), r5 = two_rows(src, 10, stride),
             r6 = two_rows(src, 12, stride), r7 = two_rows(src, 14, stride);
     /* rows (2i, 2i + 1) in r_i -> bytes of rows (0, 2), (1, 3), (4, 6), .. interleaved per position */
-    __m128i b0 = _mm_unpacklo_epi8(r0, r1), b1 = _mm_unpackhi_epi8(r0, r1), b2 = _mm_unpacklo_epi8(r2, r3),
-            b3 = _mm_unpackhi_epi8(r2, r3), b4 = _mm_unpacklo_epi8(r4, r5), b5 = _mm_unpackhi_epi8(r4, r5),
-            b6 = _mm_unpacklo_epi8(r6, r7), b7 = _mm_unpackhi_epi8(r6, r7);
+    UNPACK_NEIGHBOURS(b, r, _mm_unpacklo_epi8, _mm_unpackhi_epi8);
     /* -> positions 0-3 and 4-7 of rows (0, 2, 4, 6), (1, 3, 5, 7), (8, .., 14), (9, .., 15) */
-    __m128i c0 = _mm_unpacklo_epi16(b0, b2), c1 = _mm_unpackhi_epi16(b0, b2), c2 = _mm_unpacklo_epi16(b1, b3),
-            c3 = _mm_unpackhi_epi16(b1, b3), c4 = _mm_unpacklo_epi16(b4, b6), c5 = _mm_unpackhi_epi16(b4, b6),
-            c6 = _mm_unpacklo_epi16(b5, b7), c7 = _mm_unpackhi_epi16(b5, b7);
+    UNPACK_TWO_APART(c, b, _mm_unpacklo_epi16, _mm_unpackhi_epi16);
     /* -> positions (0, 1), (2, 3), (4, 5), (6, 7) of the even rows, then of the odd rows */
-    __m128i d0 = _mm_unpacklo_epi32(c0, c4), d1 = _mm_unpackhi_epi32(c0, c4), d2 = _mm_unpacklo_epi32(c1, c5),
-            d3 = _mm_unpackhi_epi32(c1, c5), d4 = _mm_unpacklo_epi32(c2, c6), d5 = _mm_unpackhi_epi32(c2, c6),
-            d6 = _mm_unpacklo_epi32(c3, c7), d7 = _mm_unpackhi_epi32(c3, c7);
+    UNPACK_FOUR_APART(d, c, _mm_unpacklo_epi32, _mm_unpackhi_epi32);
     /* -> one register per position: its byte of the even rows, then of the odd rows */
-    __m128i a0 = _mm_unpacklo_epi64(d0, d4), a1 = _mm_unpackhi_epi64(d0, d4), a2 = _mm_unpacklo_epi64(d1, d5),
-            a3 = _mm_unpackhi_epi64(d1, d5), a4 = _mm_unpacklo_epi64(d2, d6), a5 = _mm_unpackhi_epi64(d2, d6),
-            a6 = _mm_unpacklo_epi64(d3, d7), a7 = _mm_unpackhi_epi64(d3, d7);
+    UNPACK_FOUR_APART(a, d, _mm_unpacklo_epi64, _mm_unpackhi_epi64);
     NETWORK_BY(MIN_MAX_U8X16);
     *duplicate = _mm_or_si128(*duplicate, _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(a0, a1), _mm_cmpeq_epi8(a1, a2)),
                                                      _mm_or_si128(_mm_cmpeq_epi8(a2, a3), _mm_cmpeq_epi8(a3, a4))));
     *duplicate = _mm_or_si128(*duplicate, _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(a4, a5), _mm_cmpeq_epi8(a5, a6)),
                                                      _mm_cmpeq_epi8(a6, a7)));
     *top = _mm_max_epu8(*top, a7);
-    __m128i *out = (__m128i *)dst;
     /* back: positions (0, 1), (2, 3), .. interleaved per row, then 4 positions, then whole rows of eight */
-    b0 = _mm_unpacklo_epi8(a0, a1); b1 = _mm_unpackhi_epi8(a0, a1); b2 = _mm_unpacklo_epi8(a2, a3);
-    b3 = _mm_unpackhi_epi8(a2, a3); b4 = _mm_unpacklo_epi8(a4, a5); b5 = _mm_unpackhi_epi8(a4, a5);
-    b6 = _mm_unpacklo_epi8(a6, a7); b7 = _mm_unpackhi_epi8(a6, a7);
-    c0 = _mm_unpacklo_epi16(b0, b2); c1 = _mm_unpackhi_epi16(b0, b2); c2 = _mm_unpacklo_epi16(b1, b3);
-    c3 = _mm_unpackhi_epi16(b1, b3); c4 = _mm_unpacklo_epi16(b4, b6); c5 = _mm_unpackhi_epi16(b4, b6);
-    c6 = _mm_unpacklo_epi16(b5, b7); c7 = _mm_unpackhi_epi16(b5, b7);
-    /* c0: rows 0, 2, 4, 6 (positions 0-3), c4: the same rows' positions 4-7; c1: rows 8-14, c2: rows 1-7, c3: 9-15 */
-    d0 = _mm_unpacklo_epi32(c0, c4); d1 = _mm_unpackhi_epi32(c0, c4); d2 = _mm_unpacklo_epi32(c1, c5);
-    d3 = _mm_unpackhi_epi32(c1, c5); d4 = _mm_unpacklo_epi32(c2, c6); d5 = _mm_unpackhi_epi32(c2, c6);
-    d6 = _mm_unpacklo_epi32(c3, c7); d7 = _mm_unpackhi_epi32(c3, c7);
-    /* d0: rows 0, 2; d1: 4, 6; d2: 8, 10; d3: 12, 14; d4: 1, 3; d5: 5, 7; d6: 9, 11; d7: 13, 15 */
-    _mm_storeu_si128(out, _mm_unpacklo_epi64(d0, d4));
-    _mm_storeu_si128(out + 1, _mm_unpackhi_epi64(d0, d4));
-    _mm_storeu_si128(out + 2, _mm_unpacklo_epi64(d1, d5));
-    _mm_storeu_si128(out + 3, _mm_unpackhi_epi64(d1, d5));
-    _mm_storeu_si128(out + 4, _mm_unpacklo_epi64(d2, d6));
-    _mm_storeu_si128(out + 5, _mm_unpackhi_epi64(d2, d6));
-    _mm_storeu_si128(out + 6, _mm_unpacklo_epi64(d3, d7));
-    _mm_storeu_si128(out + 7, _mm_unpackhi_epi64(d3, d7));
+    UNPACK_NEIGHBOURS(e, a, _mm_unpacklo_epi8, _mm_unpackhi_epi8);
+    UNPACK_TWO_APART(f, e, _mm_unpacklo_epi16, _mm_unpackhi_epi16);
+    /* f0: rows 0, 2, 4, 6 (positions 0-3), f4: the same rows' positions 4-7; f1: rows 8-14, f2: rows 1-7, f3: 9-15 */
+    UNPACK_FOUR_APART(g, f, _mm_unpacklo_epi32, _mm_unpackhi_epi32);
+    /* g0: rows 0, 2; g1: 4, 6; g2: 8, 10; g3: 12, 14; g4: 1, 3; g5: 5, 7; g6: 9, 11; g7: 13, 15 */
+    UNPACK_FOUR_APART(h, g, _mm_unpacklo_epi64, _mm_unpackhi_epi64);
+    __m128i *out = (__m128i *)dst;
+    _mm_storeu_si128(out, h0);
+    _mm_storeu_si128(out + 1, h1);
+    _mm_storeu_si128(out + 2, h2);
+    _mm_storeu_si128(out + 3, h3);
+    _mm_storeu_si128(out + 4, h4);
+    _mm_storeu_si128(out + 5, h5);
+    _mm_storeu_si128(out + 6, h6);
+    _mm_storeu_si128(out + 7, h7);
 }
 
 /* Whether duplicate or top (sort_sixteen_u8's) saw a repeated ID or one above largest. */

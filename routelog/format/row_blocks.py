@@ -90,8 +90,9 @@ class RowBlocks:
         if self._consumed:
             released = 0
             for block in self._blocks:
-                mapped.discard(block[layers])
-                released += block[layers].nbytes
+                done = block[layers]
+                mapped.discard(done)
+                released += done.nbytes
             if self._on_release is not None:
                 self._on_release(released)
 

@@ -210,20 +210,26 @@ def encode_shards(
     stored, in place on a copy. ``sink`` makes each shard's sink (by default a mapped buffer)."""
     blocks = RowBlocks.of(stored) if isinstance(stored, np.ndarray) else stored
     span = layout.layers_per_shard
-    make = sink or (lambda key, capacity, start: mapped.Buffer(capacity, start))
+    capacity = _max_shard_nbytes(layout)
     shards: dict[str, mapped.Bytes | WrittenFile] = {}
     for i in range(layout.n_shards):
         key = layout.shard_key(i)
-        capacity = layout.index_nbytes + math.prod(layout.grid) * max_piece_nbytes(layout)
-        shard = make(key, capacity, layout.index_nbytes)
+        shard = (
+            mapped.Buffer(capacity, layout.index_nbytes) if sink is None else sink(key, capacity, layout.index_nbytes)
+        )
         shards[key] = shard.finish(_encode_shard(blocks, i * span, layout, zstd_level, transform, shard))
     return shards
 
 
 def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int) -> mapped.Bytes:
     """One shard object for ``stored`` (its layers, at most ``layout.layers_per_shard``, in stored form)."""
-    buffer = mapped.Buffer(layout.index_nbytes + math.prod(layout.grid) * max_piece_nbytes(layout), layout.index_nbytes)
+    buffer = mapped.Buffer(_max_shard_nbytes(layout), layout.index_nbytes)
     return buffer.finish(_encode_shard(RowBlocks.of(stored), 0, layout, zstd_level, None, buffer))
+
+
+def _max_shard_nbytes(layout: ShardLayout) -> int:
+    """The most bytes one shard object can take: its index and every chunk at its largest."""
+    return layout.index_nbytes + math.prod(layout.grid) * max_piece_nbytes(layout)
 
 
 def _encode_shard(

@@ -158,11 +158,20 @@ shard written with fsync took 8-10 ms in pieces of 64-512 KiB and 34-37 ms in pi
 (medians of 10, alternating): calls from 1 MiB up take a slower path through the kernel."""
 
 
-def _write_all(descriptor: int, data: bytes | mapped.Bytes) -> None:
-    """Write all of ``data`` to the open file ``descriptor``, :data:`WRITE_PIECE_BYTES` at a time."""
+def _write_all(descriptor: int, data: bytes | bytearray | mapped.Bytes) -> None:
+    """Write all of ``data`` to the open file ``descriptor`` at its position, :data:`WRITE_PIECE_BYTES` at a time."""
     view = memoryview(data).cast("B")
     while view:
         view = view[os.write(descriptor, view[:WRITE_PIECE_BYTES]) :]
+
+
+def _write_durably(descriptor: int, data: bytes) -> None:
+    """Write all of ``data`` to the new file ``descriptor``, fsync it and close it."""
+    try:
+        _write_all(descriptor, data)
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _fsync_directory(path: str) -> None:
@@ -232,11 +241,7 @@ def _durable_temporary(directory: str, name: str, data: bytes) -> str:
     temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any file
     try:
-        try:
-            _write_all(descriptor, data)
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        _write_durably(descriptor, data)
     except BaseException:
         os.unlink(temporary)
         raise
@@ -271,12 +276,7 @@ def _create_file(path: str, data: bytes) -> None:
         except OSError as exc:
             if exc.errno not in _NO_HARD_LINKS:  # FileExistsError among them: the name is taken
                 raise
-            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            try:
-                _write_all(descriptor, data)
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
+            _write_durably(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), data)
     finally:
         os.unlink(temporary)
     _fsync_directory(directory)
@@ -312,13 +312,13 @@ class FileSink:
         self._storage, self._key = storage, key
         self.path = storage.path(key)
         self.size = start
-        self._written = start
         self._pending = bytearray()
         self._descriptor = -1
 
         def open_file() -> tuple[str, ...]:
             created = tuple(_new_directories(os.path.dirname(self.path)))
             self._descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            os.lseek(self._descriptor, start, os.SEEK_SET)  # the pieces follow the room left for the head
             return created
 
         self._new_directories = self._guard(open_file)
@@ -347,12 +347,7 @@ class FileSink:
         return self._guard(digest)
 
     def _flush(self) -> None:
-        with memoryview(self._pending) as pending:  # released before the buffer is cleared
-            done = 0
-            while done < len(pending):
-                with pending[done : done + WRITE_PIECE_BYTES] as piece:
-                    done += os.pwrite(self._descriptor, piece, self._written + done)
-        self._written += done
+        _write_all(self._descriptor, self._pending)
         self._pending.clear()
 
     def _guard(self, fn: Callable[[], T]) -> T:
