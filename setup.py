@@ -18,6 +18,11 @@ FLAGS = [] if sys.platform == "win32" else ["-O3", "-ffp-contract=off", "-std=c1
 setup(
     ext_modules=[
         Extension(name, [f"{name.replace('.', '/')}.c"], extra_compile_args=FLAGS, optional=True)
-        for name in ("routelog.format._ckernels", "routelog.format._cthrift", "routelog.audit._ckernels")
+        for name in (
+            "routelog.format._ckernels",
+            "routelog.format._ccontext",
+            "routelog.format._cthrift",
+            "routelog.audit._ckernels",
+        )
     ]
 )

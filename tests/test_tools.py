@@ -73,16 +73,22 @@ def test_bench_codec_reports_every_layout() -> None:
     archives = report["archive"]
     assert [name.split(",")[0] for name in archives] == ["token-dependent", "token-dependent", "uniform 8 layers"]
     for name, data in archives.items():
-        assert data["store_every_byte"] > data["store_routing"] > 0 and data["zstd3_whole_routing"] > 0
         assert (data["zstd19_token_ids"] is None) == name.startswith("uniform"), "uniform records carry no tokens"
         tokens = data["zstd19_token_ids"] or 0.0
-        assert data["store_every_byte_vs_zstd19_routing_and_tokens"] == pytest.approx(
-            data["store_every_byte"] / (data["zstd19_whole_routing"] + tokens)
-        )
+        for transform in ("ranked_context", "ranked_gaps"):
+            store = data[transform]
+            assert store["store_every_byte"] > store["store_routing"] > 0 and data["zstd3_whole_routing"] > 0
+            assert store["store_every_byte_vs_zstd19_routing_and_tokens"] == pytest.approx(
+                store["store_every_byte"] / (data["zstd19_whole_routing"] + tokens)
+            )
+            assert store["write_MBps"] > 0 and store["read_MBps"] > 0
+        if not name.startswith("uniform"):
+            assert data["ranked_context"]["store_routing"] < data["ranked_gaps"]["store_routing"], "it learns tokens"
     goals = {(row["dataset"], row["goal"]): row for row in report["verdict"] if row["dataset"] in archives}
     assert len(goals) == 4, "both goals on each token-dependent set; uniform routing has no archive goal"
     for row in goals.values():
         assert row["judged"] and row["met"] == (row["value"] <= row["limit"])
+        assert row["value"] < row["ranked_gaps"], "judged on the context codec, format 2 beside it"
 
 
 def test_schemas_are_current() -> None:
@@ -336,13 +342,18 @@ def test_the_archive_comparison_counts_every_object_of_the_store() -> None:
     assert [len(r.token_ids) for r in records] == [256, 256, 88]
     result = bench_codec.archive([records[:2], records[2:]], spec)
     assert result["token_layers"] == 600 * 3
-    store = routelog.open_store(result["store"])
-    assert store.steps() == [0, 1] and len(store.step(1).sample_ids) == 1
-    storage = store.storage
-    listed = {path: storage.fs.size(path) for path in storage.fs.find(storage.root)}
-    assert sum("/log/" in path for path in listed) >= 2, "each step's log is counted"
-    assert result["store_every_byte"] == pytest.approx(sum(listed.values()) / 1800)
-    assert 0 < result["store_routing"] < result["store_every_byte"]
+    for transform in ("ranked_context", "ranked_gaps"):
+        written = result[transform]
+        store = routelog.open_store(written["store"])
+        assert store.steps() == [0, 1] and len(store.step(1).sample_ids) == 1
+        assert {c.routing.transform for c in store.step(0).commits} == {transform}
+        storage = store.storage
+        listed = {path: storage.fs.size(path) for path in storage.fs.find(storage.root)}
+        assert sum("/log/" in path for path in listed) >= 2, "each step's log is counted"
+        assert written["store_every_byte"] == pytest.approx(sum(listed.values()) / 1800)
+        routing = sum(size for path, size in listed.items() if "/routing/" in path)
+        assert written["store_routing"] == pytest.approx(routing / 1800) and routing < sum(listed.values())
+    assert not any(path.endswith("/routing/model") for path in listed), "format 2 stores no model"
 
 
 def test_token_dependent_routing_takes_each_tokens_preferred_set() -> None:

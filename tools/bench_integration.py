@@ -20,10 +20,13 @@ What a rank reads beyond its share: the inner chunks at the edges of each of its
 a sequence is a few ranges; on average one chunk per range more, so ``chunk_rows`` small next to the ranges), and
 the chunk indexes of the shards it touches, read whole (16 bytes per inner chunk of every layer a shard holds: with
 one shard per part array a stage reads every stage's entries; ``PartOptions(shard_layers=...)`` gives each stage
-its own). Stores compared (``--variants``): 4096-row chunks (the default), 256, and 128 with one shard per stage.
+its own). Stores compared (``--variants``): 4096-row chunks (the default), 256, and 128 with one shard per stage;
+``:context`` writes a variant with the ``ranked_context`` codec, whose rank also reads the models of its layers
+(counted with the routing bytes). The routing is uniform, or with ``--routing token-dependent`` sets that depend on
+the token (a 150k Zipf vocabulary): where ``ranked_context`` has something to learn, and its models to read.
 
-    python tools/bench_integration.py [--json] [--quick] [--variants ROWS[:stage] ...]
-                                      [--records N --tokens T --layers L]
+    python tools/bench_integration.py [--json] [--quick] [--variants ROWS[:stage][:context] ...]
+                                      [--records N --tokens T --layers L] [--routing uniform|token-dependent]
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from benchlib import count_reads, dense_routing, peak_rss_mb
 import routelog
 from routelog import PartOptions, Record
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords, gather
-from routelog.synth import synth_routing, synthetic_spec
+from routelog.synth import synth_routing, synthetic_spec, token_dependent_routing, zipf_token_ids
 
 DP = 4
 LAYOUT = ParallelLayout(tp=2, cp=2, pp=4)
@@ -51,8 +54,11 @@ RANK = RankCoords(tp=1, cp=1, pp=2)
 MICRO_BATCH = 4
 
 
-def prepare(root: Path, records: int, tokens: int, layers: int, variants: list[str]) -> dict[str, Any]:
-    """The step as stores (one per chunk size) and as veRL's dense int16 tensor (a memory map)."""
+def prepare(
+    root: Path, records: int, tokens: int, layers: int, variants: list[str], routing: str = "uniform"
+) -> dict[str, Any]:
+    """The step as stores (one per variant) and as veRL's dense int16 tensor (a memory map). ``routing``: uniform
+    sets, or sets that depend on the token (a 150k Zipf vocabulary, the records carrying their token ids)."""
     spec = synthetic_spec(layers, 128, 8)
     rng = np.random.default_rng(0)
     npy = np.lib.format.open_memmap(root / "step.npy", mode="w+", dtype=np.int16, shape=(records, tokens, layers, 8))
@@ -63,7 +69,12 @@ def prepare(root: Path, records: int, tokens: int, layers: int, variants: list[s
         for name in variants
     ]
     for i in range(records):
-        ids = synth_routing(rng, tokens, spec, None, 0.0)
+        token_ids = None
+        if routing == "token-dependent":
+            token_ids = zipf_token_ids(rng, tokens, 150_000)
+            ids = token_dependent_routing(rng, token_ids, spec)
+        else:
+            ids = synth_routing(rng, tokens, spec, None, 0.0)
         npy[i] = ids
         valid = np.ones(tokens, bool)
         valid[-1] = False
@@ -73,6 +84,7 @@ def prepare(root: Path, records: int, tokens: int, layers: int, variants: list[s
             prompt_len=tokens // 4,
             response_len=tokens - tokens // 4,
             valid=valid,
+            token_ids=token_ids,
         )
         for writer in writers:
             writer.append(record)
@@ -84,15 +96,21 @@ def prepare(root: Path, records: int, tokens: int, layers: int, variants: list[s
 
 
 def options_of(variant: str, layers: int) -> PartOptions:
-    """``ROWS`` (one shard per part array) or ``ROWS:stage`` (one shard per pipeline stage's layers)."""
-    rows, _, shards = variant.partition(":")
-    return PartOptions(chunk_rows=int(rows), shard_layers=layers // LAYOUT.pp if shards == "stage" else None)
+    """``ROWS`` (one shard per part array), with ``:stage`` (one shard per pipeline stage's layers) and/or
+    ``:context`` (the ``ranked_context`` codec)."""
+    rows, *flags = variant.split(":")
+    return PartOptions(
+        chunk_rows=int(rows),
+        shard_layers=layers // LAYOUT.pp if "stage" in flags else None,
+        transform="ranked_context" if "context" in flags else "ranked_gaps",
+    )
 
 
 def describe(variant: str, layers: int) -> str:
     options = options_of(variant, layers)
     shards = f", shard_layers={options.shard_layers}" if options.shard_layers else ""
-    return f"routelog chunk_rows={options.chunk_rows}{shards}"
+    codec = ", ranked_context" if options.transform == "ranked_context" else ""
+    return f"routelog chunk_rows={options.chunk_rows}{shards}{codec}"
 
 
 def plan_for(spec: Any, records: int) -> AlignmentPlan:
@@ -160,7 +178,7 @@ def _child(side: str, path: str, args: argparse.Namespace, records: int) -> dict
 
 def measure(args: argparse.Namespace, records: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="routelog-bench-integration-") as tmp:
-        paths = prepare(Path(tmp), records, args.tokens, args.layers, args.variants)
+        paths = prepare(Path(tmp), records, args.tokens, args.layers, args.variants, args.routing)
         verl = _child("verl", paths["npy"], args, records)
         sides: dict[str, Any] = {}
         for variant, store in paths["stores"].items():
@@ -189,7 +207,14 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["4096", "256", "128:stage"],
-        help="stores to compare: ROWS per inner chunk, ':stage' for one shard per pipeline stage's layers",
+        help="stores to compare: ROWS per inner chunk, ':stage' for one shard per pipeline stage's layers, "
+        "':context' for the ranked_context codec",
+    )
+    parser.add_argument(
+        "--routing",
+        choices=["uniform", "token-dependent"],
+        default="uniform",
+        help="uniform sets, or sets that depend on the token (150k Zipf vocabulary)",
     )
     parser.add_argument("--child", choices=["routelog", "verl"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
@@ -213,6 +238,7 @@ def main() -> None:
             "layout": f"DP={DP} PP=4 CP=2 TP=2 (veRL THD packing)",
             "rank": "dp=0,tp=1,cp=1,pp=2",
             "micro_batch_samples": MICRO_BATCH,
+            "routing": args.routing,
         },
         "half_step": runs[0],
         "full_step": runs[1],

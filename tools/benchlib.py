@@ -48,13 +48,14 @@ def process_age_seconds() -> float:
 
 
 def count_reads(storage: Any) -> dict[str, int]:
-    """Count what ``storage`` (a routelog Storage) reads from now on: ``routing`` (chunks of routing arrays),
-    ``metadata`` (everything else) and ``requests``; returns the live counters."""
+    """Count what ``storage`` (a routelog Storage) reads from now on: ``routing`` (chunks of routing arrays, and
+    the models of ``ranked_context`` ones), ``metadata`` (everything else) and ``requests``; returns the live
+    counters."""
     read = {"routing": 0, "metadata": 0, "requests": 0}
     ranges, whole, many = storage.read_ranges, storage.read, storage.read_many
 
     def count(key: str, data: Any) -> Any:
-        read["routing" if "/routing/c/" in key else "metadata"] += len(data)
+        read["routing" if "/routing/c/" in key or key.endswith("/routing/model") else "metadata"] += len(data)
         read["requests"] += 1
         return data
 

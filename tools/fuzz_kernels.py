@@ -1,11 +1,14 @@
 """Fuzz the compiled kernels under AddressSanitizer and UndefinedBehaviorSanitizer.
 
-Builds ``routelog/format/_ckernels.c`` (the codec's), ``routelog/format/_cthrift.c`` (the bounded Parquet reader's
-Thrift walks) and ``routelog/audit/_ckernels.c`` (the audits') with gcc's
+Builds ``routelog/format/_ckernels.c`` (the codec's), ``routelog/format/_ccontext.c`` (the ``ranked_context``
+codec's), ``routelog/format/_cthrift.c`` (the bounded Parquet reader's Thrift walks) and ``routelog/audit/_ckernels.c``
+(the audits') with gcc's
 ``-fsanitize=address,undefined`` into a scratch directory, then runs them (libasan preloaded) for ``--seconds``: the
 codec's on random chunks and on forged ones (every chunk encoded, by both the word and the one-ID-at-a-time path,
 must decode to itself, and every forged payload, with bytes flipped in either section, the tail section cut short,
-random windows, every accept rule, misaligned buffers, must return a status), the audits' on random routing
+random windows, every accept rule, misaligned buffers, must return a status), the context codec's on random
+tables (every layer it codes decodes to itself, every forged stream decodes to indices inside the list or returns
+a status, distinct items are numbered as a dict numbers them), the audits' on random routing
 (views with any strides, IDs past E, tokens left out) against plain numpy, the Thrift walks on forged Parquet footers
 and page headers against the Python walks (same values or same problem). A sanitizer report aborts the run with its
 stack.
@@ -29,6 +32,7 @@ from typing import Any
 PACKAGE = Path(__file__).resolve().parent.parent / "routelog"
 SOURCES = {
     "format": PACKAGE / "format" / "_ckernels.c",
+    "context": PACKAGE / "format" / "_ccontext.c",
     "audit": PACKAGE / "audit" / "_ckernels.c",
     "thrift": PACKAGE / "format" / "_cthrift.c",
 }
@@ -95,11 +99,14 @@ def fuzz(scratch: Path, seconds: float, seed: int) -> None:
     import numpy as np
 
     kernels, audit, thrift = _load(scratch / "format"), _load(scratch / "audit"), _load(scratch / "thrift")
+    coder = _load(scratch / "context")
     rng = np.random.default_rng(seed)
     deadline = time.monotonic() + seconds
-    chunks = forged = routings = walks = sorts = 0
+    chunks = forged = routings = walks = sorts = layers_coded = 0
     parquet = _parquet_objects()
     while time.monotonic() < deadline:
+        _fuzz_context(coder, rng, np, seed)
+        layers_coded += 1
         _fuzz_audit(audit, rng, np, seed)
         routings += 1
         for _ in range(20):
@@ -144,8 +151,51 @@ def fuzz(scratch: Path, seconds: float, seed: int) -> None:
     print(
         f"seed {seed}: {chunks} chunks round-tripped, {forged} forged payloads decoded, {routings} routings audited, "
         f"{walks} forged Parquet footers and page headers walked alike, {sorts} token-order routings sorted into layer "
-        "order as numpy sorts them, no sanitizer report"
+        f"order as numpy sorts them, {layers_coded} context-coded layers round-tripped (and forged), no sanitizer "
+        "report"
     )
+
+
+def _fuzz_context(coder: Any, rng: Any, np: Any, seed: int) -> None:
+    """Random tables of one layer's model, a layer coded and decoded, forged streams, and distinct items."""
+    sets, below_sets, rows = int(rng.integers(0, 300)), int(rng.integers(0, 50)), int(rng.integers(0, 700))
+    keys = np.unique(rng.integers(0, 5000, int(rng.integers(0, 200)))).astype(np.int64)
+    counts = rng.integers(1, 9, keys.size) if sets else np.zeros(keys.size, np.int64)
+    keys = keys[counts > 0]
+    counts = counts[counts > 0]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
+    candidates = rng.integers(0, max(sets, 1), int(offsets[-1])).astype(np.uint32)
+    table = np.zeros(1 << max(1, int(np.ceil(np.log2(2 * max(keys.size, 1))))), np.uint32)
+    coder.hash_keys(keys, table)
+    below_counts = rng.integers(0, 5, below_sets) if sets else np.zeros(below_sets, np.int64)
+    below_offsets = np.concatenate([[0], np.cumsum(below_counts)]).astype(np.uint32)
+    below_candidates = rng.integers(0, max(sets, 1), int(below_offsets[-1])).astype(np.uint32)
+    tokens = np.where(rng.random(rows) < 0.7, rng.choice(np.r_[keys, 7], rows), rng.integers(-1, 6000, rows))
+    tokens = tokens.astype(np.int64)
+    below = rng.integers(-1, below_sets + 2, rows).astype(np.int32) if rng.random() < 0.7 else np.zeros(0, np.int32)
+    index = rng.integers(-1, sets, rows).astype(np.int32) if sets else np.full(rows, -1, np.int32)
+    tables = (tokens, below, keys, table, offsets, candidates, below_offsets, below_candidates)
+    out = np.empty(rows * 72 + 16, np.uint8)
+    written = coder.encode_layer(index, sets, *tables, out)
+    decoded = np.empty(rows, np.int32)
+    if written < 0 or coder.decode_layer(out[:written].copy(), sets, *tables, decoded) != (0, -1):
+        raise SystemExit(f"seed {seed}: a coded layer does not decode")
+    if not np.array_equal(decoded, index):
+        raise SystemExit(f"seed {seed}: a coded layer decodes to other sets")
+    for _ in range(10):
+        stream = rng.integers(0, 256, int(rng.integers(0, 80)), dtype=np.uint8)
+        status, row = coder.decode_layer(stream, sets, *tables, decoded)
+        stop = rows if status == 0 else row
+        if not ((decoded[:stop] >= -1) & (decoded[:stop] < sets)).all():  # -1: an escape
+            raise SystemExit(f"seed {seed}: a forged stream decodes to an index outside the list")
+    width = int(rng.integers(1, 17))
+    items = rng.integers(0, 3, (int(rng.integers(0, 400)), width)).astype(np.uint8)
+    ids, first = np.empty(len(items), np.int32), np.empty(len(items), np.int64)
+    found = coder.distinct(items.reshape(-1), width, ids, first)
+    numbers: dict[bytes, int] = {}
+    expected = [numbers.setdefault(row.tobytes(), len(numbers)) for row in items]
+    if found != len(numbers) or list(ids) != expected:
+        raise SystemExit(f"seed {seed}: distinct items numbered otherwise than a dict numbers them")
 
 
 def _fuzz_sort(kernels: Any, rng: Any, np: Any, seed: int) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +29,21 @@ FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / f"gol
 
 def _routing(rng: np.random.Generator, tokens: int, layers: int, experts: int, k: int) -> np.ndarray:
     return np.argsort(rng.random((tokens, layers, experts)), axis=-1)[..., :k]
+
+
+def _last_missing(sample_id: str, ids: np.ndarray, prompt_len: int, token_ids: Any, **fields: Any) -> Record:
+    """A record of ``ids`` whose final token's routing is missing (never computed), as engines return them."""
+    valid = np.ones(len(ids), bool)
+    valid[-1] = False
+    return Record(
+        sample_id=sample_id,
+        expert_ids=ids,
+        prompt_len=prompt_len,
+        response_len=len(ids) - prompt_len,
+        valid=valid,
+        token_ids=token_ids,
+        **fields,
+    )
 
 
 def _expect_sorted(expected: dict[str, np.ndarray], store: str, record: Record) -> None:
@@ -149,17 +166,8 @@ def write_grpo_groups(root: Path, expected: dict[str, np.ndarray]) -> None:
                     ids[:40] = prompt_routing
                     if group == 1 and sample == 2:
                         ids[10:40] = _skewed_routing(rng, 30, 4, experts, 4)  # batch-variant numerics
-                    valid = np.ones(tokens, bool)
-                    valid[-1] = False
-                    record = Record(
-                        sample_id=f"g{group}/{sample}",
-                        expert_ids=ids,
-                        prompt_len=40,
-                        response_len=tokens - 40,
-                        valid=valid,
-                        token_ids=np.concatenate([prompt, rng.integers(0, 50000, tokens - 40)]),
-                        group_id=f"g{group}",
-                    )
+                    token_ids = np.concatenate([prompt, rng.integers(0, 50000, tokens - 40)])
+                    record = _last_missing(f"g{group}/{sample}", ids, 40, token_ids, group_id=f"g{group}")
                     writer.append(record)
                     _expect_sorted(expected, name, record)
 
@@ -374,6 +382,66 @@ def write_history(root: Path, expected: dict[str, np.ndarray]) -> None:
             expected[f"{name}/{r.sample_id}/logprob_train"] = np.zeros(r.prompt_len + r.response_len, np.float32)
 
 
+def write_context(root: Path, expected: dict[str, np.ndarray]) -> None:
+    """Revision 3.1, the ``ranked_context`` transform: routing decided by the token (a Zipf vocabulary, each id
+    with a preferred set per layer) or by the layer below (a few sets, mapped up the layers), two writers whose
+    prompts are shared across parts, the first writer's first part dropped whole while the other's records still
+    read its rows, records without token ids and rows missing; uint8 and uint16 IDs (E = 64, K = 8; E = 300, K = 6)
+    in two stores, several parts, edge chunks (rows and layers) and two shards."""
+    for experts, k in ((64, 8), (300, 6)):
+        spec = ModelSpec(
+            name=f"golden/context-{experts}-{k}",
+            num_layers=6,
+            moe_layers=(1, 2, 3, 4, 5),
+            num_experts=experts,
+            topk=k,
+        )
+        rng = np.random.default_rng(experts * 7 + k)
+        name = f"context-{experts}-{k}"
+        url = str(root / name)
+        store = routelog.create_store(url, spec, run_id=f"golden-{name}")
+        options = PartOptions(transform="ranked_context", chunk_rows=48, chunk_layers=2, shard_layers=4)
+        vocabulary = 40
+        follows = [rng.permutation(experts) for _ in spec.moe_layers]  # a layer's set mostly maps the set below
+        pool = _routing(rng, 6, 1, experts, k)[:, 0]
+        routing = functools.partial(_chained_routing, rng, spec, pool, follows)
+        prompts = [np.minimum(rng.zipf(1.3, 30) - 1, vocabulary - 1) for _ in range(3)]
+        prompt_routing = [routing(p) for p in prompts]
+        live: dict[str, Record] = {}
+        for writer_id, group in (("alpha", 0), ("alpha", 1), ("beta", 0), ("beta", 2)):
+            with store.writer(0, writer_id, options=options, flush_bytes=5000) as writer:
+                for sample in range(3):
+                    tokens = 30 + int(rng.integers(20, 60))
+                    response = np.minimum(rng.zipf(1.3, tokens - 30) - 1, vocabulary - 1)
+                    token_ids = np.concatenate([prompts[group], response])
+                    ids = np.concatenate([prompt_routing[group], routing(response)])
+                    without = sample == 2 and group == 2  # a record without token ids
+                    record = _last_missing(f"{writer_id}/{group}/{sample}", ids, 30, None if without else token_ids)
+                    writer.append(record)
+                    live[record.sample_id] = record
+        snapshot = store.step(0)
+        first = next(c for c in snapshot.commits if c.writer_id == "alpha")
+        store.drop(0, parts=[first.part], reason="golden: a part dropped whole whose prompt rows beta still reads")
+        for sid in store.step(0).index.column("sample_id").to_pylist():
+            _expect_sorted(expected, name, live[sid])
+
+
+def _chained_routing(
+    rng: np.random.Generator, spec: ModelSpec, pool: np.ndarray, follows: list[np.ndarray], token_ids: np.ndarray
+) -> np.ndarray:
+    """Half the tokens take their id's preferred sets; the others start from one of the ``pool``'s sets in the first
+    layer, and in each layer above mostly take the map (``follows``) of their set below."""
+    from routelog.synth import token_dependent_routing
+
+    ids = token_dependent_routing(rng, token_ids, spec)
+    chained = rng.random(ids.shape[0]) < 0.5
+    ids[chained, 0] = pool[rng.integers(0, len(pool), int(chained.sum()))]
+    for layer in range(1, ids.shape[1]):
+        mapped = chained & (rng.random(ids.shape[0]) < 0.9)
+        ids[mapped, layer] = follows[layer][ids[mapped, layer - 1]]
+    return ids
+
+
 def _close(writer: routelog.StepWriter) -> None:
     """Close a writer whose commit is refused (its records are not part of the step)."""
     with contextlib.suppress(routelog.StoreError):
@@ -394,6 +462,7 @@ WRITERS: dict[str, Callable[[Path, dict[str, np.ndarray]], None]] = {
     "layer-shards": write_layer_shards,
     "dictionaries-64-8,dictionaries-64-6,dictionaries-300-8": write_dictionaries,
     "history": write_history,
+    "context-64-8,context-300-6": write_context,
 }
 """Fixture stores of this version by name, in the order they were added."""
 

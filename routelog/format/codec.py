@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from routelog.format import kernels, mapped
 
-Transform = Literal["ranked_gaps", "sorted_gaps", "none"]
+Transform = Literal["ranked_context", "ranked_gaps", "sorted_gaps", "none"]
 TopkOrder = Literal["sorted", "score"]
 
 IdArray = npt.NDArray[np.unsignedinteger[Any]]

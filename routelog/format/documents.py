@@ -27,7 +27,10 @@ from routelog.format.weights import WeightsDtype
 FORMAT_VERSION = 3
 """The format this routelog writes, and the newest it reads (it reads every older one too)."""
 
-SUPPORTED_FEATURES: frozenset[str] = frozenset()
+CONTEXT_FEATURE = "ranked_context"
+"""The feature a commit names when its routing uses the ``ranked_context`` transform (FORMAT.md section 5):
+readers that predate it refuse the commit with :class:`~routelog.errors.FormatVersionError`."""
+SUPPORTED_FEATURES: frozenset[str] = frozenset({CONTEXT_FEATURE})
 """Optional format features this routelog understands; a document requiring any other is refused."""
 
 # -- limits (FORMAT.md section 9): every size read from storage is bounded before anything is allocated --------

@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
+from routelog.format import context
 from routelog.format.arrow import to_numpy
 from routelog.format.documents import IndexRow
 
@@ -73,3 +74,22 @@ class IndexRows:
         if tokens is not None and with_tokens:
             row = row.model_copy(update={"token_ids": tokens.tolist()})
         return row, tokens
+
+
+def part_row_tokens(table: pa.Table, n_rows: int) -> npt.NDArray[np.int64]:
+    """The token id of each row of a part's routing array ``[n_rows]`` from the part's index (every record it
+    stored, dropped and shadowed ones too): :func:`routelog.format.context.row_tokens`, with the token ids taken
+    from the column as arrays."""
+    tokens = table.column("token_ids").combine_chunks()
+    offsets = to_numpy(tokens.offsets)
+    values = to_numpy(tokens.values)
+    present = to_numpy(tokens.is_valid())
+    spans = table.column("spans").to_pylist()
+    records = (
+        (
+            values[offsets[i] : offsets[i + 1]] if present[i] else None,
+            [(s["token_start"], s["n_rows"], s["row"], s["part"]) for s in spans[i] or ()],
+        )
+        for i in range(table.num_rows)
+    )
+    return context.row_tokens(records, n_rows)

@@ -35,7 +35,7 @@ the same zstd work done directly runs at > 600 MB/s).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -43,7 +43,8 @@ import google_crc32c
 import numpy as np
 import numpy.typing as npt
 
-from routelog.format import mapped, ranked, zstd_frames
+from routelog.format import context, mapped, ranked, zstd_frames
+from routelog.format.context import CONTEXT_CODEC
 from routelog.format.ranked import RANKED_CODEC
 from routelog.format.row_blocks import RowBlocks
 
@@ -100,6 +101,9 @@ class ShardLayout:
     dtype: np.dtype[Any]
     ranked: bool = False
     """Chunks use the format-2 codec (:mod:`routelog.format.ranked`) over expert IDs; else format 1's plain bytes."""
+    context: bool = False
+    """Chunks use the ``ranked_context`` codec (:mod:`routelog.format.context`): coded against the array's model, stored
+    beside the shards, given the token ids of their rows."""
     num_experts: int = 0
     """The ID universe (the ranked codec's tables have this many entries)."""
     shard_layers: int | None = None
@@ -137,7 +141,7 @@ class ShardLayout:
     def planes(self) -> int:
         """Byte planes of a plain array: uint16 IDs are stored as two, float32 weights as four (the ranked codec
         splits its own)."""
-        return 1 if self.ranked else self.dtype.itemsize
+        return 1 if self.ranked or self.context else self.dtype.itemsize
 
     def shard_key(self, shard: int = 0) -> str:
         """Key of shard ``shard``: ``c/<shard>/0/0`` (``c/<shard>/0/0/0`` with the byte axis of uint16 IDs)."""
@@ -155,14 +159,15 @@ class ShardLayout:
         names = ["layer", "row", "slot"]
         inner: list[dict[str, Any]] = [{"name": "bytes"}]
         data_type = "uint8"
-        if self.ranked:
+        if self.ranked or self.context:
             data_type = self.dtype.name
-            inner = [{"name": RANKED_CODEC, "configuration": {"num_experts": self.num_experts, "level": zstd_level}}]
+            name = CONTEXT_CODEC if self.context else RANKED_CODEC
+            inner = [{"name": name, "configuration": {"num_experts": self.num_experts, "level": zstd_level}}]
         elif self.planes > 1:
             shape, shard, chunk = [*shape, self.planes], [*shard, self.planes], [*chunk, self.planes]
             names.append("byte")
             inner = [{"name": "transpose", "configuration": {"order": [3, 0, 1, 2]}}, {"name": "bytes"}]
-        if not self.ranked:  # the ranked codec compresses its own output
+        if not (self.ranked or self.context):  # the ranked and context codecs compress their own output
             inner.append({"name": "zstd", "configuration": {"level": zstd_level, "checksum": False}})
         inner.append({"name": "crc32c"})
         return {
@@ -204,21 +209,40 @@ def encode_shards(
     zstd_level: int,
     transform: Callable[[npt.NDArray[Any]], npt.NDArray[Any]] | None = None,
     sink: SinkFactory | None = None,
-) -> dict[str, mapped.Bytes | WrittenFile]:
+    tokens: npt.NDArray[np.int64] | None = None,
+) -> dict[str, bytes | mapped.Bytes | WrittenFile]:
     """The shard objects for ``stored`` (``[num_layers, n_rows, topk]``, already in stored form, or the blocks it
     was appended in, see :mod:`routelog.format.row_blocks`), by key. ``transform`` maps each chunk's rows to what is
-    stored, in place on a copy. ``sink`` makes each shard's sink (by default a mapped buffer)."""
+    stored, in place on a copy. ``sink`` makes each shard's sink (by default a mapped buffer). A context layout
+    (:mod:`routelog.format.context`) also needs each row's token id, and adds the array's model
+    (:data:`routelog.format.context.MODEL_KEY`)."""
     blocks = RowBlocks.of(stored) if isinstance(stored, np.ndarray) else stored
     span = layout.layers_per_shard
     capacity = _max_shard_nbytes(layout)
-    shards: dict[str, mapped.Bytes | WrittenFile] = {}
+    models: list[context.LayerModel] | None = None
+    if layout.context:
+        if tokens is None or tokens.shape != (blocks.n,):
+            raise ValueError("a context-coded array needs the token id of each of its rows")
+        models = []
+    shards: dict[str, bytes | mapped.Bytes | WrittenFile] = {}
     for i in range(layout.n_shards):
         key = layout.shard_key(i)
         shard = (
             mapped.Buffer(capacity, layout.index_nbytes) if sink is None else sink(key, capacity, layout.index_nbytes)
         )
-        shards[key] = shard.finish(_encode_shard(blocks, i * span, layout, zstd_level, transform, shard))
+        coding = None if models is None or tokens is None else _Coding(tokens, models)
+        shards[key] = shard.finish(_encode_shard(blocks, i * span, layout, zstd_level, transform, shard, coding))
+    if models is not None:
+        shards[context.MODEL_KEY] = context.encode_model(models, layout.num_experts)
     return shards
+
+
+@dataclass(frozen=True)
+class _Coding:
+    """What a context-coded shard is encoded with: its rows' token ids, and the list its layers' models join."""
+
+    tokens: npt.NDArray[np.int64]
+    models: list[context.LayerModel]
 
 
 def encode_shard(stored: npt.NDArray[Any], layout: ShardLayout, zstd_level: int) -> mapped.Bytes:
@@ -239,6 +263,7 @@ def _encode_shard(
     zstd_level: int,
     transform: Callable[[npt.NDArray[Any]], npt.NDArray[Any]] | None,
     shard: ShardSink,
+    coding: _Coding | None = None,
 ) -> bytes:
     """The chunks of the shard holding layers from ``first_layer`` on, added to ``shard`` as they are compressed
     (after room left for the index), and the shard's head, its index, to finish it with: the object is never held
@@ -251,7 +276,21 @@ def _encode_shard(
     dtype = layout.dtype.newbyteorder("<")
     for lc in range(grid[0]):
         layers = slice(min(last_layer, first_layer + lc * cl), min(last_layer, first_layer + (lc + 1) * cl))
+        plan = None
+        if coding is not None:  # the layer chunk's models from its rows in the whole part, then its chunks
+            whole = np.ascontiguousarray(blocks.rows(0, blocks.n, layers))
+            plan = context.plan_layers(whole, coding.tokens, cr)
+            coding.models.extend(plan.models)
         for rc in range(grid[1]):
+            if plan is not None:
+                rows = slice(min(blocks.n, rc * cr), min(blocks.n, (rc + 1) * cr))
+                payload = context.chunk_pieces(plan, rc, whole[:, rows], layout.num_experts, zstd_level)
+                offset = shard.size
+                for piece in payload:
+                    shard.add(piece)
+                shard.add(_crc(*payload))
+                index[lc, rc] = (offset, shard.size - offset)
+                continue
             block = blocks.rows(min(blocks.n, rc * cr), min(blocks.n, (rc + 1) * cr), layers)
             if transform is not None:
                 block = transform(np.array(block, order="C"))
@@ -297,6 +336,8 @@ def _padded(block: npt.NDArray[Any], layout: ShardLayout) -> npt.NDArray[Any]:
 
 def max_payload_nbytes(layout: ShardLayout) -> int:
     """The most bytes one inner chunk's compressed payload can take (before its crc32c)."""
+    if layout.context:
+        return context.max_chunk_nbytes(*layout.chunk_shape, layout.dtype.itemsize, layout.num_experts)
     if layout.ranked:
         return ranked.max_stored_nbytes(layout.chunk_shape, layout.dtype.itemsize, layout.num_experts)
     return zstd_frames.compress_bound(math.prod(layout.chunk_shape) * layout.planes)
@@ -334,14 +375,24 @@ def decode_shard_index(data: bytes, layout: ShardLayout, shard_nbytes: int) -> n
     return index
 
 
+class ChunkContext(NamedTuple):
+    """What a context-coded chunk decodes with: the token id of each of its rows inside the array, and the models
+    of its layers inside the array (their counts are the chunk's real shape)."""
+
+    tokens: npt.NDArray[np.int64]
+    models: Sequence[context.LayerModel]
+
+
 def decode_chunk(
     piece: bytes | memoryview,
     layout: ShardLayout,
     out: npt.NDArray[Any] | None = None,
     window: ranked.Window | None = None,
+    coded_with: ChunkContext | None = None,
 ) -> npt.NDArray[Any]:
-    """One inner chunk ``[chunk_layers, chunk_rows, topk]`` in the native dtype, checksum verified; of a ranked
-    array, only the chunk's ``window`` when given (:func:`routelog.format.ranked.decode`).
+    """One inner chunk ``[chunk_layers, chunk_rows, topk]`` in the native dtype, checksum verified; of a ranked or
+    context-coded array, only the chunk's ``window`` when given (:func:`routelog.format.ranked.decode`; a context
+    chunk's window lies inside the array, and ``coded_with`` gives its rows' tokens and its layers' models).
 
     ``out`` (of the chunk's, or the window's, shape and dtype; C-contiguous, or for ranked arrays each layer's rows
     contiguous, such as a window of a reader's block) receives the values without an allocation.
@@ -350,6 +401,21 @@ def decode_chunk(
     if stored.size < 5 or google_crc32c.value(stored[:-4]) != int.from_bytes(stored[-4:], "little"):
         raise ShardFormatError("inner chunk checksum mismatch")
     payload = stored[:-4]
+    if layout.context:
+        if coded_with is None:
+            raise ValueError("a context-coded chunk decodes only with its rows' tokens and its layers' models")
+        real = (len(coded_with.models), coded_with.tokens.size, layout.topk)
+        target = out
+        if out is None and window is None:  # the whole chunk: the rows inside the array, the padding zeros
+            target = np.zeros(layout.chunk_shape, dtype=layout.dtype)
+            out = target[: real[0], : real[1]]
+        try:
+            found = context.decode_chunk(
+                payload, real, layout.dtype, layout.num_experts, coded_with.tokens, coded_with.models, out, window
+            )
+        except context.ContextFormatError as exc:
+            raise ShardFormatError(str(exc)) from exc
+        return found if target is None else target
     if layout.ranked:
         try:
             return ranked.decode(payload, layout.chunk_shape, layout.dtype, layout.num_experts, out, window)

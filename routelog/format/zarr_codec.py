@@ -1,4 +1,5 @@
-"""The format-2 chunk codec for zarr-python, registered as the ``zarr.codecs`` entry point ``routelog.ranked_gaps``.
+"""The chunk codecs for zarr-python, registered as the ``zarr.codecs`` entry points ``routelog.ranked_gaps`` (format 2)
+and ``routelog.ranked_context`` (revision 3.1: only opens, its chunks need their part's model).
 
 With routelog installed, ``zarr.open_array`` on a part's ``routing`` (or ``streams/<name>``) array returns the
 expert IDs ``[num_moe_layers, n_rows, K]`` directly; routelog's own readers call :mod:`routelog.format.ranked` without
@@ -17,7 +18,7 @@ from zarr.abc.codec import ArrayBytesCodec
 from zarr.core.common import JSON, parse_named_configuration
 
 from routelog.errors import CorruptDataError
-from routelog.format import ranked
+from routelog.format import context, ranked
 from routelog.format.spec import MAX_EXPERTS
 
 if TYPE_CHECKING:
@@ -84,3 +85,40 @@ class RankedGapsCodec(ArrayBytesCodec):
 
     def compute_encoded_size(self, input_byte_length: int, chunk_spec: ArraySpec) -> int:
         raise NotImplementedError  # variable: repeats and skew shrink it
+
+
+@dataclass(frozen=True)
+class RankedContextCodec(ArrayBytesCodec):
+    """The ``routelog.ranked_context`` chunks' entry in zarr's codec registry, so ``zarr.open_array`` opens such an
+    array (its metadata, shape and attributes); its chunks decode only with their part's model and the token ids
+    of their rows (:mod:`routelog.format.context`), which a chunk's bytes do not carry: reading one through zarr
+    raises an error that says to read the part with routelog."""
+
+    is_fixed_size = False
+
+    num_experts: int
+    level: int
+
+    def __init__(self, *, num_experts: int, level: int = 3) -> None:
+        object.__setattr__(self, "num_experts", num_experts)
+        object.__setattr__(self, "level", level)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, JSON]) -> Self:
+        _, configuration = parse_named_configuration(data, context.CONTEXT_CODEC)
+        return cls(**configuration)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, JSON]:
+        return {"name": context.CONTEXT_CODEC, "configuration": {"num_experts": self.num_experts, "level": self.level}}
+
+    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
+        raise NotImplementedError(
+            f"{context.CONTEXT_CODEC} chunks decode with their part's model and the token ids of their rows: read the "
+            "part with routelog (routelog.open_store(url).step(step).read_many(...))"
+        )
+
+    async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
+        raise NotImplementedError(f"{context.CONTEXT_CODEC} arrays are written by routelog's writers only")
+
+    def compute_encoded_size(self, input_byte_length: int, chunk_spec: ArraySpec) -> int:
+        raise NotImplementedError  # variable

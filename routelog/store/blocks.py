@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -17,10 +17,12 @@ import numpy as np
 import numpy.typing as npt
 
 from routelog.errors import CorruptDataError
+from routelog.format import context
 from routelog.format.codec import TopkOrder, decode_rows, invalid_row
 from routelog.format.documents import CommitRecord, RoutingArrayInfo, WeightsArrayInfo
 from routelog.format.part import shard_layout
 from routelog.format.shard import (
+    ChunkContext,
     ChunkRead,
     ShardFormatError,
     ShardLayout,
@@ -50,6 +52,8 @@ class BlockRequest:
     rows: tuple[int, int]
     samples: tuple[str, ...] = ()
     """Records these rows belong to, named in errors."""
+    model_nbytes: int = 0
+    """The size of the array's model as the commit lists it (context-coded arrays; 0 otherwise)."""
 
     @classmethod
     def of(
@@ -72,7 +76,20 @@ class BlockRequest:
             array = commit.weights
         sizes = {o.key: o.size for o in commit.objects}
         nbytes = tuple(sizes.get(f"{array.path}/{key}", 0) for key in shard_layout(array).shard_keys)
-        return cls(part_key, array, nbytes, layers, rows, samples)
+        model = sizes.get(f"{array.path}/{context.MODEL_KEY}", 0)
+        return cls(part_key, array, nbytes, layers, rows, samples, model)
+
+    @property
+    def model_key(self) -> str:
+        """The array's model object relative to the store root (context-coded arrays)."""
+        return f"{self.array_key}/{context.MODEL_KEY}"
+
+    def model_layers(self) -> tuple[int, int]:
+        """The layers whose models the request's chunks decode with: from its first layer chunk's first layer."""
+        layout_ = shard_layout(self.array)
+        first = self.layers[0] // layout_.chunk_layers * layout_.chunk_layers
+        last = min(layout_.num_layers, -(-self.layers[1] // layout_.chunk_layers) * layout_.chunk_layers)
+        return first, last
 
     @property
     def array_key(self) -> str:
@@ -108,6 +125,9 @@ class ShardRead:
     """The requested layers, counted from the shard's first."""
 
 
+MODEL_CACHE_BYTES = 64 << 20
+"""What a snapshot keeps of the ``ranked_context`` models it fetched (each layer's list and lookup tables), least
+recently used first out past it."""
 CHUNK_CACHE_BYTES = 32 << 20
 """What a snapshot keeps of the chunks it decoded last (a 4096-row chunk of 4 layers of top-8 uint8 IDs is 128 KiB):
 a record read after its neighbour finds the chunks they share decoded."""
@@ -125,6 +145,9 @@ class ReadCache:
 
     def __init__(self, chunk_bytes: int = CHUNK_CACHE_BYTES) -> None:
         self._indexes: dict[str, npt.NDArray[np.uint64]] = {}
+        self._model_ends: dict[str, npt.NDArray[np.int64]] = {}
+        self._models: OrderedDict[tuple[str, int], context.LayerModel] = OrderedDict()
+        self._model_bytes = 0
         self._chunks: OrderedDict[tuple[str, int], np.ndarray[Any, Any]] = OrderedDict()
         self._chunk_bytes = 0
         self.chunk_budget = chunk_bytes
@@ -155,6 +178,66 @@ class ReadCache:
                 raise CorruptDataError(f"{storage.url_of(read.key)}: {exc}") from exc
             self._indexes[read.key] = index
         return {key: self._indexes[key] for key in shards}
+
+    def fetch_models(
+        self, storage: Storage, requests: Sequence[BlockRequest]
+    ) -> dict[tuple[str, int], context.LayerModel]:
+        """The models of the layers context-coded requests decode with (:meth:`BlockRequest.model_layers`), by
+        (model key, layer): those the cache keeps, and the others fetched, the heads of the arrays' models not seen
+        yet, then the sections, in two rounds of concurrent ranged reads, each section checked before use
+        (:func:`routelog.format.context.decode_section`); then kept, least recently used first out past
+        :data:`MODEL_CACHE_BYTES`."""
+        needed: dict[tuple[str, int], context.LayerModel | None] = {}
+        arrays: dict[str, RoutingArrayInfo] = {}
+        for request in requests:
+            if isinstance(request.array, RoutingArrayInfo) and shard_layout(request.array).context:
+                arrays[request.model_key] = request.array
+                first, last = request.model_layers()
+                for layer in range(first, last):
+                    needed[(request.model_key, layer)] = self._models.get((request.model_key, layer))
+        wanted = sorted(item for item, model in needed.items() if model is None)
+        with self._lock:
+            for item in needed:
+                if item in self._models:
+                    self._models.move_to_end(item)
+        samples = [tuple(sorted({s for r in requests if r.model_key in arrays for s in r.samples}))]
+        heads = {key: arrays[key] for key, _ in wanted if key not in self._model_ends}
+        ranges = [(key, 0, context.model_header_nbytes(array.num_moe_layers)) for key, array in heads.items()]
+        with _objects_listed(storage, samples):
+            datas = storage.read_ranges(ranges)
+        for (key, array), data in zip(heads.items(), datas, strict=True):
+            size = next(r.model_nbytes for r in requests if r.model_key == key)
+            try:
+                self._model_ends[key] = context.read_model_ends(data, array.num_moe_layers, size)
+            except context.ContextFormatError as exc:
+                raise CorruptDataError(f"{storage.url_of(key)}: {exc}") from exc
+        ranges = []
+        for key, layer in wanted:
+            ends = self._model_ends[key]
+            start = context.model_header_nbytes(ends.size) if layer == 0 else int(ends[layer - 1])
+            ranges.append((key, start, int(ends[layer])))
+        with _objects_listed(storage, samples):
+            datas = storage.read_ranges(ranges)
+        for (key, layer), data in zip(wanted, datas, strict=True):  # ascending: a layer's below is decoded first
+            array = arrays[key]
+            layout_ = shard_layout(array)
+            below = needed[(key, layer - 1)] if layer % layout_.chunk_layers else None
+            below_sets = None if below is None else below.n_sets
+            try:
+                needed[(key, layer)] = context.decode_section(
+                    data, layer, array.n_rows, array.topk, layout_.dtype, array.num_experts, below_sets
+                )
+            except context.ContextFormatError as exc:
+                raise CorruptDataError(f"{storage.url_of(key)}: {exc}") from exc
+        found = {item: model for item, model in needed.items() if model is not None}
+        with self._lock:
+            for item in wanted:
+                self._models[item] = found[item]
+                self._model_bytes += found[item].nbytes
+            while self._model_bytes > MODEL_CACHE_BYTES and len(self._models) > 1:
+                _, dropped = self._models.popitem(last=False)
+                self._model_bytes -= dropped.nbytes
+        return found
 
     def chunk(self, key: tuple[str, int]) -> np.ndarray[Any, Any] | None:
         """The decoded chunk at ``key`` (shard key, chunk offset), when it is still kept."""
@@ -188,6 +271,7 @@ def fetch_blocks(
     cache: ReadCache | None = None,
     max_gap: int = MAX_GAP,
     into: Sequence[Sequence[Destination] | None] | None = None,
+    row_tokens: Callable[[str], npt.NDArray[np.int64]] | None = None,
 ) -> list[np.ndarray[Any, Any]]:
     """Decoded expert IDs (or stored weights) for each request, layer-major ``[layers, rows, topk]`` in the
     storage dtype; where ``into`` lists a request's destinations, written to them instead (rows between them are
@@ -198,12 +282,16 @@ def fetch_blocks(
     Each chunk is checksum-verified and decoded whole once, its rows un-transformed; each request then takes its
     overlap, checked as sets (a chunk's edge padding is never handed out). A whole chunk that one destination
     takes and no other request shares (a record's own rows) is decoded straight into it: no copy.
+
+    Context-coded arrays (:mod:`routelog.format.context`) also fetch their models' sections for the layers read, once
+    per cache, and decode with the token id of each row of the part: ``row_tokens(part_key)``.
     """
     if not requests:
         return []
     cache = cache or ReadCache()
     reads = [request.shard_reads() for request in requests]
     indexes = cache.fetch(storage, [read for shards in reads for read in shards])
+    models = cache.fetch_models(storage, requests)
     plans = [
         [(read, chunks_for(indexes[read.key], read.layout, read.layers, request.rows)) for read in shards]
         for request, shards in zip(requests, reads, strict=True)
@@ -242,8 +330,17 @@ def fetch_blocks(
                 real_layers = min(chunk_layers, layout_.num_layers - cl0)
                 real_rows = min(chunk_rows, layout_.n_rows - cr0)
                 ids = held.get(key)
-                checked = layout_.ranked  # a ranked chunk's rows are checked in the kernel's pass as it decodes
-                if ids is None and layout_.ranked:
+                # A ranked chunk's rows are checked in the kernel's pass as it decodes; a context chunk's are listed
+                # sets (checked with the model) or format-2 rows
+                checked = layout_.ranked or layout_.context
+                coded_with = None
+                if ids is None and layout_.context:
+                    if row_tokens is None:
+                        raise ValueError("fetch_blocks: context-coded parts decode only with their rows' token ids")
+                    tokens = row_tokens(request.part_key)[cr0 : cr0 + real_rows]
+                    layers = [models[(request.model_key, layer)] for layer in range(cl0, cl0 + real_layers)]
+                    coded_with = ChunkContext(tokens, layers)
+                if ids is None and checked:
                     whole_once = uses[key] == 1 and (le - ls, re_ - rs) == (real_layers, real_rows)
                     if (
                         whole_once
@@ -255,11 +352,17 @@ def fetch_blocks(
                         # in place, and not kept (no neighbour reads it).
                         d0, view = takers[0]
                         _decoded(
-                            storage, read, chunk, pieces[key], request, view[ls - l0 : le - l0, rs - d0 : re_ - d0]
+                            storage,
+                            read,
+                            chunk,
+                            pieces[key],
+                            request,
+                            view[ls - l0 : le - l0, rs - d0 : re_ - d0],
+                            coded_with,
                         )
                         continue
                     ids = np.empty((chunk_layers, chunk_rows, array.topk), dtype=layout_.dtype)
-                    _decoded(storage, read, chunk, pieces[key], request, ids[:real_layers, :real_rows])
+                    _decoded(storage, read, chunk, pieces[key], request, ids[:real_layers, :real_rows], coded_with)
                     if not whole_once:
                         held[key] = ids
                         cache.keep(key, ids)
@@ -298,6 +401,7 @@ def _decoded(
     piece: memoryview,
     request: BlockRequest,
     out: np.ndarray[Any, Any] | None = None,
+    coded_with: ChunkContext | None = None,
 ) -> np.ndarray[Any, Any]:
     """One whole chunk's expert IDs (or weights), un-transformed; its edge padding is whatever was stored. With
     ``out`` (a ranked chunk's first ``out.shape[0]`` layers of its first ``out.shape[1]`` rows, each layer's rows
@@ -306,7 +410,7 @@ def _decoded(
     array = request.array
     try:
         window = None if out is None else ((0, out.shape[0]), (0, out.shape[1]))
-        ids = decode_chunk(piece, layout_, out, window)
+        ids = decode_chunk(piece, layout_, out, window, coded_with)
     except ShardFormatError as exc:
         raise CorruptDataError(
             f"{storage.url_of(read.key)}: inner chunk rows [{chunk.row_chunk * layout_.chunk_rows}, "

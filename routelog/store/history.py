@@ -384,6 +384,21 @@ def _winners(stored: pa.Table, removed: npt.NDArray[np.bool_]) -> npt.NDArray[np
 
 
 # -- checks shared by readers and verify ----------------------------------------------------------------------------
+def read_commit_index(store: StoreRoot, step: int, commit: CommitRecord) -> pa.Table:
+    """One commit's part index, read alone and checked against its commit (a part dropped whole, whose rows live
+    records may still read: its context-coded routing decodes with its rows' token ids)."""
+    storage = store.storage
+    key = f"{keys.part_dir(step, commit.part)}/{keys.INDEX}"
+    where = storage.url_of(key)
+    try:
+        data = storage.read(key)
+    except FileNotFoundError as exc:
+        raise CorruptDataError(f"{where}: the index commit {commit.name} lists is missing") from exc
+    info = object_info(commit, keys.INDEX, where)
+    check_digest(data, info.size, info.sha256, f"{where} (listed by commit {commit.name})")
+    return parquet_index(data, where, commit.n_records, commit.n_tokens, len(commit.streams))
+
+
 def parquet_index(data: bytes, where: str, n_records: int, n_tokens: int, n_streams: int) -> pa.Table:
     """A part's (or a seal's) Parquet index, bounded by the records, tokens and streams its owner vouches for
     before anything is decoded."""

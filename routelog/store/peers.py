@@ -21,7 +21,7 @@ from routelog.format import keys
 from routelog.format.codec import IdArray
 from routelog.format.dedup import MIN_SHARED_TOKENS, PrefixIndex, WeightRows
 from routelog.format.documents import CommitRecord, IndexRow
-from routelog.format.index_rows import IndexRows
+from routelog.format.index_rows import IndexRows, part_row_tokens
 from routelog.format.row_blocks import consecutive
 from routelog.store.blocks import BlockRequest, ReadCache, fetch_blocks
 from routelog.store.history import StepView
@@ -34,8 +34,12 @@ _CACHED_RANGES = 4
 class StoredPart:
     """A committed part's routing rows, fetched by ranged reads when a comparison needs them."""
 
-    def __init__(self, store: StoreRoot, part_key: str, commit: CommitRecord) -> None:
+    def __init__(
+        self, store: StoreRoot, part_key: str, commit: CommitRecord, tokens: npt.NDArray[np.int64] | None = None
+    ) -> None:
+        """``tokens``: the token id of each of its rows, where its routing is context-coded (decoding needs them)."""
         self.store, self.part_key, self.commit = store, part_key, commit
+        self._tokens = tokens
         self._cache: OrderedDict[tuple[int, int], tuple[IdArray, WeightRows | None]] = OrderedDict()
         self._index_cache = ReadCache()
 
@@ -49,7 +53,7 @@ class StoredPart:
             requests = [BlockRequest.of(self.part_key, self.commit, layers, (lo, hi))]
             if self.commit.weights is not None:
                 requests.append(BlockRequest.of(self.part_key, self.commit, layers, (lo, hi), weights=True))
-            blocks = fetch_blocks(self.store.storage, requests, self._index_cache)
+            blocks = fetch_blocks(self.store.storage, requests, self._index_cache, row_tokens=self._row_tokens)
             cached = (lo, hi)
             self._cache[cached] = (blocks[0], blocks[1] if len(blocks) > 1 else None)
             while len(self._cache) > _CACHED_RANGES:
@@ -58,6 +62,11 @@ class StoredPart:
         ids, weights = self._cache[cached]
         at = consecutive(rows - cached[0])
         return ids[:, at], None if weights is None else weights[:, at]
+
+    def _row_tokens(self, part_key: str) -> npt.NDArray[np.int64]:
+        if self._tokens is None:
+            raise RoutelogError(f"{part_key}: its context-coded routing needs its rows' token ids")
+        return self._tokens
 
     @property
     def nbytes(self) -> int:
@@ -77,12 +86,21 @@ class PeerParts:
         for key, table in tables.items():
             commit = content.get(key)
             if isinstance(commit, CommitRecord) and "token_ids" in table.schema.names:
-                self._list(commit, IndexRows(table).every(with_tokens=False))
+                tokens = None
+                if commit.routing.transform == "ranked_context":
+                    tokens = part_row_tokens(table, commit.routing.n_rows)
+                self._list(commit, IndexRows(table).every(with_tokens=False), tokens)
         gone = [*view.whole_dropped, *view.refused]
         self.prefixes.forget(keys.part_dir(self.step, e.doc.part) for e in gone if isinstance(e.doc, CommitRecord))
 
-    def _list(self, commit: CommitRecord, rows: list[tuple[IndexRow, npt.NDArray[np.int32] | None]]) -> None:
-        """``rows``: each record's index row and its token ids (as an array when kept apart from the row)."""
+    def _list(
+        self,
+        commit: CommitRecord,
+        rows: list[tuple[IndexRow, npt.NDArray[np.int32] | None]],
+        row_tokens: npt.NDArray[np.int64] | None,
+    ) -> None:
+        """``rows``: each record's index row and its token ids (as an array when kept apart from the row);
+        ``row_tokens``: the token id of each of the part's rows, where its routing is context-coded."""
         own_key = keys.part_dir(self.step, commit.part)
         ids: dict[str, int] = {}
         for row, token_array in rows:
@@ -100,7 +118,7 @@ class PeerParts:
                     ids[key] = (
                         known
                         if known is not None
-                        else self.prefixes.add_committed(StoredPart(self.store, own_key, commit), own_key)
+                        else self.prefixes.add_committed(StoredPart(self.store, own_key, commit, row_tokens), own_key)
                     )
                 stop = span.token_start + span.n_rows
                 part[span.token_start : stop] = ids[key]

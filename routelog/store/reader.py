@@ -25,6 +25,7 @@ from routelog.errors import CorruptDataError, DuplicateSampleError, RecordNotFou
 from routelog.format import keys
 from routelog.format.arrow import numeric_array, string_array, to_numpy
 from routelog.format.codec import storage_dtype
+from routelog.format.context import MODEL_KEY
 from routelog.format.documents import (
     AnnotationCommit,
     CommitRecord,
@@ -34,12 +35,12 @@ from routelog.format.documents import (
     Span,
     ValuesInfo,
 )
-from routelog.format.index_rows import IndexRows
+from routelog.format.index_rows import IndexRows, part_row_tokens
 from routelog.format.routing import ROUTING_TABLE_SCHEMA, RecordRouting
 from routelog.format.values import FloatArray, values_from_parquet
 from routelog.format.weights import from_storage
 from routelog.store.blocks import MAX_GAP, BlockRequest, Destination, ReadCache, fetch_blocks
-from routelog.store.history import COMMIT_COLUMN, StepHistory
+from routelog.store.history import COMMIT_COLUMN, StepHistory, read_commit_index
 from routelog.store.root import StoreRoot
 from routelog.store.steplog import Entry, object_info
 
@@ -114,6 +115,7 @@ class StepSnapshot:
     _n_tokens: npt.NDArray[np.int32] = field(init=False, repr=False)
     _own: dict[str, tuple[int, CommitRecord]] = field(init=False, repr=False)
     _index_cache: ReadCache = field(default_factory=ReadCache, init=False, repr=False)
+    _row_tokens: dict[str, npt.NDArray[np.int64]] = field(default_factory=dict, init=False, repr=False)
     _values_cache: OrderedDict[tuple[str, tuple[str, ...]], dict[str, tuple[str | None, dict[str, FloatArray]]]] = (
         field(default_factory=OrderedDict, init=False, repr=False)
     )
@@ -193,8 +195,13 @@ class StepSnapshot:
 
     @property
     def routing_bytes(self) -> int:
-        """The routing arrays' chunks only: what the codec is measured by."""
-        return sum(o.size for c in self.commits for o in c.objects if o.key.startswith(c.routing.path + "/c/"))
+        """The routing arrays' chunks (and models, for context-coded arrays) only: what the codec is measured by."""
+        return sum(
+            o.size
+            for c in self.commits
+            for o in c.objects
+            if o.key.startswith(c.routing.path + "/c/") or o.key == f"{c.routing.path}/{MODEL_KEY}"
+        )
 
     @property
     def stored_rows(self) -> int:
@@ -332,7 +339,7 @@ class StepSnapshot:
             for read in reads
         ]
         into += [None] * len(with_weights)  # the weights are read into blocks (converted below)
-        blocks = fetch_blocks(self.store.storage, requests, self._index_cache, max_gap, into)
+        blocks = fetch_blocks(self.store.storage, requests, self._index_cache, max_gap, into, self._tokens_of)
         weights_out = (
             {r.sample_id: np.full(out[r.sample_id].shape, np.nan, np.float32) for r in rows} if weights else {}
         )
@@ -563,6 +570,21 @@ class StepSnapshot:
 
     def _commit_for(self, part_key: str) -> CommitRecord:
         return self._own[part_key][1]
+
+    def _tokens_of(self, part_key: str) -> npt.NDArray[np.int64]:
+        """The token id of each row of a part's routing array (context-coded chunks decode with them), from every
+        record its index holds; a part dropped whole has its index read for them."""
+        found = self._row_tokens.get(part_key)
+        if found is None:
+            commit = self._commit_for(part_key)
+            stored = self.stored if self.stored is not None else self.index
+            position = next((i for i, c in enumerate(self.commits) if c.part == commit.part), None)
+            if position is None:
+                table = read_commit_index(self.store, self.step, commit)
+            else:
+                table = stored.filter(pc.equal(stored.column(COMMIT_COLUMN), position))
+            found = self._row_tokens[part_key] = part_row_tokens(table, commit.routing.n_rows)
+        return found
 
     def _check_references(self, sample_id: str, spans: Iterable[Span]) -> None:
         """A record's shared prefix points at a part of this step committed before its own (or dropped whole and

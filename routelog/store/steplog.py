@@ -24,7 +24,9 @@ from typing import TypeVar
 
 from routelog.errors import CommitConflictError, CommitUndecidedError, CorruptDataError, StoreError
 from routelog.format import keys
+from routelog.format.context import MODEL_KEY, model_header_nbytes
 from routelog.format.documents import (
+    CONTEXT_FEATURE,
     AnnotationCommit,
     CommitRecord,
     DropRecord,
@@ -88,6 +90,15 @@ def check_commit(commit: CommitRecord | AnnotationCommit, name: str, step: int, 
     for key in layout.shard_keys if info.n_rows else []:
         if object_info(commit, f"{info.path}/{key}", where).size < layout.index_nbytes:
             raise CorruptDataError(f"{where}: the routing shard {key!r} is smaller than its own chunk index")
+    if layout.context != (CONTEXT_FEATURE in commit.features):
+        raise CorruptDataError(
+            f"{where}: routing of transform {info.transform!r} in a commit naming the features {commit.features}: the "
+            f"{CONTEXT_FEATURE!r} feature goes with that transform, and only with it"
+        )
+    if layout.context and info.n_rows:
+        model = object_info(commit, f"{info.path}/{MODEL_KEY}", where)
+        if model.size < model_header_nbytes(info.num_moe_layers):
+            raise CorruptDataError(f"{where}: the routing's model is smaller than its own head")
 
 
 def object_info(commit: CommitRecord | AnnotationCommit, key: str, where: str) -> ObjectInfo:

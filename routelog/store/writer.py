@@ -793,6 +793,7 @@ def commit_part(
 
     def commit(position: int) -> CommitRecord:
         return CommitRecord(
+            features=built.features,
             step=step,
             part=name,
             writer_id=writer_id,

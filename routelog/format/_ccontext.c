@@ -1,0 +1,546 @@
+/* The compiled passes of the set-context codec (routelog/format/context.py; FORMAT.md section 5): counting a
+ * part's distinct rows and keys, hashing a layer's token keys, and coding one chunk layer's rows as binary
+ * decisions behind an adaptive binary range coder.
+ *
+ * A layer's rows are coded one after the other. Each row is a set of the part's model: one of the candidates its
+ * row in the layer below points at, one of its token's candidates, another set of the layer's list (its index,
+ * Elias-gamma style), or an escape (a set the model does not list, stored by the format-2 codec beside the
+ * decisions). Every decision is a bit coded with an adaptive probability chosen by a small context; the
+ * probabilities start at one half in every chunk layer, so each chunk layer decodes alone given the model.
+ *
+ * The range coder is the classic binary one with 11-bit probabilities, a 32-bit range and carry propagation
+ * through a cached byte: the encoder's first byte is always 0, and it flushes five bytes at the end; a stream that
+ * codes no decision (every row an escape, with nothing listed) is stored empty. The decoder
+ * reads zeros past the end of its bytes, so no stream, forged or not, reads outside its buffer; everything decoded
+ * is checked against the model before it is used (indices below the list's size).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PROB_BITS 11
+#define PROB_ONE (1u << PROB_BITS)
+#define ADAPT 4
+#define TOP (1u << 24)
+#define MAX_POSITION 4 /* candidate positions told apart by the context: 0, 1, 2, 3 and more */
+#define MAX_LENGTH 4   /* candidate list lengths told apart: 1, 2, 3, 4 and more */
+#define MAX_BUCKET 31  /* the largest Elias-gamma bucket: list indices below 2^31 - 1 */
+#define TREE_BITS 6    /* the leading mantissa bits coded in a tree of contexts */
+
+enum { OK = 0, INDEX_RANGE = 1, BUCKET_RANGE = 2 };
+
+/* -- adaptive probabilities ----------------------------------------------------------------------------------- */
+typedef struct {
+    uint16_t candidate[2][MAX_POSITION][MAX_LENGTH][2]; /* [below or token][position][length][other source has some] */
+    uint16_t listed[2][2];                              /* [token has candidates][row below has candidates] */
+    uint16_t bucket[MAX_BUCKET + 1];
+    uint16_t tree[MAX_BUCKET + 1][1 << TREE_BITS];
+    uint16_t low[MAX_BUCKET + 1][32];
+} Model;
+
+static void model_reset(Model *m) {
+    uint16_t *p = (uint16_t *)m;
+    for (size_t i = 0; i < sizeof(Model) / sizeof(uint16_t); i++) p[i] = PROB_ONE / 2;
+}
+
+/* -- the range coder ------------------------------------------------------------------------------------------ */
+typedef struct {
+    uint64_t low;
+    uint32_t range;
+    uint8_t cache;
+    uint64_t pending; /* bytes held back: the cache and the 0xFF bytes after it a carry may still change */
+    uint8_t *out;
+    size_t size, capacity;
+    int overflow;
+    int64_t bits; /* decisions coded: a stream of none is stored empty */
+} Encoder;
+
+static void put(Encoder *e, uint8_t byte) {
+    if (e->size < e->capacity)
+        e->out[e->size++] = byte;
+    else
+        e->overflow = 1;
+}
+
+static void shift_low(Encoder *e) {
+    if ((uint32_t)e->low < 0xFF000000u || (e->low >> 32) != 0) {
+        uint8_t carry = (uint8_t)(e->low >> 32);
+        uint8_t held = e->cache;
+        do {
+            put(e, (uint8_t)(held + carry));
+            held = 0xFF;
+        } while (--e->pending != 0);
+        e->cache = (uint8_t)(e->low >> 24);
+    }
+    e->pending++;
+    e->low = (e->low & 0x00FFFFFFu) << 8;
+}
+
+static void encode_bit(Encoder *e, uint16_t *p, int bit) {
+    e->bits++;
+    uint32_t bound = (e->range >> PROB_BITS) * *p;
+    if (!bit) {
+        e->range = bound;
+        *p += (uint16_t)((PROB_ONE - *p) >> ADAPT);
+    } else {
+        e->low += bound;
+        e->range -= bound;
+        *p -= (uint16_t)(*p >> ADAPT);
+    }
+    while (e->range < TOP) {
+        e->range <<= 8;
+        shift_low(e);
+    }
+}
+
+static void encoder_flush(Encoder *e) {
+    for (int i = 0; i < 5; i++) shift_low(e);
+}
+
+typedef struct {
+    uint32_t code, range;
+    const uint8_t *in;
+    size_t size, at;
+} Decoder;
+
+static uint8_t next_byte(Decoder *d) { return d->at < d->size ? d->in[d->at++] : (d->at++, 0); }
+
+static void decoder_start(Decoder *d, const uint8_t *in, size_t size) {
+    d->in = in;
+    d->size = size;
+    d->at = 0;
+    d->code = 0;
+    d->range = 0xFFFFFFFFu;
+    for (int i = 0; i < 5; i++) d->code = (d->code << 8) | next_byte(d);
+}
+
+static int decode_bit(Decoder *d, uint16_t *p) {
+    uint32_t bound = (d->range >> PROB_BITS) * *p;
+    int bit;
+    if (d->code < bound) {
+        d->range = bound;
+        *p += (uint16_t)((PROB_ONE - *p) >> ADAPT);
+        bit = 0;
+    } else {
+        d->code -= bound;
+        d->range -= bound;
+        *p -= (uint16_t)(*p >> ADAPT);
+        bit = 1;
+    }
+    while (d->range < TOP) {
+        d->range <<= 8;
+        d->code = (d->code << 8) | next_byte(d);
+    }
+    return bit;
+}
+
+/* -- the layer's tables --------------------------------------------------------------------------------------- */
+typedef struct {
+    const int64_t *token_keys;
+    const uint32_t *token_table; /* open addressing: a token's slot holds its key's position + 1 (0: empty) */
+    uint64_t table_mask;
+    int table_shift;
+    const uint32_t *token_offsets, *token_candidates;
+    const uint32_t *below_offsets, *below_candidates;
+    int64_t below_keys; /* the layer below's list size: its rows' indices below this have candidates here */
+    int64_t sets;
+} Tables;
+
+static inline uint64_t mix(uint64_t key) { return key * 0x9E3779B97F4A7C15ull; }
+
+/* The token's candidates (count, and where they start), none for a token the layer does not key. */
+static inline uint32_t token_candidates(const Tables *t, int64_t token, const uint32_t **at) {
+    if (token < 0 || !t->token_table) return 0;
+    uint64_t slot = mix((uint64_t)token) >> t->table_shift;
+    for (;;) {
+        uint32_t found = t->token_table[slot];
+        if (!found) return 0;
+        if (t->token_keys[found - 1] == token) {
+            *at = t->token_candidates + t->token_offsets[found - 1];
+            return t->token_offsets[found] - t->token_offsets[found - 1];
+        }
+        slot = (slot + 1) & t->table_mask;
+    }
+}
+
+static inline uint32_t below_candidates(const Tables *t, int64_t below, const uint32_t **at) {
+    if (below < 0 || below >= t->below_keys) return 0;
+    *at = t->below_candidates + t->below_offsets[below];
+    return t->below_offsets[below + 1] - t->below_offsets[below];
+}
+
+static inline int clamp(uint32_t n, int most) { return n < (uint32_t)most ? (int)n : most; }
+
+static inline int listed_in(const uint32_t *list, uint32_t n, uint32_t value) {
+    for (uint32_t i = 0; i < n; i++)
+        if (list[i] == value) return 1;
+    return 0;
+}
+
+/* One row's decisions. The encoder knows the row's index in the list (-1: escape) and codes it; the decoder passes
+ * a Decoder and gets it back. Both walk the same candidates in the same order with the same contexts. */
+static void encode_row(Encoder *e, Model *m, const Tables *t, int64_t token, int64_t below, int64_t index) {
+    const uint32_t *bc = NULL, *tc = NULL;
+    uint32_t nb = below_candidates(t, below, &bc), nt = token_candidates(t, token, &tc);
+    int has_b = nb > 0, has_t = nt > 0;
+    for (uint32_t i = 0; i < nb; i++) {
+        int hit = (int64_t)bc[i] == index;
+        encode_bit(e, &m->candidate[0][clamp(i, MAX_POSITION - 1)][clamp(nb, MAX_LENGTH) - 1][has_t], !hit);
+        if (hit) return;
+    }
+    uint32_t position = 0;
+    for (uint32_t i = 0; i < nt; i++) {
+        if (listed_in(bc, nb, tc[i])) continue;
+        int hit = (int64_t)tc[i] == index;
+        encode_bit(e, &m->candidate[1][clamp(position, MAX_POSITION - 1)][clamp(nt, MAX_LENGTH) - 1][has_b], !hit);
+        position++;
+        if (hit) return;
+    }
+    if (t->sets == 0) return; /* an escape, the only thing a row of a layer without a list can be */
+    encode_bit(e, &m->listed[has_t][has_b], index < 0);
+    if (index < 0) return;
+    uint64_t v = (uint64_t)index + 1;
+    int bucket = 63 - __builtin_clzll(v);
+    for (int i = 0; i < bucket; i++) encode_bit(e, &m->bucket[i], 1);
+    encode_bit(e, &m->bucket[bucket], 0);
+    unsigned node = 1;
+    for (int i = bucket - 1; i >= 0; i--) {
+        int bit = (int)((v >> i) & 1);
+        if (bucket - 1 - i < TREE_BITS) {
+            encode_bit(e, &m->tree[bucket][node], bit);
+            node = 2 * node + (unsigned)bit;
+        } else {
+            encode_bit(e, &m->low[bucket][i], bit);
+        }
+    }
+}
+
+static int decode_row(Decoder *d, Model *m, const Tables *t, int64_t token, int64_t below, int64_t *index) {
+    const uint32_t *bc = NULL, *tc = NULL;
+    uint32_t nb = below_candidates(t, below, &bc), nt = token_candidates(t, token, &tc);
+    int has_b = nb > 0, has_t = nt > 0;
+    for (uint32_t i = 0; i < nb; i++) {
+        if (!decode_bit(d, &m->candidate[0][clamp(i, MAX_POSITION - 1)][clamp(nb, MAX_LENGTH) - 1][has_t])) {
+            *index = bc[i];
+            return OK;
+        }
+    }
+    uint32_t position = 0;
+    for (uint32_t i = 0; i < nt; i++) {
+        if (listed_in(bc, nb, tc[i])) continue;
+        int miss = decode_bit(d, &m->candidate[1][clamp(position, MAX_POSITION - 1)][clamp(nt, MAX_LENGTH) - 1][has_b]);
+        position++;
+        if (!miss) {
+            *index = tc[i];
+            return OK;
+        }
+    }
+    *index = -1;
+    if (t->sets == 0 || decode_bit(d, &m->listed[has_t][has_b])) return OK;
+    int bucket = 0;
+    while (decode_bit(d, &m->bucket[bucket]))
+        if (++bucket == MAX_BUCKET) return BUCKET_RANGE;
+    uint64_t v = 1;
+    unsigned node = 1;
+    for (int i = bucket - 1; i >= 0; i--) {
+        int bit;
+        if (bucket - 1 - i < TREE_BITS) {
+            bit = decode_bit(d, &m->tree[bucket][node]);
+            node = 2 * node + (unsigned)bit;
+        } else {
+            bit = decode_bit(d, &m->low[bucket][i]);
+        }
+        v = 2 * v + (uint64_t)bit;
+    }
+    if ((int64_t)(v - 1) >= t->sets) return INDEX_RANGE;
+    *index = (int64_t)(v - 1);
+    return OK;
+}
+
+/* -- argument handling ---------------------------------------------------------------------------------------- */
+typedef struct {
+    Py_buffer view;
+    int held;
+} Arg;
+
+static int get_array(PyObject *obj, Arg *a, const char *format, Py_ssize_t itemsize, int writable, const char *name) {
+    a->held = 0;
+    if (PyObject_GetBuffer(obj, &a->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    a->held = 1;
+    const char *f = a->view.format ? a->view.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    int matches = a->view.itemsize == itemsize && a->view.ndim <= 1;
+    if (matches && format) { /* the integer kinds of one width are told apart by signedness only */
+        int signed_given = strchr("bhilq", *f) != NULL, signed_wanted = strchr("bhilq", *format) != NULL;
+        matches = signed_given == signed_wanted;
+    }
+    if (!matches) {
+        PyErr_Format(PyExc_TypeError, "%s must be a flat C-contiguous array of %zd-byte %s integers", name, itemsize,
+                     format && strchr("bhilq", *format) ? "signed" : "unsigned");
+        return -1;
+    }
+    return 0;
+}
+
+static void release(Arg *args, int n) {
+    for (int i = 0; i < n; i++)
+        if (args[i].held) PyBuffer_Release(&args[i].view);
+}
+
+#define LEN(a, size) ((int64_t)((a).view.len / (size)))
+
+/* tokens, below, token_keys, token_table, token_offsets, token_candidates, below_offsets, below_candidates */
+enum { TOKENS, BELOW, KEYS, TABLE, TOKEN_OFFSETS, TOKEN_CANDIDATES, BELOW_OFFSETS, BELOW_CANDIDATES, TABLE_ARGS };
+
+static int get_tables(PyObject **objs, Arg *a, int64_t sets, int64_t rows, Tables *t) {
+    static const char *names[] = {"tokens",        "below",           "token_keys",     "token_table",
+                                  "token_offsets", "token_candidates", "below_offsets", "below_candidates"};
+    static const char formats[] = {'q', 'i', 'q', 'I', 'I', 'I', 'I', 'I'};
+    static const Py_ssize_t sizes[] = {8, 4, 8, 4, 4, 4, 4, 4};
+    for (int i = 0; i < TABLE_ARGS; i++)
+        if (get_array(objs[i], &a[i], &formats[i], sizes[i], 0, names[i]) < 0) return -1;
+    int64_t keys = LEN(a[KEYS], 8), table = LEN(a[TABLE], 4), below_keys = LEN(a[BELOW_OFFSETS], 4) - 1;
+    if (LEN(a[TOKENS], 8) != rows || (LEN(a[BELOW], 4) != rows && LEN(a[BELOW], 4) != 0) ||
+        LEN(a[TOKEN_OFFSETS], 4) != keys + 1 || (table & (table - 1)) != 0 || (keys && table < 2 * keys) ||
+        below_keys < 0 || sets < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "tables: tokens and below (or none) need a value per row, token_offsets one per key and one "
+                        "more, token_table a power of two at least twice the keys, below_offsets at least one entry");
+        return -1;
+    }
+    /* The offsets were checked when the model was read (ascending, inside the candidates): the last ones here. */
+    const uint32_t *to = a[TOKEN_OFFSETS].view.buf, *bo = a[BELOW_OFFSETS].view.buf;
+    if (to[keys] > (uint64_t)LEN(a[TOKEN_CANDIDATES], 4) || bo[below_keys] > (uint64_t)LEN(a[BELOW_CANDIDATES], 4)) {
+        PyErr_SetString(PyExc_ValueError, "tables: the offsets pass the end of their candidates");
+        return -1;
+    }
+    t->token_keys = a[KEYS].view.buf;
+    t->token_table = keys ? a[TABLE].view.buf : NULL;
+    t->table_mask = table ? (uint64_t)table - 1 : 0;
+    t->table_shift = 64;
+    for (int64_t size = table; size > 1; size >>= 1) t->table_shift--;
+    t->token_offsets = to;
+    t->token_candidates = a[TOKEN_CANDIDATES].view.buf;
+    t->below_offsets = bo;
+    t->below_candidates = a[BELOW_CANDIDATES].view.buf;
+    t->below_keys = below_keys;
+    t->sets = sets;
+    return 0;
+}
+
+/* encode_layer(index, sets, tokens, below, token_keys, token_table, token_offsets, token_candidates, below_offsets,
+ *              below_candidates, out) -> bytes written, or -1 when out is too small */
+static PyObject *encode_layer(PyObject *self, PyObject *args) {
+    PyObject *index_obj, *out_obj, *objs[TABLE_ARGS];
+    long long sets;
+    if (!PyArg_ParseTuple(args, "OLOOOOOOOOO", &index_obj, &sets, &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
+                          &objs[5], &objs[6], &objs[7], &out_obj))
+        return NULL;
+    Arg a[TABLE_ARGS + 2] = {0};
+    PyObject *answer = NULL;
+    Tables t;
+    if (get_array(index_obj, &a[TABLE_ARGS], "i", 4, 0, "index") < 0 ||
+        get_array(out_obj, &a[TABLE_ARGS + 1], "B", 1, 1, "out") < 0)
+        goto done;
+    int64_t rows = LEN(a[TABLE_ARGS], 4);
+    if (get_tables(objs, a, sets, rows, &t) < 0) goto done;
+    const int32_t *index = a[TABLE_ARGS].view.buf;
+    const int64_t *tokens = a[TOKENS].view.buf;
+    const int32_t *below = LEN(a[BELOW], 4) ? a[BELOW].view.buf : NULL;
+    for (int64_t r = 0; r < rows; r++)
+        if (index[r] < -1 || index[r] >= sets) {
+            PyErr_SetString(PyExc_ValueError, "encode_layer: an index outside the list");
+            goto done;
+        }
+    Encoder e = {0, 0xFFFFFFFFu, 0, 1, a[TABLE_ARGS + 1].view.buf, 0, (size_t)a[TABLE_ARGS + 1].view.len, 0, 0};
+    Py_BEGIN_ALLOW_THREADS Model m;
+    model_reset(&m);
+    for (int64_t r = 0; r < rows; r++) encode_row(&e, &m, &t, tokens[r], below ? below[r] : -1, index[r]);
+    if (e.bits) encoder_flush(&e);
+    Py_END_ALLOW_THREADS answer = PyLong_FromLongLong(e.overflow ? -1 : e.bits ? (long long)e.size : 0);
+done:
+    release(a, TABLE_ARGS + 2);
+    return answer;
+}
+
+/* decode_layer(stream, sets, tokens, below, token_keys, token_table, token_offsets, token_candidates, below_offsets,
+ *              below_candidates, index) -> (status, row): each row's index in the list, -1 for an escape */
+static PyObject *decode_layer(PyObject *self, PyObject *args) {
+    PyObject *stream_obj, *index_obj, *objs[TABLE_ARGS];
+    long long sets;
+    if (!PyArg_ParseTuple(args, "OLOOOOOOOOO", &stream_obj, &sets, &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
+                          &objs[5], &objs[6], &objs[7], &index_obj))
+        return NULL;
+    Arg a[TABLE_ARGS + 2] = {0};
+    PyObject *answer = NULL;
+    Tables t;
+    if (get_array(stream_obj, &a[TABLE_ARGS], "B", 1, 0, "stream") < 0 ||
+        get_array(index_obj, &a[TABLE_ARGS + 1], "i", 4, 1, "index") < 0)
+        goto done;
+    int64_t rows = LEN(a[TABLE_ARGS + 1], 4);
+    if (get_tables(objs, a, sets, rows, &t) < 0) goto done;
+    const int64_t *tokens = a[TOKENS].view.buf;
+    const int32_t *below = LEN(a[BELOW], 4) ? a[BELOW].view.buf : NULL;
+    int32_t *index = a[TABLE_ARGS + 1].view.buf;
+    int status = OK;
+    int64_t r = 0;
+    Py_BEGIN_ALLOW_THREADS Model m;
+    model_reset(&m);
+    Decoder d;
+    decoder_start(&d, a[TABLE_ARGS].view.buf, (size_t)a[TABLE_ARGS].view.len);
+    for (; r < rows; r++) {
+        int64_t found;
+        status = decode_row(&d, &m, &t, tokens[r], below ? below[r] : -1, &found);
+        if (status != OK) break;
+        index[r] = (int32_t)found;
+    }
+    Py_END_ALLOW_THREADS answer = Py_BuildValue("iL", status, (long long)(status == OK ? -1 : r));
+done:
+    release(a, TABLE_ARGS + 2);
+    return answer;
+}
+
+/* -- counting distinct rows and keys -------------------------------------------------------------------------- */
+static uint64_t hash_bytes(const uint8_t *p, size_t n) {
+    uint64_t h = 0x243F6A8885A308D3ull ^ n;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        h = (h ^ w) * 0x9E3779B97F4A7C15ull;
+        h ^= h >> 29;
+    }
+    if (i < n) {
+        uint64_t w = 0;
+        memcpy(&w, p + i, n - i);
+        h = (h ^ w) * 0x9E3779B97F4A7C15ull;
+        h ^= h >> 29;
+    }
+    return h * 0xBF58476D1CE4E5B9ull;
+}
+
+static int64_t table_size(int64_t n) {
+    int64_t size = 2;
+    while (size < 2 * n) size *= 2;
+    return size;
+}
+
+/* distinct(data, width, ids, first) -> D: the distinct items of ``data`` (rows of ``width`` bytes) numbered in the
+ * order they first appear (``ids[i]``: item i's number), and where each first appears (``first[d]``, d < D). */
+static PyObject *distinct(PyObject *self, PyObject *args) {
+    PyObject *data_obj, *ids_obj, *first_obj;
+    long long width;
+    if (!PyArg_ParseTuple(args, "OLOO", &data_obj, &width, &ids_obj, &first_obj)) return NULL;
+    Arg a[3] = {0};
+    PyObject *answer = NULL;
+    if (get_array(data_obj, &a[0], "B", 1, 0, "data") < 0 || get_array(ids_obj, &a[1], "i", 4, 1, "ids") < 0 ||
+        get_array(first_obj, &a[2], "q", 8, 1, "first") < 0)
+        goto done;
+    int64_t n = LEN(a[1], 4);
+    if (width < 1 || a[0].view.len != n * width || LEN(a[2], 8) != n || n >= INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "distinct: data must hold one item of width bytes per id and first");
+        goto done;
+    }
+    int64_t size = table_size(n);
+    uint32_t *table = calloc((size_t)size, sizeof(uint32_t));
+    if (!table) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const uint8_t *data = a[0].view.buf;
+    int32_t *ids = a[1].view.buf;
+    int64_t *first = a[2].view.buf;
+    int64_t count = 0;
+    Py_BEGIN_ALLOW_THREADS uint64_t mask = (uint64_t)size - 1;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *item = data + i * width;
+        uint64_t slot = hash_bytes(item, (size_t)width) & mask;
+        for (;;) {
+            uint32_t found = table[slot];
+            if (!found) {
+                table[slot] = (uint32_t)(count + 1);
+                first[count] = i;
+                ids[i] = (int32_t)count++;
+                break;
+            }
+            if (!memcmp(data + first[found - 1] * width, item, (size_t)width)) {
+                ids[i] = (int32_t)(found - 1);
+                break;
+            }
+            slot = (slot + 1) & mask;
+        }
+    }
+    Py_END_ALLOW_THREADS free(table);
+    answer = PyLong_FromLongLong((long long)count);
+done:
+    release(a, 3);
+    return answer;
+}
+
+/* hash_keys(keys, table): the open-addressing table decode_layer and encode_layer look tokens up in. */
+static PyObject *hash_keys(PyObject *self, PyObject *args) {
+    PyObject *keys_obj, *table_obj;
+    if (!PyArg_ParseTuple(args, "OO", &keys_obj, &table_obj)) return NULL;
+    Arg a[2] = {0};
+    PyObject *answer = NULL;
+    if (get_array(keys_obj, &a[0], "q", 8, 0, "keys") < 0 || get_array(table_obj, &a[1], "I", 4, 1, "table") < 0)
+        goto done;
+    int64_t n = LEN(a[0], 8), size = LEN(a[1], 4);
+    if ((size & (size - 1)) != 0 || (n && size < 2 * n) || n >= UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "hash_keys: the table must be a power of two at least twice the keys");
+        goto done;
+    }
+    const int64_t *keys = a[0].view.buf;
+    uint32_t *table = a[1].view.buf;
+    memset(table, 0, (size_t)size * sizeof(uint32_t));
+    int shift = 64;
+    for (int64_t s = size; s > 1; s >>= 1) shift--;
+    uint64_t mask = size ? (uint64_t)size - 1 : 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t slot = mix((uint64_t)keys[i]) >> shift;
+        while (table[slot]) {
+            if (keys[table[slot] - 1] == keys[i]) {
+                PyErr_SetString(PyExc_ValueError, "hash_keys: a key repeats");
+                goto done;
+            }
+            slot = (slot + 1) & mask;
+        }
+        table[slot] = (uint32_t)(i + 1);
+    }
+    answer = Py_NewRef(Py_None);
+done:
+    release(a, 2);
+    return answer;
+}
+
+static PyMethodDef methods[] = {
+    {"encode_layer", encode_layer, METH_VARARGS,
+     "encode_layer(index, sets, tokens, below, token_keys, token_table, token_offsets, token_candidates, "
+     "below_offsets, below_candidates, out) -> bytes written, or -1 when out is too small"},
+    {"decode_layer", decode_layer, METH_VARARGS,
+     "decode_layer(stream, sets, tokens, below, token_keys, token_table, token_offsets, token_candidates, "
+     "below_offsets, below_candidates, index) -> (status, row)"},
+    {"distinct", distinct, METH_VARARGS, "distinct(data, width, ids, first) -> number of distinct items"},
+    {"hash_keys", hash_keys, METH_VARARGS, "hash_keys(keys, table) -> None"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ccontext",
+                                    "The compiled passes of the set-context codec (see context.py).", -1, methods};
+
+PyMODINIT_FUNC PyInit__ccontext(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddIntConstant(m, "OK", OK) < 0 || PyModule_AddIntConstant(m, "INDEX_RANGE", INDEX_RANGE) < 0 ||
+        PyModule_AddIntConstant(m, "BUCKET_RANGE", BUCKET_RANGE) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_POSITION", MAX_POSITION) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_LENGTH", MAX_LENGTH) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_BUCKET", MAX_BUCKET) < 0 ||
+        PyModule_AddIntConstant(m, "TREE_BITS", TREE_BITS) < 0 || PyModule_AddIntConstant(m, "ADAPT", ADAPT) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

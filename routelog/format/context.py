@@ -1,0 +1,619 @@
+"""The ``ranked_context`` chunk codec (store format revision 3.1): a model each part stores once, chunks coded by it.
+
+Routing in trained MoE models repeats itself across a part far more than within one chunk: the same token tends to
+take the same few sets wherever it recurs, a set in one layer tends to follow the same sets in the layer below, and
+a layer's sets recur across tokens. Format 2 (:mod:`routelog.format.ranked`) codes each 4096-row chunk alone and
+never looks at the token ids stored beside the routing. Here a part stores, per layer, a **model**:
+
+* the layer's **list**: every set its rows use at least twice in the part, most used first;
+* each token id's **candidates**: the listed sets its rows take at least twice, most used first (at most
+  :data:`MAX_TOKEN_CANDIDATES`);
+* where the layer below is in the same chunk, each listed set of the layer below's candidates: the listed sets that
+  follow it at least twice in the same row (at most :data:`MAX_BELOW_CANDIDATES`).
+
+A chunk layer's rows are then coded one after the other, each as the first of these that names its set: one of
+its row below's candidates, one of its token's, its place in the list (Elias-gamma), or an escape: the sets the
+model does not list go through the format-2 codec, beside the decisions. Each decision is a bit of a binary range
+coder whose probability adapts within the chunk layer and starts at one half in each: a chunk decodes alone, given
+its part's model and the token ids of its rows (which the part's index holds). Where the model lists nothing
+(uniform routing: no set recurs) every row is an escape at no cost, and the chunk is the format-2 chunk of its rows.
+
+Measured on the corpus (issue #33, B per routed token-layer, every byte of the model counted): Qwen3-MoE-style
+0.41, DeepSeek-V3-style 0.89, against format 2's 0.71 and 1.39 and zstd-19 of the whole array's 0.46 and 0.80.
+
+Stored model (``routing/model``, little-endian): ``b"RLSM"``, u8 version 1, three zero bytes, u32 L, u64 end
+offset of each layer's section (from the object's start), u32 crc32c of those bytes; then each layer's section:
+u32 S (listed sets), u32 T (token keys), u32 B (below keys), u32 n and the format-2 chunk of the list ``[1, S, K]``
+(n bytes, none when S is 0), u32 m and a zstd frame of m bytes holding the integers: T token-id deltas (the first
+from 0) as u32, T candidate counts as u8, the token candidates (list indices) as u32, B below keys' deltas (indices
+in the layer below's list), B counts, the below candidates; each u32 array as its four byte planes (all low bytes
+first); then u32 crc32c of the section. Stored chunk: u8 version 1, u32 U (the escape rows' chunk has U rows per
+layer), u32 stream bytes per layer of the chunk, the streams, then (when U > 0) the format-2 chunk ``[L, U, K]`` of
+each layer's escapes in row order, its unused rows padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import numpy.typing as npt
+
+from routelog.format import context_python, ranked, zstd_frames
+from routelog.format.kernels import compiled_module
+
+MAX_TOKEN_CANDIDATES = 8
+"""Candidates a token may have in one layer's model (readers refuse more)."""
+MAX_BELOW_CANDIDATES = 4
+"""Candidates a set of the layer below may have."""
+MIN_USES = 2
+"""Uses in the part that put a set in the list, or a candidate under its token or set below (writers' choice; a
+reader takes any model)."""
+CONTEXT_CODEC = "routelog.ranked_context"
+"""The codec's name in ``zarr.json``."""
+MAGIC = b"RLSM"
+MODEL_VERSION = 1
+CHUNK_VERSION = 1
+MAX_TOKEN = 2**31 - 1
+MODEL_LEVEL = 19
+"""zstd level of a stored model's integers and list (written once per part, read once per reader)."""
+
+_COMPILED = compiled_module("routelog.format._ccontext")
+IMPLEMENTATION = "numpy" if _COMPILED is None else "compiled"
+"""Which passes this process runs: compiled (built at install) or Python (:mod:`routelog.format.context_python`)."""
+
+
+class ContextFormatError(ValueError):
+    """A model or chunk whose bytes do not decode (wrapped as corrupt data by callers)."""
+
+
+@dataclass(frozen=True)
+class LayerModel:
+    """One layer's part of a model (see the module)."""
+
+    sets: npt.NDArray[Any]
+    """The list, ``[S, K]`` sets in the storage dtype."""
+    token_keys: npt.NDArray[np.int64]
+    """Token ids with candidates, ascending."""
+    token_offsets: npt.NDArray[np.uint32]
+    """Key ``i``'s candidates are ``token_candidates[token_offsets[i]:token_offsets[i + 1]]``."""
+    token_candidates: npt.NDArray[np.uint32]
+    below_offsets: npt.NDArray[np.uint32]
+    """Per set of the layer below's list (``[S_below + 1]``; ``[0]`` where the layer has no layer below in its
+    chunk), where its candidates start in ``below_candidates``."""
+    below_candidates: npt.NDArray[np.uint32]
+
+    def __post_init__(self) -> None:
+        table = np.zeros(_table_size(self.token_keys.size), np.uint32)
+        if _COMPILED is not None:
+            _COMPILED.hash_keys(self.token_keys, table)
+        object.__setattr__(self, "token_table", table)
+
+    @property
+    def n_sets(self) -> int:
+        return int(self.sets.shape[0])
+
+    def _tables(self) -> tuple[Any, ...]:
+        return (
+            self.token_keys,
+            self.token_table,  # type: ignore[attr-defined]
+            self.token_offsets,
+            self.token_candidates,
+            self.below_offsets,
+            self.below_candidates,
+        )
+
+    def python_tables(self) -> context_python.Tables:
+        found = self.__dict__.get("_python")
+        if found is None:
+            found = context_python.Tables(
+                self.n_sets,
+                self.token_keys,
+                self.token_offsets,
+                self.token_candidates,
+                self.below_offsets,
+                self.below_candidates,
+            )
+            object.__setattr__(self, "_python", found)
+        return found
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the model holds (its arrays and lookup table)."""
+        return int(sum(array.nbytes for array in self._tables()) + self.sets.nbytes)
+
+
+def _table_size(keys: int) -> int:
+    return 1 << max(1, math.ceil(math.log2(2 * keys))) if keys else 0
+
+
+# -- building a model ----------------------------------------------------------------------------------------------
+def build_layer(
+    rows: npt.NDArray[Any], tokens: npt.NDArray[np.int64], below: npt.NDArray[np.int32] | None, below_sets: int
+) -> tuple[LayerModel, npt.NDArray[np.int32]]:
+    """One layer's model from its rows in the part ``[N, K]`` (sorted sets, storage dtype), each row's token id
+    (-1: none) and, where the layer below is in the same chunk, each row's set in the layer below's list (-1: not
+    listed) and that list's size. Returns the model and each row's set in the list (-1: an escape)."""
+    n, k = rows.shape
+    rows = np.ascontiguousarray(rows)
+    ids, first = _distinct(rows.view(np.uint8).reshape(n, k * rows.dtype.itemsize))
+    uses = np.bincount(ids, minlength=first.size) if n else np.zeros(0, np.int64)
+    listed = np.flatnonzero(uses >= MIN_USES)
+    order = listed[np.lexsort((first[listed], -uses[listed]))]
+    place = np.full(first.size, -1, np.int32)
+    place[order] = np.arange(order.size, dtype=np.int32)
+    index = place[ids] if n else np.zeros(0, np.int32)
+    sets = rows[first[order]]
+    token_keys, token_offsets, token_candidates = _candidates(tokens, index, order.size, MAX_TOKEN_CANDIDATES)
+    below_offsets = np.zeros(1, np.uint32)
+    below_candidates = np.zeros(0, np.uint32)
+    if below is not None:
+        keys, offsets, below_candidates = _candidates(below.astype(np.int64), index, order.size, MAX_BELOW_CANDIDATES)
+        counts = np.zeros(below_sets, np.int64)
+        counts[keys] = np.diff(offsets.astype(np.int64))
+        below_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
+    model = LayerModel(sets, token_keys, token_offsets, token_candidates, below_offsets, below_candidates)
+    return model, index
+
+
+def _candidates(
+    keys: npt.NDArray[np.int64], index: npt.NDArray[np.int32], sets: int, most: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint32], npt.NDArray[np.uint32]]:
+    """The (key, listed set) pairs of the rows used at least :data:`MIN_USES` times, at most ``most`` per key, most
+    used first (then first used): the keys ascending, their offsets and the sets."""
+    chosen = (keys >= 0) & (index >= 0)
+    pairs = keys[chosen] * max(sets, 1) + index[chosen]
+    ids, first = _distinct(pairs.view(np.uint8).reshape(-1, 8))
+    uses = np.bincount(ids, minlength=first.size) if pairs.size else np.zeros(0, np.int64)
+    kept = np.flatnonzero(uses >= MIN_USES)
+    pair = pairs[first[kept]]
+    key, candidate = pair // max(sets, 1), pair % max(sets, 1)
+    order = np.lexsort((first[kept], -uses[kept], key))
+    key, candidate = key[order], candidate[order]
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if key.size else np.zeros(0, np.int64)
+    lengths = np.diff(np.r_[starts, key.size])
+    rank = np.arange(key.size) - np.repeat(starts, lengths)
+    offsets = np.concatenate([[0], np.cumsum(np.minimum(lengths, most))]).astype(np.uint32)
+    return key[starts], offsets, candidate[rank < most].astype(np.uint32)
+
+
+def _distinct(items: npt.NDArray[np.uint8]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]:
+    """Rows of bytes numbered in the order they first appear, and where each first appears."""
+    n, width = items.shape
+    if _COMPILED is None or n == 0:
+        return context_python.distinct(np.ascontiguousarray(items).view(np.dtype((np.void, width))).reshape(-1))
+    ids = np.empty(n, np.int32)
+    first = np.empty(n, np.int64)
+    found = _COMPILED.distinct(np.ascontiguousarray(items).reshape(-1), width, ids, first)
+    return ids, first[:found]
+
+
+# -- coding chunks ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerChunkPlan:
+    """One layer chunk of a part's array planned for coding: its layers' models, each row's set in its layer's
+    list ``[L, N]`` (-1: an escape), and each layer's decision streams, one per row chunk."""
+
+    models: list[LayerModel]
+    index: npt.NDArray[np.int32]
+    streams: list[list[bytes]]
+    chunk_rows: int
+
+
+def plan_layers(rows: npt.NDArray[Any], tokens: npt.NDArray[np.int64], chunk_rows: int) -> LayerChunkPlan:
+    """Build the models of a layer chunk's layers from their rows in the part ``[L, N, K]`` (sorted sets) and the
+    rows' token ids, and code their decisions chunk by chunk. A layer keeps the candidates of the sets below it only
+    where they save more bytes in its streams than they take in its model (where routing follows the token rather
+    than the layer below, they cost more than they save)."""
+    models: list[LayerModel] = []
+    indexes: list[npt.NDArray[np.int32]] = []
+    streams: list[list[bytes]] = []
+    for j in range(rows.shape[0]):
+        below = indexes[-1] if j else None
+        model, index = build_layer(rows[j], tokens, below, models[-1].n_sets if j else 0)
+        coded = _layer_streams(model, index, tokens, below, chunk_rows)
+        if model.below_candidates.size:
+            alone = dataclasses.replace(
+                model, below_offsets=np.zeros_like(model.below_offsets), below_candidates=_NO_CANDIDATES
+            )
+            coded_alone = _layer_streams(alone, index, tokens, below, chunk_rows)
+            saved = sum(map(len, coded_alone)) - sum(map(len, coded))
+            if saved <= _below_nbytes(model, alone):
+                model, coded = alone, coded_alone
+        models.append(model)
+        indexes.append(index)
+        streams.append(coded)
+    return LayerChunkPlan(models, np.stack(indexes) if indexes else np.zeros((0, 0), np.int32), streams, chunk_rows)
+
+
+_NO_CANDIDATES = np.zeros(0, np.uint32)
+
+
+def _layer_streams(
+    model: LayerModel,
+    index: npt.NDArray[np.int32],
+    tokens: npt.NDArray[np.int64],
+    below: npt.NDArray[np.int32] | None,
+    chunk_rows: int,
+) -> list[bytes]:
+    n = index.size
+    return [
+        _encode_layer(
+            index[r0 : r0 + chunk_rows],
+            model,
+            tokens[r0 : r0 + chunk_rows],
+            _NO_ROWS if below is None else below[r0 : r0 + chunk_rows],
+        )
+        for r0 in range(0, max(n, 1), chunk_rows)
+    ]
+
+
+def _below_nbytes(model: LayerModel, alone: LayerModel) -> int:
+    """What a layer's below candidates add to its stored model: its compressed integers with them and without."""
+    with_below, without = (zstd_frames.compress(_integers(m), MODEL_LEVEL) for m in (model, alone))
+    return len(with_below) - len(without)
+
+
+def chunk_pieces(
+    plan: LayerChunkPlan, row_chunk: int, rows: npt.NDArray[Any], num_experts: int, level: int = 3
+) -> list[bytes]:
+    """The stored bytes of the plan's row chunk ``row_chunk``, in pieces: ``rows`` are its rows ``[L, R, K]`` (the
+    array's, no padding)."""
+    r0 = row_chunk * plan.chunk_rows
+    index = plan.index[:, r0 : r0 + rows.shape[1]]
+    return _assemble(rows, index, [layer[row_chunk] for layer in plan.streams], num_experts, level)
+
+
+def encode_chunk(
+    rows: npt.NDArray[Any],
+    index: npt.NDArray[np.int32],
+    tokens: npt.NDArray[np.int64],
+    models: Sequence[LayerModel],
+    num_experts: int,
+    level: int = 3,
+) -> list[bytes]:
+    """A chunk's stored bytes, in pieces: its rows ``[L, R, K]`` (the array's rows, no padding), each row's set in
+    its layer's list ``[L, R]`` (:func:`build_layer`), the rows' token ids and the layers' models."""
+    streams = [
+        _encode_layer(np.ascontiguousarray(index[j]), models[j], tokens, index[j - 1] if j else _NO_ROWS)
+        for j in range(rows.shape[0])
+    ]
+    return _assemble(rows, index, streams, num_experts, level)
+
+
+def _assemble(
+    rows: npt.NDArray[Any], index: npt.NDArray[np.int32], streams: Sequence[bytes], num_experts: int, level: int
+) -> list[bytes]:
+    layers, _, k = rows.shape
+    escapes = [rows[j][index[j] < 0] for j in range(layers)]
+    most = max((e.shape[0] for e in escapes), default=0)
+    head = bytearray([CHUNK_VERSION])
+    head += most.to_bytes(4, "little")
+    for stream in streams:
+        head += len(stream).to_bytes(4, "little")
+    pieces = [bytes(head), *streams]
+    if most:
+        block = np.empty((layers, most, k), rows.dtype)
+        for j, escaped in enumerate(escapes):
+            block[j, : escaped.shape[0]] = escaped
+            block[j, escaped.shape[0] :] = escaped[-1] if escaped.shape[0] else np.arange(k, dtype=rows.dtype)
+        pieces += ranked.encode_pieces(block, num_experts, level=level)
+    return pieces
+
+
+_NO_ROWS = np.zeros(0, np.int32)
+
+
+def _encode_layer(
+    index: npt.NDArray[np.int32], model: LayerModel, tokens: npt.NDArray[np.int64], below: npt.NDArray[np.int32]
+) -> bytes:
+    index = np.ascontiguousarray(index)
+    tokens = np.ascontiguousarray(tokens)
+    below = np.ascontiguousarray(below)
+    if _COMPILED is None:
+        return context_python.encode_layer(index, model.python_tables(), tokens, below)
+    out = np.empty(index.size * 72 + 16, np.uint8)
+    written = _COMPILED.encode_layer(index, model.n_sets, tokens, below, *model._tables(), out)
+    if written < 0:  # pragma: no cover - the bound above holds for every model a reader accepts
+        raise ValueError("encode_layer: the stream outgrew its bound")
+    return out[:written].tobytes()
+
+
+def decode_chunk(
+    payload: bytes | memoryview | npt.NDArray[np.uint8],
+    shape: tuple[int, int, int],
+    dtype: np.dtype[Any],
+    num_experts: int,
+    tokens: npt.NDArray[np.int64],
+    models: Sequence[LayerModel],
+    out: npt.NDArray[Any] | None = None,
+    window: ranked.Window | None = None,
+) -> npt.NDArray[Any]:
+    """The rows of a chunk of ``shape`` ``[L, R, K]`` (the array's rows it holds, no padding), or of its
+    ``window``, from :func:`encode_chunk`'s bytes, the rows' token ids and the layers' models; into ``out`` when
+    given (each layer's rows contiguous). Raises :class:`ContextFormatError` on bytes that do not decode."""
+    layers, n, k = shape
+    if window is None:
+        l0, l1, r0, r1 = 0, layers, 0, n
+    else:
+        (l0, l1), (r0, r1) = window
+        if not (0 <= l0 <= l1 <= layers and 0 <= r0 <= r1 <= n):
+            raise ValueError(f"window {window} is not inside a chunk of {layers} x {n}")
+    target = np.empty((l1 - l0, r1 - r0, k), dtype) if out is None else out
+    data = np.frombuffer(payload, np.uint8) if not isinstance(payload, np.ndarray) else payload
+    head = 5 + 4 * layers
+    if data.size < head or data[0] != CHUNK_VERSION:
+        raise ContextFormatError(f"unknown chunk version {int(data[0]) if data.size else None} or a short chunk")
+    most = int.from_bytes(data[1:5].tobytes(), "little")
+    sizes = np.frombuffer(data[5:head].tobytes(), "<u4").astype(np.int64)
+    ends = head + np.cumsum(sizes)
+    if most > n or (layers and ends[-1] > data.size) or (most and ends[-1] == data.size):
+        raise ContextFormatError("the chunk's streams and escapes do not add up to its bytes")
+    index = np.empty((l1, r1), np.int32)
+    for j in range(l1):
+        stream = data[ends[j] - sizes[j] : ends[j]]
+        below = index[j - 1] if j else _NO_ROWS
+        status, row = _decode_layer(stream, models[j], tokens[:r1], below, index[j])
+        if status != context_python.OK:
+            problem = "names no listed set" if status == context_python.INDEX_RANGE else "has no end"
+            raise ContextFormatError(f"layer {j} row {row}: the stream's index {problem}")
+    escaped = index[l0:l1] < 0
+    before = escaped[:, :r0].sum(axis=1)
+    needed = escaped.sum(axis=1)
+    if needed.size and needed.max() > most:
+        raise ContextFormatError(f"the streams escape {int(needed.max())} rows of a layer, the chunk stores {most}")
+    escapes = None
+    if needed.size and needed.max():
+        rest = data[ends[-1] :] if layers else data[head:]
+        try:
+            escapes = ranked.decode(
+                rest, (layers, most, k), dtype, num_experts, window=((l0, l1), (0, int(needed.max())))
+            )
+        except ranked.RankedFormatError as exc:
+            raise ContextFormatError(f"the escapes: {exc}") from exc
+    for j in range(l1 - l0):
+        model = models[l0 + j]
+        rows_index = index[l0 + j, r0:r1]
+        escaped_here = int(needed[j] - before[j])
+        if escapes is not None and escaped_here == r1 - r0:  # every row escapes (no set recurs: uniform routing)
+            target[j] = escapes[j, before[j] : needed[j]]
+            continue
+        if model.n_sets:
+            np.take(model.sets, np.maximum(rows_index, 0), axis=0, out=target[j])
+        if escapes is not None and escaped_here:
+            target[j][rows_index < 0] = escapes[j, before[j] : needed[j]]
+    return target
+
+
+def _decode_layer(
+    stream: npt.NDArray[np.uint8],
+    model: LayerModel,
+    tokens: npt.NDArray[np.int64],
+    below: npt.NDArray[np.int32],
+    index: npt.NDArray[np.int32],
+) -> tuple[int, int]:
+    if _COMPILED is None:
+        return context_python.decode_layer(stream.tobytes(), model.python_tables(), tokens, below, index)
+    status, row = _COMPILED.decode_layer(stream, model.n_sets, tokens, below, *model._tables(), index)
+    return int(status), int(row)
+
+
+# -- the stored model ------------------------------------------------------------------------------------------------
+def encode_model(layers: Sequence[LayerModel], num_experts: int, level: int = MODEL_LEVEL) -> bytes:
+    """The stored model object of an array's layers (see the module)."""
+    sections = [_encode_section(model, num_experts, level) for model in layers]
+    head = bytearray(MAGIC + bytes([MODEL_VERSION, 0, 0, 0]) + len(layers).to_bytes(4, "little"))
+    end = model_header_nbytes(len(layers))
+    for section in sections:
+        end += len(section)
+        head += end.to_bytes(8, "little")
+    head += int(google_crc32c.value(bytes(head))).to_bytes(4, "little")
+    return bytes(head) + b"".join(sections)
+
+
+def model_header_nbytes(layers: int) -> int:
+    """Bytes of a model's head (magic, version, layers, section ends, checksum): a reader fetches it first."""
+    return 12 + 8 * layers + 4
+
+
+def _encode_section(model: LayerModel, num_experts: int, level: int) -> bytes:
+    below_keys = np.flatnonzero(np.diff(model.below_offsets.astype(np.int64)))
+    sets = b""
+    if model.n_sets:
+        sets = b"".join(ranked.encode_pieces(np.ascontiguousarray(model.sets[None]), num_experts, level=level))
+    integers = _integers(model)
+    frame = zstd_frames.compress(integers, level) if integers else b""
+    body = b"".join(
+        [
+            model.n_sets.to_bytes(4, "little"),
+            model.token_keys.size.to_bytes(4, "little"),
+            below_keys.size.to_bytes(4, "little"),
+            len(sets).to_bytes(4, "little"),
+            sets,
+            len(frame).to_bytes(4, "little"),
+            frame,
+        ]
+    )
+    return body + int(google_crc32c.value(body)).to_bytes(4, "little")
+
+
+def _integers(model: LayerModel) -> bytes:
+    """A section's integers before compression (see the module)."""
+    below_counts = np.diff(model.below_offsets.astype(np.int64))
+    below_keys = np.flatnonzero(below_counts)
+    return b"".join(
+        [
+            _planes(np.diff(model.token_keys, prepend=0)),
+            np.diff(model.token_offsets.astype(np.int64)).astype(np.uint8).tobytes(),
+            _planes(model.token_candidates),
+            _planes(np.diff(below_keys, prepend=0)),
+            below_counts[below_keys].astype(np.uint8).tobytes(),
+            _planes(model.below_candidates),
+        ]
+    )
+
+
+def _planes(values: npt.NDArray[Any]) -> bytes:
+    """u32 values as their four byte planes, low bytes first (zstd then sees the mostly-zero high planes apart)."""
+    return np.ascontiguousarray(values.astype("<u4").view(np.uint8).reshape(-1, 4).T).tobytes()
+
+
+def _from_planes(data: npt.NDArray[np.uint8], count: int) -> npt.NDArray[np.int64]:
+    return np.ascontiguousarray(data[: 4 * count].reshape(4, count).T).view("<u4").reshape(-1).astype(np.int64)
+
+
+def read_model_ends(head: bytes | memoryview, layers: int, size: int) -> npt.NDArray[np.int64]:
+    """Each layer section's end offset in a model object of ``size`` bytes, from its head
+    (:func:`model_header_nbytes` bytes), checked: magic, version, layers, checksum, ascending ends inside it."""
+    head = bytes(head)
+    expected = model_header_nbytes(layers)
+    if len(head) != expected or head[:4] != MAGIC:
+        raise ContextFormatError("not a routelog set model")
+    if head[4] != MODEL_VERSION:
+        raise ContextFormatError(f"unknown set model version {head[4]}")
+    if google_crc32c.value(head[:-4]) != int.from_bytes(head[-4:], "little"):
+        raise ContextFormatError("the set model's head fails its checksum")
+    if int.from_bytes(head[8:12], "little") != layers:
+        raise ContextFormatError(f"the set model holds {int.from_bytes(head[8:12], 'little')} layers, not {layers}")
+    ends = np.frombuffer(head[12:-4], "<u8").astype(np.int64)
+    starts = np.r_[expected, ends[:-1]]
+    if (ends < starts + 20).any() or (layers and ends[-1] != size):
+        raise ContextFormatError("the set model's sections do not tile the object")
+    return ends
+
+
+def decode_section(
+    data: bytes | memoryview,
+    layer: int,
+    rows: int,
+    topk: int,
+    dtype: np.dtype[Any],
+    num_experts: int,
+    below_sets: int | None,
+) -> LayerModel:
+    """One layer's model from its section's bytes (checksum included), checked before use: at most ``rows`` sets
+    and token keys (the array's rows: a set is listed for two rows at least), valid sets, ascending keys, counts
+    within the limits, candidates inside the list. ``below_sets``: the layer below's list size where the layer has
+    one in its chunk, else None."""
+    section = np.frombuffer(data, np.uint8)
+    where = f"layer {layer}'s model"
+    if section.size < 24 or google_crc32c.value(section[:-4].tobytes()) != int.from_bytes(
+        section[-4:].tobytes(), "little"
+    ):
+        raise ContextFormatError(f"{where} fails its checksum")
+    n_sets, n_keys, n_below, sets_nbytes = np.frombuffer(section[:16].tobytes(), "<u4").astype(np.int64)
+    if n_sets > rows or n_keys > rows or n_below > (below_sets or 0):
+        raise ContextFormatError(f"{where} claims {n_sets} sets, {n_keys} token keys, {n_below} keys below")
+    at = 16 + int(sets_nbytes)
+    if at + 4 > section.size - 4:
+        raise ContextFormatError(f"{where}: its sections pass its end")
+    sets = np.zeros((0, topk), dtype)
+    if n_sets:
+        try:
+            sets = ranked.decode(section[16:at], (1, int(n_sets), topk), dtype, num_experts, accept="sets")[0]
+        except ranked.RankedFormatError as exc:
+            raise ContextFormatError(f"{where}'s list: {exc}") from exc
+    frame_nbytes = int.from_bytes(section[at : at + 4].tobytes(), "little")
+    if at + 4 + frame_nbytes != section.size - 4:
+        raise ContextFormatError(f"{where}: its sections do not add up to its bytes")
+    bound = int(n_keys) * (5 + 4 * MAX_TOKEN_CANDIDATES) + int(n_below) * (5 + 4 * MAX_BELOW_CANDIDATES)
+    integers = np.zeros(0, np.uint8)
+    if frame_nbytes:
+        try:
+            integers = zstd_frames.decompress(section[at + 4 : at + 4 + frame_nbytes], bound, "set model", sized=True)
+        except zstd_frames.FrameError as exc:
+            raise ContextFormatError(f"{where}: {exc}") from exc
+    reader = _Integers(integers, where)
+    keys = np.cumsum(reader.planes(int(n_keys)))
+    counts = reader.bytes(int(n_keys))
+    candidates = reader.planes(int(counts.sum()))
+    below_keys = np.cumsum(reader.planes(int(n_below)))
+    below_counts = reader.bytes(int(n_below))
+    below_candidates = reader.planes(int(below_counts.sum()))
+    reader.done()
+    if (
+        (keys.size and (keys[-1] > MAX_TOKEN or (np.diff(keys) < 1).any()))
+        or (counts < 1).any()
+        or (counts > MAX_TOKEN_CANDIDATES).any()
+        or (candidates >= n_sets).any()
+        or (below_keys.size and (below_keys[-1] >= (below_sets or 0) or (np.diff(below_keys) < 1).any()))
+        or (below_counts < 1).any()
+        or (below_counts > MAX_BELOW_CANDIDATES).any()
+        or (below_candidates >= n_sets).any()
+    ):
+        raise ContextFormatError(f"{where}: keys out of order, counts or candidates outside their limits")
+    below_offsets = np.zeros(1, np.uint32)
+    if below_sets is not None:
+        dense = np.zeros(below_sets, np.int64)
+        dense[below_keys] = below_counts
+        below_offsets = np.concatenate([[0], np.cumsum(dense)]).astype(np.uint32)
+    return LayerModel(
+        sets,
+        keys.astype(np.int64),
+        np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32),
+        candidates.astype(np.uint32),
+        below_offsets,
+        below_candidates.astype(np.uint32),
+    )
+
+
+class _Integers:
+    """Reads a section's integer arrays in order, refusing to read past the end or to leave bytes unread."""
+
+    def __init__(self, data: npt.NDArray[np.uint8], where: str) -> None:
+        self.data, self.at, self.where = data, 0, where
+
+    def _take(self, n: int) -> npt.NDArray[np.uint8]:
+        if self.at + n > self.data.size:
+            raise ContextFormatError(f"{self.where}: its integers end early")
+        piece = self.data[self.at : self.at + n]
+        self.at += n
+        return piece
+
+    def planes(self, count: int) -> npt.NDArray[np.int64]:
+        return _from_planes(self._take(4 * count), count)
+
+    def bytes(self, count: int) -> npt.NDArray[np.int64]:
+        return self._take(count).astype(np.int64)
+
+    def done(self) -> None:
+        if self.at != self.data.size:
+            raise ContextFormatError(f"{self.where}: {self.data.size - self.at} bytes after its integers")
+
+
+# -- what a part's rows are ------------------------------------------------------------------------------------------
+MODEL_KEY = "model"
+"""The model object's key in its array's directory (``routing/model``)."""
+
+SpanTuple = tuple[int, int, int, "str | None"]
+"""A span as ``(token_start, n_rows, row, part)``."""
+
+
+def row_tokens(
+    records: Iterable[tuple[Sequence[int] | npt.NDArray[Any] | None, Iterable[SpanTuple]]], n_rows: int
+) -> npt.NDArray[np.int64]:
+    """The token id of each row of a part's array ``[n_rows]`` from its records' token ids and spans (every record
+    of the part, in index order): a row takes the token of the records whose spans in their own part (``part``
+    null) cover it, -1 where none has token ids. Records sharing rows have equal tokens (a writer shares rows only
+    after comparing them), so the order does not matter; writer and readers derive the same tokens."""
+    out = np.full(n_rows, -1, np.int64)
+    for token_ids, spans in records:
+        if token_ids is None:
+            continue
+        ids = np.asarray(token_ids, np.int64)
+        for token_start, count, row, part in spans:
+            if part is None and row + count <= n_rows and token_start + count <= ids.size:
+                out[row : row + count] = ids[token_start : token_start + count]
+    return out
+
+
+def max_chunk_nbytes(layers: int, rows: int, topk: int, itemsize: int, num_experts: int) -> int:
+    """The most bytes :func:`chunk_pieces` can produce for a chunk of ``layers x rows`` (its head, every stream at
+    its bound, the escapes' format-2 chunk at its)."""
+    streams = layers * (rows * 72 + 16)
+    return 5 + 4 * layers + streams + ranked.max_stored_nbytes((layers, rows, topk), itemsize, num_experts)

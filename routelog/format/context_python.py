@@ -1,0 +1,266 @@
+"""The set-context codec's passes in Python: what ``routelog/format/_ccontext.c`` does, bit for bit, where it was not
+built (no compiler at install, or ``ROUTELOG_KERNELS=numpy``).
+
+Slow (a microsecond or two per coded decision) and exact: ``tests/test_context.py`` proves both write the same
+bytes and read the same rows, forged streams included. See the C file for the model; :mod:`routelog.format.context`
+states it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+PROB_BITS = 11
+PROB_ONE = 1 << PROB_BITS
+ADAPT = 4
+TOP = 1 << 24
+MAX_POSITION = 4
+MAX_LENGTH = 4
+MAX_BUCKET = 31
+TREE_BITS = 6
+OK = 0
+INDEX_RANGE = 1
+BUCKET_RANGE = 2
+_MASK32 = 0xFFFFFFFF
+
+
+class _Probabilities:
+    """The adaptive probabilities of one chunk layer, each starting at one half (the C struct, as flat lists)."""
+
+    def __init__(self) -> None:
+        half = PROB_ONE // 2
+        self.candidate = [half] * (2 * MAX_POSITION * MAX_LENGTH * 2)
+        self.listed = [half] * 4
+        self.bucket = [half] * (MAX_BUCKET + 1)
+        self.tree = [half] * ((MAX_BUCKET + 1) << TREE_BITS)
+        self.low = [half] * ((MAX_BUCKET + 1) * 32)
+
+
+def _candidate_slot(source: int, position: int, length: int, other: bool) -> int:
+    return (
+        (source * MAX_POSITION + min(position, MAX_POSITION - 1)) * MAX_LENGTH + min(length, MAX_LENGTH) - 1
+    ) * 2 + (1 if other else 0)
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.low = 0
+        self.range = _MASK32
+        self.cache = 0
+        self.pending = 1
+        self.out = bytearray()
+        self.bits = 0
+
+    def _shift_low(self) -> None:
+        if (self.low & _MASK32) < 0xFF000000 or (self.low >> 32) != 0:
+            carry = self.low >> 32
+            held = self.cache
+            while True:
+                self.out.append((held + carry) & 0xFF)
+                held = 0xFF
+                self.pending -= 1
+                if self.pending == 0:
+                    break
+            self.cache = (self.low >> 24) & 0xFF
+        self.pending += 1
+        self.low = (self.low & 0x00FFFFFF) << 8
+
+    def bit(self, probs: list[int], slot: int, bit: int) -> None:
+        self.bits += 1
+        p = probs[slot]
+        bound = (self.range >> PROB_BITS) * p
+        if not bit:
+            self.range = bound
+            probs[slot] = p + ((PROB_ONE - p) >> ADAPT)
+        else:
+            self.low += bound
+            self.range -= bound
+            probs[slot] = p - (p >> ADAPT)
+        while self.range < TOP:
+            self.range = (self.range << 8) & _MASK32
+            self._shift_low()
+
+    def finish(self) -> bytes:
+        if not self.bits:  # no decision coded: stored empty
+            return b""
+        for _ in range(5):
+            self._shift_low()
+        return bytes(self.out)
+
+
+class _Decoder:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.at = 0
+        self.code = 0
+        self.range = _MASK32
+        for _ in range(5):
+            self.code = ((self.code << 8) | self._next()) & _MASK32
+
+    def _next(self) -> int:
+        at = self.at
+        self.at += 1
+        return self.data[at] if at < len(self.data) else 0
+
+    def bit(self, probs: list[int], slot: int) -> int:
+        p = probs[slot]
+        bound = (self.range >> PROB_BITS) * p
+        if self.code < bound:
+            self.range = bound
+            probs[slot] = p + ((PROB_ONE - p) >> ADAPT)
+            found = 0
+        else:
+            self.code -= bound
+            self.range -= bound
+            probs[slot] = p - (p >> ADAPT)
+            found = 1
+        while self.range < TOP:
+            self.range = (self.range << 8) & _MASK32
+            self.code = ((self.code << 8) | self._next()) & _MASK32
+        return found
+
+
+class Tables:
+    """A layer's lookups as Python containers: token -> its candidates, row below's index -> its candidates."""
+
+    def __init__(
+        self,
+        sets: int,
+        token_keys: npt.NDArray[np.int64],
+        token_offsets: npt.NDArray[np.uint32],
+        token_candidates: npt.NDArray[np.uint32],
+        below_offsets: npt.NDArray[np.uint32],
+        below_candidates: npt.NDArray[np.uint32],
+    ) -> None:
+        self.sets = sets
+        offsets = token_offsets.tolist()
+        candidates = token_candidates.tolist()
+        self.tokens = {key: candidates[offsets[i] : offsets[i + 1]] for i, key in enumerate(token_keys.tolist())}
+        offsets = below_offsets.tolist()
+        candidates = below_candidates.tolist()
+        self.below = [candidates[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+    def candidates(self, token: int, below: int) -> tuple[Sequence[int], Sequence[int]]:
+        found_below = self.below[below] if 0 <= below < len(self.below) else ()
+        found_token = self.tokens.get(token, ()) if token >= 0 else ()
+        return found_below, found_token
+
+
+def encode_layer(
+    index: npt.NDArray[np.int32], tables: Tables, tokens: npt.NDArray[np.int64], below: npt.NDArray[np.int32]
+) -> bytes:
+    """The stream of one chunk layer's rows (``index``: each row's set in the list, -1 to escape)."""
+    coder = _Encoder()
+    probs = _Probabilities()
+    below_rows = below.tolist() if below.size else [-1] * index.size
+    for found, token, under in zip(index.tolist(), tokens.tolist(), below_rows, strict=True):
+        _encode_row(coder, probs, tables, token, under, found)
+    return coder.finish()
+
+
+def _encode_row(coder: _Encoder, probs: _Probabilities, tables: Tables, token: int, below: int, index: int) -> None:
+    bc, tc = tables.candidates(token, below)
+    for i, candidate in enumerate(bc):
+        hit = candidate == index
+        coder.bit(probs.candidate, _candidate_slot(0, i, len(bc), bool(tc)), 0 if hit else 1)
+        if hit:
+            return
+    position = 0
+    for candidate in tc:
+        if candidate in bc:
+            continue
+        hit = candidate == index
+        coder.bit(probs.candidate, _candidate_slot(1, position, len(tc), bool(bc)), 0 if hit else 1)
+        position += 1
+        if hit:
+            return
+    if tables.sets == 0:
+        return
+    coder.bit(probs.listed, 2 * bool(tc) + bool(bc), 1 if index < 0 else 0)
+    if index < 0:
+        return
+    value = index + 1
+    bucket = value.bit_length() - 1
+    for i in range(bucket):
+        coder.bit(probs.bucket, i, 1)
+    coder.bit(probs.bucket, bucket, 0)
+    node = 1
+    for i in range(bucket - 1, -1, -1):
+        bit = (value >> i) & 1
+        if bucket - 1 - i < TREE_BITS:
+            coder.bit(probs.tree, (bucket << TREE_BITS) + node, bit)
+            node = 2 * node + bit
+        else:
+            coder.bit(probs.low, bucket * 32 + i, bit)
+
+
+def decode_layer(
+    stream: bytes,
+    tables: Tables,
+    tokens: npt.NDArray[np.int64],
+    below: npt.NDArray[np.int32],
+    index: npt.NDArray[np.int32],
+) -> tuple[int, int]:
+    """Each row's set in the list (-1: an escape) into ``index``; (status, the row it stopped at or -1)."""
+    coder = _Decoder(bytes(stream))
+    probs = _Probabilities()
+    below_rows = below.tolist() if below.size else [-1] * index.size
+    found: list[int] = []
+    for r, (token, under) in enumerate(zip(tokens.tolist(), below_rows, strict=True)):
+        status, value = _decode_row(coder, probs, tables, token, under)
+        if status != OK:
+            index[: len(found)] = found
+            return status, r
+        found.append(value)
+    index[:] = found
+    return OK, -1
+
+
+def _decode_row(coder: _Decoder, probs: _Probabilities, tables: Tables, token: int, below: int) -> tuple[int, int]:
+    bc, tc = tables.candidates(token, below)
+    for i, candidate in enumerate(bc):
+        if not coder.bit(probs.candidate, _candidate_slot(0, i, len(bc), bool(tc))):
+            return OK, candidate
+    position = 0
+    for candidate in tc:
+        if candidate in bc:
+            continue
+        miss = coder.bit(probs.candidate, _candidate_slot(1, position, len(tc), bool(bc)))
+        position += 1
+        if not miss:
+            return OK, candidate
+    if tables.sets == 0 or coder.bit(probs.listed, 2 * bool(tc) + bool(bc)):
+        return OK, -1
+    bucket = 0
+    while coder.bit(probs.bucket, bucket):
+        bucket += 1
+        if bucket == MAX_BUCKET:
+            return BUCKET_RANGE, -1
+    value = 1
+    node = 1
+    for i in range(bucket - 1, -1, -1):
+        if bucket - 1 - i < TREE_BITS:
+            bit = coder.bit(probs.tree, (bucket << TREE_BITS) + node)
+            node = 2 * node + bit
+        else:
+            bit = coder.bit(probs.low, bucket * 32 + i)
+        value = 2 * value + bit
+    if value - 1 >= tables.sets:
+        return INDEX_RANGE, -1
+    return OK, value - 1
+
+
+def distinct(items: npt.NDArray[Any]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]:
+    """Items (a flat array of any fixed-size dtype) numbered in the order they first appear, and where each first
+    appears."""
+    if not items.size:
+        return np.zeros(0, np.int32), np.zeros(0, np.int64)
+    _, first, inverse = np.unique(items, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")  # sorted values -> their number by first appearance
+    number = np.empty(order.size, np.int32)
+    number[order] = np.arange(order.size, dtype=np.int32)
+    return number[inverse.reshape(-1)], first[order].astype(np.int64)

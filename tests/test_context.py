@@ -1,0 +1,413 @@
+"""The ranked_context chunk codec (routelog.format.context): models, chunks, their compiled and Python passes, forged
+and stores written with ``transform="ranked_context"`` read back exactly."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import routelog
+from routelog import ModelSpec, PartOptions, Record
+from routelog.errors import CorruptDataError, FormatVersionError
+from routelog.format import context, context_python, keys, ranked
+from routelog.format.codec import storage_dtype
+from routelog.store import blocks
+from routelog.store.verify import verify_store
+from routelog.synth import random_topk, token_dependent_routing, zipf_token_ids
+
+COMPILED = context._COMPILED is not None
+needs_compiled = pytest.mark.skipif(not COMPILED, reason="the compiled set-context passes were not built")
+
+
+def _part(
+    rng: np.random.Generator, layers: int, rows: int, experts: int, k: int, vocab: int, share: float = 0.6
+) -> tuple[np.ndarray, np.ndarray]:
+    """Layer-major sorted rows ``[layers, rows, k]`` of token-dependent routing, and the rows' token ids (a tenth
+    without one: -1)."""
+    spec = ModelSpec(name="t", num_layers=layers, moe_layers=tuple(range(layers)), num_experts=experts, topk=k)
+    tokens = zipf_token_ids(rng, rows, vocab).astype(np.int64)
+    ids = np.sort(token_dependent_routing(rng, tokens, spec, preferred_share=share), axis=-1)
+    tokens[rng.random(rows) < 0.1] = -1
+    return np.ascontiguousarray(ids.transpose(1, 0, 2)).astype(storage_dtype(experts)), tokens
+
+
+def _coded(rows: np.ndarray, tokens: np.ndarray, chunk_rows: int, experts: int) -> tuple[list[Any], list[bytes]]:
+    """A layer chunk planned and its chunks' bytes."""
+    plan = context.plan_layers(rows, tokens, chunk_rows)
+    n = rows.shape[1]
+    chunks = [
+        b"".join(context.chunk_pieces(plan, c, rows[:, r0 : r0 + chunk_rows], experts))
+        for c, r0 in enumerate(range(0, n, chunk_rows))
+    ]
+    return plan.models, chunks
+
+
+# -- models --------------------------------------------------------------------------------------------------------
+def test_a_layer_model_lists_the_sets_used_twice_most_used_first_and_each_tokens_and_set_belows() -> None:
+    rng = np.random.default_rng(1)
+    rows, tokens = _part(rng, 2, 3000, 32, 4, 40)
+    below_model, below_index = context.build_layer(rows[0], tokens, None, 0)
+    model, index = context.build_layer(rows[1], tokens, below_index, below_model.n_sets)
+    items = [r.tobytes() for r in rows[1]]
+    uses = Counter(items)
+    listed = [s.tobytes() for s in model.sets]
+    assert sorted(listed) == sorted(s for s, n in uses.items() if n >= 2)
+    assert [uses[s] for s in listed] == sorted((uses[s] for s in listed), reverse=True)
+    np.testing.assert_array_equal(index, [listed.index(s) if uses[s] >= 2 else -1 for s in items])
+    pairs = Counter((int(t), int(i)) for t, i in zip(tokens, index, strict=True) if t >= 0 and i >= 0)
+    for i, token in enumerate(model.token_keys.tolist()):
+        candidates = model.token_candidates[model.token_offsets[i] : model.token_offsets[i + 1]].tolist()
+        counts = [pairs[(token, c)] for c in candidates]
+        assert 1 <= len(candidates) <= context.MAX_TOKEN_CANDIDATES
+        assert min(counts) >= 2 and counts == sorted(counts, reverse=True)
+        assert len(candidates) == context.MAX_TOKEN_CANDIDATES or sum(
+            1 for (t, _), n in pairs.items() if t == token and n >= 2
+        ) == len(candidates)
+    assert sorted(model.token_keys.tolist()) == sorted({t for (t, _), n in pairs.items() if n >= 2})
+    below_pairs = Counter((int(b), int(i)) for b, i in zip(below_index, index, strict=True) if b >= 0 and i >= 0)
+    assert model.below_offsets.size == below_model.n_sets + 1
+    for b in range(below_model.n_sets):
+        candidates = model.below_candidates[model.below_offsets[b] : model.below_offsets[b + 1]].tolist()
+        assert all(below_pairs[(b, c)] >= 2 for c in candidates) and len(candidates) <= context.MAX_BELOW_CANDIDATES
+
+
+def test_uniform_routing_lists_nothing_and_costs_what_format_2_does() -> None:
+    rng = np.random.default_rng(2)
+    rows = random_topk(rng, 4 * 2048, 128, 8).reshape(4, 2048, 8).astype(np.uint8)
+    tokens = rng.integers(0, 150_000, 2048)
+    models, chunks = _coded(rows, tokens, 2048, 128)
+    assert all(m.n_sets == 0 for m in models)
+    assert len(chunks[0]) == len(ranked.encode(rows, 128)) + 5 + 4 * 4  # the head: the streams are empty
+
+
+def test_a_model_stores_and_reads_back_every_table() -> None:
+    rng = np.random.default_rng(3)
+    rows, tokens = _part(rng, 5, 2000, 300, 6, 50)
+    models = []
+    indexes: list[np.ndarray] = []
+    for j in range(5):
+        below = indexes[-1] if j % 4 else None
+        model, index = context.build_layer(rows[j], tokens, below, models[-1].n_sets if j % 4 else 0)
+        models.append(model)
+        indexes.append(index)
+    blob = context.encode_model(models, 300)
+    head = context.model_header_nbytes(5)
+    ends = context.read_model_ends(blob[:head], 5, len(blob))
+    for j, (start, end) in enumerate(zip(np.r_[head, ends[:-1]], ends, strict=True)):
+        back = context.decode_section(
+            blob[start:end], j, 2000, 6, np.dtype(np.uint16), 300, models[j - 1].n_sets if j % 4 else None
+        )
+        for field in ("sets", "token_keys", "token_offsets", "token_candidates", "below_offsets", "below_candidates"):
+            np.testing.assert_array_equal(getattr(back, field), getattr(models[j], field), err_msg=field)
+
+
+# -- chunks ----------------------------------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    layers=st.integers(1, 5),
+    rows=st.integers(1, 700),
+    shape=st.sampled_from([(16, 4), (64, 8), (300, 8), (128, 1)]),
+    vocab=st.sampled_from([3, 40, 5000]),
+    share=st.sampled_from([0.0, 0.6, 1.0]),
+    chunk_rows=st.sampled_from([64, 256, 1000]),
+)
+def test_chunks_decode_to_their_rows_whole_and_by_window(
+    seed: int, layers: int, rows: int, shape: tuple[int, int], vocab: int, share: float, chunk_rows: int
+) -> None:
+    experts, k = shape
+    rng = np.random.default_rng(seed)
+    ids, tokens = _part(rng, layers, rows, experts, k, vocab, share)
+    models, chunks = _coded(ids, tokens, chunk_rows, experts)
+    dtype = storage_dtype(experts)
+    for c, r0 in enumerate(range(0, rows, chunk_rows)):
+        n = min(chunk_rows, rows - r0)
+        shape3 = (layers, n, k)
+        got = context.decode_chunk(chunks[c], shape3, dtype, experts, tokens[r0 : r0 + n], models)
+        np.testing.assert_array_equal(got, ids[:, r0 : r0 + n])
+        l0, l1 = sorted(rng.integers(0, layers + 1, 2))
+        w0, w1 = sorted(rng.integers(0, n + 1, 2))
+        window = context.decode_chunk(
+            chunks[c], shape3, dtype, experts, tokens[r0 : r0 + n], models, window=((l0, l1), (w0, w1))
+        )
+        np.testing.assert_array_equal(window, ids[l0:l1, r0 + w0 : r0 + w1])
+
+
+@needs_compiled
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 400), vocab=st.sampled_from([5, 60]))
+def test_the_python_passes_write_and_read_what_the_compiled_ones_do(seed: int, rows: int, vocab: int) -> None:
+    rng = np.random.default_rng(seed)
+    ids, tokens = _part(rng, 3, rows, 32, 4, vocab)
+    models, _ = _coded(ids, tokens, 128, 32)
+    indexes: list[np.ndarray] = []
+    for j, model in enumerate(models):
+        _, index = context.build_layer(ids[j], tokens, indexes[-1] if j else None, models[j - 1].n_sets if j else 0)
+        indexes.append(index)
+        below = indexes[j - 1] if j else np.zeros(0, np.int32)
+        compiled = context._encode_layer(index, model, tokens, below)
+        python = context_python.encode_layer(index, model.python_tables(), tokens, below)
+        assert compiled == python
+        decoded = np.empty(rows, np.int32)
+        assert context_python.decode_layer(compiled, model.python_tables(), tokens, below, decoded) == (0, -1)
+        np.testing.assert_array_equal(decoded, index)
+    noise = rng.integers(0, 256, 64, dtype=np.uint8).tobytes()  # forged streams: both read the same, or fail alike
+    for model in models:
+        python_index = np.empty(rows, np.int32)
+        compiled_index = np.empty(rows, np.int32)
+        python = context_python.decode_layer(noise, model.python_tables(), tokens, np.zeros(0, np.int32), python_index)
+        compiled = context._decode_layer(
+            np.frombuffer(noise, np.uint8), model, tokens, np.zeros(0, np.int32), compiled_index
+        )
+        assert python == compiled
+        stop = rows if python[0] == 0 else python[1]
+        np.testing.assert_array_equal(python_index[:stop], compiled_index[:stop])
+
+
+def test_distinct_numbers_items_in_order_of_first_appearance_on_both_paths() -> None:
+    rng = np.random.default_rng(5)
+    items = rng.integers(0, 6, (500, 3)).astype(np.uint8)
+    ids, first = context._distinct(items)
+    expected: dict[bytes, int] = {}
+    for row in items:
+        expected.setdefault(row.tobytes(), len(expected))
+    np.testing.assert_array_equal(ids, [expected[r.tobytes()] for r in items])
+    np.testing.assert_array_equal(items[first], [np.frombuffer(b, np.uint8) for b in expected])
+    py_ids, py_first = context_python.distinct(items.view(np.dtype((np.void, 3))).reshape(-1))
+    np.testing.assert_array_equal(py_ids, ids)
+    np.testing.assert_array_equal(py_first, first)
+
+
+# -- forged bytes ----------------------------------------------------------------------------------------------------
+def _one_layer_model() -> tuple[context.LayerModel, np.ndarray, np.ndarray, bytes]:
+    rng = np.random.default_rng(7)
+    rows, tokens = _part(rng, 1, 1500, 64, 8, 30)
+    model, _ = context.build_layer(rows[0], tokens, None, 0)
+    return model, rows, tokens, context.encode_model([model], 64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_forged_chunks_decode_to_sets_or_fail_with_the_typed_error(data: st.DataObject) -> None:
+    model, rows, tokens, _ = _one_layer_model()
+    _, chunks = _coded(rows[:, :300], tokens[:300], 300, 64)
+    chunk = bytearray(chunks[0])
+    for _ in range(data.draw(st.integers(1, 6))):
+        at = data.draw(st.integers(0, len(chunk) - 1))
+        chunk[at] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        chunk = chunk[: data.draw(st.integers(0, len(chunk)))]
+    try:
+        got = context.decode_chunk(bytes(chunk), (1, 300, 8), np.dtype(np.uint8), 64, tokens[:300], [model])
+    except context.ContextFormatError:
+        return
+    assert ((got < 64).all()) and (np.diff(got.astype(np.int64), axis=-1) > 0).all(), "every row a sorted set"
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        lambda s: s[:-1] + bytes([s[-1] ^ 1]),  # checksum
+        lambda s: s[:10],
+        lambda s: _resealed((2**31).to_bytes(4, "little") + s[4:-4]),  # more sets than rows
+        lambda s: _resealed(s[:4] + (10**6).to_bytes(4, "little") + s[8:-4]),  # more token keys than rows
+        lambda s: _resealed(s[:8] + (1).to_bytes(4, "little") + s[12:-4]),  # below keys without a layer below
+        lambda s: _resealed(s[:-8] + s[-7:-4]),  # the integers end early
+    ],
+)
+def test_forged_model_sections_are_refused_with_the_typed_error(forge: Any) -> None:
+    _, _, _, blob = _one_layer_model()
+    section = blob[context.model_header_nbytes(1) :]
+    with pytest.raises(context.ContextFormatError):
+        context.decode_section(forge(section), 0, 1500, 8, np.dtype(np.uint8), 64, None)
+
+
+def _resealed(body: bytes) -> bytes:
+    import google_crc32c
+
+    return body + google_crc32c.value(body).to_bytes(4, "little")
+
+
+def test_forged_tables_inside_the_integers_are_refused() -> None:
+    """Candidates past the list, keys out of order and counts over the limit: a valid frame, checked values."""
+    model, *_ = _one_layer_model()
+    for field, value in [("token_candidates", model.n_sets), ("token_keys", -5)]:
+        forged = getattr(model, field).copy()
+        forged[-1] = value if field != "token_keys" else forged[0] - 1
+        bad = context.LayerModel(**{**_fields(model), field: forged})
+        section = context.encode_model([bad], 64)[context.model_header_nbytes(1) :]
+        with pytest.raises(context.ContextFormatError, match=r"limits|order"):
+            context.decode_section(section, 0, 1500, 8, np.dtype(np.uint8), 64, None)
+
+
+def _fields(model: context.LayerModel) -> dict[str, Any]:
+    names = ("sets", "token_keys", "token_offsets", "token_candidates", "below_offsets", "below_candidates")
+    return {name: getattr(model, name) for name in names}
+
+
+def test_a_forged_model_head_is_refused() -> None:
+    _, _, _, blob = _one_layer_model()
+    head = context.model_header_nbytes(1)
+    for forged, size in [(b"XXXX" + blob[4:head], len(blob)), (blob[:head], len(blob) + 1), (blob[: head - 1], 0)]:
+        with pytest.raises(context.ContextFormatError):
+            context.read_model_ends(forged, 1, size)
+
+
+# -- stores ----------------------------------------------------------------------------------------------------------
+def _records(rng: np.random.Generator, spec: ModelSpec, n: int, tokens: int, vocab: int) -> list[Record]:
+    """Token-dependent records; GRPO-style pairs sharing a prompt (shared rows), one without token ids."""
+    out = []
+    prompt = zipf_token_ids(rng, tokens // 2, vocab)
+    prompt_routing = token_dependent_routing(rng, prompt, spec)
+    for i in range(n):
+        response = zipf_token_ids(rng, tokens - prompt.size, vocab)
+        ids = np.concatenate([prompt_routing, token_dependent_routing(rng, response, spec)])
+        token_ids = None if i == 3 else np.concatenate([prompt, response])
+        out.append(
+            Record(
+                sample_id=f"s{i}",
+                expert_ids=ids,
+                prompt_len=prompt.size,
+                response_len=tokens - prompt.size,
+                token_ids=token_ids,
+            )
+        )
+    return out
+
+
+def _expect(store: routelog.Store, records: list[Record], step: int = 0) -> None:
+    snapshot = store.step(step)
+    got = {g.sample_id: g for g in snapshot.read_many([r.sample_id for r in records])}
+    for record in records:
+        valid = np.asarray(got[record.sample_id].valid)
+        np.testing.assert_array_equal(
+            np.asarray(got[record.sample_id].expert_ids)[valid], np.sort(record.expert_ids, axis=-1)[valid]
+        )
+
+
+def test_a_context_store_reads_back_exactly_and_is_smaller(store_url: str) -> None:
+    spec = ModelSpec(name="t", num_layers=7, moe_layers=(1, 2, 3, 4, 5, 6), num_experts=64, topk=8)
+    rng = np.random.default_rng(11)
+    records = _records(rng, spec, 12, 600, 80)
+    sizes = {}
+    for transform in ("ranked_gaps", "ranked_context"):
+        url = f"{store_url}-{transform}"
+        options = PartOptions(transform=transform, chunk_rows=512, chunk_layers=4)
+        with routelog.open_writer(url, 0, model_spec=spec, options=options, flush_bytes=150_000) as writer:
+            for record in records:
+                writer.append(record)
+        store = routelog.open_store(url)
+        snapshot = store.step(0)
+        assert len(snapshot.commits) >= 2, "several parts"
+        assert {tuple(c.features) for c in snapshot.commits} == (
+            {("ranked_context",)} if transform == "ranked_context" else {()}
+        )
+        _expect(store, records)
+        fresh = routelog.open_store(url).step(0)  # layers inside their chunks, whose models begin below them
+        for got, record in zip(fresh.read_many(["s1", "s2"], moe_layers=[2, 3, 5]), records[1:3], strict=True):
+            valid = np.asarray(got.valid)
+            np.testing.assert_array_equal(
+                np.asarray(got.expert_ids)[valid], np.sort(record.expert_ids, axis=-1)[:, [2, 3, 5]][valid]
+            )
+        sizes[transform] = snapshot.routing_bytes
+        assert verify_store(store).ok
+    assert sizes["ranked_context"] < 0.9 * sizes["ranked_gaps"], sizes  # parts of a few records: little to learn
+
+
+def test_a_snapshot_keeps_models_within_its_budget_and_reads_alike(
+    monkeypatch: pytest.MonkeyPatch, memory_url: str
+) -> None:
+    spec = ModelSpec(name="t", num_layers=4, moe_layers=(0, 1, 2, 3), num_experts=32, topk=4)
+    records = _records(np.random.default_rng(16), spec, 6, 300, 30)
+    options = PartOptions(transform="ranked_context", chunk_rows=64)
+    with routelog.open_writer(memory_url, 0, model_spec=spec, options=options, flush_bytes=20_000) as writer:
+        for record in records:
+            writer.append(record)
+    monkeypatch.setattr(blocks, "MODEL_CACHE_BYTES", 1)
+    snapshot = routelog.open_store(memory_url).step(0)
+    assert len(snapshot.commits) > 1
+    for _ in range(2):  # the second read fetches the models again
+        _expect(routelog.open_store(memory_url), records)
+        for record in records:
+            got = snapshot.read(record.sample_id, moe_layers=[1, 3])
+            valid = np.asarray(got.valid)
+            np.testing.assert_array_equal(
+                np.asarray(got.expert_ids)[valid], np.sort(record.expert_ids, axis=-1)[:, [1, 3]][valid]
+            )
+    assert len(snapshot._index_cache._models) == 1, "the budget keeps the last model only"
+
+
+def test_rows_shared_from_a_part_dropped_whole_still_decode(tmp_path: Path) -> None:
+    """Writer b's records share prompt rows with writer a's part; a's part is dropped whole: b's records read
+    them, and the dropped part's rows decode with the token ids its own index holds."""
+    spec = ModelSpec(name="t", num_layers=4, moe_layers=(0, 1, 2, 3), num_experts=32, topk=4)
+    rng = np.random.default_rng(12)
+    records = _records(rng, spec, 6, 400, 30)
+    url = str(tmp_path / "store")
+    options = PartOptions(transform="ranked_context", chunk_rows=128)
+    for writer_id, batch in (("a", records[:2]), ("b", records[2:])):
+        with routelog.open_writer(url, 0, model_spec=spec, writer_id=writer_id, options=options) as writer:
+            for record in batch:
+                writer.append(record)
+    store = routelog.open_store(url)
+    first = next(c.part for c in store.step(0).commits if c.writer_id == "a")
+    assert any(s.part for s in store.step(0).info("s2").spans), "b's records point into a's part"
+    store.drop(0, parts=[first], reason="test")
+    snapshot = store.step(0)
+    assert len(snapshot.dropped_commits) == 1
+    _expect(store, [r for r in records[2:] if r.sample_id != "s3"] + [records[3]])
+
+
+def test_a_reader_without_the_feature_refuses_context_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import routelog.format.documents
+
+    spec = ModelSpec(name="t", num_layers=2, moe_layers=(0, 1), num_experts=16, topk=2)
+    url = f"memory://context/{uuid.uuid4().hex}"
+    rng = np.random.default_rng(13)
+    with routelog.open_writer(url, 0, model_spec=spec, options=PartOptions(transform="ranked_context")) as writer:
+        for record in _records(rng, spec, 2, 50, 10):
+            writer.append(record)
+    monkeypatch.setattr(routelog.format.documents, "SUPPORTED_FEATURES", frozenset())
+    with pytest.raises(FormatVersionError, match="ranked_context"):
+        routelog.open_store(url).step(0)
+
+
+def test_zarr_opens_a_context_array_and_says_to_read_it_with_routelog(tmp_path: Path) -> None:
+    spec = ModelSpec(name="t", num_layers=2, moe_layers=(0, 1), num_experts=16, topk=2)
+    url = str(tmp_path / "store")
+    rng = np.random.default_rng(14)
+    with routelog.open_writer(url, 0, model_spec=spec, options=PartOptions(transform="ranked_context")) as writer:
+        for record in _records(rng, spec, 2, 50, 10):
+            writer.append(record)
+    store = routelog.open_store(url)
+    part = store.step(0).commits[0].part
+    array = zarr.open_array(store.storage.zarr_store(f"{keys.part_dir(0, part)}/routing"), mode="r")
+    assert array.shape[0] == 2 and array.shape[2] == 2
+    with pytest.raises(NotImplementedError, match="read the part with routelog"):
+        array[:]
+
+
+def test_a_damaged_model_is_corrupt_data_naming_the_object(tmp_path: Path) -> None:
+    spec = ModelSpec(name="t", num_layers=2, moe_layers=(0, 1), num_experts=16, topk=2)
+    url = str(tmp_path / "store")
+    rng = np.random.default_rng(15)
+    records = _records(rng, spec, 4, 80, 10)
+    with routelog.open_writer(url, 0, model_spec=spec, options=PartOptions(transform="ranked_context")) as writer:
+        for record in records:
+            writer.append(record)
+    model = next((tmp_path / "store").rglob("routing/model"))
+    data = bytearray(model.read_bytes())
+    data[-3] ^= 0xFF
+    model.write_bytes(bytes(data))
+    with pytest.raises(CorruptDataError, match="routing/model"):
+        routelog.open_store(url).step(0).read_many(["s0"])
+    shutil.rmtree(tmp_path / "store")
