@@ -304,6 +304,7 @@ def ingest(
     spec: ModelSpec | None = None,
     storage_options: Mapping[str, Any] | None = None,
     topk_order: TopkOrder = "sorted",
+    codec: Literal["ranked_gaps", "ranked_context"] = "ranked_gaps",
     writer_id: str | None = None,
     partial: bool = False,
     skip_absent: bool = False,
@@ -316,7 +317,8 @@ def ingest(
     Nothing is written (and no store is created) unless every record is valid, or ``partial`` writes the valid
     ones and reports the rest. Records the step already holds are skipped, so running the same ingest again (after
     fixing a bad line, or after Ctrl-C) completes it; the default writer id is derived from the inputs and options,
-    so a re-run also continues its commit sequence.
+    so a re-run also continues its commit sequence. ``codec``: the sorted sets' chunk codec
+    (:attr:`~routelog.format.part.PartOptions.transform`; ``ranked_context`` for a smaller archive).
     """
     from routelog.errors import StoreNotFoundError
     from routelog.store.store import create_store, open_store
@@ -361,7 +363,7 @@ def ingest(
     writer = store.writer(
         step,
         writer_id,
-        options=PartOptions(topk_order=topk_order),
+        options=PartOptions(topk_order=topk_order, transform=codec),
         on_duplicate=on_duplicate,
         flush_bytes=flush_bytes,
     )

@@ -96,6 +96,48 @@ def test_vllm_jsonl_ingest_and_convert_back(tmp_path: Path, spec_file: Path) -> 
         assert (first[:, :3] == -1).all() and (first[-1] == -1).all()
 
 
+def test_ingest_writes_the_codec_asked_for_and_reads_back_alike(tmp_path: Path, spec_file: Path) -> None:
+    """``--codec ranked_context``: the archive codec (a model per part); the routing reads back as the default's."""
+    routes = {f"cmpl-{i}": truth(DSV3, 30 + i, seed=i) for i in range(4)}
+    lines = []
+    for rid, ids in routes.items():
+        choice = {
+            "index": 0,
+            "token_ids": [7, 8] * ((ids.shape[0] - 4) // 2),
+            "routed_experts": vllm_022_choice(DSV3, ids),
+        }
+        lines.append({"request": {"prompt": [1, 2, 3, 4]}, "response": {"id": rid, "choices": [choice]}})
+    log = tmp_path / "rollouts.jsonl"
+    log.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    read = {}
+    for codec in ("ranked_gaps", "ranked_context"):
+        url = str(tmp_path / codec)
+        _run(
+            "ingest",
+            str(log),
+            "--engine",
+            "vllm",
+            "--model-spec",
+            str(spec_file),
+            "--to",
+            url,
+            "--step",
+            "0",
+            "--codec",
+            codec,
+        )
+        snapshot = routelog.open_store(url).step(0)
+        assert {c.routing.transform for c in snapshot.commits} == {codec}
+        read[codec] = {got.sample_id: got.expert_ids for got in snapshot.read_many(snapshot.sample_ids)}
+    assert read["ranked_gaps"].keys() == read["ranked_context"].keys() and len(read["ranked_gaps"]) == 4
+    for sid, ids in read["ranked_gaps"].items():
+        np.testing.assert_array_equal(read["ranked_context"][sid], ids)
+    result = runner.invoke(
+        app, ["ingest", str(log), "--engine", "vllm", "--to", str(tmp_path / "x"), "--step", "0", "--codec", "zip"]
+    )
+    assert result.exit_code != 0 and "--codec" in result.output
+
+
 def test_megatron_server_responses_ingest_and_convert_back_exactly(tmp_path: Path, spec_file: Path) -> None:
     """megatron-core's completions server: ``moe_topk_indices`` ``[n - 1, num_moe_layers, K]`` int32 in each of the
     three JSON forms it reaches a log in, token ids in the choice (chat: in ``message``). Ingested, exported with

@@ -45,6 +45,14 @@ OnDuplicate = Annotated[
         help="A sample id the step already holds: 'skip' it (a re-run completes what is missing) or 'error'.",
     ),
 ]
+CodecOption = Annotated[
+    str,
+    typer.Option(
+        help="Chunk codec of sorted sets: 'ranked_gaps' (format 2: fast to write and read) or 'ranked_context' (each "
+        "part stores a model of its tokens' usual sets: 30-45 % smaller on trained routing, several times slower; "
+        "for the history you keep).",
+    ),
+]
 TopkOrderOption = Annotated[
     str,
     typer.Option(
@@ -264,6 +272,7 @@ def ingest(
         str | None, typer.Option(help="Writer id (default: derived from the inputs, so a re-run resumes).")
     ] = None,
     topk_order: TopkOrderOption = "sorted",
+    codec: CodecOption = "ranked_gaps",
     on_duplicate: OnDuplicate = "skip",
     flush_bytes: FlushBytes = None,
     json_out: JsonFlag = False,
@@ -280,6 +289,7 @@ def ingest(
 
     kind = _choice(engine, "--engine", ("vllm", "sglang", "nemo-rl", "ms-swift", "megatron", "verl", "slime"))
     order = _choice(topk_order, "--topk-order", ("sorted", "score"))
+    chunk_codec = _choice(codec, "--codec", ("ranked_gaps", "ranked_context"))
     duplicate = _choice(on_duplicate, "--on-duplicate", ("skip", "error"))
     source = IngestSource(
         cast(Any, kind),
@@ -300,6 +310,7 @@ def ingest(
             spec=None if model_spec is None else load_spec(model_spec),
             storage_options=storage_options(storage_options_),
             topk_order=cast(Any, order),
+            codec=cast(Any, chunk_codec),
             writer_id=writer_id,
             partial=partial,
             skip_absent=skip_absent,
