@@ -48,19 +48,22 @@ def test_spec_command(spec_file: Path) -> None:
     assert spec == DSV3.model_copy(update={"name": spec.name})
 
 
-def test_vllm_jsonl_ingest_and_convert_back(tmp_path: Path, spec_file: Path) -> None:
-    routes = {f"cmpl-{i}": truth(DSV3, 8 + i, seed=i) for i in range(3)}
+def _vllm_log(directory: Path, routes: dict[str, np.ndarray]) -> Path:
+    """A JSONL log of vLLM 0.22 responses (routing per choice), one line per request id in ``routes``, with the
+    request's metadata ``uid`` = ``u-<id>``."""
     lines = []
     for rid, ids in routes.items():
-        response = {
-            "id": rid,
-            "choices": [
-                {"index": 0, "token_ids": list(range(ids.shape[0] - 4)), "routed_experts": vllm_022_choice(DSV3, ids)}
-            ],
-        }
+        choice = {"index": 0, "token_ids": list(range(ids.shape[0] - 4)), "routed_experts": vllm_022_choice(DSV3, ids)}
+        response = {"id": rid, "choices": [choice]}
         lines.append({"request": {"prompt": [1, 2, 3, 4], "metadata": {"uid": f"u-{rid}"}}, "response": response})
-    log = tmp_path / "rollouts.jsonl"
+    log = directory / "rollouts.jsonl"
     log.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return log
+
+
+def test_vllm_jsonl_ingest_and_convert_back(tmp_path: Path, spec_file: Path) -> None:
+    routes = {f"cmpl-{i}": truth(DSV3, 8 + i, seed=i) for i in range(3)}
+    log = _vllm_log(tmp_path, routes)
     url = str(tmp_path / "store")
     _run(
         "ingest",
@@ -98,17 +101,7 @@ def test_vllm_jsonl_ingest_and_convert_back(tmp_path: Path, spec_file: Path) -> 
 
 def test_ingest_writes_the_codec_asked_for_and_reads_back_alike(tmp_path: Path, spec_file: Path) -> None:
     """``--codec ranked_context``: the archive codec (a model per part); the routing reads back as the default's."""
-    routes = {f"cmpl-{i}": truth(DSV3, 30 + i, seed=i) for i in range(4)}
-    lines = []
-    for rid, ids in routes.items():
-        choice = {
-            "index": 0,
-            "token_ids": [7, 8] * ((ids.shape[0] - 4) // 2),
-            "routed_experts": vllm_022_choice(DSV3, ids),
-        }
-        lines.append({"request": {"prompt": [1, 2, 3, 4]}, "response": {"id": rid, "choices": [choice]}})
-    log = tmp_path / "rollouts.jsonl"
-    log.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    log = _vllm_log(tmp_path, {f"cmpl-{i}": truth(DSV3, 30 + i, seed=i) for i in range(4)})
     read = {}
     for codec in ("ranked_gaps", "ranked_context"):
         url = str(tmp_path / codec)
