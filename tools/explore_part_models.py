@@ -23,7 +23,9 @@ in bytes per routed token-layer of the records (the unit of ``tools/bench_codec.
   the part's model, what issue #33 asks for);
 * ``recent sets per token``: a design that decodes at zstd's speed, where the context model needs an arithmetic
   decoder: each row is its set's place in its token's list of recent sets (or in its layer's), in bytes through
-  zstd-3 per chunk (:func:`recency_ranks_bytes`), without and with the part's counts as prior.
+  zstd-3 per chunk (:func:`recency_ranks_bytes`), without and with the part's counts as prior;
+* ``ranked_context``: what became of these, the codec routelog stores (:mod:`routelog.format.context`), in its real
+  bytes: chunks and model, as a writer encodes them (:func:`context_codec_bytes`).
 
 Beside them, issue #33's goal: zstd-19 of the whole raw routing array of every record in one frame.
 
@@ -45,7 +47,7 @@ from benchlib import corpus_steps, routed_rows, token_dependent_records
 
 import routelog
 from routelog import Record
-from routelog.format import ranked
+from routelog.format import context, ranked
 from routelog.format.spec import ModelSpec
 from routelog.synth import synthetic_spec
 
@@ -56,6 +58,7 @@ PRIOR_MODEL = "context model (token), per 4096-row chunk, the part's token table
 COUNT_PRIOR_MODEL = "context model (token), per 4096-row chunk, the part's counts as prior"
 RECENCY = "recent sets per token, zstd-3 per 4096-row chunk"
 RECENCY_PRIOR = "recent sets per token, zstd-3 per 4096-row chunk, the part's counts as prior"
+CODEC = "ranked_context: the codec routelog stores, its model included"
 CANDIDATES = (
     "format 2",
     "token table",
@@ -70,6 +73,7 @@ CANDIDATES = (
     COUNT_PRIOR_MODEL,
     RECENCY,
     RECENCY_PRIOR,
+    CODEC,
 )
 """Every model the tool measures, by the name its report gives it."""
 
@@ -281,6 +285,21 @@ def recency_ranks_bytes(
     return size
 
 
+def context_codec_bytes(rows: np.ndarray, tokens: np.ndarray, num_experts: int) -> int:
+    """What ``ranked_context`` (:mod:`routelog.format.context`) stores for token-major rows ``[n, layers, K]``:
+    its chunks of 4096 rows x 4 layers and the part's model, as a writer encodes them."""
+    by_layer = np.ascontiguousarray(rows.transpose(1, 0, 2))
+    layers, n, _ = by_layer.shape
+    size, models = 0, []
+    for l0 in range(0, layers, CHUNK_LAYERS):
+        plan = context.plan_layers(by_layer[l0 : l0 + CHUNK_LAYERS], tokens, CHUNK_ROWS)
+        models += plan.models
+        for c, r0 in enumerate(range(0, n, CHUNK_ROWS)):
+            block = by_layer[l0 : l0 + CHUNK_LAYERS, r0 : r0 + CHUNK_ROWS]
+            size += sum(map(len, context.chunk_pieces(plan, c, block, num_experts)))
+    return size + len(context.encode_model(models, num_experts))
+
+
 def stored_parts(url: str) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Each part of a store: its rows token-major ``[n, layers, K]``, each row's token id, and the token id before
     it in its record (-1 at a record's start), from the records' spans in the part."""
@@ -324,10 +343,10 @@ def measure(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
             predicted[name] += model["hits"]
         totals["zstd-19 per part"] += zstd19(rows.tobytes())
         totals["zstd-19 per chunk, trained dictionary"] += trained_chunks(rows)
-        for below, context in ((False, "token"), (True, "token, layer below")):
+        for below, conditioned in ((False, "token"), (True, "token, layer below")):
             for restart, scope in ((None, "per part"), (CHUNK_ROWS, "per 4096-row chunk")):
                 bits = context_model_bits(rows, tokens, spec.num_experts, restart, below)
-                totals[f"context model ({context}), {scope}"] += bits / 8
+                totals[f"context model ({conditioned}), {scope}"] += bits / 8
         for name, build in ((PRIOR_MODEL, table_prior), (COUNT_PRIOR_MODEL, count_prior)):
             prior, prior_bytes = build(tokens, rows, spec.num_experts)
             bits = context_model_bits(rows, tokens, spec.num_experts, CHUNK_ROWS, False, prior)
@@ -335,6 +354,7 @@ def measure(steps: list[list[Record]], spec: ModelSpec) -> dict[str, Any]:
         counts, counts_bytes = count_prior(tokens, rows, spec.num_experts)
         totals[RECENCY] += recency_ranks_bytes(rows, tokens, spec.num_experts, None)
         totals[RECENCY_PRIOR] += recency_ranks_bytes(rows, tokens, spec.num_experts, counts) + counts_bytes
+        totals[CODEC] += context_codec_bytes(rows, tokens, spec.num_experts)
     goal = zstd19(np.ascontiguousarray(routed, dtype=spec.id_dtype).tobytes())
     return {
         "token_layers": token_layers,
