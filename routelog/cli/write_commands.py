@@ -49,7 +49,7 @@ CodecOption = Annotated[
     str,
     typer.Option(
         help="Chunk codec of sorted sets: 'ranked_gaps' (format 2: fast to write and read) or 'ranked_context' (each "
-        "part stores a model of its tokens' usual sets: 30-45 % smaller on trained routing, several times slower; "
+        "part stores a model of its tokens' usual sets: 20-45 % smaller on routing that recurs, 1.5-4 x slower; "
         "for the history you keep).",
     ),
 ]
