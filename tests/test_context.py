@@ -411,3 +411,54 @@ def test_a_damaged_model_is_corrupt_data_naming_the_object(tmp_path: Path) -> No
     with pytest.raises(CorruptDataError, match="routing/model"):
         routelog.open_store(url).step(0).read_many(["s0"])
     shutil.rmtree(tmp_path / "store")
+
+
+def test_streams_and_weights_beside_context_coded_routing_and_score_order_left_alone(memory_url: str) -> None:
+    """Extra streams keep format 2 and routing weights their own array; with the engine's score order kept there are
+    no sets to model (the transform is ``none``): those commits name no feature."""
+    from routelog import StreamRows, StreamSpec
+
+    spec = ModelSpec(
+        name="t",
+        num_layers=4,
+        moe_layers=(1, 2, 3),
+        num_experts=32,
+        topk=4,
+        streams=(StreamSpec(name="indexer", num_layers=1, universe=32, topk=4),),
+    )
+    rng = np.random.default_rng(17)
+    records = []
+    for record in _records(rng, spec, 5, 120, 20):
+        n = record.expert_ids.shape[0]
+        extra = StreamRows(np.sort(random_topk(rng, n, 32, 4), axis=-1).reshape(n, 1, 4))
+        weights = rng.random(record.expert_ids.shape).astype(np.float32)
+        records.append(Record(**{**record.__dict__, "streams": {"indexer": extra}, "weights": weights}))
+    for order, transform in (("sorted", "ranked_context"), ("score", "none")):
+        url = f"{memory_url}-{order}"
+        options = PartOptions(transform="ranked_context", topk_order=order)
+        with routelog.open_writer(url, 0, model_spec=spec, options=options) as writer:
+            for record in records:
+                writer.append(record)
+        snapshot = routelog.open_store(url).step(0)
+        commit = snapshot.commits[0]
+        assert commit.routing.transform == transform
+        assert commit.streams["indexer"].transform == ("ranked_gaps" if order == "sorted" else "none")
+        assert commit.features == (["ranked_context"] if transform == "ranked_context" else [])
+        got = {g.sample_id: g for g in snapshot.read_many(snapshot.sample_ids, weights=True)}
+        stream = {g.sample_id: g for g in snapshot.read_many(snapshot.sample_ids, stream="indexer")}
+        for record in records:
+            routing = got[record.sample_id]
+            valid = np.asarray(routing.valid)
+            expected = np.asarray(record.expert_ids)
+            if order == "sorted":
+                expected = np.sort(expected, axis=-1)
+            np.testing.assert_array_equal(np.asarray(routing.expert_ids)[valid], expected[valid])
+            assert routing.weights is not None and record.weights is not None
+            given = np.asarray(record.weights)
+            if order == "sorted":  # each weight moves with its expert
+                given = np.take_along_axis(given, np.argsort(np.asarray(record.expert_ids), axis=-1), axis=-1)
+            np.testing.assert_allclose(routing.weights.transpose(1, 0, 2)[valid], given[valid], rtol=1e-2)
+            assert record.streams is not None
+            np.testing.assert_array_equal(
+                np.asarray(stream[record.sample_id].expert_ids), np.asarray(record.streams["indexer"].expert_ids)
+            )
