@@ -62,6 +62,7 @@ def test_synth_inspect_ls_cat_verify(tmp_path: Path) -> None:
     snap = routelog.open_store(url).step(2)
     assert summary["tokens"] == snap.n_tokens + routelog.open_store(url).step(5).n_tokens
     assert 4.0 < summary["bytes_per_token_layer"] < 8.0
+    assert summary["codecs"] == {"ranked_gaps": sum(s["parts"] for s in summary["per_step"])}
     stats = json.loads(_run("stats", url, "--json"))
     assert stats["stored_bytes"] == summary["stored_bytes"], "stats and inspect count the same bytes"
     assert summary["run_document_bytes"] > 0
@@ -78,6 +79,7 @@ def test_synth_inspect_ls_cat_verify(tmp_path: Path) -> None:
     np.testing.assert_array_equal(ids, snap.read("000003").expert_ids)
     assert "sound" in _run("verify", url)
     assert "total: 8 records" in _run("inspect", url)
+    assert "routing codecs: ranked_gaps (" in _run("inspect", url)
     assert "000003" in _run("ls", url, "--step", "2")
     stats = json.loads(_run("stats", url, "--json"))
     assert stats["bytes_per_token_layer"] == pytest.approx(summary["bytes_per_token_layer"]), "one definition"

@@ -21,6 +21,7 @@ from routelog.errors import CorruptDataError, FormatVersionError
 from routelog.format import context, context_python, keys, ranked
 from routelog.format.codec import storage_dtype
 from routelog.store import blocks
+from routelog.store.summary import store_summary
 from routelog.store.verify import verify_store
 from routelog.synth import random_topk, token_dependent_routing, zipf_token_ids
 
@@ -320,6 +321,7 @@ def test_a_context_store_reads_back_exactly_and_is_smaller(store_url: str) -> No
             )
         sizes[transform] = snapshot.routing_bytes
         assert verify_store(store).ok
+        assert store_summary(store)["codecs"] == {transform: len(snapshot.commits)}
     assert sizes["ranked_context"] < 0.9 * sizes["ranked_gaps"], sizes  # parts of a few records: little to learn
 
 

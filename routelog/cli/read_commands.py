@@ -78,6 +78,9 @@ def inspect(url: UrlArgument, json_out: JsonFlag = False, storage_options_: Stor
             f"stored ({summary['dedup_ratio']:.2f}x)",
             highlight=False,
         )
+    if summary["codecs"]:
+        codecs = ", ".join(f"{name} ({plural(n, 'part')})" for name, n in sorted(summary["codecs"].items()))
+        console.print(f"routing codecs: {codecs}", highlight=False)
 
 
 @app.command(name="ls")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,7 +25,8 @@ def bytes_per_token_layer(snapshots: Iterable[StepSnapshot], num_moe_layers: int
 
 
 def step_summary(snapshot: StepSnapshot) -> dict[str, Any]:
-    """Counts and sizes of one step. ``routing_bytes`` counts only the routing arrays (not indexes, metadata)."""
+    """Counts and sizes of one step. ``routing_bytes`` counts only the routing arrays (not indexes, metadata);
+    ``codecs`` counts the parts by their routing's transform (``ranked_gaps``, ``ranked_context``, ...)."""
     return {
         "step": snapshot.step,
         "records": len(snapshot),
@@ -35,6 +37,7 @@ def step_summary(snapshot: StepSnapshot) -> dict[str, Any]:
         "sealed": snapshot.sealed,
         "stored_bytes": snapshot.stored_bytes,
         "routing_bytes": snapshot.routing_bytes,
+        "codecs": dict(Counter(c.routing.transform for c in snapshot.commits)),
     }
 
 
@@ -64,6 +67,7 @@ def store_summary(store: StoreRoot) -> dict[str, Any]:
         "routing_bytes": sum(s["routing_bytes"] for s in steps),
         "bytes_per_token_layer": bytes_per_token_layer(snapshots, spec.num_moe_layers),
         "dedup_ratio": _ratio(sum(s["routed_rows"] for s in steps), sum(s["stored_rows"] for s in steps)),
+        "codecs": dict(sum((Counter(s["codecs"]) for s in steps), Counter())),
     }
 
 
