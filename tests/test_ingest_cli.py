@@ -103,31 +103,17 @@ def test_ingest_writes_the_codec_asked_for_and_reads_back_alike(tmp_path: Path, 
     """``--codec ranked_context``: the archive codec (a model per part); the routing reads back as the default's."""
     log = _vllm_log(tmp_path, {f"cmpl-{i}": truth(DSV3, 30 + i, seed=i) for i in range(4)})
     read = {}
+    source = [str(log), "--engine", "vllm", "--model-spec", str(spec_file), "--step", "0"]
     for codec in ("ranked_gaps", "ranked_context"):
         url = str(tmp_path / codec)
-        _run(
-            "ingest",
-            str(log),
-            "--engine",
-            "vllm",
-            "--model-spec",
-            str(spec_file),
-            "--to",
-            url,
-            "--step",
-            "0",
-            "--codec",
-            codec,
-        )
+        _run("ingest", *source, "--to", url, "--codec", codec)
         snapshot = routelog.open_store(url).step(0)
         assert {c.routing.transform for c in snapshot.commits} == {codec}
         read[codec] = {got.sample_id: got.expert_ids for got in snapshot.read_many(snapshot.sample_ids)}
     assert read["ranked_gaps"].keys() == read["ranked_context"].keys() and len(read["ranked_gaps"]) == 4
     for sid, ids in read["ranked_gaps"].items():
         np.testing.assert_array_equal(read["ranked_context"][sid], ids)
-    result = runner.invoke(
-        app, ["ingest", str(log), "--engine", "vllm", "--to", str(tmp_path / "x"), "--step", "0", "--codec", "zip"]
-    )
+    result = runner.invoke(app, ["ingest", *source, "--to", str(tmp_path / "x"), "--codec", "zip"])
     assert result.exit_code != 0 and "--codec" in result.output
 
 

@@ -273,23 +273,6 @@ def chunk_pieces(
     return _assemble(rows, index, [layer[row_chunk] for layer in plan.streams], num_experts, level)
 
 
-def encode_chunk(
-    rows: npt.NDArray[Any],
-    index: npt.NDArray[np.int32],
-    tokens: npt.NDArray[np.int64],
-    models: Sequence[LayerModel],
-    num_experts: int,
-    level: int = 3,
-) -> list[bytes]:
-    """A chunk's stored bytes, in pieces: its rows ``[L, R, K]`` (the array's rows, no padding), each row's set in
-    its layer's list ``[L, R]`` (:func:`build_layer`), the rows' token ids and the layers' models."""
-    streams = [
-        _encode_layer(np.ascontiguousarray(index[j]), models[j], tokens, index[j - 1] if j else _NO_ROWS)
-        for j in range(rows.shape[0])
-    ]
-    return _assemble(rows, index, streams, num_experts, level)
-
-
 def _assemble(
     rows: npt.NDArray[Any], index: npt.NDArray[np.int32], streams: Sequence[bytes], num_experts: int, level: int
 ) -> list[bytes]:
@@ -339,15 +322,10 @@ def decode_chunk(
     window: ranked.Window | None = None,
 ) -> npt.NDArray[Any]:
     """The rows of a chunk of ``shape`` ``[L, R, K]`` (the array's rows it holds, no padding), or of its
-    ``window``, from :func:`encode_chunk`'s bytes, the rows' token ids and the layers' models; into ``out`` when
+    ``window``, from :func:`chunk_pieces`' bytes, the rows' token ids and the layers' models; into ``out`` when
     given (each layer's rows contiguous). Raises :class:`ContextFormatError` on bytes that do not decode."""
     layers, n, k = shape
-    if window is None:
-        l0, l1, r0, r1 = 0, layers, 0, n
-    else:
-        (l0, l1), (r0, r1) = window
-        if not (0 <= l0 <= l1 <= layers and 0 <= r0 <= r1 <= n):
-            raise ValueError(f"window {window} is not inside a chunk of {layers} x {n}")
+    l0, l1, r0, r1 = ranked.window_bounds(window, layers, n)
     target = np.empty((l1 - l0, r1 - r0, k), dtype) if out is None else out
     data = np.frombuffer(payload, np.uint8) if not isinstance(payload, np.ndarray) else payload
     head = 5 + 4 * layers
@@ -356,7 +334,8 @@ def decode_chunk(
     most = int.from_bytes(data[1:5].tobytes(), "little")
     sizes = np.frombuffer(data[5:head].tobytes(), "<u4").astype(np.int64)
     ends = head + np.cumsum(sizes)
-    if most > n or (layers and ends[-1] > data.size) or (most and ends[-1] == data.size):
+    streams_end = int(ends[-1]) if layers else head
+    if most > n or streams_end > data.size or (most and streams_end == data.size):
         raise ContextFormatError("the chunk's streams and escapes do not add up to its bytes")
     index = np.empty((l1, r1), np.int32)
     for j in range(l1):
@@ -373,10 +352,9 @@ def decode_chunk(
         raise ContextFormatError(f"the streams escape {int(needed.max())} rows of a layer, the chunk stores {most}")
     escapes = None
     if needed.size and needed.max():
-        rest = data[ends[-1] :] if layers else data[head:]
         try:
             escapes = ranked.decode(
-                rest, (layers, most, k), dtype, num_experts, window=((l0, l1), (0, int(needed.max())))
+                data[streams_end:], (layers, most, k), dtype, num_experts, window=((l0, l1), (0, int(needed.max())))
             )
         except ranked.RankedFormatError as exc:
             raise ContextFormatError(f"the escapes: {exc}") from exc

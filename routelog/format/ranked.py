@@ -171,6 +171,17 @@ edge padding: its content is unspecified, and the zarr codec lists those rows as
 encoder's exceptions keep rows that are no set; a round trip of such arrays)."""
 
 
+def window_bounds(window: Window | None, layers: int, rows: int) -> tuple[int, int, int, int]:
+    """``(first_layer, stop_layer, first_row, stop_row)`` of ``window`` (None: the whole chunk), checked to lie
+    inside a chunk of ``layers x rows``."""
+    if window is None:
+        return 0, layers, 0, rows
+    (l0, l1), (r0, r1) = window
+    if not (0 <= l0 <= l1 <= layers and 0 <= r0 <= r1 <= rows):
+        raise ValueError(f"window {window} is not inside a chunk of {layers} x {rows}")
+    return l0, l1, r0, r1
+
+
 def decode(
     payload: bytes | memoryview | npt.NDArray[np.uint8],
     shape: tuple[int, int, int],
@@ -195,12 +206,7 @@ def decode(
     # scalars and small views cost a microsecond each, a tenth of the per-chunk work around the kernel).
     layers, rows, k = shape
     dtype = _native(dtype)
-    if window is None:
-        l0, l1, r0, r1 = 0, layers, 0, rows
-    else:
-        (l0, l1), (r0, r1) = window
-        if not (0 <= l0 <= l1 <= layers and 0 <= r0 <= r1 <= rows):
-            raise ValueError(f"window {window} is not inside a chunk of {layers} x {rows}")
+    l0, l1, r0, r1 = window_bounds(window, layers, rows)
     wanted = (l1 - l0, r1 - r0, k)
     target = np.empty(wanted, dtype=dtype) if out is None else out
     if target.shape != wanted or target.dtype != dtype or (target.size and not target[0].flags.c_contiguous):

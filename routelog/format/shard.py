@@ -273,7 +273,6 @@ def _encode_shard(
     index = np.zeros((*grid, 2), dtype="<u8")
     cl, cr = layout.chunk_layers, layout.chunk_rows
     last_layer = min(blocks.layers, first_layer + layout.layers_per_shard)
-    dtype = layout.dtype.newbyteorder("<")
     for lc in range(grid[0]):
         layers = slice(min(last_layer, first_layer + lc * cl), min(last_layer, first_layer + (lc + 1) * cl))
         plan = None
@@ -282,29 +281,11 @@ def _encode_shard(
             plan = context.plan_layers(whole, coding.tokens, cr)
             coding.models.extend(plan.models)
         for rc in range(grid[1]):
-            if plan is not None:
-                rows = slice(min(blocks.n, rc * cr), min(blocks.n, (rc + 1) * cr))
-                payload = context.chunk_pieces(plan, rc, whole[:, rows], layout.num_experts, zstd_level)
-                offset = shard.size
-                for piece in payload:
-                    shard.add(piece)
-                shard.add(_crc(*payload))
-                index[lc, rc] = (offset, shard.size - offset)
-                continue
-            block = blocks.rows(min(blocks.n, rc * cr), min(blocks.n, (rc + 1) * cr), layers)
-            if transform is not None:
-                block = transform(np.array(block, order="C"))
-            if block.shape != layout.chunk_shape:  # edge chunks are padded to the chunk shape (readers never see it)
-                block = _padded(block, layout)
-            if layout.ranked:  # the codec reads the block in place (each layer's rows are contiguous)
-                payload = ranked.encode_pieces(block, layout.num_experts, level=zstd_level)
+            r0, r1 = min(blocks.n, rc * cr), min(blocks.n, (rc + 1) * cr)
+            if plan is not None:  # the chunk's rows inside the array only: the codec stores no padding
+                payload = context.chunk_pieces(plan, rc, whole[:, r0:r1], layout.num_experts, zstd_level)
             else:
-                block = np.ascontiguousarray(block, dtype=dtype)
-                if layout.planes > 1:
-                    block = np.ascontiguousarray(
-                        np.moveaxis(block.view(np.uint8).reshape(*layout.chunk_shape, layout.planes), 3, 0)
-                    )
-                payload = [zstd_frames.compress(block, zstd_level)]
+                payload = _payload(blocks.rows(r0, r1, layers), layout, zstd_level, transform)
             offset = shard.size
             for piece in payload:
                 shard.add(piece)
@@ -313,6 +294,28 @@ def _encode_shard(
         blocks.release(layers)
     index_bytes = index.tobytes()
     return index_bytes + _crc(index_bytes)
+
+
+def _payload(
+    block: npt.NDArray[Any],
+    layout: ShardLayout,
+    zstd_level: int,
+    transform: Callable[[npt.NDArray[Any]], npt.NDArray[Any]] | None,
+) -> list[bytes]:
+    """The stored pieces of one chunk of a format-1 or format-2 array: its rows transformed, padded to the chunk
+    shape (readers never see the padding), then compressed."""
+    if transform is not None:
+        block = transform(np.array(block, order="C"))
+    if block.shape != layout.chunk_shape:
+        block = _padded(block, layout)
+    if layout.ranked:  # the codec reads the block in place (each layer's rows are contiguous)
+        return ranked.encode_pieces(block, layout.num_experts, level=zstd_level)
+    block = np.ascontiguousarray(block, dtype=layout.dtype.newbyteorder("<"))
+    if layout.planes > 1:
+        block = np.ascontiguousarray(
+            np.moveaxis(block.view(np.uint8).reshape(*layout.chunk_shape, layout.planes), 3, 0)
+        )
+    return [zstd_frames.compress(block, zstd_level)]
 
 
 def _padded(block: npt.NDArray[Any], layout: ShardLayout) -> npt.NDArray[Any]:

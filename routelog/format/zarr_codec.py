@@ -11,7 +11,7 @@ no valid top-k set (other than zarr's fill value in a row the codec kept as an e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from zarr.abc.codec import ArrayBytesCodec
@@ -34,30 +34,31 @@ class RankedGapsCodec(ArrayBytesCodec):
     compressed bytes (crc32c follows it in the codec chain). ``level`` is zstd's, used when encoding only."""
 
     is_fixed_size = False
+    codec_name: ClassVar[str] = ranked.RANKED_CODEC
 
     num_experts: int
     level: int
 
     def __init__(self, *, num_experts: int, level: int = 3) -> None:
         if not isinstance(num_experts, int) or not 1 <= num_experts <= MAX_EXPERTS:
-            raise ValueError(f"{ranked.RANKED_CODEC}: num_experts must be an integer in [1, {MAX_EXPERTS}]")
+            raise ValueError(f"{self.codec_name}: num_experts must be an integer in [1, {MAX_EXPERTS}]")
         if not isinstance(level, int) or not -7 <= level <= 22:
-            raise ValueError(f"{ranked.RANKED_CODEC}: level must be a zstd level in [-7, 22]")
+            raise ValueError(f"{self.codec_name}: level must be a zstd level in [-7, 22]")
         object.__setattr__(self, "num_experts", num_experts)
         object.__setattr__(self, "level", level)
 
     @classmethod
     def from_dict(cls, data: dict[str, JSON]) -> Self:
-        _, configuration = parse_named_configuration(data, ranked.RANKED_CODEC)
+        _, configuration = parse_named_configuration(data, cls.codec_name)
         return cls(**configuration)  # type: ignore[arg-type]
 
     def to_dict(self) -> dict[str, JSON]:
-        return {"name": ranked.RANKED_CODEC, "configuration": {"num_experts": self.num_experts, "level": self.level}}
+        return {"name": self.codec_name, "configuration": {"num_experts": self.num_experts, "level": self.level}}
 
     def validate(self, *, shape: tuple[int, ...], dtype: Any, chunk_grid: Any) -> None:
         native = dtype.to_native_dtype()
         if len(shape) != 3 or native not in (np.dtype(np.uint8), np.dtype(np.uint16)):
-            raise ValueError(f"{ranked.RANKED_CODEC} encodes [layers, rows, K] arrays of uint8 or uint16 IDs")
+            raise ValueError(f"{self.codec_name} encodes [layers, rows, K] arrays of uint8 or uint16 IDs")
 
     async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
         dtype = chunk_spec.dtype.to_native_dtype()
@@ -87,29 +88,14 @@ class RankedGapsCodec(ArrayBytesCodec):
         raise NotImplementedError  # variable: repeats and skew shrink it
 
 
-@dataclass(frozen=True)
-class RankedContextCodec(ArrayBytesCodec):
-    """The ``routelog.ranked_context`` chunks' entry in zarr's codec registry, so ``zarr.open_array`` opens such an
-    array (its metadata, shape and attributes); its chunks decode only with their part's model and the token ids
-    of their rows (:mod:`routelog.format.context`), which a chunk's bytes do not carry: reading one through zarr
-    raises an error that says to read the part with routelog."""
+class RankedContextCodec(RankedGapsCodec):
+    """The ``routelog.ranked_context`` chunks' entry in zarr's codec registry (the configuration of
+    :class:`RankedGapsCodec`), so ``zarr.open_array`` opens such an array (its metadata, shape and attributes); its
+    chunks decode only with their part's model and the token ids of their rows (:mod:`routelog.format.context`),
+    which a chunk's bytes do not carry: reading one through zarr raises an error that says to read the part with
+    routelog."""
 
-    is_fixed_size = False
-
-    num_experts: int
-    level: int
-
-    def __init__(self, *, num_experts: int, level: int = 3) -> None:
-        object.__setattr__(self, "num_experts", num_experts)
-        object.__setattr__(self, "level", level)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, JSON]) -> Self:
-        _, configuration = parse_named_configuration(data, context.CONTEXT_CODEC)
-        return cls(**configuration)  # type: ignore[arg-type]
-
-    def to_dict(self) -> dict[str, JSON]:
-        return {"name": context.CONTEXT_CODEC, "configuration": {"num_experts": self.num_experts, "level": self.level}}
+    codec_name: ClassVar[str] = context.CONTEXT_CODEC
 
     async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
         raise NotImplementedError(
@@ -119,6 +105,3 @@ class RankedContextCodec(ArrayBytesCodec):
 
     async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
         raise NotImplementedError(f"{context.CONTEXT_CODEC} arrays are written by routelog's writers only")
-
-    def compute_encoded_size(self, input_byte_length: int, chunk_spec: ArraySpec) -> int:
-        raise NotImplementedError  # variable

@@ -189,9 +189,11 @@ class ReadCache:
         :data:`MODEL_CACHE_BYTES`."""
         needed: dict[tuple[str, int], context.LayerModel | None] = {}
         arrays: dict[str, RoutingArrayInfo] = {}
+        sizes: dict[str, int] = {}
         for request in requests:
             if isinstance(request.array, RoutingArrayInfo) and shard_layout(request.array).context:
                 arrays[request.model_key] = request.array
+                sizes[request.model_key] = request.model_nbytes
                 first, last = request.model_layers()
                 for layer in range(first, last):
                     needed[(request.model_key, layer)] = self._models.get((request.model_key, layer))
@@ -206,9 +208,8 @@ class ReadCache:
         with _objects_listed(storage, samples):
             datas = storage.read_ranges(ranges)
         for (key, array), data in zip(heads.items(), datas, strict=True):
-            size = next(r.model_nbytes for r in requests if r.model_key == key)
             try:
-                self._model_ends[key] = context.read_model_ends(data, array.num_moe_layers, size)
+                self._model_ends[key] = context.read_model_ends(data, array.num_moe_layers, sizes[key])
             except context.ContextFormatError as exc:
                 raise CorruptDataError(f"{storage.url_of(key)}: {exc}") from exc
         ranges = []
