@@ -28,6 +28,7 @@ from routelog.format.part import PartOptions
 from routelog.format.record import Record, prepare_record
 from routelog.format.spec import ModelSpec
 from routelog.store.reader import StepSnapshot
+from routelog.store.writer import check_encode_threads, cpus_available
 
 Engine = Literal["vllm", "sglang", "verl", "slime", "nemo-rl", "ms-swift", "megatron"]
 HTTP_ENGINES = ("vllm", "sglang", "nemo-rl", "ms-swift", "megatron")
@@ -311,6 +312,7 @@ def ingest(
     on_duplicate: Literal["skip", "error"] = "skip",
     flush_bytes: int | None = None,
     progress: Callable[[int], None] | None = None,
+    encode_threads: int | None = None,
 ) -> IngestReport:
     """Validate every record of ``source``, then write them to ``step`` of the store at ``url``.
 
@@ -319,11 +321,13 @@ def ingest(
     fixing a bad line, or after Ctrl-C) completes it; the default writer id is derived from the inputs and options,
     so a re-run also continues its commit sequence. ``codec``: the sorted sets' chunk codec
     (:attr:`~routelog.format.part.PartOptions.transform`; ``ranked_context`` for a smaller archive).
+    ``encode_threads``: threads compressing each part (default: the CPUs this process may run on).
     """
     from routelog.errors import StoreNotFoundError
     from routelog.store.store import create_store, open_store
 
     source.check_inputs()
+    threads = cpus_available() if encode_threads is None else check_encode_threads(encode_threads)
     if spec is None:
         try:
             spec = open_store(url, storage_options=storage_options).model_spec
@@ -366,6 +370,7 @@ def ingest(
         options=PartOptions(topk_order=topk_order, transform=codec),
         on_duplicate=on_duplicate,
         flush_bytes=flush_bytes,
+        encode_threads=threads,
     )
     try:
         with writer:

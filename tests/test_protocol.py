@@ -181,12 +181,15 @@ class ProtocolMachine(RuleBasedStateMachine):
         variants=st.lists(st.integers(0, VARIANTS - 1), min_size=len(SAMPLES), max_size=len(SAMPLES)),
         shares=st.booleans(),
         context=st.booleans(),
+        threads=st.booleans(),
     )
-    def start(self, variants: list[int], shares: bool, context: bool) -> None:
+    def start(self, variants: list[int], shares: bool, context: bool, threads: bool) -> None:
         """Every run starts from a step that holds records (so its operations meet them): one writer has committed a
-        record of each sample id, and stays open. ``shares`` and ``context``: see :meth:`open_writer`."""
+        record of each sample id, and stays open. ``shares``, ``context`` and ``threads``: see :meth:`open_writer`."""
         self.checkpoints.append(datetime.now(UTC))
-        self.writers[WRITER_IDS[0]] = self._open(WRITER_IDS[0], in_process=True, shares=shares, context=context)
+        self.writers[WRITER_IDS[0]] = self._open(
+            WRITER_IDS[0], in_process=True, shares=shares, context=context, threads=threads
+        )
         for sample, variant in zip(SAMPLES, variants, strict=True):
             self._append(self.writers[WRITER_IDS[0]], sample, variant)
         self._flush(WRITER_IDS[0], close=False)
@@ -197,12 +200,14 @@ class ProtocolMachine(RuleBasedStateMachine):
         process=st.integers(0, 9),
         pipelined=st.booleans(),
         context=st.booleans(),
+        threads=st.booleans(),
     )
-    def open_writer(self, index: int, process: int, pipelined: bool, context: bool) -> None:
+    def open_writer(self, index: int, process: int, pipelined: bool, context: bool, threads: bool) -> None:
         """Writer ``w2`` stores shared prompts once (its prefix index keeps their rows); ``w1``'s builds take their
         records' rows and give them back to the OS as they encode (and ``w0``'s, as :meth:`start` drew). With
         ``context`` an in-process writer codes its routing with ``ranked_context`` (its parts' models learn their
-        tokens; other writers read its rows to share them, live records may read them from a part dropped whole)."""
+        tokens; other writers read its rows to share them, live records may read them from a part dropped whole).
+        With ``threads`` it compresses its parts' chunks (16 rows each: several per part) on two threads."""
         writer_id = WRITER_IDS[index]
         if writer_id in self.writers:
             return
@@ -213,7 +218,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                 self._open(writer_id, in_process)
             return
         self.writers[writer_id] = self._open(
-            writer_id, in_process, pipelined=pipelined, shares=index % 2 == 0, context=context
+            writer_id, in_process, pipelined=pipelined, shares=index % 2 == 0, context=context, threads=threads
         )
 
     def _open(
@@ -224,6 +229,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         pipelined: bool = False,
         shares: bool = True,
         context: bool = False,
+        threads: bool = False,
     ) -> ModelWriter:
         if in_process:
             store = self._open_store()
@@ -234,13 +240,18 @@ class ProtocolMachine(RuleBasedStateMachine):
                 flush_bytes=1 << 40,
                 flush_seconds=None,
                 options=PartOptions(
-                    dedup="step" if shares else "off", transform="ranked_context" if context else "ranked_gaps"
+                    dedup="step" if shares else "off",
+                    transform="ranked_context" if context else "ranked_gaps",
+                    chunk_rows=16 if threads else PartOptions.chunk_rows,
                 ),
+                encode_threads=2 if threads else 1,
             )
             self._count("open_pipelined" if pipelined else "open_in_process")
             self._count("open_sharing" if shares else "open_consuming")
             if context:
                 self._count("open_ranked_context")
+            if threads:
+                self._count("open_encode_threads")
             return ModelWriter(writer_id, real, store, len(self.model.entries), pipelined=pipelined)
         self.processes += 1
         self._count("open_process")

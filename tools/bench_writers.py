@@ -64,6 +64,7 @@ from benchlib import current_rss_mb, peak_rss_mb, reset_peak_rss, token_dependen
 
 import routelog
 from routelog import Record
+from routelog.store.writer import cpus_available
 from routelog.synth import synth_routing, synthetic_spec
 
 ROUTING_KINDS = ("uniform", "skewed", "token-dependent")
@@ -107,6 +108,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         0,
         f"bench-{args.writer}",
         flush_bytes=args.flush_mb << 20,
+        encode_threads=int(args.encode_threads),
         on_commit=lambda commit, ids: objects.append(len(commit.objects) + 1),
     ) as writer:
         for i, ids in enumerate(arrays):
@@ -387,6 +389,31 @@ def run_writers(
     }
 
 
+def encode_threads(args: argparse.Namespace, root: Path, env: dict[str, str]) -> dict[str, Any]:
+    """One writer to local disk compressing on each of ``--encode-threads`` threads, in alternating rounds, each
+    run beside zstd-3 per record measured just before it (the machine's load drifts between runs): medians of MB/s
+    and of the ratio to zstd-3."""
+    counts = sorted({int(t) for t in args.encode_threads.split(",")})
+    rates: dict[int, list[float]] = {t: [] for t in counts}
+    ratios: dict[int, list[float]] = {t: [] for t in counts}
+    for round_ in range(args.rounds):
+        for threads in counts:
+            (root / f"zstd-{round_}-{threads}").mkdir()
+            zstd = baseline(args, root / f"zstd-{round_}-{threads}", "zstd-3")["MBps"]
+            url = str(root / f"threads-{threads}-{round_}")
+            got = run_writers(args, url, 1, env, ("--encode-threads", str(threads)))["MBps"]
+            rates[threads].append(got)
+            ratios[threads].append(got / zstd)
+    return {
+        str(t): {
+            "MBps": float(np.median(rates[t])),
+            "over_zstd3_per_record": float(np.median(ratios[t])),
+            "rounds_over_zstd3": ratios[t],
+        }
+        for t in counts
+    }
+
+
 def durability(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """One writer to local disk: with fsync, without, and (``--baseline-ref``) the revision's routelog; alternating
     rounds, medians of MB/s, ratios against each baseline."""
@@ -449,7 +476,14 @@ def main() -> None:
     )
     parser.add_argument("--durability", action="store_true", help="measure the cost of fsync (and of a revision)")
     parser.add_argument("--baseline-ref", help="--durability: also run the routelog of this git revision")
-    parser.add_argument("--rounds", type=int, default=5, help="--durability: alternating rounds per side")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="alternating rounds per side (--durability: 5; encode threads: 3)"
+    )
+    parser.add_argument(
+        "--encode-threads",
+        default=None,
+        help="one writer's encode_threads to compare, comma-separated (default: 1 and this process's CPUs)",
+    )
     parser.add_argument("--no-fsync", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scheduler-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", type=int, default=0, help=argparse.SUPPRESS)
@@ -458,9 +492,12 @@ def main() -> None:
     # latency of one fsync, not what it costs a writer's throughput.
     args.records = args.records or (256 if args.durability else 128)
     args.flush_mb = args.flush_mb or (64 if args.durability else 16)
+    args.rounds = args.rounds or (5 if args.durability else 3)
+    if args.encode_threads is None:
+        args.encode_threads = "1" if args.child else f"1,{cpus_available()}"
     if args.quick:
         args.records, args.tokens, args.layers, args.flush_mb, args.writers = 4, 256, 8, 1, "1,2"
-        args.seconds, args.trials = 1.0, 1
+        args.seconds, args.trials, args.rounds = 1.0, 1, 1
     if args.child:
         print(json.dumps(child(args)))
         return
@@ -559,6 +596,7 @@ def main() -> None:
         report["zstd3_per_record_local"] = baseline(args, root / "zstd", "zstd-3")
         report["local"] = [run_writers(args, str(root / f"local-{n}"), n, env) for n in counts]
         report["s3_moto"] = [run_writers(args, f"s3://bench/{uuid.uuid4().hex}-{n}", n, env) for n in counts]
+        report["encode_threads"] = encode_threads(args, root, env)
     server.stop()
     base = report["np_save_local"]["MBps"]
     zstd = report["zstd3_per_record_local"]["MBps"]
@@ -569,6 +607,9 @@ def main() -> None:
     report["goals"] = {
         "one_writer_over_zstd3_per_record": None if one is None else one["MBps"] / zstd,
         "peak_rss_above_before_over_flush_buffer": None if one is None else one["rss_above_before_over_flush"],
+        "one_writer_over_zstd3_per_record_by_encode_threads": {
+            threads: r["over_zstd3_per_record"] for threads, r in report["encode_threads"].items()
+        },
     }
     if args.json:
         print(json.dumps(report, indent=1))
@@ -596,6 +637,12 @@ def main() -> None:
             f"goals: one writer / zstd-3 per record {goals['one_writer_over_zstd3_per_record']:.2f} x (>= 1); "
             f"peak RSS above its start {goals['peak_rss_above_before_over_flush_buffer']:.2f} x the flush buffer "
             "(<= 2)"
+        )
+    for threads, r in report["encode_threads"].items():
+        print(
+            f"one writer, local, encode_threads={threads}: {r['MBps']:6.0f} MB/s, "
+            f"{r['over_zstd3_per_record']:.2f} x zstd-3 per record (median of {len(r['rounds_over_zstd3'])} rounds, "
+            "each beside its own zstd-3 run)"
         )
 
 

@@ -53,6 +53,12 @@ CodecOption = Annotated[
         "for the history you keep).",
     ),
 ]
+EncodeThreads = Annotated[
+    int | None,
+    typer.Option(
+        min=1, help="Threads compressing each part (default: the CPUs this process may run on; 1 leaves cores free)."
+    ),
+]
 TopkOrderOption = Annotated[
     str,
     typer.Option(
@@ -106,6 +112,7 @@ def synth(
     ] = None,
     on_duplicate: OnDuplicate = "skip",
     flush_bytes: FlushBytes = None,
+    encode_threads: EncodeThreads = None,
     json_out: JsonFlag = False,
     storage_options_: StorageOptions = None,
 ) -> None:
@@ -117,6 +124,7 @@ def synth(
     from routelog.format import keys
     from routelog.format.part import PartOptions
     from routelog.store.store import create_store
+    from routelog.store.writer import cpus_available
     from routelog.synth import SynthConfig, synth_records, synthetic_spec
 
     order = _choice(topk_order, "--topk-order", ("sorted", "score"))
@@ -154,6 +162,7 @@ def synth(
         options=PartOptions(topk_order=cast(Any, order)),
         on_duplicate=cast(Any, duplicate),
         flush_bytes=flush_bytes,
+        encode_threads=cpus_available() if encode_threads is None else encode_threads,
     )
     try:
         with progress_bar() as progress, writer:
@@ -275,6 +284,7 @@ def ingest(
     codec: CodecOption = "ranked_gaps",
     on_duplicate: OnDuplicate = "skip",
     flush_bytes: FlushBytes = None,
+    encode_threads: EncodeThreads = None,
     json_out: JsonFlag = False,
     storage_options_: StorageOptions = None,
 ) -> None:
@@ -317,6 +327,7 @@ def ingest(
             on_duplicate=cast(Any, duplicate),
             flush_bytes=flush_bytes,
             progress=lambda done: progress.update(task, completed=done),
+            encode_threads=encode_threads,
         )
     if json_out:
         print_json(asdict(report))

@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -156,6 +157,7 @@ def build_part(
     consume: bool = False,
     sink: SinkFactory | None = None,
     on_release: Callable[[int], None] | None = None,
+    pool: Executor | None = None,
 ) -> BuiltPart:
     """Concatenate the records' stored rows into one sharded zarr array (and one per extra stream the records
     carry, and one of routing weights when some record has them) and write their Parquet index.
@@ -170,7 +172,8 @@ def build_part(
     told how many bytes of them each layer chunk gave back.
 
     ``sink`` makes the sink of each shard object (keyed relative to the part; by default a mapped buffer): a writer
-    to local disk writes shards to their files as they are compressed."""
+    to local disk writes shards to their files as they are compressed. ``pool`` compresses each layer chunk's row
+    chunks concurrently (:func:`routelog.format.shard.encode_shards`; the same bytes as without it)."""
     routing = PartRows(spec.num_moe_layers, spec.topk, spec.id_dtype, options.weights_dtype)
     if options.dedup == "off":
         prefixes = None
@@ -180,7 +183,7 @@ def build_part(
         raise ValueError("build_part: a part placed in a shared prefix index needs its key")
     part_id = None if prefixes is None else prefixes.begin_part(routing, key)
     try:
-        return _build(records, spec, options, routing, prefixes, part_id, consume, sink, on_release)
+        return _build(records, spec, options, routing, prefixes, part_id, consume, sink, on_release, pool)
     except BaseException:
         if prefixes is not None and part_id is not None:
             prefixes.abandon(part_id)
@@ -197,6 +200,7 @@ def _build(
     consume: bool,
     sink: SinkFactory | None,
     on_release: Callable[[int], None] | None,
+    pool: Executor | None,
 ) -> BuiltPart:
     rows: list[IndexRow] = []
     stream_offsets: dict[str, int] = {}
@@ -240,6 +244,7 @@ def _build(
         objects,
         sink,
         tokens,
+        pool,
     )
     streams_info = {}
     for name in sorted(stream_offsets):
@@ -260,10 +265,11 @@ def _build(
             {"stream": name, "num_experts": declared.universe},
             objects,
             sink,
+            pool=pool,
         )
     weights = None
     if routing.weights is not None:
-        weights = _encode_weights(routing.weights, spec, options, objects, sink)
+        weights = _encode_weights(routing.weights, spec, options, objects, sink, pool)
     objects[keys.INDEX] = index_to_parquet(rows)
     names = sorted({name for r in records for name in r.values})
     values = None
@@ -299,6 +305,7 @@ def _encode_array(
     objects: dict[str, bytes | mapped.Bytes | WrittenFile],
     sink: SinkFactory | None = None,
     tokens: npt.NDArray[np.int64] | None = None,
+    pool: Executor | None = None,
 ) -> RoutingArrayInfo:
     """Encode stored rows ``[layers, rows, topk]`` as one sharded array under ``path``, adding its objects to
     ``objects``; returns its description (with the ``zarr.json`` copy). ``tokens``: each row's token id, for the
@@ -325,7 +332,7 @@ def _encode_array(
     metadata = layout_.zarr_metadata(options.zstd_level, {"routelog": {**stamp, **attributes}})
     objects[f"{path}/zarr.json"] = json.dumps(metadata, indent=1).encode()
     if info.n_rows:  # an empty array has no chunk to store
-        shards = encode_shards(rows, layout_, options.zstd_level, to_gaps, _under(sink, path), tokens)
+        shards = encode_shards(rows, layout_, options.zstd_level, to_gaps, _under(sink, path), tokens, pool)
         for key, shard in shards.items():
             objects[f"{path}/{key}"] = shard
     return info.model_copy(update={"zarr_metadata": metadata})
@@ -344,6 +351,7 @@ def _encode_weights(
     options: PartOptions,
     objects: dict[str, bytes | mapped.Bytes | WrittenFile],
     sink: SinkFactory | None = None,
+    pool: Executor | None = None,
 ) -> WeightsArrayInfo:
     """Encode the part's stored weights ``[layers, rows, topk]`` as the sharded array ``weights``."""
     info = WeightsArrayInfo(
@@ -360,7 +368,8 @@ def _encode_weights(
     metadata = layout_.zarr_metadata(options.zstd_level, attributes)
     objects[f"{info.path}/zarr.json"] = json.dumps(metadata, indent=1).encode()
     if info.n_rows:
-        for key, shard in encode_shards(data, layout_, options.zstd_level, None, _under(sink, info.path)).items():
+        shards = encode_shards(data, layout_, options.zstd_level, None, _under(sink, info.path), pool=pool)
+        for key, shard in shards.items():
             objects[f"{info.path}/{key}"] = shard
     return info.model_copy(update={"zarr_metadata": metadata})
 

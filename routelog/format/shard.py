@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple, Protocol
 
 import google_crc32c
@@ -210,12 +212,14 @@ def encode_shards(
     transform: Callable[[npt.NDArray[Any]], npt.NDArray[Any]] | None = None,
     sink: SinkFactory | None = None,
     tokens: npt.NDArray[np.int64] | None = None,
+    pool: Executor | None = None,
 ) -> dict[str, bytes | mapped.Bytes | WrittenFile]:
     """The shard objects for ``stored`` (``[num_layers, n_rows, topk]``, already in stored form, or the blocks it
     was appended in, see :mod:`routelog.format.row_blocks`), by key. ``transform`` maps each chunk's rows to what is
     stored, in place on a copy. ``sink`` makes each shard's sink (by default a mapped buffer). A context layout
     (:mod:`routelog.format.context`) also needs each row's token id, and adds the array's model
-    (:data:`routelog.format.context.MODEL_KEY`)."""
+    (:data:`routelog.format.context.MODEL_KEY`). ``pool`` compresses the row chunks of each layer chunk
+    concurrently (the kernels and zstd release the GIL); the objects are the same bytes either way."""
     blocks = RowBlocks.of(stored) if isinstance(stored, np.ndarray) else stored
     span = layout.layers_per_shard
     capacity = _max_shard_nbytes(layout)
@@ -231,7 +235,7 @@ def encode_shards(
             mapped.Buffer(capacity, layout.index_nbytes) if sink is None else sink(key, capacity, layout.index_nbytes)
         )
         coding = None if models is None or tokens is None else _Coding(tokens, models)
-        shards[key] = shard.finish(_encode_shard(blocks, i * span, layout, zstd_level, transform, shard, coding))
+        shards[key] = shard.finish(_encode_shard(blocks, i * span, layout, zstd_level, transform, shard, coding, pool))
     if models is not None:
         shards[context.MODEL_KEY] = context.encode_model(models, layout.num_experts)
     return shards
@@ -264,36 +268,66 @@ def _encode_shard(
     transform: Callable[[npt.NDArray[Any]], npt.NDArray[Any]] | None,
     shard: ShardSink,
     coding: _Coding | None = None,
+    pool: Executor | None = None,
 ) -> bytes:
     """The chunks of the shard holding layers from ``first_layer`` on, added to ``shard`` as they are compressed
     (after room left for the index), and the shard's head, its index, to finish it with: the object is never held
     twice (joining the pieces would, for a moment, take a second copy of the whole shard), and held in a mapping
-    (:mod:`routelog.format.mapped`) or not at all (a file)."""
+    (:mod:`routelog.format.mapped`) or not at all (a file). With a ``pool`` a layer chunk's row chunks are
+    compressed on it, and added in order as they finish (a context layout's plans stay on this thread: building
+    them holds the GIL, and planning the next layer chunks on the pool measured no faster)."""
     grid = layout.grid
     index = np.zeros((*grid, 2), dtype="<u8")
     cl, cr = layout.chunk_layers, layout.chunk_rows
     last_layer = min(blocks.layers, first_layer + layout.layers_per_shard)
     for lc in range(grid[0]):
         layers = slice(min(last_layer, first_layer + lc * cl), min(last_layer, first_layer + (lc + 1) * cl))
-        plan = None
+        planned = None
         if coding is not None:  # the layer chunk's models from its rows in the whole part, then its chunks
             whole = np.ascontiguousarray(blocks.rows(0, blocks.n, layers))
-            plan = context.plan_layers(whole, coding.tokens, cr)
-            coding.models.extend(plan.models)
-        for rc in range(grid[1]):
-            r0, r1 = min(blocks.n, rc * cr), min(blocks.n, (rc + 1) * cr)
-            if plan is not None:  # the chunk's rows inside the array only: the codec stores no padding
-                payload = context.chunk_pieces(plan, rc, whole[:, r0:r1], layout.num_experts, zstd_level)
-            else:
-                payload = _payload(blocks.rows(r0, r1, layers), layout, zstd_level, transform)
-            offset = shard.size
-            for piece in payload:
-                shard.add(piece)
-            shard.add(_crc(*payload))
-            index[lc, rc] = (offset, shard.size - offset)
+            planned = _Planned(whole, context.plan_layers(whole, coding.tokens, cr))
+            coding.models.extend(planned.plan.models)
+        chunk = partial(_chunk_payload, blocks, layers, planned, layout, zstd_level, transform)
+        futures = [pool.submit(chunk, rc) for rc in range(grid[1])] if pool is not None and grid[1] > 1 else []
+        try:
+            for rc in range(grid[1]):
+                payload = futures[rc].result() if futures else chunk(rc)
+                offset = shard.size
+                for piece in payload:
+                    shard.add(piece)
+                shard.add(_crc(*payload))
+                index[lc, rc] = (offset, shard.size - offset)
+        finally:  # a failed chunk: no compression may still read the rows when the caller lets them go
+            for future in futures:
+                future.cancel()
+            wait(futures)
         blocks.release(layers)
     index_bytes = index.tobytes()
     return index_bytes + _crc(index_bytes)
+
+
+class _Planned(NamedTuple):
+    """A context-coded layer chunk ready to compress: its rows in the whole part, and their plan."""
+
+    rows: npt.NDArray[Any]
+    plan: context.LayerChunkPlan
+
+
+def _chunk_payload(
+    blocks: RowBlocks,
+    layers: slice,
+    planned: _Planned | None,
+    layout: ShardLayout,
+    zstd_level: int,
+    transform: Callable[[npt.NDArray[Any]], npt.NDArray[Any]] | None,
+    rc: int,
+) -> list[bytes]:
+    """The stored pieces of row chunk ``rc`` of a layer chunk (coded by its plan where it has one)."""
+    cr = layout.chunk_rows
+    r0, r1 = min(blocks.n, rc * cr), min(blocks.n, (rc + 1) * cr)
+    if planned is not None:  # the chunk's rows inside the array only: the codec stores no padding
+        return context.chunk_pieces(planned.plan, rc, planned.rows[:, r0:r1], layout.num_experts, zstd_level)
+    return _payload(blocks.rows(r0, r1, layers), layout, zstd_level, transform)
 
 
 def _payload(

@@ -22,7 +22,8 @@ shared-memory segment the writer created, and may be called again.
 The child runs at a lower CPU priority (``niceness``, 10 by default): where the engine's host has no idle core, the
 scheduler keeps its core and the writer takes what is left; a writer only falls behind, never the engine (its
 shared-memory segments bound what waits). ``cpus`` pins the child to those CPUs (Linux), for hosts that keep
-cores free beside the engine's: the writer then never runs on the scheduler's core.
+cores free beside the engine's: the writer then never runs on the scheduler's core, and compresses on as many
+threads as it has CPUs (``encode_threads``; 1 when unpinned).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from routelog.errors import StepSealedError, StoreError
 from routelog.format.record import Record
 from routelog.format.spec import ModelSpec
 from routelog.format.transport import META, record_from_payload, record_payload
-from routelog.store.writer import DEFAULT_FLUSH_SECONDS, WriterError
+from routelog.store.writer import DEFAULT_FLUSH_SECONDS, WriterError, check_encode_threads
 
 SEGMENT_BYTES = 8 << 20
 """Default size of a shared-memory segment (one 4096-token, 48-layer, top-8 record is 1.5 MB of IDs)."""
@@ -111,6 +112,7 @@ class ProcessWriter:
         niceness: int = 10,
         cpus: Collection[int] | None = None,
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+        encode_threads: int | None = None,
     ) -> None:
         if cpus is not None:
             if not hasattr(os, "sched_setaffinity"):
@@ -120,8 +122,11 @@ class ProcessWriter:
                 raise ValueError(
                     f"cpus={sorted(cpus)}: give one or more of this machine's CPUs, {known.start}..{known.stop - 1}"
                 )
+        if encode_threads is None:  # the writer process's own cores, where it has some
+            encode_threads = 1 if cpus is None else len(set(cpus))
         config = {
             "niceness": niceness,
+            "encode_threads": check_encode_threads(encode_threads),
             "cpus": None if cpus is None else sorted(int(cpu) for cpu in cpus),
             "url": url,
             "step": step,
@@ -522,6 +527,7 @@ def serve(incoming: IO[bytes], outgoing: IO[bytes]) -> None:
         flush_bytes=config["flush_bytes"],
         flush_seconds=config.get("flush_seconds", DEFAULT_FLUSH_SECONDS),
         storage_options=config["storage_options"] or None,
+        encode_threads=int(config.get("encode_threads", 1)),
     )
     _send(outgoing, {"op": "ready"})
     attached: dict[str, shared_memory.SharedMemory] = {}

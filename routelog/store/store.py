@@ -78,8 +78,8 @@ class Store(StoreRoot):
     def writer(self, step: int, writer_id: str | None = None, **options: Unpack[WriterOptions]) -> StepWriter:
         """A writer appending records to ``step``; use it as a context manager. ``options`` are
         :class:`~routelog.store.writer.StepWriter`'s: ``options`` (:class:`~routelog.format.part.PartOptions`),
-        ``flush_bytes``, ``flush_seconds``, ``max_pending``, ``background``, ``on_commit``, ``max_commit_delay`` and
-        ``on_duplicate``."""
+        ``flush_bytes``, ``flush_seconds``, ``max_pending``, ``background``, ``on_commit``, ``max_commit_delay``,
+        ``on_duplicate`` and ``encode_threads``."""
         return StepWriter(self, step, writer_id=writer_id, **options)
 
     def seal(self, step: int, *, allow_empty: bool = False) -> SealRecord:

@@ -17,7 +17,10 @@ length, plus the shared-prefix index's budget (:data:`routelog.format.dedup.DEFA
 a record with token ids may share). On local disk a build writes each shard to its file as it compresses it
 (:meth:`~routelog.store.storage.Storage.file_sink`; the upload then only makes it durable), and the rows it gives
 back count at once: the next records are validated while a part is compressed, and its shard never waits in memory.
-Parts are flushed by size and by age.
+Parts are flushed by size and by age. ``encode_threads`` > 1 compresses each part's chunks on that many threads (the
+kernels and zstd release the GIL; the objects are byte for byte the same): compression, not the caller's validation,
+bounds one writer's throughput, so give it the cores the host can spare (the default, 1, leaves an inference
+engine's cores to the engine).
 
 What a writer reports is true at its commit's position in the log, where every entry before it is known to it:
 
@@ -46,6 +49,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from types import TracebackType
@@ -147,6 +151,20 @@ _REWRITE_ROUNDS = 8
 """Follow-up parts a flush writes for records whose present copy a concurrent drop removed."""
 
 
+def check_encode_threads(value: object) -> int:
+    """``encode_threads`` as given, or :class:`ValueError` when it is not an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"encode_threads must be an int >= 1, got {value!r}")
+    return value
+
+
+def cpus_available() -> int:
+    """The CPUs this process may run on: the ``encode_threads`` of a batch writer (``routelog ingest``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 class WriterOptions(TypedDict, total=False):
     """The options of a :class:`StepWriter`, as ``Store.writer`` and ``routelog.open_writer`` take them (see the
     writer's parameters for each)."""
@@ -159,6 +177,7 @@ class WriterOptions(TypedDict, total=False):
     on_commit: Callable[[CommitRecord, list[str]], None] | None
     max_commit_delay: float
     on_duplicate: Literal["skip", "error"]
+    encode_threads: int
 
 
 class StepWriter:
@@ -184,6 +203,7 @@ class StepWriter:
         on_commit: Callable[[CommitRecord, list[str]], None] | None = None,
         max_commit_delay: float = MAX_COMMIT_DELAY,
         on_duplicate: Literal["skip", "error"] = "skip",
+        encode_threads: int = 1,
     ) -> None:
         self.store = store
         self.step = keys.check_step(step)
@@ -196,6 +216,7 @@ class StepWriter:
         if on_duplicate not in ("skip", "error"):
             raise ValueError(f"on_duplicate must be 'skip' or 'error', got {on_duplicate!r}")
         self.on_duplicate = on_duplicate
+        self.encode_threads = check_encode_threads(encode_threads)
         self.commits: list[CommitRecord] = []
         self.already_present: list[str] = []
         """Sample ids appended but already live in the step with the same tokens (not written again)."""
@@ -233,6 +254,11 @@ class StepWriter:
         self._queue: queue.Queue[_Batch | None] = queue.Queue()
         self._staged: queue.Queue[_Staged | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
+        self._encode_pool = (
+            ThreadPoolExecutor(encode_threads, thread_name_prefix=f"routelog-encode-{self.writer_id}")
+            if encode_threads > 1
+            else None
+        )
         if background:
             for target, role in ((self._run_builder, "builder"), (self._run_committer, "committer")):
                 thread = threading.Thread(target=target, name=f"routelog-{role}-{self.writer_id}", daemon=True)
@@ -470,7 +496,16 @@ class StepWriter:
                 def on_release(released: int) -> None:
                     self._hold(batch, max(0, batch.held - released))
 
-            build = partial(build_part, spec=spec, options=options, prefixes=prefixes, key=key, consume=True, sink=sink)
+            build = partial(
+                build_part,
+                spec=spec,
+                options=options,
+                prefixes=prefixes,
+                key=key,
+                consume=True,
+                sink=sink,
+                pool=self._encode_pool,
+            )
             try:
                 staged.built = build(records, on_release=on_release)
             except StoreError:  # the storage failed, not a record: the batch fails with its typed error
@@ -695,6 +730,8 @@ class StepWriter:
             self._queue.put(None)  # the builder passes it on to the committer
             for thread in self._threads:
                 thread.join()
+        if self._encode_pool is not None:
+            self._encode_pool.shutdown()
 
     def _check_usable(self) -> None:
         if self._closed:
