@@ -53,6 +53,7 @@ class RoutingWriter:
         storage_options: Mapping[str, Any] | None = None,
         flush_bytes: int | None = None,
         topk_order: str = "sorted",
+        encode_threads: int = 1,
     ) -> None:
         store = (
             create_store(url, ModelSpec.model_validate_json(model_spec_json), storage_options=storage_options)
@@ -60,7 +61,9 @@ class RoutingWriter:
             else open_store(url, storage_options=storage_options)
         )
         options = PartOptions(topk_order="score" if topk_order == "score" else "sorted")
-        self._writer = store.writer(step, writer_id, options=options, flush_bytes=flush_bytes)
+        self._writer = store.writer(
+            step, writer_id, options=options, flush_bytes=flush_bytes, encode_threads=encode_threads
+        )
 
     def append(self, payload: Mapping[str, Any]) -> None:
         self._writer.append(record_from_payload(payload))
@@ -88,7 +91,9 @@ def remote_writer(
     num_cpus: float = 0.5,
     **kwargs: Any,
 ) -> Any:
-    """Start a :class:`RoutingWriter` actor; feed it :func:`routelog.format.transport.record_payload` dicts."""
+    """Start a :class:`RoutingWriter` actor; feed it :func:`routelog.format.transport.record_payload` dicts.
+    ``kwargs`` are the actor's (``flush_bytes``, ``topk_order``, ``encode_threads``: reserve ``num_cpus`` for
+    them)."""
     import ray
 
     actor = ray.remote(num_cpus=num_cpus)(RoutingWriter)

@@ -29,7 +29,9 @@ def test_writer_actors_commit_to_s3(s3_bucket: str) -> None:
     from routelog.ray import remote_writer
 
     url = f"s3://{s3_bucket}/ray-writers"
-    actors = [remote_writer(url, 3, f"actor-{i}", model_spec=SPEC, flush_bytes=500) for i in range(2)]
+    actors = [  # the second compresses on two threads
+        remote_writer(url, 3, f"actor-{i}", model_spec=SPEC, flush_bytes=500, encode_threads=1 + i) for i in range(2)
+    ]
     records = {i: make_records(f"a{i}-", 12, seed=i) for i in range(2)}
     ray.get([actor.append_many.remote([record_payload(r) for r in records[i]]) for i, actor in enumerate(actors)])
     parts = ray.get([actor.close.remote() for actor in actors])
