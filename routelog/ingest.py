@@ -28,7 +28,7 @@ from routelog.format.part import PartOptions
 from routelog.format.record import Record, prepare_record
 from routelog.format.spec import ModelSpec
 from routelog.store.reader import StepSnapshot
-from routelog.store.writer import check_encode_threads, cpus_available
+from routelog.store.writer import batch_encode_threads
 
 Engine = Literal["vllm", "sglang", "verl", "slime", "nemo-rl", "ms-swift", "megatron"]
 HTTP_ENGINES = ("vllm", "sglang", "nemo-rl", "ms-swift", "megatron")
@@ -327,7 +327,7 @@ def ingest(
     from routelog.store.store import create_store, open_store
 
     source.check_inputs()
-    threads = cpus_available() if encode_threads is None else check_encode_threads(encode_threads)
+    threads = batch_encode_threads(encode_threads)
     if spec is None:
         try:
             spec = open_store(url, storage_options=storage_options).model_spec

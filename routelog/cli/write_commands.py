@@ -124,7 +124,7 @@ def synth(
     from routelog.format import keys
     from routelog.format.part import PartOptions
     from routelog.store.store import create_store
-    from routelog.store.writer import cpus_available
+    from routelog.store.writer import batch_encode_threads
     from routelog.synth import SynthConfig, synth_records, synthetic_spec
 
     order = _choice(topk_order, "--topk-order", ("sorted", "score"))
@@ -162,7 +162,7 @@ def synth(
         options=PartOptions(topk_order=cast(Any, order)),
         on_duplicate=cast(Any, duplicate),
         flush_bytes=flush_bytes,
-        encode_threads=cpus_available() if encode_threads is None else encode_threads,
+        encode_threads=batch_encode_threads(encode_threads),
     )
     try:
         with progress_bar() as progress, writer:

@@ -159,10 +159,16 @@ def check_encode_threads(value: object) -> int:
 
 
 def cpus_available() -> int:
-    """The CPUs this process may run on: the ``encode_threads`` of a batch writer (``routelog ingest``)."""
+    """The CPUs this process may run on."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def batch_encode_threads(value: int | None) -> int:
+    """A batch writer's ``encode_threads`` (``routelog ingest``, ``routelog synth``): as given, checked, or every CPU
+    the process may run on."""
+    return cpus_available() if value is None else check_encode_threads(value)
 
 
 class WriterOptions(TypedDict, total=False):
