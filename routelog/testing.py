@@ -1,7 +1,8 @@
 """Test helpers shipped with routelog: a fault-injecting filesystem to exercise retries and failure paths, a hook
 that runs another process's operation inside a writer's commit window (:func:`before_first_log_create`), and
-megatron-core on CPU (:func:`megatron_on_cpu`) for tests and examples, and a stand-in for slime's routing
-preparation (:func:`slime_prepare`) where slime is not installed.
+megatron-core on CPU (:func:`megatron_on_cpu`) for tests and examples, a stand-in for slime's routing preparation
+(:func:`slime_prepare`) where slime is not installed, and a local S3 server (:func:`local_s3_server`) whose
+conditional writes are atomic, as S3's are.
 
 ``FaultyFileSystem`` wraps any fsspec filesystem and makes a seeded fraction of calls fail the way object stores
 fail: timeouts, dropped connections, throttling (``SlowDown``) and 500s, either before the operation or after it
@@ -11,11 +12,13 @@ fail: timeouts, dropped connections, throttling (``SlowDown``) and 500s, either 
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import random
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsspec.spec import AbstractFileSystem
@@ -188,6 +191,54 @@ def megatron_on_cpu() -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
+
+
+_S3_CONDITIONAL_LOCK = threading.Lock()
+
+
+def _make_moto_conditional_writes_atomic() -> None:
+    """Serialize moto's conditional PUTs and multipart completions (``If-None-Match``, ``If-Match``).
+
+    moto checks the condition, then stores the object, with nothing in between holding off a concurrent request
+    for the same key: two processes creating one log position can both get 200, the later silently replacing the
+    earlier (a commit the writer saw succeed vanishes). S3 decides a conditional write atomically (one wins, the
+    others get 412 or 409), which the commit protocol relies on. Holding one lock over each conditional request's
+    check and store gives moto the same behaviour; unconditional requests are not held. Idempotent."""
+    from moto.s3.responses import S3Response
+
+    if getattr(S3Response._key_response_put, "routelog_atomic", False):
+        return
+
+    def atomic(method: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.headers.get("If-None-Match") is None and self.headers.get("If-Match") is None:
+                return method(self, *args, **kwargs)
+            with _S3_CONDITIONAL_LOCK:
+                return method(self, *args, **kwargs)
+
+        run.routelog_atomic = True  # type: ignore[attr-defined]
+        return run
+
+    for name in ("_key_response_put", "_key_response_post"):
+        setattr(S3Response, name, atomic(getattr(S3Response, name)))
+
+
+@contextlib.contextmanager
+def local_s3_server() -> Iterator[str]:
+    """A moto S3 server over HTTP on a free 127.0.0.1 port, in this process, with conditional writes made atomic
+    (:func:`_make_moto_conditional_writes_atomic`); yields its endpoint URL and stops it on exit. Tests and
+    benchmarks point clients at it with ``AWS_ENDPOINT_URL``."""
+    from moto.server import ThreadedMotoServer
+
+    _make_moto_conditional_writes_atomic()
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
 
 
 class SlimeRoutingReplay:

@@ -3,7 +3,6 @@ store URLs on every backend, small specs."""
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import uuid
@@ -18,6 +17,7 @@ from hypothesis import HealthCheck, Phase, settings
 from routelog import ModelSpec
 from routelog.fault_proxy import FaultProxy
 from routelog.synth import synthetic_spec
+from routelog.testing import local_s3_server
 from tests.records import random_routing
 
 settings.register_profile("default", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -36,24 +36,18 @@ S3_ENV = {
 
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
-    """One moto S3 server per session on a free loopback port; the AWS_* environment points at it."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    saved = {k: os.environ.get(k) for k in [*S3_ENV, "AWS_ENDPOINT_URL", "AWS_PROFILE"]}
-    os.environ.update(S3_ENV, AWS_ENDPOINT_URL=endpoint)
-    os.environ.pop("AWS_PROFILE", None)
-    yield endpoint
-    server.stop()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    """One moto S3 server per session on a free loopback port (conditional writes atomic, as on S3); the AWS_*
+    environment points at it."""
+    with local_s3_server() as endpoint:
+        saved = {k: os.environ.get(k) for k in [*S3_ENV, "AWS_ENDPOINT_URL", "AWS_PROFILE"]}
+        os.environ.update(S3_ENV, AWS_ENDPOINT_URL=endpoint)
+        os.environ.pop("AWS_PROFILE", None)
+        yield endpoint
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture

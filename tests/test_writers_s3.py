@@ -8,8 +8,11 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 import routelog
 from routelog.store.reader import StepSnapshot
@@ -99,3 +102,39 @@ def test_sigkill_at_random_points_loses_nothing_committed(s3_bucket: str) -> Non
     assert final.returncode == 0, final.stderr[-2000:]
     assert sorted(routelog.open_store(url).step(0).sample_ids) == [f"s{i:05d}" for i in range(60)]
     assert verify_store(routelog.open_store(url)).ok
+
+
+def test_the_s3_server_decides_concurrent_creates_atomically(s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite's moto server (``routelog.testing.local_s3_server``) decides conditional creates as S3 does: of
+    racing creates of one key exactly one succeeds and its bytes stay. moto alone checks then stores with a gap in
+    between; a pause in that gap makes every racer pass the check unless the server holds them off."""
+    from moto.s3.models import S3Backend
+
+    from routelog.store.storage import Storage
+
+    racers, key = 4, "steps/00000000/log/0000000000.json"
+    check_object = S3Backend.get_object
+
+    def slow_check(self: S3Backend, bucket_name: str, key_name: str, *args: object, **kwargs: object) -> object:
+        found = check_object(self, bucket_name, key_name, *args, **kwargs)
+        if key_name.endswith(key):
+            time.sleep(0.2)  # between looking and storing: every racer looks before the first stores
+        return found
+
+    monkeypatch.setattr(S3Backend, "get_object", slow_check)
+    storages = [Storage.open(f"s3://{s3_bucket}/race") for _ in range(racers)]
+    start = threading.Barrier(racers)
+    won: list[int] = []
+
+    def create(i: int) -> None:
+        start.wait(timeout=30)
+        if storages[i].create(key, f"racer {i}".encode()):
+            won.append(i)
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(racers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(won) == 1, f"racers {won} all created the key"
+    assert storages[0].read(key) == f"racer {won[0]}".encode()

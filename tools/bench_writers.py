@@ -47,8 +47,8 @@ uniform routing, the least compressible, stores 5 bytes per token-layer).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -66,6 +66,7 @@ import routelog
 from routelog import Record
 from routelog.store.writer import cpus_available
 from routelog.synth import synth_routing, synthetic_spec
+from routelog.testing import local_s3_server
 
 ROUTING_KINDS = ("uniform", "skewed", "token-dependent")
 """``--routing``: uniform sets (the least compressible, the default); each layer's experts drawn from a skewed
@@ -553,14 +554,8 @@ def main() -> None:
         print(f"goal: {report['goal']}")
         return
 
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per S3 request otherwise
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
+    servers = contextlib.ExitStack()
+    endpoint = servers.enter_context(local_s3_server())
     env = {
         **os.environ,
         "AWS_ACCESS_KEY_ID": "bench",
@@ -597,7 +592,7 @@ def main() -> None:
         report["local"] = [run_writers(args, str(root / f"local-{n}"), n, env) for n in counts]
         report["s3_moto"] = [run_writers(args, f"s3://bench/{uuid.uuid4().hex}-{n}", n, env) for n in counts]
         report["encode_threads"] = encode_threads(args, root, env)
-    server.stop()
+    servers.close()
     base = report["np_save_local"]["MBps"]
     zstd = report["zstd3_per_record_local"]["MBps"]
     report["ratios_vs_np_save"] = {
