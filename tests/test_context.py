@@ -3,6 +3,7 @@ and stores written with ``transform="ranked_context"`` read back exactly."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import uuid
 from collections import Counter
@@ -41,12 +42,14 @@ def _part(
     return np.ascontiguousarray(ids.transpose(1, 0, 2)).astype(storage_dtype(experts)), tokens
 
 
-def _coded(rows: np.ndarray, tokens: np.ndarray, chunk_rows: int, experts: int) -> tuple[list[Any], list[bytes]]:
-    """A layer chunk planned and its chunks' bytes."""
+def _coded(
+    rows: np.ndarray, tokens: np.ndarray, chunk_rows: int, experts: int, coded_escapes: bool | None = None
+) -> tuple[list[Any], list[bytes]]:
+    """A layer chunk planned and its chunks' bytes (of version 2 unless ``coded_escapes`` is False)."""
     plan = context.plan_layers(rows, tokens, chunk_rows)
     n = rows.shape[1]
     chunks = [
-        b"".join(context.chunk_pieces(plan, c, rows[:, r0 : r0 + chunk_rows], experts))
+        b"".join(context.chunk_pieces(plan, c, rows[:, r0 : r0 + chunk_rows], experts, coded_escapes=coded_escapes))
         for c, r0 in enumerate(range(0, n, chunk_rows))
     ]
     return plan.models, chunks
@@ -81,13 +84,18 @@ def test_a_layer_model_lists_the_sets_used_twice_most_used_first_and_each_tokens
         assert all(below_pairs[(b, c)] >= 2 for c in candidates) and len(candidates) <= context.MAX_BELOW_CANDIDATES
 
 
-def test_uniform_routing_lists_nothing_and_costs_what_format_2_does() -> None:
+def test_uniform_routing_lists_nothing_and_costs_no_more_than_format_2() -> None:
     rng = np.random.default_rng(2)
     rows = random_topk(rng, 4 * 2048, 128, 8).reshape(4, 2048, 8).astype(np.uint8)
     tokens = rng.integers(0, 150_000, 2048)
-    models, chunks = _coded(rows, tokens, 2048, 128)
+    models, chunks = _coded(rows, tokens, 2048, 128, coded_escapes=False)
     assert all(m.n_sets == 0 for m in models)
-    assert len(chunks[0]) == len(ranked.encode(rows, 128)) + 5 + 4 * 4  # the head: the streams are empty
+    assert len(chunks[0]) == len(ranked.encode(rows, 128)) + 5 + 4 * 4  # version 1: the head, the streams empty
+    _, coded = _coded(rows, tokens, 2048, 128)
+    head = np.frombuffer(coded[0][1 : 1 + 8 * 4], "<u4")
+    assert coded[0][0] == context.CHUNK_VERSION_CODED_ESCAPES and not head[:4].any(), "no decision coded"
+    bound = 4 * 2048 * math.log2(math.comb(128, 8)) / 8
+    assert len(coded[0]) < len(chunks[0]) and len(coded[0]) < 1.05 * bound, (len(coded[0]), len(chunks[0]), bound)
 
 
 def test_a_model_stores_and_reads_back_every_table() -> None:
@@ -121,14 +129,23 @@ def test_a_model_stores_and_reads_back_every_table() -> None:
     vocab=st.sampled_from([3, 40, 5000]),
     share=st.sampled_from([0.0, 0.6, 1.0]),
     chunk_rows=st.sampled_from([64, 256, 1000]),
+    coded_escapes=st.booleans(),
 )
 def test_chunks_decode_to_their_rows_whole_and_by_window(
-    seed: int, layers: int, rows: int, shape: tuple[int, int], vocab: int, share: float, chunk_rows: int
+    seed: int,
+    layers: int,
+    rows: int,
+    shape: tuple[int, int],
+    vocab: int,
+    share: float,
+    chunk_rows: int,
+    coded_escapes: bool,
 ) -> None:
+    """Chunks of both versions: 2 (escapes range-coded, what routelog writes) and 1 (revision 3.1's stores)."""
     experts, k = shape
     rng = np.random.default_rng(seed)
     ids, tokens = _part(rng, layers, rows, experts, k, vocab, share)
-    models, chunks = _coded(ids, tokens, chunk_rows, experts)
+    models, chunks = _coded(ids, tokens, chunk_rows, experts, coded_escapes)
     dtype = storage_dtype(experts)
     for c, r0 in enumerate(range(0, rows, chunk_rows)):
         n = min(chunk_rows, rows - r0)
@@ -188,6 +205,53 @@ def test_distinct_numbers_items_in_order_of_first_appearance_on_both_paths() -> 
     np.testing.assert_array_equal(py_first, first)
 
 
+@needs_compiled
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    rows=st.integers(0, 300),
+    shape=st.sampled_from([(8, 8), (9, 8), (16, 1), (64, 8), (128, 8), (300, 6), (1024, 4)]),
+    skew=st.sampled_from([0.05, 0.3, 100.0]),
+)
+def test_escapes_are_coded_alike_on_both_paths_and_any_stream_decodes_to_sets(
+    seed: int, rows: int, shape: tuple[int, int], skew: float
+) -> None:
+    experts, k = shape
+    rng = np.random.default_rng(seed)
+    popularity = np.maximum(rng.dirichlet(np.full(experts, skew)), 1e-12)  # every expert possible
+    ids = np.sort(random_topk(rng, rows, experts, k, popularity / popularity.sum()), axis=-1)
+    ids = ids.astype(storage_dtype(experts))
+    order = rng.permutation(experts).astype(np.uint16)
+    compiled = context._encode_escapes(ids, order, experts)
+    assert compiled == context_python.encode_escapes(ids, order.tolist(), experts)
+    for stream in (compiled, rng.integers(0, 256, 40, dtype=np.uint8).tobytes()):  # the stream, then noise
+        python = np.empty_like(ids)
+        context_python.decode_escapes(stream, python, order.tolist(), experts)
+        got = np.empty_like(ids)
+        context._decode_escapes(np.frombuffer(stream, np.uint8), got, order, experts)
+        np.testing.assert_array_equal(got, python)
+        assert (got < experts).all() and (np.diff(got.astype(np.int64), axis=-1) > 0).all(), "sorted distinct sets"
+        if stream is compiled:
+            np.testing.assert_array_equal(got, ids)
+
+
+def test_coded_escapes_take_fewer_bytes_than_format_2_ones() -> None:
+    """Escaped rows are sets the part uses once: no repeat for format 2's zstd to find, while the range coder
+    learns which experts the layer takes (the list's order) within each chunk layer."""
+    rng = np.random.default_rng(21)
+    ids, tokens = _part(rng, 4, 4000, 128, 8, 150_000)
+    sizes = {coded: sum(map(len, _coded(ids, tokens, 2000, 128, coded)[1])) for coded in (False, True)}
+    assert sizes[True] < 0.95 * sizes[False], sizes
+
+
+def test_a_version_2_chunk_past_the_escape_coders_experts_is_refused() -> None:
+    rng = np.random.default_rng(22)
+    ids, tokens = _part(rng, 1, 200, 64, 4, 30)
+    models, chunks = _coded(ids, tokens, 200, 64)
+    with pytest.raises(context.ContextFormatError, match="version-2 chunk of 2000 experts"):
+        context.decode_chunk(chunks[0], (1, 200, 4), np.dtype(np.uint16), 2000, tokens, models)
+
+
 # -- forged bytes ----------------------------------------------------------------------------------------------------
 def _one_layer_model() -> tuple[context.LayerModel, np.ndarray, np.ndarray, bytes]:
     rng = np.random.default_rng(7)
@@ -200,7 +264,7 @@ def _one_layer_model() -> tuple[context.LayerModel, np.ndarray, np.ndarray, byte
 @given(data=st.data())
 def test_forged_chunks_decode_to_sets_or_fail_with_the_typed_error(data: st.DataObject) -> None:
     model, rows, tokens, _ = _one_layer_model()
-    _, chunks = _coded(rows[:, :300], tokens[:300], 300, 64)
+    _, chunks = _coded(rows[:, :300], tokens[:300], 300, 64, data.draw(st.booleans(), label="coded_escapes"))
     chunk = bytearray(chunks[0])
     for _ in range(data.draw(st.integers(1, 6))):
         at = data.draw(st.integers(0, len(chunk) - 1))
@@ -310,7 +374,7 @@ def test_a_context_store_reads_back_exactly_and_is_smaller(store_url: str) -> No
         snapshot = store.step(0)
         assert len(snapshot.commits) >= 2, "several parts"
         assert {tuple(c.features) for c in snapshot.commits} == (
-            {("ranked_context",)} if transform == "ranked_context" else {()}
+            {("ranked_context", "context_escapes")} if transform == "ranked_context" else {()}
         )
         _expect(store, records)
         fresh = routelog.open_store(url).step(0)  # layers inside their chunks, whose models begin below them
@@ -383,6 +447,31 @@ def test_a_reader_without_the_feature_refuses_context_parts(monkeypatch: pytest.
         routelog.open_store(url).step(0)
 
 
+def test_a_reader_without_coded_escapes_refuses_their_parts_and_many_experts_keep_version_1(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A revision-3.1 reader (``ranked_context`` without ``context_escapes``) refuses the parts routelog writes now
+    with the typed error; a model of more experts than the escape coder takes still writes version-1 chunks, which
+    that reader reads."""
+    import routelog.format.documents
+
+    urls = {}
+    for experts in (16, 2000):
+        spec = ModelSpec(name="t", num_layers=2, moe_layers=(0, 1), num_experts=experts, topk=2)
+        urls[experts] = f"memory://context/{uuid.uuid4().hex}"
+        records = _records(np.random.default_rng(14), spec, 3, 60, 10)
+        options = PartOptions(transform="ranked_context")
+        with routelog.open_writer(urls[experts], 0, model_spec=spec, options=options) as writer:
+            for record in records:
+                writer.append(record)
+        _expect(routelog.open_store(urls[experts]), records)
+    assert routelog.open_store(urls[2000]).step(0).commits[0].features == ["ranked_context"]
+    monkeypatch.setattr(routelog.format.documents, "SUPPORTED_FEATURES", frozenset({"ranked_context"}))
+    with pytest.raises(FormatVersionError, match="context_escapes"):
+        routelog.open_store(urls[16]).step(0)
+    assert routelog.open_store(urls[2000]).step(0).read_many(["s0"])
+
+
 def test_zarr_opens_a_context_array_and_says_to_read_it_with_routelog(tmp_path: Path) -> None:
     spec = ModelSpec(name="t", num_layers=2, moe_layers=(0, 1), num_experts=16, topk=2)
     url = str(tmp_path / "store")
@@ -445,7 +534,7 @@ def test_streams_and_weights_beside_context_coded_routing_and_score_order_left_a
         commit = snapshot.commits[0]
         assert commit.routing.transform == transform
         assert commit.streams["indexer"].transform == ("ranked_gaps" if order == "sorted" else "none")
-        assert commit.features == (["ranked_context"] if transform == "ranked_context" else [])
+        assert commit.features == (["ranked_context", "context_escapes"] if transform == "ranked_context" else [])
         got = {g.sample_id: g for g in snapshot.read_many(snapshot.sample_ids, weights=True)}
         stream = {g.sample_id: g for g in snapshot.read_many(snapshot.sample_ids, stream="indexer")}
         for record in records:

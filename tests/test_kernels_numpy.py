@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import routelog
-from routelog.format import kernels, kernels_numpy, ranked
+from routelog.format import context, context_python, kernels, kernels_numpy, ranked
 
 
 def _compiled_reference() -> Any:
@@ -308,6 +308,16 @@ def _use_numpy_kernels(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     for function in (decode_chunk, encode_chunk, first_invalid_row, sort_rows_of_eight):
         monkeypatch.setattr(kernels, function.__name__, function)
     monkeypatch.setattr(kernels, "IMPLEMENTATION", "numpy")
+    # The set-context codec's Python passes in place of its compiled ones (context.py calls them where not built).
+    monkeypatch.setattr(context, "_COMPILED", None)
+    for name in ("decode_layer", "decode_escapes"):
+        python = getattr(context_python, name)
+
+        def counted(*args: Any, _name: str = name, _python: Any = python) -> Any:
+            calls[f"context.{_name}"] += 1
+            return _python(*args)
+
+        monkeypatch.setattr(context_python, name, counted)
     return calls
 
 
@@ -523,8 +533,8 @@ def test_golden_stores_read_the_same_through_the_numpy_kernels(
     store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every record of every golden store, read once through the kernels this process normally runs and once
-    through the numpy ones in their place (ranked.py's chunk codec, and codec.py's checks of format-1 rows): the
-    same IDs, which are the ones the fixture expects."""
+    through the numpy ones in their place (ranked.py's chunk codec, codec.py's checks of format-1 rows, and the
+    set-context codec's Python passes): the same IDs, which are the ones the fixture expects."""
     copy = tmp_path / store.name
     shutil.copytree(store, copy)  # read a copy: the fixture itself must never change
     normal = _read_everything(copy)
@@ -536,3 +546,7 @@ def test_golden_stores_read_the_same_through_the_numpy_kernels(
             np.testing.assert_array_equal(got[key], ids, err_msg=key)
             np.testing.assert_array_equal(ids, expected[f"{store.name}/{key.split('/', 1)[1]}/ids"], err_msg=key)
     assert calls["decode_chunk"] or calls["first_invalid_row"], "the numpy kernels were not used"
+    if store.name.startswith(("context-", "escapes-")):
+        assert calls["context.decode_layer"], "the set-context codec's Python passes were not used"
+    if store.name.startswith("escapes-"):
+        assert calls["context.decode_escapes"], "the coded escapes were not read by the Python passes"

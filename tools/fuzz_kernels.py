@@ -8,7 +8,8 @@ codec's on random chunks and on forged ones (every chunk encoded, by both the wo
 must decode to itself, and every forged payload, with bytes flipped in either section, the tail section cut short,
 random windows, every accept rule, misaligned buffers, must return a status), the context codec's on random
 tables (every layer it codes decodes to itself, every forged stream decodes to indices inside the list or returns
-a status, distinct items are numbered as a dict numbers them), the audits' on random routing
+a status, coded escapes decode to themselves and forged escape streams to sorted distinct sets, distinct items are
+numbered as a dict numbers them), the audits' on random routing
 (views with any strides, IDs past E, tokens left out) against plain numpy, the Thrift walks on forged Parquet footers
 and page headers against the Python walks (same values or same problem). A sanitizer report aborts the run with its
 stack.
@@ -188,6 +189,7 @@ def _fuzz_context(coder: Any, rng: Any, np: Any, seed: int) -> None:
         stop = rows if status == 0 else row
         if not ((decoded[:stop] >= -1) & (decoded[:stop] < sets)).all():  # -1: an escape
             raise SystemExit(f"seed {seed}: a forged stream decodes to an index outside the list")
+    _fuzz_escapes(coder, rng, np, seed)
     width = int(rng.integers(1, 17))
     items = rng.integers(0, 3, (int(rng.integers(0, 400)), width)).astype(np.uint8)
     ids, first = np.empty(len(items), np.int32), np.empty(len(items), np.int64)
@@ -196,6 +198,48 @@ def _fuzz_context(coder: Any, rng: Any, np: Any, seed: int) -> None:
     expected = [numbers.setdefault(row.tobytes(), len(numbers)) for row in items]
     if found != len(numbers) or list(ids) != expected:
         raise SystemExit(f"seed {seed}: distinct items numbered otherwise than a dict numbers them")
+
+
+def _fuzz_escapes(coder: Any, rng: Any, np: Any, seed: int) -> None:
+    """Escaped rows (skewed sets, uint8 or uint16, any order of the experts) coded and decoded, forged streams
+    (noise, cut short) decoded to sorted distinct sets, and bad arguments refused with ValueError."""
+    experts = int(rng.choice([1, 2, 8, 9, 64, 128, 300, 1024]))
+    k = int(rng.integers(1, min(experts, 16) + 1))
+    dtype = np.uint8 if experts <= 256 else np.uint16
+    rows = int(rng.integers(0, 300))
+    weights = rng.dirichlet(np.full(experts, float(rng.choice([0.05, 1.0, 50.0])))) + 1e-9
+    ids = np.sort(
+        np.stack([rng.choice(experts, k, replace=False, p=weights / weights.sum()) for _ in range(rows)])
+        if rows
+        else np.zeros((0, k), np.int64),
+        axis=1,
+    ).astype(dtype)
+    order = rng.permutation(experts).astype(np.uint16)
+    out = np.empty(rows * k * 4 + 64, np.uint8)
+    written = coder.encode_escapes(ids.reshape(-1), k, experts, order, out)
+    if written < 0:
+        out = np.empty(rows * experts * 2 + 64, np.uint8)
+        written = coder.encode_escapes(ids.reshape(-1), k, experts, order, out)
+    decoded = np.empty_like(ids)
+    coder.decode_escapes(out[:written].copy(), k, experts, order, decoded.reshape(-1))
+    if not np.array_equal(decoded, ids):
+        raise SystemExit(f"seed {seed}: coded escapes decode to other sets")
+    for _ in range(5):
+        stream = rng.integers(0, 256, int(rng.integers(0, 60)), dtype=np.uint8)
+        if rng.random() < 0.5 and written:
+            stream = out[: int(rng.integers(0, written))].copy()
+        coder.decode_escapes(stream, k, experts, order, decoded.reshape(-1))
+        if rows and ((decoded >= experts).any() or (np.diff(decoded.astype(np.int64), axis=1) <= 0).any()):
+            raise SystemExit(f"seed {seed}: a forged escape stream decodes to something other than sets")
+    bad_order = order.copy()
+    if experts > 1:
+        bad_order[0] = bad_order[1]
+        try:
+            coder.decode_escapes(out[:written].copy(), k, experts, bad_order, decoded.reshape(-1))
+        except ValueError:
+            pass
+        else:
+            raise SystemExit(f"seed {seed}: an order that is no permutation was taken")
 
 
 def _fuzz_sort(kernels: Any, rng: Any, np: Any, seed: int) -> None:

@@ -382,22 +382,23 @@ def write_history(root: Path, expected: dict[str, np.ndarray]) -> None:
             expected[f"{name}/{r.sample_id}/logprob_train"] = np.zeros(r.prompt_len + r.response_len, np.float32)
 
 
-def write_context(root: Path, expected: dict[str, np.ndarray]) -> None:
+def write_context(root: Path, expected: dict[str, np.ndarray], prefix: str = "context") -> None:
     """Revision 3.1, the ``ranked_context`` transform: routing decided by the token (a Zipf vocabulary, each id
     with a preferred set per layer) or by the layer below (a few sets, mapped up the layers), two writers whose
     prompts are shared across parts, the first writer's first part dropped whole while the other's records still
     read its rows, records without token ids and rows missing; uint8 and uint16 IDs (E = 64, K = 8; E = 300, K = 6)
-    in two stores, several parts, edge chunks (rows and layers) and two shards."""
+    in two stores, several parts, edge chunks (rows and layers) and two shards. Written with chunks of version 1
+    (their escapes a format-2 chunk)."""
     for experts, k in ((64, 8), (300, 6)):
         spec = ModelSpec(
-            name=f"golden/context-{experts}-{k}",
+            name=f"golden/{prefix}-{experts}-{k}",
             num_layers=6,
             moe_layers=(1, 2, 3, 4, 5),
             num_experts=experts,
             topk=k,
         )
         rng = np.random.default_rng(experts * 7 + k)
-        name = f"context-{experts}-{k}"
+        name = f"{prefix}-{experts}-{k}"
         url = str(root / name)
         store = routelog.create_store(url, spec, run_id=f"golden-{name}")
         options = PartOptions(transform="ranked_context", chunk_rows=48, chunk_layers=2, shard_layers=4)
@@ -424,6 +425,12 @@ def write_context(root: Path, expected: dict[str, np.ndarray]) -> None:
         store.drop(0, parts=[first.part], reason="golden: a part dropped whole whose prompt rows beta still reads")
         for sid in store.step(0).index.column("sample_id").to_pylist():
             _expect_sorted(expected, name, live[sid])
+
+
+def write_context_escapes(root: Path, expected: dict[str, np.ndarray]) -> None:
+    """Revision 3.2: :func:`write_context`'s stores again, now with chunks of version 2 (each layer's escaped rows
+    range-coded, the commits naming ``context_escapes``)."""
+    write_context(root, expected, prefix="escapes")
 
 
 def _chained_routing(
@@ -463,6 +470,7 @@ WRITERS: dict[str, Callable[[Path, dict[str, np.ndarray]], None]] = {
     "dictionaries-64-8,dictionaries-64-6,dictionaries-300-8": write_dictionaries,
     "history": write_history,
     "context-64-8,context-300-6": write_context,
+    "escapes-64-8,escapes-300-6": write_context_escapes,
 }
 """Fixture stores of this version by name, in the order they were added."""
 

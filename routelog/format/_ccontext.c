@@ -13,6 +13,10 @@
  * codes no decision (every row an escape, with nothing listed) is stored empty. The decoder
  * reads zeros past the end of its bytes, so no stream, forged or not, reads outside its buffer; everything decoded
  * is checked against the model before it is used (indices below the list's size).
+ *
+ * Chunk version 2 codes the escaped rows behind the same range coder too (encode_escapes, decode_escapes): a bit
+ * per expert in the layer's order, 1 when the expert is in the row's set, with 15-bit probabilities that adapt as
+ * counts would (fast while a context is new, then down to 1/256). Any stream decodes to valid sets.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -135,6 +139,75 @@ static int decode_bit(Decoder *d, uint16_t *p) {
     }
     return bit;
 }
+
+/* -- the escapes' counted probabilities ----------------------------------------------------------------------- */
+#define ESCAPE_PROB_BITS 15
+#define ESCAPE_PROB_ONE (1u << ESCAPE_PROB_BITS)
+#define ESCAPE_MAX_SHIFT 8
+#define ESCAPE_FOUND 8 /* contexts tell apart 0..7 experts found in the row so far (8 and more share the last) */
+#define ESCAPE_MAX_EXPERTS 1024
+
+typedef struct {
+    uint16_t p; /* the probability of a 0 (not in the set), out of ESCAPE_PROB_ONE */
+    uint8_t seen;
+} Counter;
+
+/* 1 / 2^shift of the way to the bit: shift = bit length of (seen + 1), at most ESCAPE_MAX_SHIFT. */
+static inline int escape_shift(uint8_t seen) {
+    int shift = 32 - __builtin_clz((unsigned)seen + 1u);
+    return shift < ESCAPE_MAX_SHIFT ? shift : ESCAPE_MAX_SHIFT;
+}
+
+static inline void counter_update(Counter *c, int bit) {
+    int shift = escape_shift(c->seen);
+    if (c->seen < 255) c->seen++;
+    if (!bit)
+        c->p += (uint16_t)((ESCAPE_PROB_ONE - c->p) >> shift);
+    else
+        c->p -= (uint16_t)(c->p >> shift);
+}
+
+static void encode_counted(Encoder *e, Counter *c, int bit) {
+    e->bits++;
+    uint32_t bound = (e->range >> ESCAPE_PROB_BITS) * c->p;
+    if (!bit) {
+        e->range = bound;
+    } else {
+        e->low += bound;
+        e->range -= bound;
+    }
+    counter_update(c, bit);
+    while (e->range < TOP) {
+        e->range <<= 8;
+        shift_low(e);
+    }
+}
+
+static int decode_counted(Decoder *d, Counter *c) {
+    uint32_t bound = (d->range >> ESCAPE_PROB_BITS) * c->p;
+    int bit = d->code >= bound;
+    if (!bit) {
+        d->range = bound;
+    } else {
+        d->code -= bound;
+        d->range -= bound;
+    }
+    counter_update(c, bit);
+    while (d->range < TOP) {
+        d->range <<= 8;
+        d->code = (d->code << 8) | next_byte(d);
+    }
+    return bit;
+}
+
+static Counter *counters_new(int64_t experts) {
+    Counter *c = malloc((size_t)experts * ESCAPE_FOUND * sizeof(Counter));
+    if (c)
+        for (int64_t i = 0; i < experts * ESCAPE_FOUND; i++) c[i] = (Counter){(uint16_t)(ESCAPE_PROB_ONE / 2), 0};
+    return c;
+}
+
+static inline int found_context(int64_t found) { return found < ESCAPE_FOUND - 1 ? (int)found : ESCAPE_FOUND - 1; }
 
 /* -- the layer's tables --------------------------------------------------------------------------------------- */
 typedef struct {
@@ -403,6 +476,140 @@ done:
     return answer;
 }
 
+/* The order (a permutation of 0..experts-1, u16) checked, and the rows' itemsize (1 or 2). */
+static int check_escape_args(Arg *order, Arg *rows, int64_t experts, int64_t topk, const char *name) {
+    if (experts < 1 || experts > ESCAPE_MAX_EXPERTS || topk < 1 || topk > experts ||
+        LEN(*order, 2) != experts || (rows->view.itemsize != 1 && rows->view.itemsize != 2) ||
+        (rows->view.len / rows->view.itemsize) % topk != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: experts must be 1..%d, topk 1..experts, the order one u16 per expert and the rows "
+                     "u8 or u16, topk per row",
+                     name, ESCAPE_MAX_EXPERTS);
+        return -1;
+    }
+    uint8_t seen[ESCAPE_MAX_EXPERTS] = {0};
+    const uint16_t *o = order->view.buf;
+    for (int64_t i = 0; i < experts; i++) {
+        if (o[i] >= experts || seen[o[i]]) {
+            PyErr_Format(PyExc_ValueError, "%s: the order is not a permutation of the experts", name);
+            return -1;
+        }
+        seen[o[i]] = 1;
+    }
+    return 0;
+}
+
+static inline int64_t row_value(const void *rows, int itemsize, int64_t i) {
+    return itemsize == 1 ? ((const uint8_t *)rows)[i] : ((const uint16_t *)rows)[i];
+}
+
+/* encode_escapes(rows, topk, experts, order, out) -> bytes written, or -1 when out is too small: the escaped rows
+ * (u8 or u16, topk distinct IDs each) as a bit per expert in the order until the row's IDs are all found or the
+ * rest of the order must all be in it; the context is (place in the order, found so far up to 7). */
+static PyObject *encode_escapes(PyObject *self, PyObject *args) {
+    PyObject *rows_obj, *order_obj, *out_obj;
+    long long topk, experts;
+    if (!PyArg_ParseTuple(args, "OLLOO", &rows_obj, &topk, &experts, &order_obj, &out_obj)) return NULL;
+    Arg a[3] = {0};
+    PyObject *answer = NULL;
+    if (PyObject_GetBuffer(rows_obj, &a[0].view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto done;
+    a[0].held = 1;
+    if (get_array(order_obj, &a[1], "H", 2, 0, "order") < 0 || get_array(out_obj, &a[2], "B", 1, 1, "out") < 0 ||
+        check_escape_args(&a[1], &a[0], experts, topk, "encode_escapes") < 0)
+        goto done;
+    int itemsize = (int)a[0].view.itemsize;
+    int64_t n = a[0].view.len / itemsize / topk;
+    const void *rows = a[0].view.buf;
+    uint8_t member[ESCAPE_MAX_EXPERTS] = {0};
+    for (int64_t i = 0; i < n * topk; i++) {
+        int64_t v = row_value(rows, itemsize, i);
+        if (v >= experts || member[v]) {
+            PyErr_SetString(PyExc_ValueError, "encode_escapes: a row names an ID past the experts or twice");
+            goto done;
+        }
+        member[v] = 1;
+        if (i % topk == topk - 1)
+            for (int64_t j = i - topk + 1; j <= i; j++) member[row_value(rows, itemsize, j)] = 0;
+    }
+    Counter *counters = counters_new(experts);
+    if (!counters) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const uint16_t *order = a[1].view.buf;
+    Encoder e = {0, 0xFFFFFFFFu, 0, 1, a[2].view.buf, 0, (size_t)a[2].view.len, 0, 0};
+    Py_BEGIN_ALLOW_THREADS for (int64_t r = 0; r < n; r++) {
+        for (int64_t j = 0; j < topk; j++) member[row_value(rows, itemsize, r * topk + j)] = 1;
+        int64_t found = 0;
+        for (int64_t place = 0; place < experts && found < topk && experts - place != topk - found; place++) {
+            int bit = member[order[place]];
+            encode_counted(&e, &counters[place * ESCAPE_FOUND + found_context(found)], bit);
+            found += bit;
+        }
+        for (int64_t j = 0; j < topk; j++) member[row_value(rows, itemsize, r * topk + j)] = 0;
+    }
+    if (e.bits) encoder_flush(&e);
+    Py_END_ALLOW_THREADS free(counters);
+    answer = PyLong_FromLongLong(e.overflow ? -1 : e.bits ? (long long)e.size : 0);
+done:
+    release(a, 3);
+    return answer;
+}
+
+/* decode_escapes(stream, topk, experts, order, out): the rows of encode_escapes' stream into out (u8 or u16, topk
+ * per row), each ascending. Every stream, forged or not, decodes to rows of topk distinct IDs of the order. */
+static PyObject *decode_escapes(PyObject *self, PyObject *args) {
+    PyObject *stream_obj, *order_obj, *out_obj;
+    long long topk, experts;
+    if (!PyArg_ParseTuple(args, "OLLOO", &stream_obj, &topk, &experts, &order_obj, &out_obj)) return NULL;
+    Arg a[3] = {0};
+    PyObject *answer = NULL;
+    if (PyObject_GetBuffer(out_obj, &a[0].view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) goto done;
+    a[0].held = 1;
+    if (get_array(order_obj, &a[1], "H", 2, 0, "order") < 0 || get_array(stream_obj, &a[2], "B", 1, 0, "stream") < 0 ||
+        check_escape_args(&a[1], &a[0], experts, topk, "decode_escapes") < 0)
+        goto done;
+    Counter *counters = counters_new(experts);
+    if (!counters) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int itemsize = (int)a[0].view.itemsize;
+    int64_t n = a[0].view.len / itemsize / topk;
+    const uint16_t *order = a[1].view.buf;
+    Py_BEGIN_ALLOW_THREADS uint8_t member[ESCAPE_MAX_EXPERTS] = {0};
+    Decoder d;
+    decoder_start(&d, a[2].view.buf, (size_t)a[2].view.len);
+    for (int64_t r = 0; r < n; r++) {
+        int64_t found = 0, place = 0;
+        for (; place < experts && found < topk; place++) {
+            if (experts - place == topk - found) { /* the rest of the order is the rest of the set */
+                for (; place < experts; place++) member[order[place]] = 1;
+                found = topk;
+                break;
+            }
+            if (decode_counted(&d, &counters[place * ESCAPE_FOUND + found_context(found)])) {
+                member[order[place]] = 1;
+                found++;
+            }
+        }
+        int64_t at = r * topk; /* ascending: walk the IDs, taking the marked ones */
+        for (int64_t v = 0; v < experts && at < (r + 1) * topk; v++) {
+            if (!member[v]) continue;
+            member[v] = 0;
+            if (itemsize == 1)
+                ((uint8_t *)a[0].view.buf)[at++] = (uint8_t)v;
+            else
+                ((uint16_t *)a[0].view.buf)[at++] = (uint16_t)v;
+        }
+    }
+    Py_END_ALLOW_THREADS free(counters);
+    answer = Py_NewRef(Py_None);
+done:
+    release(a, 3);
+    return answer;
+}
+
 /* -- counting distinct rows and keys -------------------------------------------------------------------------- */
 static uint64_t hash_bytes(const uint8_t *p, size_t n) {
     uint64_t h = 0x243F6A8885A308D3ull ^ n;
@@ -523,6 +730,9 @@ static PyMethodDef methods[] = {
     {"decode_layer", decode_layer, METH_VARARGS,
      "decode_layer(stream, sets, tokens, below, token_keys, token_table, token_offsets, token_candidates, "
      "below_offsets, below_candidates, index) -> (status, row)"},
+    {"encode_escapes", encode_escapes, METH_VARARGS,
+     "encode_escapes(rows, topk, experts, order, out) -> bytes written, or -1 when out is too small"},
+    {"decode_escapes", decode_escapes, METH_VARARGS, "decode_escapes(stream, topk, experts, order, out) -> None"},
     {"distinct", distinct, METH_VARARGS, "distinct(data, width, ids, first) -> number of distinct items"},
     {"hash_keys", hash_keys, METH_VARARGS, "hash_keys(keys, table) -> None"},
     {NULL, NULL, 0, NULL}};
@@ -538,7 +748,11 @@ PyMODINIT_FUNC PyInit__ccontext(void) {
         PyModule_AddIntConstant(m, "MAX_POSITION", MAX_POSITION) < 0 ||
         PyModule_AddIntConstant(m, "MAX_LENGTH", MAX_LENGTH) < 0 ||
         PyModule_AddIntConstant(m, "MAX_BUCKET", MAX_BUCKET) < 0 ||
-        PyModule_AddIntConstant(m, "TREE_BITS", TREE_BITS) < 0 || PyModule_AddIntConstant(m, "ADAPT", ADAPT) < 0) {
+        PyModule_AddIntConstant(m, "TREE_BITS", TREE_BITS) < 0 || PyModule_AddIntConstant(m, "ADAPT", ADAPT) < 0 ||
+        PyModule_AddIntConstant(m, "ESCAPE_PROB_BITS", ESCAPE_PROB_BITS) < 0 ||
+        PyModule_AddIntConstant(m, "ESCAPE_MAX_SHIFT", ESCAPE_MAX_SHIFT) < 0 ||
+        PyModule_AddIntConstant(m, "ESCAPE_FOUND", ESCAPE_FOUND) < 0 ||
+        PyModule_AddIntConstant(m, "ESCAPE_MAX_EXPERTS", ESCAPE_MAX_EXPERTS) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -26,6 +26,11 @@ OK = 0
 INDEX_RANGE = 1
 BUCKET_RANGE = 2
 _MASK32 = 0xFFFFFFFF
+ESCAPE_PROB_BITS = 15
+ESCAPE_PROB_ONE = 1 << ESCAPE_PROB_BITS
+ESCAPE_MAX_SHIFT = 8
+ESCAPE_FOUND = 8
+"""Escape contexts tell apart 0..7 experts found so far in the row (8 and more share the last)."""
 
 
 class _Probabilities:
@@ -84,6 +89,25 @@ class _Encoder:
             self.range = (self.range << 8) & _MASK32
             self._shift_low()
 
+    def counted_bit(self, probs: list[int], counts: list[int], slot: int, bit: int) -> None:
+        """A bit with a 15-bit probability that adapts fast while its context is new and slower as it sees more
+        (:func:`_escape_shift`): the escapes' coder."""
+        self.bits += 1
+        p = probs[slot]
+        bound = (self.range >> ESCAPE_PROB_BITS) * p
+        shift = _escape_shift(counts[slot])
+        counts[slot] = min(counts[slot] + 1, 255)
+        if not bit:
+            self.range = bound
+            probs[slot] = p + ((ESCAPE_PROB_ONE - p) >> shift)
+        else:
+            self.low += bound
+            self.range -= bound
+            probs[slot] = p - (p >> shift)
+        while self.range < TOP:
+            self.range = (self.range << 8) & _MASK32
+            self._shift_low()
+
     def finish(self) -> bytes:
         if not self.bits:  # no decision coded: stored empty
             return b""
@@ -118,10 +142,36 @@ class _Decoder:
             self.range -= bound
             probs[slot] = p - (p >> ADAPT)
             found = 1
+        self._normalize()
+        return found
+
+    def counted_bit(self, probs: list[int], counts: list[int], slot: int) -> int:
+        p = probs[slot]
+        bound = (self.range >> ESCAPE_PROB_BITS) * p
+        shift = _escape_shift(counts[slot])
+        counts[slot] = min(counts[slot] + 1, 255)
+        if self.code < bound:
+            self.range = bound
+            probs[slot] = p + ((ESCAPE_PROB_ONE - p) >> shift)
+            found = 0
+        else:
+            self.code -= bound
+            self.range -= bound
+            probs[slot] = p - (p >> shift)
+            found = 1
+        self._normalize()
+        return found
+
+    def _normalize(self) -> None:
         while self.range < TOP:
             self.range = (self.range << 8) & _MASK32
             self.code = ((self.code << 8) | self._next()) & _MASK32
-        return found
+
+
+def _escape_shift(seen: int) -> int:
+    """The adaptation shift of an escape context that has coded ``seen`` bits (saturating at 255): 1, 2, 2, 3, 3,
+    3, 3, 4, ... up to :data:`ESCAPE_MAX_SHIFT` (about 1 / (seen + 1), as counting would, until 1 / 256)."""
+    return min((seen + 1).bit_length(), ESCAPE_MAX_SHIFT)
 
 
 class Tables:
@@ -252,6 +302,49 @@ def _decode_row(coder: _Decoder, probs: _Probabilities, tables: Tables, token: i
     if value - 1 >= tables.sets:
         return INDEX_RANGE, -1
     return OK, value - 1
+
+
+def encode_escapes(rows: npt.NDArray[Any], order: Sequence[int], num_experts: int) -> bytes:
+    """The escape stream of one chunk layer: its escaped rows ``[n, K]`` (ascending distinct IDs), each coded as
+    one bit per expert in the layer's ``order`` (1: in the set) with a context per (place in the order, experts
+    found so far up to 7), stopping once the row's K are found or the rest of the order must all be in it."""
+    coder = _Encoder()
+    size = num_experts * ESCAPE_FOUND
+    probs, counts = [ESCAPE_PROB_ONE // 2] * size, [0] * size
+    k = rows.shape[1] if rows.ndim == 2 else 0
+    for row in rows.tolist():
+        members = set(row)
+        found = 0
+        for place in range(num_experts):
+            if found == k or num_experts - place == k - found:
+                break
+            bit = 1 if order[place] in members else 0
+            coder.counted_bit(probs, counts, place * ESCAPE_FOUND + min(found, ESCAPE_FOUND - 1), bit)
+            found += bit
+    return coder.finish()
+
+
+def decode_escapes(stream: bytes, out: npt.NDArray[Any], order: Sequence[int], num_experts: int) -> None:
+    """The escaped rows of :func:`encode_escapes`' stream into ``out`` ``[n, K]`` (each ascending). Every stream
+    decodes to valid rows: each names K distinct experts of the order."""
+    coder = _Decoder(bytes(stream))
+    size = num_experts * ESCAPE_FOUND
+    probs, counts = [ESCAPE_PROB_ONE // 2] * size, [0] * size
+    n, k = out.shape
+    rows = []
+    for _ in range(n):
+        members: list[int] = []
+        for place in range(num_experts):
+            if len(members) == k:
+                break
+            if num_experts - place == k - len(members):
+                members += order[place:]
+                break
+            if coder.counted_bit(probs, counts, place * ESCAPE_FOUND + min(len(members), ESCAPE_FOUND - 1)):
+                members.append(order[place])
+        rows.append(sorted(members))
+    if n:
+        out[:] = rows
 
 
 def distinct(items: npt.NDArray[Any]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]:

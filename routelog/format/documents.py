@@ -30,7 +30,9 @@ FORMAT_VERSION = 3
 CONTEXT_FEATURE = "ranked_context"
 """The feature a commit names when its routing uses the ``ranked_context`` transform (FORMAT.md section 5):
 readers that predate it refuse the commit with :class:`~routelog.errors.FormatVersionError`."""
-SUPPORTED_FEATURES: frozenset[str] = frozenset({CONTEXT_FEATURE})
+CONTEXT_ESCAPES_FEATURE = "context_escapes"
+"""Revision 3.2: ``ranked_context`` chunks of version 2, their escapes range-coded (FORMAT.md section 5.1)."""
+SUPPORTED_FEATURES: frozenset[str] = frozenset({CONTEXT_FEATURE, CONTEXT_ESCAPES_FEATURE})
 """Optional format features this routelog understands; a document requiring any other is refused."""
 
 # -- limits (FORMAT.md section 9): every size read from storage is bounded before anything is allocated --------

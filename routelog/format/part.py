@@ -30,6 +30,7 @@ from routelog.format.codec import (
 )
 from routelog.format.dedup import PartRows, PrefixIndex
 from routelog.format.documents import (
+    CONTEXT_ESCAPES_FEATURE,
     CONTEXT_FEATURE,
     FORMAT_VERSION,
     INDEX_SCHEMA,
@@ -132,7 +133,10 @@ class BuiltPart:
     @property
     def features(self) -> list[str]:
         """The optional format features its commit must name (FORMAT.md section 1): readers without them refuse it."""
-        return [CONTEXT_FEATURE] if self.routing.transform == "ranked_context" else []
+        if self.routing.transform != "ranked_context":
+            return []
+        coded = context.codes_escapes(self.routing.num_experts)
+        return [CONTEXT_FEATURE, CONTEXT_ESCAPES_FEATURE] if coded else [CONTEXT_FEATURE]
 
     def object_infos(self) -> list[ObjectInfo]:
         return [ObjectInfo(key=key, size=len(data), sha256=_sha256(data)) for key, data in sorted(self.objects.items())]
