@@ -88,10 +88,10 @@ def test_uniform_routing_lists_nothing_and_costs_no_more_than_format_2() -> None
     rng = np.random.default_rng(2)
     rows = random_topk(rng, 4 * 2048, 128, 8).reshape(4, 2048, 8).astype(np.uint8)
     tokens = rng.integers(0, 150_000, 2048)
-    models, chunks = _coded(rows, tokens, 2048, 128, coded_escapes=False)
+    models, chunks = _coded(rows, tokens, 2048, 128)
     assert all(m.n_sets == 0 for m in models)
     assert len(chunks[0]) == len(ranked.encode(rows, 128)) + 5 + 4 * 4  # version 1: the head, the streams empty
-    _, coded = _coded(rows, tokens, 2048, 128)
+    _, coded = _coded(rows, tokens, 2048, 128, coded_escapes=True)  # smaller, and ten times slower: not the default
     head = np.frombuffer(coded[0][1 : 1 + 8 * 4], "<u4")
     assert coded[0][0] == context.CHUNK_VERSION_CODED_ESCAPES and not head[:4].any(), "no decision coded"
     bound = 4 * 2048 * math.log2(math.comb(128, 8)) / 8
