@@ -98,7 +98,9 @@ def test_uniform_routing_lists_nothing_and_costs_no_more_than_format_2() -> None
     assert len(coded[0]) < len(chunks[0]) and len(coded[0]) < 1.05 * bound, (len(coded[0]), len(chunks[0]), bound)
 
 
-def test_a_model_stores_and_reads_back_every_table() -> None:
+@pytest.mark.parametrize("coded_lists", [True, False], ids=["version 2", "version 1"])
+def test_a_model_stores_and_reads_back_every_table(coded_lists: bool) -> None:
+    """Models of both versions: 2 (lists range-coded, what routelog writes) and 1 (revision 3.1's stores)."""
     rng = np.random.default_rng(3)
     rows, tokens = _part(rng, 5, 2000, 300, 6, 50)
     models = []
@@ -108,12 +110,13 @@ def test_a_model_stores_and_reads_back_every_table() -> None:
         model, index = context.build_layer(rows[j], tokens, below, models[-1].n_sets if j % 4 else 0)
         models.append(model)
         indexes.append(index)
-    blob = context.encode_model(models, 300)
+    blob = context.encode_model(models, 300, coded_lists=coded_lists)
     head = context.model_header_nbytes(5)
-    ends = context.read_model_ends(blob[:head], 5, len(blob))
+    version, ends = context.read_model_head(blob[:head], 5, len(blob), 300)
+    assert version == (context.MODEL_VERSION_CODED_LISTS if coded_lists else context.MODEL_VERSION)
     for j, (start, end) in enumerate(zip(np.r_[head, ends[:-1]], ends, strict=True)):
         back = context.decode_section(
-            blob[start:end], j, 2000, 6, np.dtype(np.uint16), 300, models[j - 1].n_sets if j % 4 else None
+            blob[start:end], j, 2000, 6, np.dtype(np.uint16), 300, models[j - 1].n_sets if j % 4 else None, version
         )
         for field in ("sets", "token_keys", "token_offsets", "token_candidates", "below_offsets", "below_candidates"):
             np.testing.assert_array_equal(getattr(back, field), getattr(models[j], field), err_msg=field)
@@ -289,11 +292,14 @@ def test_forged_chunks_decode_to_sets_or_fail_with_the_typed_error(data: st.Data
         lambda s: _resealed(s[:-8] + s[-7:-4]),  # the integers end early
     ],
 )
-def test_forged_model_sections_are_refused_with_the_typed_error(forge: Any) -> None:
-    _, _, _, blob = _one_layer_model()
+@pytest.mark.parametrize("version", [context.MODEL_VERSION_CODED_LISTS, context.MODEL_VERSION])
+def test_forged_model_sections_are_refused_with_the_typed_error(forge: Any, version: int) -> None:
+    model, _, _, _ = _one_layer_model()
+    blob = context.encode_model([model], 64, coded_lists=version == context.MODEL_VERSION_CODED_LISTS)
     section = blob[context.model_header_nbytes(1) :]
+    context.decode_section(section, 0, 1500, 8, np.dtype(np.uint8), 64, None, version)  # unforged: read
     with pytest.raises(context.ContextFormatError):
-        context.decode_section(forge(section), 0, 1500, 8, np.dtype(np.uint8), 64, None)
+        context.decode_section(forge(section), 0, 1500, 8, np.dtype(np.uint8), 64, None, version)
 
 
 def _resealed(body: bytes) -> bytes:
@@ -311,7 +317,7 @@ def test_forged_tables_inside_the_integers_are_refused() -> None:
         bad = context.LayerModel(**{**_fields(model), field: forged})
         section = context.encode_model([bad], 64)[context.model_header_nbytes(1) :]
         with pytest.raises(context.ContextFormatError, match=r"limits|order"):
-            context.decode_section(section, 0, 1500, 8, np.dtype(np.uint8), 64, None)
+            context.decode_section(section, 0, 1500, 8, np.dtype(np.uint8), 64, None, 2)
 
 
 def _fields(model: context.LayerModel) -> dict[str, Any]:
@@ -324,7 +330,10 @@ def test_a_forged_model_head_is_refused() -> None:
     head = context.model_header_nbytes(1)
     for forged, size in [(b"XXXX" + blob[4:head], len(blob)), (blob[:head], len(blob) + 1), (blob[: head - 1], 0)]:
         with pytest.raises(context.ContextFormatError):
-            context.read_model_ends(forged, 1, size)
+            context.read_model_head(forged, 1, size, 64)
+    assert context.read_model_head(blob[:head], 1, len(blob), 64).version == context.MODEL_VERSION_CODED_LISTS
+    with pytest.raises(context.ContextFormatError, match="version-2 set model of 2000 experts"):
+        context.read_model_head(blob[:head], 1, len(blob), 2000)
 
 
 # -- stores ----------------------------------------------------------------------------------------------------------

@@ -545,8 +545,9 @@ def test_golden_stores_read_the_same_through_the_numpy_kernels(
         for key, ids in normal.items():
             np.testing.assert_array_equal(got[key], ids, err_msg=key)
             np.testing.assert_array_equal(ids, expected[f"{store.name}/{key.split('/', 1)[1]}/ids"], err_msg=key)
-    assert calls["decode_chunk"] or calls["first_invalid_row"], "the numpy kernels were not used"
+    if store.name.startswith("escapes-"):  # revision 3.2: every set range-coded, no format-2 chunk left
+        assert calls["context.decode_escapes"], "the coded escapes and lists were not read by the Python passes"
+    else:
+        assert calls["decode_chunk"] or calls["first_invalid_row"], "the numpy kernels were not used"
     if store.name.startswith(("context-", "escapes-")):
         assert calls["context.decode_layer"], "the set-context codec's Python passes were not used"
-    if store.name.startswith("escapes-"):
-        assert calls["context.decode_escapes"], "the coded escapes were not read by the Python passes"

@@ -27,22 +27,25 @@ On token-dependent routing over a 150k vocabulary (issue #33) escapes are 63 % o
 3.8 bytes a row against format 2's 4.1. The price is speed: a decision per expert until the row's last (54 a row
 there, 4-6 ns each). Version 1 (revision 3.1) kept escapes as a format-2 chunk; writers still use it past
 :data:`ESCAPE_MAX_EXPERTS` experts, and for chunks whose layers list nothing (uniform routing, every row an escape:
-1.02 x the entropy bound coded, 1.04 x as format 2, at a tenth of its speed).
+1.02 x the entropy bound coded, 1.04 x as format 2, at a tenth of its speed). A model's lists are distinct sets
+too: a model of version 2 codes each the same way, in expert-ID order (the lists are what the escapes' order is
+taken from), 6-8 % smaller than as a format-2 chunk.
 
 Measured on the corpus (issue #33, B per routed token-layer, every byte of the model counted, chunks of version 1):
 Qwen3-MoE-style 0.41, DeepSeek-V3-style 0.89, against format 2's 0.71 and 1.39 and zstd-19 of the whole array's
 0.46 and 0.80.
 
-Stored model (``routing/model``, little-endian): ``b"RLSM"``, u8 version 1, three zero bytes, u32 L, u64 end
-offset of each layer's section (from the object's start), u32 crc32c of those bytes; then each layer's section:
-u32 S (listed sets), u32 T (token keys), u32 B (below keys), u32 n and the format-2 chunk of the list ``[1, S, K]``
-(n bytes, none when S is 0), u32 m and a zstd frame of m bytes holding the integers: T token-id deltas (the first
-from 0) as u32, T candidate counts as u8, the token candidates (list indices) as u32, B below keys' deltas (indices
-in the layer below's list), B counts, the below candidates; each u32 array as its four byte planes (all low bytes
-first); then u32 crc32c of the section. Stored chunk of version 1: u8 version 1, u32 U (the escape rows' chunk has
-U rows per layer), u32 stream bytes per layer of the chunk, the streams, then (when U > 0) the format-2 chunk
-``[L, U, K]`` of each layer's escapes in row order, its unused rows padding. Of version 2: u8 version 2, u32 stream
-bytes per layer, u32 escape-stream bytes per layer, the streams, the escape streams.
+Stored model (``routing/model``, little-endian): ``b"RLSM"``, u8 version (1, or 2 where its lists are range-coded
+as escapes are, in expert-ID order), three zero bytes, u32 L, u64 end offset of each layer's section (from the
+object's start), u32 crc32c of those bytes; then each layer's section: u32 S (listed sets), u32 T (token keys),
+u32 B (below keys), u32 n and the list ``[S, K]`` in n bytes (version 1: a format-2 chunk ``[1, S, K]``; version 2:
+a range-coded stream; none when S is 0), u32 m and a zstd frame of m bytes holding the integers: T token-id deltas
+(the first from 0) as u32, T candidate counts as u8, the token candidates (list indices) as u32, B below keys'
+deltas (indices in the layer below's list), B counts, the below candidates; each u32 array as its four byte planes
+(all low bytes first); then u32 crc32c of the section. Stored chunk of version 1: u8 version 1, u32 U (the escape
+rows' chunk has U rows per layer), u32 stream bytes per layer of the chunk, the streams, then (when U > 0) the
+format-2 chunk ``[L, U, K]`` of each layer's escapes in row order, its unused rows padding. Of version 2: u8
+version 2, u32 stream bytes per layer, u32 escape-stream bytes per layer, the streams, the escape streams.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import google_crc32c
 import numpy as np
@@ -71,6 +74,9 @@ CONTEXT_CODEC = "routelog.ranked_context"
 """The codec's name in ``zarr.json``."""
 MAGIC = b"RLSM"
 MODEL_VERSION = 1
+"""Models whose lists are format-2 chunks (revision 3.1; still written where E > :data:`ESCAPE_MAX_EXPERTS`)."""
+MODEL_VERSION_CODED_LISTS = 2
+"""Models whose lists are range-coded as escapes are, in expert-ID order (revision 3.2)."""
 CHUNK_VERSION = 1
 """Chunks whose escapes are a format-2 chunk (revision 3.1; still written where E > :data:`ESCAPE_MAX_EXPERTS`)."""
 CHUNK_VERSION_CODED_ESCAPES = 2
@@ -491,10 +497,15 @@ def _decode_layer(
 
 
 # -- the stored model ------------------------------------------------------------------------------------------------
-def encode_model(layers: Sequence[LayerModel], num_experts: int, level: int = MODEL_LEVEL) -> bytes:
-    """The stored model object of an array's layers (see the module)."""
-    sections = [_encode_section(model, num_experts, level) for model in layers]
-    head = bytearray(MAGIC + bytes([MODEL_VERSION, 0, 0, 0]) + len(layers).to_bytes(4, "little"))
+def encode_model(
+    layers: Sequence[LayerModel], num_experts: int, level: int = MODEL_LEVEL, coded_lists: bool | None = None
+) -> bytes:
+    """The stored model object of an array's layers (see the module): of version 2, its lists range-coded, where
+    ``coded_lists`` (by default where :func:`codes_escapes`), else of version 1, its lists format-2 chunks."""
+    coded = codes_escapes(num_experts) if coded_lists is None else coded_lists
+    sections = [_encode_section(model, num_experts, level, coded) for model in layers]
+    version = MODEL_VERSION_CODED_LISTS if coded else MODEL_VERSION
+    head = bytearray(MAGIC + bytes([version, 0, 0, 0]) + len(layers).to_bytes(4, "little"))
     end = model_header_nbytes(len(layers))
     for section in sections:
         end += len(section)
@@ -508,10 +519,12 @@ def model_header_nbytes(layers: int) -> int:
     return 12 + 8 * layers + 4
 
 
-def _encode_section(model: LayerModel, num_experts: int, level: int) -> bytes:
+def _encode_section(model: LayerModel, num_experts: int, level: int, coded_list: bool) -> bytes:
     below_keys = np.flatnonzero(np.diff(model.below_offsets.astype(np.int64)))
     sets = b""
-    if model.n_sets:
+    if model.n_sets and coded_list:  # distinct sets, as escapes are: range-coded the same way, in ID order
+        sets = _encode_escapes(model.sets, _id_order(num_experts), num_experts)
+    elif model.n_sets:
         sets = b"".join(ranked.encode_pieces(np.ascontiguousarray(model.sets[None]), num_experts, level=level))
     integers = _integers(model)
     frame = zstd_frames.compress(integers, level) if integers else b""
@@ -554,15 +567,29 @@ def _from_planes(data: npt.NDArray[np.uint8], count: int) -> npt.NDArray[np.int6
     return np.ascontiguousarray(data[: 4 * count].reshape(4, count).T).view("<u4").reshape(-1).astype(np.int64)
 
 
-def read_model_ends(head: bytes | memoryview, layers: int, size: int) -> npt.NDArray[np.int64]:
-    """Each layer section's end offset in a model object of ``size`` bytes, from its head
-    (:func:`model_header_nbytes` bytes), checked: magic, version, layers, checksum, ascending ends inside it."""
+def _id_order(num_experts: int) -> npt.NDArray[np.uint16]:
+    return np.arange(num_experts, dtype=np.uint16)
+
+
+class ModelHead(NamedTuple):
+    """A model object's head, checked: its version and each layer section's end offset."""
+
+    version: int
+    ends: npt.NDArray[np.int64]
+
+
+def read_model_head(head: bytes | memoryview, layers: int, size: int, num_experts: int) -> ModelHead:
+    """The version and each layer section's end offset of a model object of ``size`` bytes, from its head
+    (:func:`model_header_nbytes` bytes), checked: magic, version (2 only where :func:`codes_escapes`), layers,
+    checksum, ascending ends inside it."""
     head = bytes(head)
     expected = model_header_nbytes(layers)
     if len(head) != expected or head[:4] != MAGIC:
         raise ContextFormatError("not a routelog set model")
-    if head[4] != MODEL_VERSION:
+    if head[4] not in (MODEL_VERSION, MODEL_VERSION_CODED_LISTS):
         raise ContextFormatError(f"unknown set model version {head[4]}")
+    if head[4] == MODEL_VERSION_CODED_LISTS and not codes_escapes(num_experts):
+        raise ContextFormatError(f"a version-2 set model of {num_experts} experts (at most {ESCAPE_MAX_EXPERTS})")
     if google_crc32c.value(head[:-4]) != int.from_bytes(head[-4:], "little"):
         raise ContextFormatError("the set model's head fails its checksum")
     if int.from_bytes(head[8:12], "little") != layers:
@@ -571,7 +598,7 @@ def read_model_ends(head: bytes | memoryview, layers: int, size: int) -> npt.NDA
     starts = np.r_[expected, ends[:-1]]
     if (ends < starts + 20).any() or (layers and ends[-1] != size):
         raise ContextFormatError("the set model's sections do not tile the object")
-    return ends
+    return ModelHead(head[4], ends)
 
 
 def decode_section(
@@ -582,11 +609,12 @@ def decode_section(
     dtype: np.dtype[Any],
     num_experts: int,
     below_sets: int | None,
+    version: int = MODEL_VERSION,
 ) -> LayerModel:
-    """One layer's model from its section's bytes (checksum included), checked before use: at most ``rows`` sets
-    and token keys (the array's rows: a set is listed for two rows at least), valid sets, ascending keys, counts
-    within the limits, candidates inside the list. ``below_sets``: the layer below's list size where the layer has
-    one in its chunk, else None."""
+    """One layer's model from its section's bytes (checksum included) in a model of ``version``, checked before
+    use: at most ``rows`` sets and token keys (the array's rows: a set is listed for two rows at least), valid sets,
+    ascending keys, counts within the limits, candidates inside the list. ``below_sets``: the layer below's list
+    size where the layer has one in its chunk, else None."""
     section = np.frombuffer(data, np.uint8)
     where = f"layer {layer}'s model"
     if section.size < 24 or google_crc32c.value(section[:-4].tobytes()) != int.from_bytes(
@@ -600,7 +628,10 @@ def decode_section(
     if at + 4 > section.size - 4:
         raise ContextFormatError(f"{where}: its sections pass its end")
     sets = np.zeros((0, topk), dtype)
-    if n_sets:
+    if n_sets and version == MODEL_VERSION_CODED_LISTS:  # any stream decodes to valid sets
+        sets = np.empty((int(n_sets), topk), dtype)
+        _decode_escapes(section[16:at], sets, _id_order(num_experts), num_experts)
+    elif n_sets:
         try:
             sets = ranked.decode(section[16:at], (1, int(n_sets), topk), dtype, num_experts, accept="sets")[0]
         except ranked.RankedFormatError as exc:

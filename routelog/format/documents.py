@@ -31,7 +31,8 @@ CONTEXT_FEATURE = "ranked_context"
 """The feature a commit names when its routing uses the ``ranked_context`` transform (FORMAT.md section 5):
 readers that predate it refuse the commit with :class:`~routelog.errors.FormatVersionError`."""
 CONTEXT_ESCAPES_FEATURE = "context_escapes"
-"""Revision 3.2: ``ranked_context`` chunks of version 2, their escapes range-coded (FORMAT.md section 5.1)."""
+"""Revision 3.2: ``ranked_context`` chunks and models of version 2, their escapes and lists range-coded (FORMAT.md
+section 5.1)."""
 SUPPORTED_FEATURES: frozenset[str] = frozenset({CONTEXT_FEATURE, CONTEXT_ESCAPES_FEATURE})
 """Optional format features this routelog understands; a document requiring any other is refused."""
 

@@ -145,7 +145,7 @@ class ReadCache:
 
     def __init__(self, chunk_bytes: int = CHUNK_CACHE_BYTES) -> None:
         self._indexes: dict[str, npt.NDArray[np.uint64]] = {}
-        self._model_ends: dict[str, npt.NDArray[np.int64]] = {}
+        self._model_heads: dict[str, context.ModelHead] = {}
         self._models: OrderedDict[tuple[str, int], context.LayerModel] = OrderedDict()
         self._model_bytes = 0
         self._chunks: OrderedDict[tuple[str, int], np.ndarray[Any, Any]] = OrderedDict()
@@ -203,18 +203,20 @@ class ReadCache:
                 if item in self._models:
                     self._models.move_to_end(item)
         samples = [tuple(sorted({s for r in requests if r.model_key in arrays for s in r.samples}))]
-        heads = {key: arrays[key] for key, _ in wanted if key not in self._model_ends}
+        heads = {key: arrays[key] for key, _ in wanted if key not in self._model_heads}
         ranges = [(key, 0, context.model_header_nbytes(array.num_moe_layers)) for key, array in heads.items()]
         with _objects_listed(storage, samples):
             datas = storage.read_ranges(ranges)
         for (key, array), data in zip(heads.items(), datas, strict=True):
             try:
-                self._model_ends[key] = context.read_model_ends(data, array.num_moe_layers, sizes[key])
+                self._model_heads[key] = context.read_model_head(
+                    data, array.num_moe_layers, sizes[key], array.num_experts
+                )
             except context.ContextFormatError as exc:
                 raise CorruptDataError(f"{storage.url_of(key)}: {exc}") from exc
         ranges = []
         for key, layer in wanted:
-            ends = self._model_ends[key]
+            ends = self._model_heads[key].ends
             start = context.model_header_nbytes(ends.size) if layer == 0 else int(ends[layer - 1])
             ranges.append((key, start, int(ends[layer])))
         with _objects_listed(storage, samples):
@@ -226,7 +228,14 @@ class ReadCache:
             below_sets = None if below is None else below.n_sets
             try:
                 needed[(key, layer)] = context.decode_section(
-                    data, layer, array.n_rows, array.topk, layout_.dtype, array.num_experts, below_sets
+                    data,
+                    layer,
+                    array.n_rows,
+                    array.topk,
+                    layout_.dtype,
+                    array.num_experts,
+                    below_sets,
+                    self._model_heads[key].version,
                 )
             except context.ContextFormatError as exc:
                 raise CorruptDataError(f"{storage.url_of(key)}: {exc}") from exc
