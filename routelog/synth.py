@@ -130,6 +130,52 @@ def zipf_token_ids(rng: np.random.Generator, n_tokens: int, vocab_size: int, exp
     return ids
 
 
+@dataclass(frozen=True)
+class TokenRouter:
+    """A model whose routing depends on the token: per layer, the experts' popularity (Dirichlet(1/skew), as
+    :class:`SynthConfig`'s ``skew``) and a preferred set for each token id it knows (drawn from that popularity).
+    One router routes every record of a step alike, as a trained model's router would."""
+
+    ids: npt.NDArray[np.int64]
+    """The token ids with a preferred set, ascending."""
+    popularity: npt.NDArray[np.float64]
+    """``[layers, E]``."""
+    preferred: npt.NDArray[Any]
+    """``[layers, len(ids), K]`` in the spec's storage dtype."""
+
+    @classmethod
+    def draw(
+        cls, rng: np.random.Generator, token_ids: npt.NDArray[Any], spec: ModelSpec, skew: float = 3.0
+    ) -> TokenRouter:
+        """A router knowing the ids in ``token_ids`` (only those present get a preferred set, so a 150k vocabulary
+        costs what its tokens do)."""
+        if skew <= 0:
+            raise ValueError("skew must be > 0")
+        layers, k, e = spec.num_moe_layers, spec.topk, spec.num_experts
+        ids = np.unique(np.asarray(token_ids)).astype(np.int64)
+        popularity = np.stack([rng.dirichlet(np.full(e, 1.0 / skew)) for _ in range(layers)])
+        preferred = np.stack([random_topk(rng, ids.size, e, k, popularity[j]) for j in range(layers)])
+        return cls(ids, popularity, preferred.astype(spec.id_dtype))
+
+    def route(
+        self, rng: np.random.Generator, token_ids: npt.NDArray[Any], preferred_share: float = 0.6
+    ) -> npt.NDArray[Any]:
+        """``[n_tokens, layers, K]``: each token-layer takes its id's preferred set with probability
+        ``preferred_share``, else a fresh draw from the layer's popularity. Every id must be one the router knows."""
+        if not 0 <= preferred_share <= 1:
+            raise ValueError("preferred_share must be in [0, 1]")
+        index = np.searchsorted(self.ids, np.asarray(token_ids, np.int64))
+        if index.size and (index.max() >= self.ids.size or (self.ids[index] != token_ids).any()):
+            raise ValueError("token ids the router was not drawn for")
+        layers, _, k = self.preferred.shape
+        out = np.empty((index.size, layers, k), dtype=self.preferred.dtype)
+        for j in range(layers):
+            fresh = random_topk(rng, index.size, self.popularity.shape[1], k, self.popularity[j])
+            takes = rng.random(index.size) < preferred_share
+            out[:, j] = np.where(takes[:, None], self.preferred[j][index], fresh)
+        return out
+
+
 def token_dependent_routing(
     rng: np.random.Generator,
     token_ids: npt.NDArray[Any],
@@ -138,24 +184,14 @@ def token_dependent_routing(
     preferred_share: float = 0.6,
     skew: float = 3.0,
 ) -> npt.NDArray[Any]:
-    """``[n_tokens, n_moe_layers, topk]`` routing that depends on the token: in each layer, each token id has a
-    preferred set (drawn once per id, from the layer's skewed expert popularity) that a token takes with
-    probability ``preferred_share``; otherwise its set is a fresh draw from that popularity (Dirichlet(1/skew),
-    as :class:`SynthConfig`'s ``skew``). Only the ids present get a preferred set, so a 150k vocabulary costs what
-    its tokens do."""
+    """``[n_tokens, n_moe_layers, topk]`` routing that depends on the token, from a :class:`TokenRouter` drawn for
+    these tokens alone: in each layer, each token id has a preferred set (drawn once per id, from the layer's
+    skewed expert popularity) that a token takes with probability ``preferred_share``; otherwise its set is a fresh
+    draw from that popularity (Dirichlet(1/skew), as :class:`SynthConfig`'s ``skew``). Records routed by separate
+    calls get separate routers: route a step's records with one :class:`TokenRouter` to share it."""
     if not 0 <= preferred_share <= 1 or skew <= 0:
         raise ValueError("preferred_share must be in [0, 1] and skew > 0")
-    layers, k, e = spec.num_moe_layers, spec.topk, spec.num_experts
-    present, index = np.unique(np.asarray(token_ids), return_inverse=True)
-    n = index.size
-    out = np.empty((n, layers, k), dtype=spec.id_dtype)
-    for j in range(layers):
-        popularity = rng.dirichlet(np.full(e, 1.0 / skew))
-        preferred = random_topk(rng, present.size, e, k, popularity)
-        fresh = random_topk(rng, n, e, k, popularity)
-        takes = rng.random(n) < preferred_share
-        out[:, j] = np.where(takes[:, None], preferred[index], fresh)
-    return out
+    return TokenRouter.draw(rng, token_ids, spec, skew).route(rng, token_ids, preferred_share)
 
 
 def synth_records(spec: ModelSpec, config: SynthConfig) -> Iterator[Record]:

@@ -19,7 +19,7 @@ import pytest
 import routelog
 from routelog import Record
 from routelog.format.spec import entropy_bound_bytes
-from routelog.synth import synthetic_spec, token_dependent_routing, zipf_token_ids
+from routelog.synth import TokenRouter, synthetic_spec, token_dependent_routing, zipf_token_ids
 from tests.records import random_routing
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
@@ -377,6 +377,26 @@ def test_token_dependent_routing_takes_each_tokens_preferred_set() -> None:
         assert 0.55 < uses.max() / frequent < 0.7, "the preferred set, 60 % of the time (and by chance a little more)"
     with pytest.raises(ValueError, match="preferred_share"):
         token_dependent_routing(rng, ids, spec, preferred_share=1.5)
+
+
+def test_one_token_router_routes_every_record_of_a_step_alike() -> None:
+    """Records routed by one TokenRouter share each id's preferred sets (as a trained router would); a router
+    refuses ids it was not drawn for."""
+    spec = synthetic_spec(layers=3, experts=32, topk=4)
+    rng = np.random.default_rng(4)
+    step = zipf_token_ids(rng, 2 * 3000, 500).reshape(2, 3000)
+    router = TokenRouter.draw(rng, step, spec)
+    first, second = (np.sort(router.route(rng, step[i], preferred_share=1.0), axis=-1) for i in range(2))
+    common = np.intersect1d(step[0], step[1])[:20]
+    assert common.size
+    for token in common:
+        at0, at1 = int(np.flatnonzero(step[0] == token)[0]), int(np.flatnonzero(step[1] == token)[0])
+        np.testing.assert_array_equal(first[at0], second[at1])
+    separate = [np.sort(token_dependent_routing(rng, step[i], spec, preferred_share=1.0), axis=-1) for i in range(2)]
+    at0, at1 = (int(np.flatnonzero(step[i] == common[0])[0]) for i in range(2))
+    assert not np.array_equal(separate[0][at0], separate[1][at1]), "separate calls draw separate routers"
+    with pytest.raises(ValueError, match="not drawn for"):
+        router.route(rng, np.array([150_001]))
 
 
 def _explore_part_models() -> Any:

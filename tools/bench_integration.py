@@ -23,7 +23,8 @@ one shard per part array a stage reads every stage's entries; ``PartOptions(shar
 its own). Stores compared (``--variants``): 4096-row chunks (the default), 256, and 128 with one shard per stage;
 ``:context`` writes a variant with the ``ranked_context`` codec, whose rank also reads the models of its layers
 (counted with the routing bytes). The routing is uniform, or with ``--routing token-dependent`` sets that depend on
-the token (a 150k Zipf vocabulary): where ``ranked_context`` has something to learn, and its models to read.
+the token (a 150k Zipf vocabulary, one :class:`routelog.synth.TokenRouter` for the step, so an id prefers the same
+sets in every record): where ``ranked_context`` has something to learn, and its models to read.
 
     python tools/bench_integration.py [--json] [--quick] [--variants ROWS[:stage][:context] ...]
                                       [--records N --tokens T --layers L] [--routing uniform|token-dependent]
@@ -46,7 +47,7 @@ from benchlib import count_reads, dense_routing, peak_rss_mb
 import routelog
 from routelog import PartOptions, Record
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords, gather
-from routelog.synth import synth_routing, synthetic_spec, token_dependent_routing, zipf_token_ids
+from routelog.synth import TokenRouter, synth_routing, synthetic_spec, zipf_token_ids
 
 DP = 4
 LAYOUT = ParallelLayout(tp=2, cp=2, pp=4)
@@ -68,11 +69,15 @@ def prepare(
         )
         for name in variants
     ]
+    router = None
+    if routing == "token-dependent":  # one router for the step: a token id prefers the same sets in every record
+        step_tokens = zipf_token_ids(rng, records * tokens, 150_000).reshape(records, tokens)
+        router = TokenRouter.draw(rng, step_tokens, spec)
     for i in range(records):
         token_ids = None
-        if routing == "token-dependent":
-            token_ids = zipf_token_ids(rng, tokens, 150_000)
-            ids = token_dependent_routing(rng, token_ids, spec)
+        if router is not None:
+            token_ids = step_tokens[i]
+            ids = router.route(rng, token_ids)
         else:
             ids = synth_routing(rng, tokens, spec, None, 0.0)
         npy[i] = ids
