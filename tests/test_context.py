@@ -213,7 +213,7 @@ def test_distinct_numbers_items_in_order_of_first_appearance_on_both_paths() -> 
 @given(
     seed=st.integers(0, 2**32 - 1),
     rows=st.integers(0, 300),
-    shape=st.sampled_from([(8, 8), (9, 8), (16, 1), (64, 8), (128, 8), (300, 6), (1024, 4)]),
+    shape=st.sampled_from([(8, 8), (9, 8), (16, 1), (64, 8), (128, 8), (300, 6), (1024, 4), (64, 40)]),
     skew=st.sampled_from([0.05, 0.3, 100.0]),
 )
 def test_escapes_are_coded_alike_on_both_paths_and_any_stream_decodes_to_sets(

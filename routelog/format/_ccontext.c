@@ -577,6 +577,12 @@ static PyObject *decode_escapes(PyObject *self, PyObject *args) {
     int itemsize = (int)a[0].view.itemsize;
     int64_t n = a[0].view.len / itemsize / topk;
     const uint16_t *order = a[1].view.buf;
+    uint16_t *got = malloc((size_t)topk * sizeof(uint16_t));
+    if (!got) {
+        free(counters);
+        PyErr_NoMemory();
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS uint8_t member[ESCAPE_MAX_EXPERTS] = {0};
     Decoder d;
     decoder_start(&d, a[2].view.buf, (size_t)a[2].view.len);
@@ -584,26 +590,33 @@ static PyObject *decode_escapes(PyObject *self, PyObject *args) {
         int64_t found = 0, place = 0;
         for (; place < experts && found < topk; place++) {
             if (experts - place == topk - found) { /* the rest of the order is the rest of the set */
-                for (; place < experts; place++) member[order[place]] = 1;
-                found = topk;
+                while (place < experts) got[found++] = order[place++];
                 break;
             }
-            if (decode_counted(&d, &counters[place * ESCAPE_FOUND + found_context(found)])) {
-                member[order[place]] = 1;
-                found++;
+            if (decode_counted(&d, &counters[place * ESCAPE_FOUND + found_context(found)])) got[found++] = order[place];
+        }
+        if (topk <= 32) { /* ascending: an insertion sort of a few IDs beats walking every ID */
+            for (int64_t i = 1; i < topk; i++) {
+                uint16_t v = got[i];
+                int64_t j = i;
+                for (; j > 0 && got[j - 1] > v; j--) got[j] = got[j - 1];
+                got[j] = v;
             }
+        } else { /* many: mark them, then walk the IDs taking the marked ones */
+            for (int64_t i = 0; i < topk; i++) member[got[i]] = 1;
+            for (int64_t v = 0, at = 0; v < experts && at < topk; v++)
+                if (member[v]) {
+                    member[v] = 0;
+                    got[at++] = (uint16_t)v;
+                }
         }
-        int64_t at = r * topk; /* ascending: walk the IDs, taking the marked ones */
-        for (int64_t v = 0; v < experts && at < (r + 1) * topk; v++) {
-            if (!member[v]) continue;
-            member[v] = 0;
-            if (itemsize == 1)
-                ((uint8_t *)a[0].view.buf)[at++] = (uint8_t)v;
-            else
-                ((uint16_t *)a[0].view.buf)[at++] = (uint16_t)v;
-        }
+        if (itemsize == 1)
+            for (int64_t i = 0; i < topk; i++) ((uint8_t *)a[0].view.buf)[r * topk + i] = (uint8_t)got[i];
+        else
+            memcpy((uint16_t *)a[0].view.buf + r * topk, got, (size_t)topk * sizeof(uint16_t));
     }
     Py_END_ALLOW_THREADS free(counters);
+    free(got);
     answer = Py_NewRef(Py_None);
 done:
     release(a, 3);
