@@ -101,10 +101,12 @@ def test_a_refused_record_is_reported_at_the_next_call_naming_it(tmp_path: Path)
     url = str(tmp_path / "store")
     writer = ProcessWriter(url, 0, model_spec=SPEC, writer_id="engine")
     writer.append(bad)
-    writer.append(good)
+    # The next call after the refusal arrives raises it: the flush at the latest (it waits for the writer process's
+    # answer). An append in between could meet it too, depending on how fast the writer process answers.
     with pytest.raises(WriterError, match=r"'bad'.*repeats an expert") as caught:
         writer.flush()
     assert caught.value.sample_ids == ["bad"]
+    writer.append(good)
     writer.close()
     assert routelog.open_store(url).step(0).sample_ids == ["good"], "the good record is committed"
 
