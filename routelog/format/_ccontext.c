@@ -82,21 +82,30 @@ static void shift_low(Encoder *e) {
     e->low = (e->low & 0x00FFFFFFu) << 8;
 }
 
-static void encode_bit(Encoder *e, uint16_t *p, int bit) {
+/* A probability of a 0 moved 1 / 2^shift of the way towards the bit coded (out of one). */
+static inline uint16_t adapted(uint32_t p, int bit, uint32_t one, int shift) {
+    if (bit) return (uint16_t)(p - (p >> shift));
+    return (uint16_t)(p + ((one - p) >> shift));
+}
+
+/* One decision: a 0 keeps the range below ``bound``, a 1 the rest; then the range is renormalized. */
+static inline void encode_split(Encoder *e, uint32_t bound, int bit) {
     e->bits++;
-    uint32_t bound = (e->range >> PROB_BITS) * *p;
     if (!bit) {
         e->range = bound;
-        *p += (uint16_t)((PROB_ONE - *p) >> ADAPT);
     } else {
         e->low += bound;
         e->range -= bound;
-        *p -= (uint16_t)(*p >> ADAPT);
     }
     while (e->range < TOP) {
         e->range <<= 8;
         shift_low(e);
     }
+}
+
+static void encode_bit(Encoder *e, uint16_t *p, int bit) {
+    encode_split(e, (e->range >> PROB_BITS) * *p, bit);
+    *p = adapted(*p, bit, PROB_ONE, ADAPT);
 }
 
 static void encoder_flush(Encoder *e) {
@@ -120,23 +129,27 @@ static void decoder_start(Decoder *d, const uint8_t *in, size_t size) {
     for (int i = 0; i < 5; i++) d->code = (d->code << 8) | next_byte(d);
 }
 
-static int decode_bit(Decoder *d, uint16_t *p) {
-    uint32_t bound = (d->range >> PROB_BITS) * *p;
+/* The decision encode_split coded with ``bound``, the range renormalized. */
+static inline int decode_split(Decoder *d, uint32_t bound) {
     int bit;
     if (d->code < bound) {
         d->range = bound;
-        *p += (uint16_t)((PROB_ONE - *p) >> ADAPT);
         bit = 0;
     } else {
         d->code -= bound;
         d->range -= bound;
-        *p -= (uint16_t)(*p >> ADAPT);
         bit = 1;
     }
     while (d->range < TOP) {
         d->range <<= 8;
         d->code = (d->code << 8) | next_byte(d);
     }
+    return bit;
+}
+
+static int decode_bit(Decoder *d, uint16_t *p) {
+    int bit = decode_split(d, (d->range >> PROB_BITS) * *p);
+    *p = adapted(*p, bit, PROB_ONE, ADAPT);
     return bit;
 }
 
@@ -159,44 +172,18 @@ static inline int escape_shift(uint8_t seen) {
 }
 
 static inline void counter_update(Counter *c, int bit) {
-    int shift = escape_shift(c->seen);
+    c->p = adapted(c->p, bit, ESCAPE_PROB_ONE, escape_shift(c->seen));
     if (c->seen < 255) c->seen++;
-    if (!bit)
-        c->p += (uint16_t)((ESCAPE_PROB_ONE - c->p) >> shift);
-    else
-        c->p -= (uint16_t)(c->p >> shift);
 }
 
 static void encode_counted(Encoder *e, Counter *c, int bit) {
-    e->bits++;
-    uint32_t bound = (e->range >> ESCAPE_PROB_BITS) * c->p;
-    if (!bit) {
-        e->range = bound;
-    } else {
-        e->low += bound;
-        e->range -= bound;
-    }
+    encode_split(e, (e->range >> ESCAPE_PROB_BITS) * c->p, bit);
     counter_update(c, bit);
-    while (e->range < TOP) {
-        e->range <<= 8;
-        shift_low(e);
-    }
 }
 
 static int decode_counted(Decoder *d, Counter *c) {
-    uint32_t bound = (d->range >> ESCAPE_PROB_BITS) * c->p;
-    int bit = d->code >= bound;
-    if (!bit) {
-        d->range = bound;
-    } else {
-        d->code -= bound;
-        d->range -= bound;
-    }
+    int bit = decode_split(d, (d->range >> ESCAPE_PROB_BITS) * c->p);
     counter_update(c, bit);
-    while (d->range < TOP) {
-        d->range <<= 8;
-        d->code = (d->code << 8) | next_byte(d);
-    }
     return bit;
 }
 
@@ -476,6 +463,22 @@ done:
     return answer;
 }
 
+static int check_escape_args(Arg *order, Arg *rows, int64_t experts, int64_t topk, const char *name);
+
+/* The rows (u8 or u16, any format), the order and the byte stream of encode_escapes and decode_escapes, held in
+ * a[0], a[1] and a[2], and checked (check_escape_args). */
+static int get_escape_args(PyObject *rows_obj, int rows_writable, PyObject *order_obj, PyObject *bytes_obj,
+                           int bytes_writable, const char *bytes_name, int64_t experts, int64_t topk, Arg a[3],
+                           const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (rows_writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(rows_obj, &a[0].view, flags) < 0) return -1;
+    a[0].held = 1;
+    if (get_array(order_obj, &a[1], "H", 2, 0, "order") < 0 ||
+        get_array(bytes_obj, &a[2], "B", 1, bytes_writable, bytes_name) < 0)
+        return -1;
+    return check_escape_args(&a[1], &a[0], experts, topk, name);
+}
+
 /* The order (a permutation of 0..experts-1, u16) checked, and the rows' itemsize (1 or 2). */
 static int check_escape_args(Arg *order, Arg *rows, int64_t experts, int64_t topk, const char *name) {
     if (experts < 1 || experts > ESCAPE_MAX_EXPERTS || topk < 1 || topk > experts ||
@@ -512,11 +515,7 @@ static PyObject *encode_escapes(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OLLOO", &rows_obj, &topk, &experts, &order_obj, &out_obj)) return NULL;
     Arg a[3] = {0};
     PyObject *answer = NULL;
-    if (PyObject_GetBuffer(rows_obj, &a[0].view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto done;
-    a[0].held = 1;
-    if (get_array(order_obj, &a[1], "H", 2, 0, "order") < 0 || get_array(out_obj, &a[2], "B", 1, 1, "out") < 0 ||
-        check_escape_args(&a[1], &a[0], experts, topk, "encode_escapes") < 0)
-        goto done;
+    if (get_escape_args(rows_obj, 0, order_obj, out_obj, 1, "out", experts, topk, a, "encode_escapes") < 0) goto done;
     int itemsize = (int)a[0].view.itemsize;
     int64_t n = a[0].view.len / itemsize / topk;
     const void *rows = a[0].view.buf;
@@ -564,10 +563,7 @@ static PyObject *decode_escapes(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OLLOO", &stream_obj, &topk, &experts, &order_obj, &out_obj)) return NULL;
     Arg a[3] = {0};
     PyObject *answer = NULL;
-    if (PyObject_GetBuffer(out_obj, &a[0].view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) goto done;
-    a[0].held = 1;
-    if (get_array(order_obj, &a[1], "H", 2, 0, "order") < 0 || get_array(stream_obj, &a[2], "B", 1, 0, "stream") < 0 ||
-        check_escape_args(&a[1], &a[0], experts, topk, "decode_escapes") < 0)
+    if (get_escape_args(out_obj, 1, order_obj, stream_obj, 0, "stream", experts, topk, a, "decode_escapes") < 0)
         goto done;
     Counter *counters = counters_new(experts);
     if (!counters) {

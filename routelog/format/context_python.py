@@ -75,35 +75,26 @@ class _Encoder:
         self.low = (self.low & 0x00FFFFFF) << 8
 
     def bit(self, probs: list[int], slot: int, bit: int) -> None:
-        self.bits += 1
         p = probs[slot]
-        bound = (self.range >> PROB_BITS) * p
-        if not bit:
-            self.range = bound
-            probs[slot] = p + ((PROB_ONE - p) >> ADAPT)
-        else:
-            self.low += bound
-            self.range -= bound
-            probs[slot] = p - (p >> ADAPT)
-        while self.range < TOP:
-            self.range = (self.range << 8) & _MASK32
-            self._shift_low()
+        self._split((self.range >> PROB_BITS) * p, bit)
+        probs[slot] = _adapted(p, bit, PROB_ONE, ADAPT)
 
     def counted_bit(self, probs: list[int], counts: list[int], slot: int, bit: int) -> None:
         """A bit with a 15-bit probability that adapts fast while its context is new and slower as it sees more
         (:func:`_escape_shift`): the escapes' coder."""
-        self.bits += 1
         p = probs[slot]
-        bound = (self.range >> ESCAPE_PROB_BITS) * p
-        shift = _escape_shift(counts[slot])
+        self._split((self.range >> ESCAPE_PROB_BITS) * p, bit)
+        probs[slot] = _adapted(p, bit, ESCAPE_PROB_ONE, _escape_shift(counts[slot]))
         counts[slot] = min(counts[slot] + 1, 255)
+
+    def _split(self, bound: int, bit: int) -> None:
+        """One decision: a 0 keeps the range below ``bound``, a 1 the rest; then the range is renormalized."""
+        self.bits += 1
         if not bit:
             self.range = bound
-            probs[slot] = p + ((ESCAPE_PROB_ONE - p) >> shift)
         else:
             self.low += bound
             self.range -= bound
-            probs[slot] = p - (p >> shift)
         while self.range < TOP:
             self.range = (self.range << 8) & _MASK32
             self._shift_low()
@@ -132,40 +123,35 @@ class _Decoder:
 
     def bit(self, probs: list[int], slot: int) -> int:
         p = probs[slot]
-        bound = (self.range >> PROB_BITS) * p
-        if self.code < bound:
-            self.range = bound
-            probs[slot] = p + ((PROB_ONE - p) >> ADAPT)
-            found = 0
-        else:
-            self.code -= bound
-            self.range -= bound
-            probs[slot] = p - (p >> ADAPT)
-            found = 1
-        self._normalize()
+        found = self._split((self.range >> PROB_BITS) * p)
+        probs[slot] = _adapted(p, found, PROB_ONE, ADAPT)
         return found
 
     def counted_bit(self, probs: list[int], counts: list[int], slot: int) -> int:
         p = probs[slot]
-        bound = (self.range >> ESCAPE_PROB_BITS) * p
-        shift = _escape_shift(counts[slot])
+        found = self._split((self.range >> ESCAPE_PROB_BITS) * p)
+        probs[slot] = _adapted(p, found, ESCAPE_PROB_ONE, _escape_shift(counts[slot]))
         counts[slot] = min(counts[slot] + 1, 255)
+        return found
+
+    def _split(self, bound: int) -> int:
+        """The decision the encoder's ``_split`` coded with ``bound``, the range renormalized."""
         if self.code < bound:
             self.range = bound
-            probs[slot] = p + ((ESCAPE_PROB_ONE - p) >> shift)
             found = 0
         else:
             self.code -= bound
             self.range -= bound
-            probs[slot] = p - (p >> shift)
             found = 1
-        self._normalize()
-        return found
-
-    def _normalize(self) -> None:
         while self.range < TOP:
             self.range = (self.range << 8) & _MASK32
             self.code = ((self.code << 8) | self._next()) & _MASK32
+        return found
+
+
+def _adapted(p: int, bit: int, one: int, shift: int) -> int:
+    """A probability of a 0 moved 1 / 2^shift of the way towards the bit coded (out of ``one``)."""
+    return p - (p >> shift) if bit else p + ((one - p) >> shift)
 
 
 def _escape_shift(seen: int) -> int:
