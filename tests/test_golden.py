@@ -39,6 +39,9 @@ def test_golden_stores_read_exactly(golden: Path, tmp_path: Path) -> None:
                 key = f"{name}/{got.sample_id}"
                 np.testing.assert_array_equal(got.expert_ids, expected[f"{key}/ids"])
                 np.testing.assert_array_equal(got.valid, expected[f"{key}/valid"])
+                if f"{key}/tokens" in expected:
+                    assert got.info.token_ids is not None
+                    np.testing.assert_array_equal(got.info.token_ids, expected[f"{key}/tokens"])
                 if weights:
                     assert got.weights is not None
                     np.testing.assert_array_equal(got.weights.transpose(1, 0, 2), expected[f"{key}/weights"])

@@ -4,6 +4,7 @@ for its own simpler chunks, and for every chunk of the golden stores."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 import routelog
 from routelog.format import context, context_python, kernels, kernels_numpy, ranked
+from routelog.format.documents import CONTEXT_ESCAPES_FEATURE, CONTEXT_FEATURE
 
 
 def _compiled_reference() -> Any:
@@ -545,9 +547,10 @@ def test_golden_stores_read_the_same_through_the_numpy_kernels(
         for key, ids in normal.items():
             np.testing.assert_array_equal(got[key], ids, err_msg=key)
             np.testing.assert_array_equal(ids, expected[f"{store.name}/{key.split('/', 1)[1]}/ids"], err_msg=key)
-    if store.name.startswith("escapes-"):  # revision 3.2: every set range-coded, no format-2 chunk left
+    features = {f for log in copy.rglob("log/*.json") for f in json.loads(log.read_text()).get("features", [])}
+    if CONTEXT_ESCAPES_FEATURE in features:  # revision 3.2: every set range-coded, no format-2 chunk left
         assert calls["context.decode_escapes"], "the coded escapes and lists were not read by the Python passes"
     else:
         assert calls["decode_chunk"] or calls["first_invalid_row"], "the numpy kernels were not used"
-    if store.name.startswith(("context-", "escapes-")):
+    if CONTEXT_FEATURE in features:
         assert calls["context.decode_layer"], "the set-context codec's Python passes were not used"

@@ -430,3 +430,27 @@ def test_parts_open_with_zarr_python(store_url: str, small_spec: ModelSpec, make
         rows = ids[:, span.row : span.row + span.n_rows].transpose(1, 0, 2)
         want = np.sort(records[2].expert_ids[span.token_start : span.token_start + span.n_rows], axis=-1)
         np.testing.assert_array_equal(rows, want)
+
+
+def test_token_ids_are_stored_as_byte_planes_in_part_and_sealed_indexes(
+    tmp_path: Path, dense_first_spec: ModelSpec
+) -> None:
+    import pyarrow.parquet as pq
+
+    url = str(tmp_path / "store")
+    records = _records(dense_first_spec, 5, seed=3)
+    with routelog.open_writer(url, step=0, model_spec=dense_first_spec, writer_id="w0") as writer:
+        for record in records:
+            writer.append(record)
+    store = routelog.open_store(url)
+    store.seal(0)
+    indexes = sorted((tmp_path / "store" / keys.step_dir(0)).rglob("*index.parquet"))
+    assert len(indexes) == 2 and any(keys.SEALED_DIR in str(p) for p in indexes)
+    for path in indexes:
+        metadata = pq.ParquetFile(path).metadata.row_group(0)
+        columns = {metadata.column(i).path_in_schema: metadata.column(i) for i in range(metadata.num_columns)}
+        assert "BYTE_STREAM_SPLIT" in columns["token_ids.list.element"].encodings, path
+    snapshot = routelog.open_store(url).step(0)
+    for got, record in zip(snapshot.read_many(snapshot.sample_ids), records, strict=True):
+        np.testing.assert_array_equal(got.info.token_ids, record.token_ids)
+        np.testing.assert_array_equal(got.expert_ids, _expected(record))

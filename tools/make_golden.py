@@ -433,6 +433,31 @@ def write_context_escapes(root: Path, expected: dict[str, np.ndarray]) -> None:
     write_context(root, expected, prefix="escapes")
 
 
+def write_split_token_ids(root: Path, expected: dict[str, np.ndarray]) -> None:
+    """Revision 3.2 indexes: the token ids stored as byte planes (Parquet ``BYTE_STREAM_SPLIT``), ids of a
+    Zipf-distributed 150k vocabulary (three bytes used) and of an id near 2^31; ``ranked_context`` parts, whose
+    chunks decode only with the right token ids, two parts and a record without token ids. The token ids read
+    back are expected too."""
+    from routelog.synth import token_dependent_routing
+
+    spec = ModelSpec(name="golden/split-token-ids", num_layers=4, moe_layers=(1, 2, 3), num_experts=64, topk=8)
+    rng = np.random.default_rng(150_000)
+    name = "split-token-ids"
+    store = routelog.create_store(str(root / name), spec, run_id=f"golden-{name}")
+    options = PartOptions(transform="ranked_context", chunk_rows=64, chunk_layers=2)
+    with store.writer(0, "alpha", options=options, flush_bytes=6000) as writer:
+        for sample in range(6):
+            tokens = np.minimum(rng.zipf(1.2, int(rng.integers(40, 90))) - 1, 149_999)
+            if sample == 1:
+                tokens[3] = 2**31 - 2
+            ids = token_dependent_routing(rng, tokens, spec)
+            record = _last_missing(f"split/{sample}", ids, 20, None if sample == 4 else tokens)
+            writer.append(record)
+            _expect_sorted(expected, name, record)
+            if record.token_ids is not None:
+                expected[f"{name}/{record.sample_id}/tokens"] = np.asarray(record.token_ids, np.int64)
+
+
 def _chained_routing(
     rng: np.random.Generator, spec: ModelSpec, pool: np.ndarray, follows: list[np.ndarray], token_ids: np.ndarray
 ) -> np.ndarray:
@@ -471,6 +496,7 @@ WRITERS: dict[str, Callable[[Path, dict[str, np.ndarray]], None]] = {
     "history": write_history,
     "context-64-8,context-300-6": write_context,
     "escapes-64-8,escapes-300-6": write_context_escapes,
+    "split-token-ids": write_split_token_ids,
 }
 """Fixture stores of this version by name, in the order they were added."""
 

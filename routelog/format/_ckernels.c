@@ -644,6 +644,7 @@ static int transform(Encoding *result) {
             for (int64_t h = 0; h < (1LL << hash_bits); h++) seen[h] = -1;
         }
         int64_t runs = 0, long_runs = 0, run_length = 0, novel = 0, previous_match = -2, n_sampled = 0;
+        int64_t to_sample = sample; /* first-seen rows until the next sampled one: every sample-th (no division) */
         int64_t first = numbered - n_unique;
         for (int64_t i = 0; i < n_unique; i++) {
             int64_t at = base + i;
@@ -671,7 +672,9 @@ static int transform(Encoding *result) {
             previous_match = -2;
             run_length = 0;
             novel++;
-            if (!skewed || novel % sample) continue;
+            if (--to_sample) continue;
+            to_sample = sample;
+            if (!skewed) continue;
             if (x->words) { /* counted below, all at once */
                 sampled[n_sampled++] = x->gap_words[at];
                 continue;

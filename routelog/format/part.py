@@ -414,11 +414,22 @@ INDEX_ZSTD_LEVEL = 9
 (Qwen3-MoE-style corpus: 3 parts' indexes 0.123 -> 0.106 B per routed token-layer, 2 ms more a part to write)."""
 
 
+SPLIT_COLUMNS = {"token_ids.list.element": "BYTE_STREAM_SPLIT"}
+"""Index columns stored as byte planes (Parquet's ``BYTE_STREAM_SPLIT``: each value's first bytes, then its second
+bytes...): the token ids, whose high bytes are mostly zero or alike and compress apart from the varied low ones.
+Measured on the corpus, three parts each: the indexes 14 % smaller (Qwen3-MoE-style 67.3 -> 57.8 KB,
+DeepSeek-V3-style 65.6 -> 56.7 KB), at the same write time."""
+
+
 def index_to_parquet(rows: Sequence[IndexRow]) -> bytes:
     """A part's ``index.parquet``. Without the Arrow schema in its footer: readers take the columns' types from
     the Parquet schema (:func:`index_from_parquet` checks them), and the serialized Arrow schema was half the
     footer (2 KB a part)."""
-    table = pa.Table.from_pylist([r.model_dump() for r in rows], schema=INDEX_SCHEMA)
+    return index_table_to_parquet(pa.Table.from_pylist([r.model_dump() for r in rows], schema=INDEX_SCHEMA))
+
+
+def index_table_to_parquet(table: pa.Table) -> bytes:
+    """An index table's Parquet bytes (a part's, or a seal's consolidated one with its ``_commit`` column)."""
     sink = io.BytesIO()
     pq.write_table(
         table,
@@ -426,6 +437,7 @@ def index_to_parquet(rows: Sequence[IndexRow]) -> bytes:
         compression="zstd",
         compression_level=INDEX_ZSTD_LEVEL,
         use_dictionary=_DICTIONARY_COLUMNS,
+        column_encoding=SPLIT_COLUMNS,
         write_statistics=["sample_id", "step"],
         store_schema=False,
     )

@@ -27,22 +27,30 @@ class FrameError(ValueError):
 
 class _Contexts(threading.local):
     def __init__(self) -> None:
-        self.compressors: dict[int, zstandard.ZstdCompressor] = {}
+        self.compressors: dict[tuple[int, int | None], zstandard.ZstdCompressor] = {}
         self.decompressor = zstandard.ZstdDecompressor()
 
-    def compressor(self, level: int) -> zstandard.ZstdCompressor:
-        found = self.compressors.get(level)
+    def compressor(self, level: int, min_match: int | None) -> zstandard.ZstdCompressor:
+        found = self.compressors.get((level, min_match))
         if found is None:
-            found = self.compressors[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+            if min_match is None:
+                found = zstandard.ZstdCompressor(level=level, write_content_size=True)
+            else:
+                params = zstandard.ZstdCompressionParameters.from_level(
+                    level, min_match=min_match, write_content_size=True
+                )
+                found = zstandard.ZstdCompressor(compression_params=params)
+            self.compressors[(level, min_match)] = found
         return found
 
 
 _CONTEXTS = _Contexts()
 
 
-def compress(data: bytes | memoryview | npt.NDArray[Any], level: int) -> bytes:
-    """One zstd frame of ``data``'s bytes at ``level``, its size declared in the header."""
-    return _CONTEXTS.compressor(level).compress(_buffer(data))
+def compress(data: bytes | memoryview | npt.NDArray[Any], level: int, *, min_match: int | None = None) -> bytes:
+    """One zstd frame of ``data``'s bytes at ``level``, its size declared in the header; ``min_match``: the
+    shortest match zstd looks for (3 to 7; None: the level's own)."""
+    return _CONTEXTS.compressor(level, min_match).compress(_buffer(data))
 
 
 def _buffer(data: bytes | memoryview | npt.NDArray[Any]) -> bytes | memoryview:

@@ -19,7 +19,6 @@ Sealing is safe to run again: a sealed step returns its seal, and a sealer that 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import secrets
 import time
@@ -27,7 +26,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from routelog.errors import CorruptDataError, RecordNotFoundError, StoreError
 from routelog.format import keys
@@ -40,6 +38,7 @@ from routelog.format.documents import (
     dump_document,
     utc_now,
 )
+from routelog.format.part import index_table_to_parquet
 from routelog.store.history import COMMIT_COLUMN, StepHistory, StepView
 from routelog.store.root import StoreRoot
 from routelog.store.steplog import Entry, read_seal_marker
@@ -139,14 +138,12 @@ def _consolidate(content: Sequence[Entry], kept: Sequence[Entry], stored: pa.Tab
         COMMIT_COLUMN,
         pa.array(renumber[commit_of] if len(renumber) else np.zeros(0, np.int32), pa.int32()),
     )
-    sink = io.BytesIO()
-    pq.write_table(index, sink, compression="zstd")
     nonce = secrets.token_hex(6)
     return {
         f"{keys.SEALED_DIR}/{nonce}.commits.json": json.dumps([e.doc.model_dump(mode="json") for e in content]).encode(
             "utf-8"
         ),
-        f"{keys.SEALED_DIR}/{nonce}.index.parquet": sink.getvalue(),
+        f"{keys.SEALED_DIR}/{nonce}.index.parquet": index_table_to_parquet(index),
     }
 
 
