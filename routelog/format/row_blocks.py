@@ -13,8 +13,6 @@ its compressed bytes grow, with no copy.
 from __future__ import annotations
 
 import bisect
-import math
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -56,19 +54,15 @@ class RowBlocks:
             self.n += block.shape[1]
         return start
 
-    def rows(self, start: int, stop: int, layers: slice = slice(None), *, transient: bool = False) -> npt.NDArray[Any]:
-        """Rows ``[start, stop)`` of ``layers``: a view where one block holds them, else a gathered copy.
-        ``transient``: the caller is done with the rows before its thread asks again, so a copy may reuse the
-        thread's buffer (a chunk of 4096 rows x 4 layers, top-8 uint8, is 128 KiB: malloc maps a fresh one each time
-        and every page faults in)."""
+    def rows(self, start: int, stop: int, layers: slice = slice(None)) -> npt.NDArray[Any]:
+        """Rows ``[start, stop)`` of ``layers``: a view where one block holds them, else a gathered copy."""
         if not 0 <= start <= stop <= self.n:
             raise IndexError(f"rows [{start}, {stop}) outside [0, {self.n})")
         first = max(0, bisect.bisect_right(self._starts, start) - 1)
         if first < len(self._blocks) and stop <= self._starts[first] + self._blocks[first].shape[1]:
             base = self._starts[first]
             return self._blocks[first][layers, start - base : stop - base]
-        shape = (len(range(self.layers)[layers]), stop - start, self.topk)
-        out = _SCRATCH.array(shape, self.dtype) if transient else np.empty(shape, self.dtype)
+        out = np.empty((len(range(self.layers)[layers]), stop - start, self.topk), self.dtype)
         at, i = start, first
         while at < stop:
             block, base = self._blocks[i], self._starts[i]
@@ -105,22 +99,6 @@ class RowBlocks:
     @property
     def nbytes(self) -> int:
         return sum(int(block.nbytes) for block in self._blocks)
-
-
-class _Scratch(threading.local):
-    """One reusable gather buffer per thread (:meth:`RowBlocks.rows` with ``transient``)."""
-
-    def __init__(self) -> None:
-        self.buffer = np.empty(0, np.uint8)
-
-    def array(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
-        nbytes = math.prod(shape) * dtype.itemsize
-        if self.buffer.nbytes < nbytes:
-            self.buffer = np.empty(nbytes, np.uint8)
-        return self.buffer[:nbytes].view(dtype).reshape(shape)
-
-
-_SCRATCH = _Scratch()
 
 
 def consecutive(rows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64] | slice:

@@ -327,7 +327,7 @@ def _chunk_payload(
     r0, r1 = min(blocks.n, rc * cr), min(blocks.n, (rc + 1) * cr)
     if planned is not None:  # the chunk's rows inside the array only: the codec stores no padding
         return context.chunk_pieces(planned.plan, rc, planned.rows[:, r0:r1], layout.num_experts, zstd_level)
-    return _payload(blocks.rows(r0, r1, layers, transient=True), layout, zstd_level, transform)
+    return _payload(blocks.rows(r0, r1, layers), layout, zstd_level, transform)
 
 
 def _payload(
