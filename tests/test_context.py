@@ -3,6 +3,7 @@ and stores written with ``transform="ranked_context"`` read back exactly."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import uuid
@@ -43,20 +44,25 @@ def _part(
 
 
 def _coded(
-    rows: np.ndarray, tokens: np.ndarray, chunk_rows: int, experts: int, coded_escapes: bool | None = None
+    rows: np.ndarray, tokens: np.ndarray, chunk_rows: int, experts: int, version: int | None = None
 ) -> tuple[list[Any], list[bytes]]:
-    """A layer chunk planned and its chunks' bytes (of version 2 unless ``coded_escapes`` is False)."""
+    """A layer chunk planned and its chunks' bytes (of ``version``, by default the writer's choice)."""
     plan = context.plan_layers(rows, tokens, chunk_rows)
     n = rows.shape[1]
     chunks = [
-        b"".join(context.chunk_pieces(plan, c, rows[:, r0 : r0 + chunk_rows], experts, coded_escapes=coded_escapes))
+        b"".join(context.chunk_pieces(plan, c, rows[:, r0 : r0 + chunk_rows], experts, version=version))
         for c, r0 in enumerate(range(0, n, chunk_rows))
     ]
     return plan.models, chunks
 
 
+CHUNK_VERSIONS = [context.CHUNK_VERSION, context.CHUNK_VERSION_CODED_ESCAPES, context.CHUNK_VERSION_REFERENCED]
+CODED_FEATURES = ["ranked_context", "context_escapes", "context_references"]
+"""What a commit of ``ranked_context`` parts names where the escape coders take its experts (revision 3.3)."""
+
+
 # -- models --------------------------------------------------------------------------------------------------------
-def test_a_layer_model_lists_the_sets_used_twice_most_used_first_and_each_tokens_and_set_belows() -> None:
+def test_a_layer_model_lists_the_sets_used_often_most_used_first_and_each_tokens_and_set_belows() -> None:
     rng = np.random.default_rng(1)
     rows, tokens = _part(rng, 2, 3000, 32, 4, 40)
     below_model, below_index = context.build_layer(rows[0], tokens, None, 0)
@@ -64,24 +70,29 @@ def test_a_layer_model_lists_the_sets_used_twice_most_used_first_and_each_tokens
     items = [r.tobytes() for r in rows[1]]
     uses = Counter(items)
     listed = [s.tobytes() for s in model.sets]
-    assert sorted(listed) == sorted(s for s, n in uses.items() if n >= 2)
+    often = context.LIST_MIN_USES
+    assert sorted(listed) == sorted(s for s, n in uses.items() if n >= often)
     assert [uses[s] for s in listed] == sorted((uses[s] for s in listed), reverse=True)
-    np.testing.assert_array_equal(index, [listed.index(s) if uses[s] >= 2 else -1 for s in items])
+    np.testing.assert_array_equal(index, [listed.index(s) if uses[s] >= often else -1 for s in items])
     pairs = Counter((int(t), int(i)) for t, i in zip(tokens, index, strict=True) if t >= 0 and i >= 0)
     for i, token in enumerate(model.token_keys.tolist()):
         candidates = model.token_candidates[model.token_offsets[i] : model.token_offsets[i + 1]].tolist()
         counts = [pairs[(token, c)] for c in candidates]
         assert 1 <= len(candidates) <= context.MAX_TOKEN_CANDIDATES
-        assert min(counts) >= 2 and counts == sorted(counts, reverse=True)
+        twice = context.CANDIDATE_MIN_USES
+        assert min(counts) >= twice and counts == sorted(counts, reverse=True)
         assert len(candidates) == context.MAX_TOKEN_CANDIDATES or sum(
-            1 for (t, _), n in pairs.items() if t == token and n >= 2
+            1 for (t, _), n in pairs.items() if t == token and n >= twice
         ) == len(candidates)
-    assert sorted(model.token_keys.tolist()) == sorted({t for (t, _), n in pairs.items() if n >= 2})
+    assert sorted(model.token_keys.tolist()) == sorted(
+        {t for (t, _), n in pairs.items() if n >= context.CANDIDATE_MIN_USES}
+    )
     below_pairs = Counter((int(b), int(i)) for b, i in zip(below_index, index, strict=True) if b >= 0 and i >= 0)
     assert model.below_offsets.size == below_model.n_sets + 1
     for b in range(below_model.n_sets):
         candidates = model.below_candidates[model.below_offsets[b] : model.below_offsets[b + 1]].tolist()
-        assert all(below_pairs[(b, c)] >= 2 for c in candidates) and len(candidates) <= context.MAX_BELOW_CANDIDATES
+        assert all(below_pairs[(b, c)] >= context.CANDIDATE_MIN_USES for c in candidates)
+        assert len(candidates) <= context.MAX_BELOW_CANDIDATES
 
 
 def test_uniform_routing_lists_nothing_and_costs_no_more_than_format_2() -> None:
@@ -91,11 +102,12 @@ def test_uniform_routing_lists_nothing_and_costs_no_more_than_format_2() -> None
     models, chunks = _coded(rows, tokens, 2048, 128)
     assert all(m.n_sets == 0 for m in models)
     assert len(chunks[0]) == len(ranked.encode(rows, 128)) + 5 + 4 * 4  # version 1: the head, the streams empty
-    _, coded = _coded(rows, tokens, 2048, 128, coded_escapes=True)  # smaller, and ten times slower: not the default
-    head = np.frombuffer(coded[0][1 : 1 + 8 * 4], "<u4")
-    assert coded[0][0] == context.CHUNK_VERSION_CODED_ESCAPES and not head[:4].any(), "no decision coded"
     bound = 4 * 2048 * math.log2(math.comb(128, 8)) / 8
-    assert len(coded[0]) < len(chunks[0]) and len(coded[0]) < 1.05 * bound, (len(coded[0]), len(chunks[0]), bound)
+    for version in CHUNK_VERSIONS[1:]:  # smaller, and ten times slower: not the default
+        _, coded = _coded(rows, tokens, 2048, 128, version=version)
+        head = np.frombuffer(coded[0][1 : 1 + 8 * 4], "<u4")
+        assert coded[0][0] == version and not head[:4].any(), "no decision coded"
+        assert len(coded[0]) < len(chunks[0]) and len(coded[0]) < 1.05 * bound, (len(coded[0]), len(chunks[0]))
 
 
 @pytest.mark.parametrize("coded_lists", [True, False], ids=["version 2", "version 1"])
@@ -132,7 +144,7 @@ def test_a_model_stores_and_reads_back_every_table(coded_lists: bool) -> None:
     vocab=st.sampled_from([3, 40, 5000]),
     share=st.sampled_from([0.0, 0.6, 1.0]),
     chunk_rows=st.sampled_from([64, 256, 1000]),
-    coded_escapes=st.booleans(),
+    version=st.sampled_from([None, *CHUNK_VERSIONS]),
 )
 def test_chunks_decode_to_their_rows_whole_and_by_window(
     seed: int,
@@ -142,13 +154,14 @@ def test_chunks_decode_to_their_rows_whole_and_by_window(
     vocab: int,
     share: float,
     chunk_rows: int,
-    coded_escapes: bool,
+    version: int | None,
 ) -> None:
-    """Chunks of both versions: 2 (escapes range-coded, what routelog writes) and 1 (revision 3.1's stores)."""
+    """Chunks of every version: 3 (escapes range-coded against references, what routelog writes), 2 (revision 3.2's
+    stores: range-coded alone) and 1 (revision 3.1's stores)."""
     experts, k = shape
     rng = np.random.default_rng(seed)
     ids, tokens = _part(rng, layers, rows, experts, k, vocab, share)
-    models, chunks = _coded(ids, tokens, chunk_rows, experts, coded_escapes)
+    models, chunks = _coded(ids, tokens, chunk_rows, experts, version)
     dtype = storage_dtype(experts)
     for c, r0 in enumerate(range(0, rows, chunk_rows)):
         n = min(chunk_rows, rows - r0)
@@ -238,21 +251,146 @@ def test_escapes_are_coded_alike_on_both_paths_and_any_stream_decodes_to_sets(
             np.testing.assert_array_equal(got, ids)
 
 
-def test_coded_escapes_take_fewer_bytes_than_format_2_ones() -> None:
+def _swap_one_expert(rng: np.random.Generator, ids: np.ndarray, experts: int, share: float) -> np.ndarray:
+    """``ids`` ``[L, N, K]`` with one expert of a ``share`` of the rows swapped for one outside the row (sorted again):
+    what most escapes of the corpora are, a usual set with an expert changed."""
+    out = ids.copy()
+    for j in range(out.shape[0]):
+        for r in np.flatnonzero(rng.random(out.shape[1]) < share):
+            outside = np.setdiff1d(np.arange(experts), out[j, r])
+            out[j, r, rng.integers(0, out.shape[2])] = rng.choice(outside)
+            out[j, r].sort()
+    return out
+
+
+def test_coded_escapes_take_fewer_bytes_than_format_2_ones_and_references_fewer_still() -> None:
     """Escaped rows are sets the part uses once: no repeat for format 2's zstd to find, while the range coder
-    learns which experts the layer takes (the list's order) within each chunk layer."""
+    learns which experts the layer takes (the list's order) within each chunk layer. Where escapes are a usual set
+    with an expert changed (as on the corpora) references code them in fewer bits; where they are drawn afresh (the
+    rest of token-dependent routing) the bit that says so costs next to nothing."""
     rng = np.random.default_rng(21)
     ids, tokens = _part(rng, 4, 4000, 128, 8, 150_000)
-    sizes = {coded: sum(map(len, _coded(ids, tokens, 2000, 128, coded)[1])) for coded in (False, True)}
-    assert sizes[True] < 0.95 * sizes[False], sizes
+    sizes = {version: sum(map(len, _coded(ids, tokens, 2000, 128, version)[1])) for version in CHUNK_VERSIONS}
+    assert sizes[2] < 0.95 * sizes[1], sizes
+    assert sizes[3] < 1.005 * sizes[2], sizes
+    ids, tokens = _part(rng, 4, 4000, 128, 8, 300)  # a vocabulary whose tokens recur: candidates to refer to
+    near = _swap_one_expert(rng, ids, 128, 0.3)
+    near_sizes = {version: sum(map(len, _coded(near, tokens, 2000, 128, version)[1])) for version in CHUNK_VERSIONS}
+    assert near_sizes[3] < 0.9 * near_sizes[2], near_sizes
 
 
-def test_a_version_2_chunk_past_the_escape_coders_experts_is_refused() -> None:
+@pytest.mark.parametrize("version", CHUNK_VERSIONS[1:])
+def test_a_coded_chunk_past_the_escape_coders_experts_is_refused(version: int) -> None:
     rng = np.random.default_rng(22)
     ids, tokens = _part(rng, 1, 200, 64, 4, 30)
-    models, chunks = _coded(ids, tokens, 200, 64)
-    with pytest.raises(context.ContextFormatError, match="version-2 chunk of 2000 experts"):
+    models, chunks = _coded(ids, tokens, 200, 64, version)
+    with pytest.raises(context.ContextFormatError, match=f"version-{version} chunk of 2000 experts"):
         context.decode_chunk(chunks[0], (1, 200, 4), np.dtype(np.uint16), 2000, tokens, models)
+
+
+def _escaped(
+    plan: context.LayerChunkPlan, ids: np.ndarray, tokens: np.ndarray, j: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Layer ``j``'s escaped rows of a plan, their token ids and their rows' sets in the layer below's list."""
+    escaped = plan.index[j] < 0
+    below = plan.index[j - 1][escaped] if j else np.zeros(0, np.int32)
+    return np.ascontiguousarray(ids[j][escaped]), np.ascontiguousarray(tokens[escaped]), np.ascontiguousarray(below)
+
+
+@needs_compiled
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    rows=st.integers(1, 500),
+    shape=st.sampled_from([(9, 8), (12, 6), (16, 1), (64, 8), (300, 6), (1024, 4), (64, 40)]),
+    vocab=st.sampled_from([3, 40, 5000]),
+)
+def test_referenced_escapes_are_coded_alike_on_both_paths_and_any_stream_decodes_to_sets(
+    seed: int, rows: int, shape: tuple[int, int], vocab: int
+) -> None:
+    """Version 3's escapes, compiled and in Python: the same bytes, the rows back, and any stream (noise) read
+    alike by both as sorted distinct sets, whatever reference each row takes (few experts: every reference
+    dropped to its last expert outside it)."""
+    experts, k = shape
+    rng = np.random.default_rng(seed)
+    ids, tokens = _part(rng, 3, rows, experts, k, vocab, share=0.8)
+    plan = context.plan_layers(ids, tokens, rows)
+    for j, model in enumerate(plan.models):
+        escaped, escaped_tokens, below = _escaped(plan, ids, tokens, j)
+        order = model.escape_order(experts)
+        compiled = context._encode_referenced(escaped, order, experts, model, escaped_tokens, below)
+        tables = model.python_tables()
+        python = context_python.encode_referenced(
+            escaped, order.tolist(), experts, model.sets, tables, escaped_tokens, below
+        )
+        assert compiled == python
+        for stream in (compiled, rng.integers(0, 256, 40, dtype=np.uint8).tobytes()):
+            got = np.empty_like(escaped)
+            context._decode_referenced(
+                np.frombuffer(stream, np.uint8), got, order, experts, model, escaped_tokens, below
+            )
+            python_got = np.empty_like(escaped)
+            context_python.decode_referenced(
+                stream, python_got, order.tolist(), experts, model.sets, tables, escaped_tokens, below
+            )
+            np.testing.assert_array_equal(got, python_got)
+            assert (got < experts).all() and (np.diff(got.astype(np.int64), axis=-1) > 0).all(), "sorted sets"
+            if stream is compiled:
+                np.testing.assert_array_equal(got, escaped)
+
+
+def test_referenced_escapes_refuse_a_candidate_outside_the_list_on_both_paths() -> None:
+    """A model whose candidates name sets past its list (the reader checks them when it reads a model; these
+    passes check again, as they index the list with them): a ValueError from both paths, a typed error from the
+    chunk."""
+    rng = np.random.default_rng(23)
+    ids, tokens = _part(rng, 1, 600, 64, 8, 20, share=0.9)
+    plan = context.plan_layers(ids, tokens, 600)
+    model = plan.models[0]
+    escaped, escaped_tokens, below = _escaped(plan, ids, tokens, 0)
+    assert model.token_candidates.size and escaped.shape[0]
+    cut = dataclasses.replace(model, sets=model.sets[: int(model.token_candidates.max())])
+    order = model.escape_order(64)
+    stream = context._encode_referenced(escaped, order, 64, model, escaped_tokens, below)
+    with pytest.raises(ValueError, match="candidate outside the list"):
+        context._encode_referenced(escaped, order, 64, cut, escaped_tokens, below)
+    with pytest.raises(ValueError, match="candidate outside the list"):
+        context_python.encode_referenced(
+            escaped, order.tolist(), 64, cut.sets, cut.python_tables(), escaped_tokens, below
+        )
+    with pytest.raises(ValueError, match="candidate outside the list"):
+        context._decode_referenced(
+            np.frombuffer(stream, np.uint8), escaped.copy(), order, 64, cut, escaped_tokens, below
+        )
+    _, chunks = _coded(ids, tokens, 600, 64, context.CHUNK_VERSION_REFERENCED)
+    with pytest.raises(context.ContextFormatError, match="candidate outside the list"):
+        context.decode_chunk(chunks[0], (1, 600, 8), np.dtype(np.uint8), 64, tokens, [cut])
+
+
+def test_the_list_puts_the_sets_rows_name_by_their_place_first_and_codes_the_same_rows() -> None:
+    """by_list_coding only renumbers the list: every row, token candidate and set-below candidate names the same
+    set as before; the sets the rows reach by their place in the list (no candidate of theirs names it) come first,
+    most such rows first, and the rest keep their order."""
+    rng = np.random.default_rng(24)
+    rows, tokens = _part(rng, 2, 4000, 64, 8, 300, share=0.7)
+    below_model, below_index = context.build_layer(rows[0], tokens, None, 0)
+    model, index = context.build_layer(rows[1], tokens, below_index, below_model.n_sets)
+    moved, moved_index = context.by_list_coding(model, index, tokens, below_index)
+    listed = index >= 0
+    np.testing.assert_array_equal(moved_index < 0, ~listed)
+    np.testing.assert_array_equal(moved.sets[moved_index[listed]], model.sets[index[listed]])
+    np.testing.assert_array_equal(moved.sets[moved.token_candidates], model.sets[model.token_candidates])
+    np.testing.assert_array_equal(moved.sets[moved.below_candidates], model.sets[model.below_candidates])
+    tables = model.python_tables()
+    by_place = Counter()
+    for i, token, under in zip(index.tolist(), tokens.tolist(), below_index.tolist(), strict=True):
+        found_below, found_token = tables.candidates(token, under)
+        if i >= 0 and i not in found_below and i not in found_token:
+            by_place[model.sets[i].tobytes()] += 1
+    counts = [by_place[s.tobytes()] for s in moved.sets]
+    assert counts == sorted(counts, reverse=True) and counts[0] > 0
+    rest = [s.tobytes() for s in moved.sets if not by_place[s.tobytes()]]
+    assert rest == [s.tobytes() for s in model.sets if not by_place[s.tobytes()]], "the rest keep their order"
 
 
 # -- forged bytes ----------------------------------------------------------------------------------------------------
@@ -267,7 +405,9 @@ def _one_layer_model() -> tuple[context.LayerModel, np.ndarray, np.ndarray, byte
 @given(data=st.data())
 def test_forged_chunks_decode_to_sets_or_fail_with_the_typed_error(data: st.DataObject) -> None:
     model, rows, tokens, _ = _one_layer_model()
-    _, chunks = _coded(rows[:, :300], tokens[:300], 300, 64, data.draw(st.booleans(), label="coded_escapes"))
+    _, chunks = _coded(
+        rows[:, :300], tokens[:300], 300, 64, data.draw(st.sampled_from(CHUNK_VERSIONS), label="version")
+    )
     chunk = bytearray(chunks[0])
     for _ in range(data.draw(st.integers(1, 6))):
         at = data.draw(st.integers(0, len(chunk) - 1))
@@ -383,7 +523,7 @@ def test_a_context_store_reads_back_exactly_and_is_smaller(store_url: str) -> No
         snapshot = store.step(0)
         assert len(snapshot.commits) >= 2, "several parts"
         assert {tuple(c.features) for c in snapshot.commits} == (
-            {("ranked_context", "context_escapes")} if transform == "ranked_context" else {()}
+            {tuple(CODED_FEATURES)} if transform == "ranked_context" else {()}
         )
         _expect(store, records)
         fresh = routelog.open_store(url).step(0)  # layers inside their chunks, whose models begin below them
@@ -456,12 +596,17 @@ def test_a_reader_without_the_feature_refuses_context_parts(monkeypatch: pytest.
         routelog.open_store(url).step(0)
 
 
+@pytest.mark.parametrize(
+    ("supported", "missing"),
+    [({"ranked_context"}, "context_escapes"), ({"ranked_context", "context_escapes"}, "context_references")],
+    ids=["revision 3.1", "revision 3.2"],
+)
 def test_a_reader_without_coded_escapes_refuses_their_parts_and_many_experts_keep_version_1(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, supported: set[str], missing: str
 ) -> None:
-    """A revision-3.1 reader (``ranked_context`` without ``context_escapes``) refuses the parts routelog writes now
-    with the typed error; a model of more experts than the escape coder takes still writes version-1 chunks, which
-    that reader reads."""
+    """A reader of revision 3.1 (``ranked_context`` without ``context_escapes``) or 3.2 (without
+    ``context_references``) refuses the parts routelog writes now with the typed error naming what it lacks; a model
+    of more experts than the escape coders take still writes version-1 chunks, which both read."""
     import routelog.format.documents
 
     urls = {}
@@ -474,9 +619,10 @@ def test_a_reader_without_coded_escapes_refuses_their_parts_and_many_experts_kee
             for record in records:
                 writer.append(record)
         _expect(routelog.open_store(urls[experts]), records)
+    assert routelog.open_store(urls[16]).step(0).commits[0].features == CODED_FEATURES
     assert routelog.open_store(urls[2000]).step(0).commits[0].features == ["ranked_context"]
-    monkeypatch.setattr(routelog.format.documents, "SUPPORTED_FEATURES", frozenset({"ranked_context"}))
-    with pytest.raises(FormatVersionError, match="context_escapes"):
+    monkeypatch.setattr(routelog.format.documents, "SUPPORTED_FEATURES", frozenset(supported))
+    with pytest.raises(FormatVersionError, match=missing):
         routelog.open_store(urls[16]).step(0)
     assert routelog.open_store(urls[2000]).step(0).read_many(["s0"])
 
@@ -543,7 +689,7 @@ def test_streams_and_weights_beside_context_coded_routing_and_score_order_left_a
         commit = snapshot.commits[0]
         assert commit.routing.transform == transform
         assert commit.streams["indexer"].transform == ("ranked_gaps" if order == "sorted" else "none")
-        assert commit.features == (["ranked_context", "context_escapes"] if transform == "ranked_context" else [])
+        assert commit.features == (CODED_FEATURES if transform == "ranked_context" else [])
         got = {g.sample_id: g for g in snapshot.read_many(snapshot.sample_ids, weights=True)}
         stream = {g.sample_id: g for g in snapshot.read_many(snapshot.sample_ids, stream="indexer")}
         for record in records:

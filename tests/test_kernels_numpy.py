@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import routelog
 from routelog.format import context, context_python, kernels, kernels_numpy, ranked
-from routelog.format.documents import CONTEXT_ESCAPES_FEATURE, CONTEXT_FEATURE
+from routelog.format.documents import CONTEXT_ESCAPES_FEATURE, CONTEXT_FEATURE, CONTEXT_REFERENCES_FEATURE
 
 
 def _compiled_reference() -> Any:
@@ -312,7 +312,7 @@ def _use_numpy_kernels(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     monkeypatch.setattr(kernels, "IMPLEMENTATION", "numpy")
     # The set-context codec's Python passes in place of its compiled ones (context.py calls them where not built).
     monkeypatch.setattr(context, "_COMPILED", None)
-    for name in ("decode_layer", "decode_escapes"):
+    for name in ("decode_layer", "decode_escapes", "decode_referenced"):
         python = getattr(context_python, name)
 
         def counted(*args: Any, _name: str = name, _python: Any = python) -> Any:
@@ -552,5 +552,7 @@ def test_golden_stores_read_the_same_through_the_numpy_kernels(
         assert calls["context.decode_escapes"], "the coded escapes and lists were not read by the Python passes"
     else:
         assert calls["decode_chunk"] or calls["first_invalid_row"], "the numpy kernels were not used"
+    if CONTEXT_REFERENCES_FEATURE in features:  # revision 3.3: escapes against references
+        assert calls["context.decode_referenced"], "the referenced escapes were not read by the Python passes"
     if CONTEXT_FEATURE in features:
         assert calls["context.decode_layer"], "the set-context codec's Python passes were not used"

@@ -8,8 +8,9 @@ codec's on random chunks and on forged ones (every chunk encoded, by both the wo
 must decode to itself, and every forged payload, with bytes flipped in either section, the tail section cut short,
 random windows, every accept rule, misaligned buffers, must return a status), the context codec's on random
 tables (every layer it codes decodes to itself, every forged stream decodes to indices inside the list or returns
-a status, coded escapes decode to themselves and forged escape streams to sorted distinct sets, distinct items are
-numbered as a dict numbers them), the audits' on random routing
+a status, coded escapes decode to themselves and forged escape streams to sorted distinct sets, escapes coded
+against references likewise, forged lists and candidates past the list refused, distinct items are numbered as a
+dict numbers them), the audits' on random routing
 (views with any strides, IDs past E, tokens left out) against plain numpy, the Thrift walks on forged Parquet footers
 and page headers against the Python walks (same values or same problem). A sanitizer report aborts the run with its
 stack.
@@ -190,6 +191,7 @@ def _fuzz_context(coder: Any, rng: Any, np: Any, seed: int) -> None:
         if not ((decoded[:stop] >= -1) & (decoded[:stop] < sets)).all():  # -1: an escape
             raise SystemExit(f"seed {seed}: a forged stream decodes to an index outside the list")
     _fuzz_escapes(coder, rng, np, seed)
+    _fuzz_referenced(coder, rng, np, seed, sets, tables[2:])
     width = int(rng.integers(1, 17))
     items = rng.integers(0, 3, (int(rng.integers(0, 400)), width)).astype(np.uint8)
     ids, first = np.empty(len(items), np.int32), np.empty(len(items), np.int64)
@@ -240,6 +242,63 @@ def _fuzz_escapes(coder: Any, rng: Any, np: Any, seed: int) -> None:
             pass
         else:
             raise SystemExit(f"seed {seed}: an order that is no permutation was taken")
+
+
+def _fuzz_referenced(coder: Any, rng: Any, np: Any, seed: int, sets: int, tables: tuple[Any, ...]) -> None:
+    """Version 3's escapes against the random tables of :func:`_fuzz_context` (``sets`` listed): escaped rows near a
+    listed set or drawn afresh, coded and decoded; forged streams decoded to sorted distinct sets; a list with an ID
+    past the experts or twice, and candidates past the list, refused with ValueError (or no row reaching them)."""
+    experts = int(rng.choice([2, 9, 16, 64, 300, 1024]))
+    k = int(rng.integers(1, min(experts, 40) + 1))
+    dtype = np.uint8 if experts <= 256 else np.uint16
+    listed = np.zeros((sets, k), dtype)
+    for s in range(sets):
+        listed[s] = np.sort(rng.choice(experts, k, replace=False))
+    rows = int(rng.integers(0, 300))
+    ids = np.empty((rows, k), dtype)
+    for r in range(rows):
+        row = listed[rng.integers(0, sets)].copy() if sets and rng.random() < 0.6 else rng.choice(experts, k, False)
+        outside = np.setdiff1d(np.arange(experts), row)
+        if outside.size:
+            row[rng.integers(0, k)] = rng.choice(outside)
+        ids[r] = np.sort(row)
+    tokens = rng.integers(-1, 6000, rows).astype(np.int64)
+    keyed = rng.random(rows) < 0.7  # most rows' tokens have candidates
+    tokens[keyed] = rng.choice(np.r_[tables[0], 7], int(keyed.sum()))
+    below_keys = tables[4].size - 1
+    below = rng.integers(-1, below_keys + 2, rows).astype(np.int32) if rng.random() < 0.7 else np.zeros(0, np.int32)
+    order = rng.permutation(experts).astype(np.uint16)
+    args = (k, experts, order, listed.reshape(-1), tokens, below, *tables)
+    out = np.empty(rows * experts * 2 + 64, np.uint8)
+    written = coder.encode_referenced(ids.reshape(-1), *args, out)
+    decoded = np.empty_like(ids)
+    coder.decode_referenced(out[:written].copy(), *args, decoded.reshape(-1))
+    if not np.array_equal(decoded, ids):
+        raise SystemExit(f"seed {seed}: referenced escapes decode to other sets")
+
+    def sets_or_refused(stream: Any, listed_now: Any, what: str) -> None:
+        try:
+            coder.decode_referenced(
+                stream, k, experts, order, listed_now.reshape(-1), tokens, below, *tables, decoded.reshape(-1)
+            )
+        except ValueError:
+            if listed_now is listed:
+                raise
+            return
+        if rows and ((decoded >= experts).any() or (np.diff(decoded.astype(np.int64), axis=1) <= 0).any()):
+            raise SystemExit(f"seed {seed}: {what} decodes to something other than sets")
+
+    for _ in range(5):
+        stream = rng.integers(0, 256, int(rng.integers(0, 60)), dtype=np.uint8)
+        if rng.random() < 0.5 and written:
+            stream = out[: int(rng.integers(0, written))].copy()
+        sets_or_refused(stream, listed, "a forged referenced stream")
+    if sets and k > 1:  # an ID twice or past the experts: refused; a forged list still of sets: read as sets
+        forged = listed.copy()
+        forged[rng.integers(0, sets), 1] = forged[rng.integers(0, sets), 0] if rng.random() < 0.5 else experts - 1
+        sets_or_refused(out[:written].copy(), forged, "a stream read with a forged list")
+    if sets:  # candidates past the list: refused, unless no row reaches one
+        sets_or_refused(out[:written].copy(), listed[: int(rng.integers(0, sets))], "a stream read with a cut list")
 
 
 def _fuzz_sort(kernels: Any, rng: Any, np: Any, seed: int) -> None:

@@ -433,6 +433,13 @@ def write_context_escapes(root: Path, expected: dict[str, np.ndarray]) -> None:
     write_context(root, expected, prefix="escapes")
 
 
+def write_context_references(root: Path, expected: dict[str, np.ndarray]) -> None:
+    """Revision 3.3: :func:`write_context`'s stores again, now with chunks of version 3 (each escaped row range-coded
+    against a reference among its candidates, the commits naming ``context_references``) and lists of the sets used
+    three times, in the order the rows name them by place."""
+    write_context(root, expected, prefix="references")
+
+
 def write_split_token_ids(root: Path, expected: dict[str, np.ndarray]) -> None:
     """Revision 3.2 indexes: the token ids stored as byte planes (Parquet ``BYTE_STREAM_SPLIT``), ids of a
     Zipf-distributed 150k vocabulary (three bytes used) and of an id near 2^31; ``ranked_context`` parts, whose
@@ -497,6 +504,7 @@ WRITERS: dict[str, Callable[[Path, dict[str, np.ndarray]], None]] = {
     "context-64-8,context-300-6": write_context,
     "escapes-64-8,escapes-300-6": write_context_escapes,
     "split-token-ids": write_split_token_ids,
+    "references-64-8,references-300-6": write_context_references,
 }
 """Fixture stores of this version by name, in the order they were added."""
 

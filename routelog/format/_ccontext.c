@@ -17,6 +17,11 @@
  * Chunk version 2 codes the escaped rows behind the same range coder too (encode_escapes, decode_escapes): a bit
  * per expert in the layer's order, 1 when the expert is in the row's set, with 15-bit probabilities that adapt as
  * counts would (fast while a context is new, then down to 1/256). Any stream decodes to valid sets.
+ *
+ * Chunk version 3 codes each escaped row against a reference (encode_referenced, decode_referenced): the listed set
+ * among the row's candidates (those its decisions passed over) that shares most experts with it. The row names
+ * which candidate, then which of the reference's experts it keeps, then the experts it adds in the layer's order.
+ * An escape is a set used once in the part, but most are a listed set with an expert or two changed.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -195,6 +200,62 @@ static Counter *counters_new(int64_t experts) {
 }
 
 static inline int found_context(int64_t found) { return found < ESCAPE_FOUND - 1 ? (int)found : ESCAPE_FOUND - 1; }
+
+/* One direction of the escape coders: the encoder codes the bits it is given, the decoder returns the bits it reads
+ * (and ignores the ones given). The escape passes are written once for both. */
+typedef struct {
+    Encoder *e;
+    Decoder *d;
+} Coder;
+
+static inline int code_counted(Coder *c, Counter *k, int bit) {
+    if (c->e) {
+        encode_counted(c->e, k, bit);
+        return bit;
+    }
+    return decode_counted(c->d, k);
+}
+
+/* A row's members among the experts of the order not flagged in skip (skipped of them are), a bit each, until want
+ * are found or the rest must all be in it (they then follow uncoded). The context is (place among the experts coded,
+ * found so far), or with by_remaining (place, still to find); both up to ESCAPE_FOUND - 1. The members found are
+ * appended to got in the order's order; returns how many (want, when want <= experts - skipped). */
+static int64_t code_members(Coder *c, Counter *counters, const uint16_t *order, int64_t experts, const uint8_t *skip,
+                            int64_t skipped, int64_t want, const uint8_t *member, int by_remaining, uint16_t *got) {
+    int64_t found = 0, place = 0, left = experts - skipped;
+    for (int64_t i = 0; i < experts && found < want; i++) {
+        uint16_t expert = order[i];
+        if (skip && skip[expert]) continue;
+        if (left - place == want - found) { /* the rest of the order is the rest of the set */
+            for (; i < experts; i++)
+                if (!(skip && skip[order[i]])) got[found++] = order[i];
+            break;
+        }
+        int context = found_context(by_remaining ? want - found - 1 : found);
+        if (code_counted(c, &counters[place * ESCAPE_FOUND + context], member[expert])) got[found++] = expert;
+        place++;
+    }
+    return found;
+}
+
+/* A row's IDs in ascending order: an insertion sort of a few, else marking them and walking every ID. */
+static void sort_ids(uint16_t *got, int64_t topk, int64_t experts, uint8_t *scratch) {
+    if (topk <= 32) {
+        for (int64_t i = 1; i < topk; i++) {
+            uint16_t v = got[i];
+            int64_t j = i;
+            for (; j > 0 && got[j - 1] > v; j--) got[j] = got[j - 1];
+            got[j] = v;
+        }
+        return;
+    }
+    for (int64_t i = 0; i < topk; i++) scratch[got[i]] = 1;
+    for (int64_t v = 0, at = 0; v < experts && at < topk; v++)
+        if (scratch[v]) {
+            scratch[v] = 0;
+            got[at++] = (uint16_t)v;
+        }
+}
 
 /* -- the layer's tables --------------------------------------------------------------------------------------- */
 typedef struct {
@@ -506,6 +567,13 @@ static inline int64_t row_value(const void *rows, int itemsize, int64_t i) {
     return itemsize == 1 ? ((const uint8_t *)rows)[i] : ((const uint16_t *)rows)[i];
 }
 
+static void put_row(void *rows, int itemsize, int64_t r, int64_t topk, const uint16_t *got) {
+    if (itemsize == 1)
+        for (int64_t i = 0; i < topk; i++) ((uint8_t *)rows)[r * topk + i] = (uint8_t)got[i];
+    else
+        memcpy((uint16_t *)rows + r * topk, got, (size_t)topk * sizeof(uint16_t));
+}
+
 /* encode_escapes(rows, topk, experts, order, out) -> bytes written, or -1 when out is too small: the escaped rows
  * (u8 or u16, topk distinct IDs each) as a bit per expert in the order until the row's IDs are all found or the
  * rest of the order must all be in it; the context is (place in the order, found so far up to 7). */
@@ -537,18 +605,21 @@ static PyObject *encode_escapes(PyObject *self, PyObject *args) {
     }
     const uint16_t *order = a[1].view.buf;
     Encoder e = {0, 0xFFFFFFFFu, 0, 1, a[2].view.buf, 0, (size_t)a[2].view.len, 0, 0};
-    Py_BEGIN_ALLOW_THREADS for (int64_t r = 0; r < n; r++) {
+    uint16_t *got = malloc((size_t)topk * sizeof(uint16_t));
+    if (!got) {
+        free(counters);
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS Coder c = {&e, NULL};
+    for (int64_t r = 0; r < n; r++) {
         for (int64_t j = 0; j < topk; j++) member[row_value(rows, itemsize, r * topk + j)] = 1;
-        int64_t found = 0;
-        for (int64_t place = 0; place < experts && found < topk && experts - place != topk - found; place++) {
-            int bit = member[order[place]];
-            encode_counted(&e, &counters[place * ESCAPE_FOUND + found_context(found)], bit);
-            found += bit;
-        }
+        code_members(&c, counters, order, experts, NULL, 0, topk, member, 0, got);
         for (int64_t j = 0; j < topk; j++) member[row_value(rows, itemsize, r * topk + j)] = 0;
     }
     if (e.bits) encoder_flush(&e);
     Py_END_ALLOW_THREADS free(counters);
+    free(got);
     answer = PyLong_FromLongLong(e.overflow ? -1 : e.bits ? (long long)e.size : 0);
 done:
     release(a, 3);
@@ -582,40 +653,289 @@ static PyObject *decode_escapes(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS uint8_t member[ESCAPE_MAX_EXPERTS] = {0};
     Decoder d;
     decoder_start(&d, a[2].view.buf, (size_t)a[2].view.len);
+    Coder c = {NULL, &d};
     for (int64_t r = 0; r < n; r++) {
-        int64_t found = 0, place = 0;
-        for (; place < experts && found < topk; place++) {
-            if (experts - place == topk - found) { /* the rest of the order is the rest of the set */
-                while (place < experts) got[found++] = order[place++];
-                break;
-            }
-            if (decode_counted(&d, &counters[place * ESCAPE_FOUND + found_context(found)])) got[found++] = order[place];
-        }
-        if (topk <= 32) { /* ascending: an insertion sort of a few IDs beats walking every ID */
-            for (int64_t i = 1; i < topk; i++) {
-                uint16_t v = got[i];
-                int64_t j = i;
-                for (; j > 0 && got[j - 1] > v; j--) got[j] = got[j - 1];
-                got[j] = v;
-            }
-        } else { /* many: mark them, then walk the IDs taking the marked ones */
-            for (int64_t i = 0; i < topk; i++) member[got[i]] = 1;
-            for (int64_t v = 0, at = 0; v < experts && at < topk; v++)
-                if (member[v]) {
-                    member[v] = 0;
-                    got[at++] = (uint16_t)v;
-                }
-        }
-        if (itemsize == 1)
-            for (int64_t i = 0; i < topk; i++) ((uint8_t *)a[0].view.buf)[r * topk + i] = (uint8_t)got[i];
-        else
-            memcpy((uint16_t *)a[0].view.buf + r * topk, got, (size_t)topk * sizeof(uint16_t));
+        code_members(&c, counters, order, experts, NULL, 0, topk, member, 0, got);
+        sort_ids(got, topk, experts, member);
+        put_row(a[0].view.buf, itemsize, r, topk, got);
     }
     Py_END_ALLOW_THREADS free(counters);
     free(got);
     answer = Py_NewRef(Py_None);
 done:
     release(a, 3);
+    return answer;
+}
+
+/* -- chunk version 3: escapes coded against a reference ----------------------------------------------------------- */
+#define REF_CANDIDATES 12 /* candidates a row may choose its reference from (4 below and 8 of its token at most) */
+#define REF_PLACES 16     /* places in the reference told apart by the context (16 and more share the last) */
+
+typedef struct {
+    int64_t topk, experts, n_sets;
+    int itemsize;
+    const void *sets; /* the layer's list [n_sets, topk] in the rows' dtype, every set checked */
+    const uint16_t *order;
+    uint16_t rank[ESCAPE_MAX_EXPERTS]; /* each expert's place in the order */
+    uint8_t in_ref[ESCAPE_MAX_EXPERTS];
+    uint8_t scratch[ESCAPE_MAX_EXPERTS];
+    uint16_t *ref, *got;
+    Counter *plain;  /* [experts][ESCAPE_FOUND]: rows without candidates, by (place, still to find) */
+    Counter *rest;   /* [experts][ESCAPE_FOUND]: the experts outside the reference, by (place among them, to find) */
+    Counter *choose; /* [REF_CANDIDATES]: is it this candidate */
+    Counter *kept;   /* [REF_PLACES][ESCAPE_FOUND]: is this expert of the reference kept, by (place, kept so far) */
+    Counter *referenced; /* [1]: does a row with candidates take a reference */
+    Counter *all;
+} Referenced;
+
+static void referenced_free(Referenced *x) {
+    free(x->all);
+    free(x->ref);
+    free(x->got);
+}
+
+/* The coder's state for one chunk layer; -1 (a Python error set) when the list holds a row that is no set. */
+static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const uint16_t *order, Arg *sets) {
+    x->topk = topk;
+    x->experts = experts;
+    x->order = order;
+    x->itemsize = (int)sets->view.itemsize;
+    x->sets = sets->view.buf;
+    x->all = NULL;
+    x->ref = x->got = NULL;
+    if ((sets->view.len / x->itemsize) % topk != 0) {
+        PyErr_SetString(PyExc_ValueError, "referenced escapes: the list must be topk IDs a set, in the rows' dtype");
+        return -1;
+    }
+    x->n_sets = sets->view.len / x->itemsize / topk;
+    memset(x->scratch, 0, sizeof(x->scratch));
+    memset(x->in_ref, 0, sizeof(x->in_ref));
+    for (int64_t s = 0; s < x->n_sets; s++) { /* the references' IDs index the coder's tables: each set checked */
+        int bad = 0;
+        for (int64_t j = 0; j < topk; j++) {
+            int64_t v = row_value(x->sets, x->itemsize, s * topk + j);
+            if (v >= experts || x->scratch[v]) bad = 1;
+            if (v < experts) x->scratch[v] = 1;
+        }
+        for (int64_t j = 0; j < topk; j++) {
+            int64_t v = row_value(x->sets, x->itemsize, s * topk + j);
+            if (v < experts) x->scratch[v] = 0;
+        }
+        if (bad) {
+            PyErr_SetString(PyExc_ValueError, "referenced escapes: a listed set names an ID past the experts or twice");
+            return -1;
+        }
+    }
+    for (int64_t i = 0; i < experts; i++) x->rank[order[i]] = (uint16_t)i;
+    int64_t size = 2 * experts * ESCAPE_FOUND + REF_CANDIDATES + REF_PLACES * ESCAPE_FOUND + 1;
+    x->all = malloc((size_t)size * sizeof(Counter));
+    x->ref = malloc((size_t)topk * sizeof(uint16_t));
+    x->got = malloc((size_t)topk * sizeof(uint16_t));
+    if (!x->all || !x->ref || !x->got) {
+        referenced_free(x);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int64_t i = 0; i < size; i++) x->all[i] = (Counter){(uint16_t)(ESCAPE_PROB_ONE / 2), 0};
+    x->plain = x->all;
+    x->rest = x->plain + experts * ESCAPE_FOUND;
+    x->choose = x->rest + experts * ESCAPE_FOUND;
+    x->kept = x->choose + REF_CANDIDATES;
+    x->referenced = x->kept + REF_PLACES * ESCAPE_FOUND;
+    return 0;
+}
+
+/* The row's candidates in the order its decisions passed them (the row below's, then its token's not among those),
+ * at most REF_CANDIDATES; -1 when one is outside the list. */
+static int gather_candidates(const Tables *t, int64_t token, int64_t below, int64_t sets, uint32_t *out) {
+    const uint32_t *bc = NULL, *tc = NULL;
+    uint32_t nb = below_candidates(t, below, &bc), nt = token_candidates(t, token, &tc);
+    int n = 0;
+    for (uint32_t i = 0; i < nb && n < REF_CANDIDATES; i++) out[n++] = bc[i];
+    for (uint32_t i = 0; i < nt && n < REF_CANDIDATES; i++)
+        if (!listed_in(bc, nb, tc[i])) out[n++] = tc[i];
+    for (int i = 0; i < n; i++)
+        if ((int64_t)out[i] >= sets) return -1;
+    return n;
+}
+
+/* One escaped row (member: its IDs flagged when encoding, all clear when decoding) into x->got, in the order found.
+ * A row without candidates is coded alone, as version 2 codes a row (but with contexts by experts still to find).
+ * Else a bit says whether it takes a reference: the encoder's is the first candidate sharing most experts with the
+ * row, taken where it shares more than half the row. A row without one is coded alone; one with one codes which
+ * candidate, which of the reference's experts it keeps (in the layer's order; kept for certain once as many are
+ * dropped as there are experts outside it), then the experts it adds, in the layer's order. Returns -1 when a
+ * candidate is outside the list. */
+static int referenced_row(Coder *c, Referenced *x, const Tables *t, int64_t token, int64_t below,
+                          const uint8_t *member) {
+    uint32_t candidates[REF_CANDIDATES];
+    int n = gather_candidates(t, token, below, x->n_sets, candidates);
+    if (n < 0) return -1;
+    int64_t topk = x->topk, experts = x->experts;
+    if (n == 0) {
+        code_members(c, x->plain, x->order, experts, NULL, 0, topk, member, 1, x->got);
+        return 0;
+    }
+    int pick = 0;
+    int64_t best = -1;
+    if (c->e)
+        for (int i = 0; i < n; i++) {
+            int64_t shared = 0;
+            for (int64_t j = 0; j < topk; j++) shared += member[row_value(x->sets, x->itemsize, candidates[i] * topk + j)];
+            if (shared > best) best = shared, pick = i;
+        }
+    if (!code_counted(c, x->referenced, 2 * best > topk)) {
+        code_members(c, x->plain, x->order, experts, NULL, 0, topk, member, 1, x->got);
+        return 0;
+    }
+    int chosen = n - 1;
+    for (int i = 0; i + 1 < n; i++)
+        if (code_counted(c, &x->choose[i], i == pick)) {
+            chosen = i;
+            break;
+        }
+    for (int64_t j = 0; j < topk; j++) { /* the reference's experts in the layer's order */
+        uint16_t v = (uint16_t)row_value(x->sets, x->itemsize, candidates[chosen] * topk + j);
+        x->in_ref[v] = 1;
+        int64_t at = j;
+        for (; at > 0 && x->rank[x->ref[at - 1]] > x->rank[v]; at--) x->ref[at] = x->ref[at - 1];
+        x->ref[at] = v;
+    }
+    int64_t kept = 0;
+    for (int64_t j = 0; j < topk; j++) {
+        int keep = 1;
+        if (j - kept < experts - topk) {
+            int place = j < REF_PLACES - 1 ? (int)j : REF_PLACES - 1;
+            keep = code_counted(c, &x->kept[place * ESCAPE_FOUND + found_context(kept)], member[x->ref[j]]);
+        }
+        if (keep) x->got[kept++] = x->ref[j];
+    }
+    code_members(c, x->rest, x->order, experts, x->in_ref, topk, topk - kept, member, 1, x->got + kept);
+    for (int64_t j = 0; j < topk; j++) x->in_ref[x->ref[j]] = 0;
+    return 0;
+}
+
+enum { REF_ROWS, REF_ORDER, REF_BYTES, REF_SETS, REF_ARGS }; /* the first three as get_escape_args holds them */
+
+/* The arguments of encode_referenced and decode_referenced: rows (or out), order, sets, stream (or out), tables. */
+static int get_referenced_args(PyObject **objs, int rows_writable, int bytes_writable, const char *bytes_name,
+                               int64_t experts, int64_t topk, Arg *a, Tables *t, const char *name) {
+    if (get_escape_args(objs[REF_ROWS], rows_writable, objs[REF_ORDER], objs[REF_BYTES], bytes_writable, bytes_name,
+                        experts, topk, a, name) < 0)
+        return -1;
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT;
+    if (PyObject_GetBuffer(objs[REF_SETS], &a[3].view, flags) < 0) return -1;
+    a[3].held = 1;
+    if (a[3].view.itemsize != a[0].view.itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: the list must have the rows' dtype", name);
+        return -1;
+    }
+    int64_t rows = a[0].view.len / a[0].view.itemsize / topk;
+    return get_tables(objs + REF_ARGS, a + 4, 0, rows, t);
+}
+
+/* encode_referenced(rows, topk, experts, order, sets, tokens, below, token_keys, token_table, token_offsets,
+ * token_candidates, below_offsets, below_candidates, out) -> bytes written, or -1 when out is too small: a chunk
+ * layer's escaped rows (u8 or u16, topk distinct IDs each) against their references in the list ``sets``; tokens
+ * and below are the escaped rows' own. */
+static PyObject *encode_referenced(PyObject *self, PyObject *args) {
+    PyObject *objs[REF_ARGS + TABLE_ARGS];
+    long long topk, experts;
+    if (!PyArg_ParseTuple(args, "OLLOOOOOOOOOOO", &objs[REF_ROWS], &topk, &experts, &objs[REF_ORDER], &objs[REF_SETS],
+                          &objs[4], &objs[5], &objs[6], &objs[7], &objs[8], &objs[9], &objs[10], &objs[11],
+                          &objs[REF_BYTES]))
+        return NULL;
+    Arg a[REF_ARGS + TABLE_ARGS] = {0};
+    Tables t;
+    PyObject *answer = NULL;
+    Referenced *x = malloc(sizeof(Referenced));
+    if (!x) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    x->all = NULL, x->ref = x->got = NULL;
+    if (get_referenced_args(objs, 0, 1, "out", experts, topk, a, &t, "encode_referenced") < 0 ||
+        referenced_start(x, topk, experts, a[REF_ORDER].view.buf, &a[REF_SETS]) < 0)
+        goto done;
+    const void *rows = a[REF_ROWS].view.buf;
+    int itemsize = (int)a[REF_ROWS].view.itemsize;
+    int64_t n = a[REF_ROWS].view.len / itemsize / topk;
+    uint8_t *member = x->scratch;
+    for (int64_t i = 0; i < n * topk; i++) {
+        int64_t v = row_value(rows, itemsize, i);
+        if (v >= experts || member[v]) {
+            memset(member, 0, ESCAPE_MAX_EXPERTS);
+            PyErr_SetString(PyExc_ValueError, "encode_referenced: a row names an ID past the experts or twice");
+            goto done;
+        }
+        member[v] = 1;
+        if (i % topk == topk - 1)
+            for (int64_t j = i - topk + 1; j <= i; j++) member[row_value(rows, itemsize, j)] = 0;
+    }
+    const int64_t *tokens = a[4 + TOKENS].view.buf;
+    const int32_t *below = LEN(a[4 + BELOW], 4) ? a[4 + BELOW].view.buf : NULL;
+    Encoder e = {0, 0xFFFFFFFFu, 0, 1, a[REF_BYTES].view.buf, 0, (size_t)a[REF_BYTES].view.len, 0, 0};
+    Coder c = {&e, NULL};
+    int status = 0;
+    Py_BEGIN_ALLOW_THREADS for (int64_t r = 0; r < n && status == 0; r++) {
+        for (int64_t j = 0; j < topk; j++) member[row_value(rows, itemsize, r * topk + j)] = 1;
+        status = referenced_row(&c, x, &t, tokens[r], below ? below[r] : -1, member);
+        for (int64_t j = 0; j < topk; j++) member[row_value(rows, itemsize, r * topk + j)] = 0;
+    }
+    if (e.bits) encoder_flush(&e);
+    Py_END_ALLOW_THREADS if (status < 0) PyErr_SetString(PyExc_ValueError, "encode_referenced: a candidate outside the list");
+    else answer = PyLong_FromLongLong(e.overflow ? -1 : e.bits ? (long long)e.size : 0);
+done:
+    if (x) referenced_free(x);
+    free(x);
+    release(a, REF_ARGS + TABLE_ARGS);
+    return answer;
+}
+
+/* decode_referenced(stream, topk, experts, order, sets, tokens, below, token_keys, token_table, token_offsets,
+ * token_candidates, below_offsets, below_candidates, out): the rows of encode_referenced's stream into out (u8 or
+ * u16, topk per row), each ascending. Every stream, forged or not, decodes to rows of topk distinct IDs; a candidate
+ * outside the list is a ValueError. */
+static PyObject *decode_referenced(PyObject *self, PyObject *args) {
+    PyObject *objs[REF_ARGS + TABLE_ARGS];
+    long long topk, experts;
+    if (!PyArg_ParseTuple(args, "OLLOOOOOOOOOOO", &objs[REF_BYTES], &topk, &experts, &objs[REF_ORDER],
+                          &objs[REF_SETS], &objs[4], &objs[5], &objs[6], &objs[7], &objs[8], &objs[9], &objs[10],
+                          &objs[11], &objs[REF_ROWS]))
+        return NULL;
+    Arg a[REF_ARGS + TABLE_ARGS] = {0};
+    Tables t;
+    PyObject *answer = NULL;
+    Referenced *x = malloc(sizeof(Referenced));
+    if (!x) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    x->all = NULL, x->ref = x->got = NULL;
+    if (get_referenced_args(objs, 1, 0, "stream", experts, topk, a, &t, "decode_referenced") < 0 ||
+        referenced_start(x, topk, experts, a[REF_ORDER].view.buf, &a[REF_SETS]) < 0)
+        goto done;
+    int itemsize = (int)a[REF_ROWS].view.itemsize;
+    int64_t n = a[REF_ROWS].view.len / itemsize / topk;
+    const int64_t *tokens = a[4 + TOKENS].view.buf;
+    const int32_t *below = LEN(a[4 + BELOW], 4) ? a[4 + BELOW].view.buf : NULL;
+    int status = 0;
+    Py_BEGIN_ALLOW_THREADS Decoder d;
+    decoder_start(&d, a[REF_BYTES].view.buf, (size_t)a[REF_BYTES].view.len);
+    Coder c = {NULL, &d};
+    for (int64_t r = 0; r < n && status == 0; r++) {
+        status = referenced_row(&c, x, &t, tokens[r], below ? below[r] : -1, x->scratch);
+        if (status == 0) {
+            sort_ids(x->got, topk, experts, x->scratch);
+            put_row(a[REF_ROWS].view.buf, itemsize, r, topk, x->got);
+        }
+    }
+    Py_END_ALLOW_THREADS if (status < 0) PyErr_SetString(PyExc_ValueError, "decode_referenced: a candidate outside the list");
+    else answer = Py_NewRef(Py_None);
+done:
+    if (x) referenced_free(x);
+    free(x);
+    release(a, REF_ARGS + TABLE_ARGS);
     return answer;
 }
 
@@ -742,6 +1062,12 @@ static PyMethodDef methods[] = {
     {"encode_escapes", encode_escapes, METH_VARARGS,
      "encode_escapes(rows, topk, experts, order, out) -> bytes written, or -1 when out is too small"},
     {"decode_escapes", decode_escapes, METH_VARARGS, "decode_escapes(stream, topk, experts, order, out) -> None"},
+    {"encode_referenced", encode_referenced, METH_VARARGS,
+     "encode_referenced(rows, topk, experts, order, sets, tokens, below, token_keys, token_table, token_offsets, "
+     "token_candidates, below_offsets, below_candidates, out) -> bytes written, or -1 when out is too small"},
+    {"decode_referenced", decode_referenced, METH_VARARGS,
+     "decode_referenced(stream, topk, experts, order, sets, tokens, below, token_keys, token_table, token_offsets, "
+     "token_candidates, below_offsets, below_candidates, out) -> None"},
     {"distinct", distinct, METH_VARARGS, "distinct(data, width, ids, first) -> number of distinct items"},
     {"hash_keys", hash_keys, METH_VARARGS, "hash_keys(keys, table) -> None"},
     {NULL, NULL, 0, NULL}};
@@ -761,7 +1087,9 @@ PyMODINIT_FUNC PyInit__ccontext(void) {
         PyModule_AddIntConstant(m, "ESCAPE_PROB_BITS", ESCAPE_PROB_BITS) < 0 ||
         PyModule_AddIntConstant(m, "ESCAPE_MAX_SHIFT", ESCAPE_MAX_SHIFT) < 0 ||
         PyModule_AddIntConstant(m, "ESCAPE_FOUND", ESCAPE_FOUND) < 0 ||
-        PyModule_AddIntConstant(m, "ESCAPE_MAX_EXPERTS", ESCAPE_MAX_EXPERTS) < 0) {
+        PyModule_AddIntConstant(m, "ESCAPE_MAX_EXPERTS", ESCAPE_MAX_EXPERTS) < 0 ||
+        PyModule_AddIntConstant(m, "REF_CANDIDATES", REF_CANDIDATES) < 0 ||
+        PyModule_AddIntConstant(m, "REF_PLACES", REF_PLACES) < 0) {
         Py_DECREF(m);
         return NULL;
     }

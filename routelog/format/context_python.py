@@ -31,6 +31,10 @@ ESCAPE_PROB_ONE = 1 << ESCAPE_PROB_BITS
 ESCAPE_MAX_SHIFT = 8
 ESCAPE_FOUND = 8
 """Escape contexts tell apart 0..7 experts found so far in the row (8 and more share the last)."""
+REF_CANDIDATES = 12
+"""Candidates an escaped row of a version-3 chunk may take its reference from (4 below and 8 of its token)."""
+REF_PLACES = 16
+"""Places in the reference its contexts tell apart (16 and more share the last)."""
 
 
 class _Probabilities:
@@ -290,23 +294,69 @@ def _decode_row(coder: _Decoder, probs: _Probabilities, tables: Tables, token: i
     return OK, value - 1
 
 
+class _Counted:
+    """Counted probabilities (the escapes' contexts), each starting at one half."""
+
+    def __init__(self, size: int) -> None:
+        self.probs = [ESCAPE_PROB_ONE // 2] * size
+        self.counts = [0] * size
+
+
+def _code(coder: _Encoder | _Decoder, counted: _Counted, slot: int, bit: int) -> int:
+    """One counted bit: the encoder codes ``bit``, the decoder returns the bit it reads (the escape passes are
+    written once for both directions)."""
+    if isinstance(coder, _Encoder):
+        coder.counted_bit(counted.probs, counted.counts, slot, bit)
+        return bit
+    return coder.counted_bit(counted.probs, counted.counts, slot)
+
+
+def _found_context(found: int) -> int:
+    return min(found, ESCAPE_FOUND - 1)
+
+
+def _code_members(
+    coder: _Encoder | _Decoder,
+    counted: _Counted,
+    order: Sequence[int],
+    skip: frozenset[int] | set[int],
+    want: int,
+    members: frozenset[int] | set[int],
+    by_remaining: bool,
+) -> list[int]:
+    """A row's members among the experts of ``order`` not in ``skip``, a bit each, until ``want`` are found or the
+    rest must all be in it; context (place among the experts coded, found so far), or with ``by_remaining`` (place,
+    still to find). The members found, in the order's order."""
+    got: list[int] = []
+    place = 0
+    left = len(order) - len(skip)
+    for i, expert in enumerate(order):
+        if len(got) >= want:
+            break
+        if expert in skip:
+            continue
+        if left - place == want - len(got):  # the rest of the order is the rest of the set
+            got += [e for e in order[i:] if e not in skip]
+            break
+        context = _found_context(want - len(got) - 1 if by_remaining else len(got))
+        if _code(coder, counted, place * ESCAPE_FOUND + context, 1 if expert in members else 0):
+            got.append(expert)
+        place += 1
+    return got
+
+
+_NONE: frozenset[int] = frozenset()
+
+
 def encode_escapes(rows: npt.NDArray[Any], order: Sequence[int], num_experts: int) -> bytes:
-    """The escape stream of one chunk layer: its escaped rows ``[n, K]`` (ascending distinct IDs), each coded as
-    one bit per expert in the layer's ``order`` (1: in the set) with a context per (place in the order, experts
-    found so far up to 7), stopping once the row's K are found or the rest of the order must all be in it."""
+    """The escape stream of one chunk layer (version 2): its escaped rows ``[n, K]`` (ascending distinct IDs), each
+    coded as one bit per expert in the layer's ``order`` (1: in the set) with a context per (place in the order,
+    experts found so far up to 7), stopping once the row's K are found or the rest of the order must all be in it."""
     coder = _Encoder()
-    size = num_experts * ESCAPE_FOUND
-    probs, counts = [ESCAPE_PROB_ONE // 2] * size, [0] * size
+    counted = _Counted(num_experts * ESCAPE_FOUND)
     k = rows.shape[1] if rows.ndim == 2 else 0
     for row in rows.tolist():
-        members = set(row)
-        found = 0
-        for place in range(num_experts):
-            if found == k or num_experts - place == k - found:
-                break
-            bit = 1 if order[place] in members else 0
-            coder.counted_bit(probs, counts, place * ESCAPE_FOUND + min(found, ESCAPE_FOUND - 1), bit)
-            found += bit
+        _code_members(coder, counted, order, _NONE, k, set(row), False)
     return coder.finish()
 
 
@@ -314,21 +364,102 @@ def decode_escapes(stream: bytes, out: npt.NDArray[Any], order: Sequence[int], n
     """The escaped rows of :func:`encode_escapes`' stream into ``out`` ``[n, K]`` (each ascending). Every stream
     decodes to valid rows: each names K distinct experts of the order."""
     coder = _Decoder(bytes(stream))
-    size = num_experts * ESCAPE_FOUND
-    probs, counts = [ESCAPE_PROB_ONE // 2] * size, [0] * size
+    counted = _Counted(num_experts * ESCAPE_FOUND)
     n, k = out.shape
-    rows = []
-    for _ in range(n):
-        members: list[int] = []
-        for place in range(num_experts):
-            if len(members) == k:
+    rows = [sorted(_code_members(coder, counted, order, _NONE, k, _NONE, False)) for _ in range(n)]
+    if n:
+        out[:] = rows
+
+
+class _Referenced:
+    """A chunk layer's escape coder of version 3: its list, order and counted contexts (the C struct)."""
+
+    def __init__(self, sets: npt.NDArray[Any], order: Sequence[int], num_experts: int) -> None:
+        self.sets = [tuple(s) for s in sets.tolist()]
+        self.order = list(order)
+        self.rank = {expert: place for place, expert in enumerate(self.order)}
+        self.experts = num_experts
+        self.plain = _Counted(num_experts * ESCAPE_FOUND)
+        self.rest = _Counted(num_experts * ESCAPE_FOUND)
+        self.choose = _Counted(REF_CANDIDATES)
+        self.kept = _Counted(REF_PLACES * ESCAPE_FOUND)
+        self.referenced = _Counted(1)
+
+    def row(
+        self, coder: _Encoder | _Decoder, tables: Tables, token: int, below: int, k: int, members: set[int]
+    ) -> list[int]:
+        """One escaped row (``members``: its IDs when encoding, none when decoding), in the order found."""
+        found_below, found_token = tables.candidates(token, below)
+        candidates = [*found_below, *(c for c in found_token if c not in found_below)][:REF_CANDIDATES]
+        if any(c >= len(self.sets) for c in candidates):
+            raise ValueError("referenced escapes: a candidate outside the list")
+        if not candidates:
+            return _code_members(coder, self.plain, self.order, _NONE, k, members, True)
+        pick, best = 0, -1
+        if isinstance(coder, _Encoder):
+            shared = [len(members.intersection(self.sets[c])) for c in candidates]
+            best = max(shared)
+            pick = shared.index(best)
+        if not _code(coder, self.referenced, 0, 1 if 2 * best > k else 0):
+            return _code_members(coder, self.plain, self.order, _NONE, k, members, True)
+        chosen = len(candidates) - 1
+        for i in range(len(candidates) - 1):
+            if _code(coder, self.choose, i, 1 if i == pick else 0):
+                chosen = i
                 break
-            if num_experts - place == k - len(members):
-                members += order[place:]
-                break
-            if coder.counted_bit(probs, counts, place * ESCAPE_FOUND + min(len(members), ESCAPE_FOUND - 1)):
-                members.append(order[place])
-        rows.append(sorted(members))
+        reference = sorted(self.sets[candidates[chosen]], key=self.rank.__getitem__)
+        got: list[int] = []
+        for j, expert in enumerate(reference):
+            keep = 1
+            if j - len(got) < self.experts - k:  # else as many dropped as there are experts outside: kept
+                slot = min(j, REF_PLACES - 1) * ESCAPE_FOUND + _found_context(len(got))
+                keep = _code(coder, self.kept, slot, 1 if expert in members else 0)
+            if keep:
+                got.append(expert)
+        return got + _code_members(coder, self.rest, self.order, set(reference), k - len(got), members, True)
+
+
+def encode_referenced(
+    rows: npt.NDArray[Any],
+    order: Sequence[int],
+    num_experts: int,
+    sets: npt.NDArray[Any],
+    tables: Tables,
+    tokens: npt.NDArray[np.int64],
+    below: npt.NDArray[np.int32],
+) -> bytes:
+    """The escape stream of one chunk layer (version 3): its escaped rows ``[n, K]`` (ascending distinct IDs), each
+    against its reference among its candidates (``tokens`` and ``below``: the escaped rows' own) in the list
+    ``sets``; see the C file."""
+    coder = _Encoder()
+    state = _Referenced(sets, order, num_experts)
+    below_rows = below.tolist() if below.size else [-1] * rows.shape[0]
+    k = rows.shape[1] if rows.ndim == 2 else 0
+    for row, token, under in zip(rows.tolist(), tokens.tolist(), below_rows, strict=True):
+        state.row(coder, tables, token, under, k, set(row))
+    return coder.finish()
+
+
+def decode_referenced(
+    stream: bytes,
+    out: npt.NDArray[Any],
+    order: Sequence[int],
+    num_experts: int,
+    sets: npt.NDArray[Any],
+    tables: Tables,
+    tokens: npt.NDArray[np.int64],
+    below: npt.NDArray[np.int32],
+) -> None:
+    """The escaped rows of :func:`encode_referenced`' stream into ``out`` ``[n, K]`` (each ascending). Every stream
+    decodes to valid rows; a candidate outside the list is a ValueError."""
+    coder = _Decoder(bytes(stream))
+    state = _Referenced(sets, order, num_experts)
+    n, k = out.shape
+    below_rows = below.tolist() if below.size else [-1] * n
+    rows = [
+        sorted(state.row(coder, tables, token, under, k, set()))
+        for token, under in zip(tokens.tolist(), below_rows, strict=True)
+    ]
     if n:
         out[:] = rows
 

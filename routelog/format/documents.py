@@ -33,7 +33,10 @@ readers that predate it refuse the commit with :class:`~routelog.errors.FormatVe
 CONTEXT_ESCAPES_FEATURE = "context_escapes"
 """Revision 3.2: ``ranked_context`` chunks and models of version 2, their escapes and lists range-coded (FORMAT.md
 section 5.1)."""
-SUPPORTED_FEATURES: frozenset[str] = frozenset({CONTEXT_FEATURE, CONTEXT_ESCAPES_FEATURE})
+CONTEXT_REFERENCES_FEATURE = "context_references"
+"""Revision 3.3: ``ranked_context`` chunks of version 3, each escaped row range-coded against a reference among its
+candidates (FORMAT.md section 5.1)."""
+SUPPORTED_FEATURES: frozenset[str] = frozenset({CONTEXT_FEATURE, CONTEXT_ESCAPES_FEATURE, CONTEXT_REFERENCES_FEATURE})
 """Optional format features this routelog understands; a document requiring any other is refused."""
 
 # -- limits (FORMAT.md section 9): every size read from storage is bounded before anything is allocated --------

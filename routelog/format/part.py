@@ -32,6 +32,7 @@ from routelog.format.dedup import PartRows, PrefixIndex
 from routelog.format.documents import (
     CONTEXT_ESCAPES_FEATURE,
     CONTEXT_FEATURE,
+    CONTEXT_REFERENCES_FEATURE,
     FORMAT_VERSION,
     INDEX_SCHEMA,
     MAX_PART_ROWS,
@@ -136,7 +137,7 @@ class BuiltPart:
         if self.routing.transform != "ranked_context":
             return []
         coded = context.codes_escapes(self.routing.num_experts)
-        return [CONTEXT_FEATURE, CONTEXT_ESCAPES_FEATURE] if coded else [CONTEXT_FEATURE]
+        return [CONTEXT_FEATURE, CONTEXT_ESCAPES_FEATURE, CONTEXT_REFERENCES_FEATURE] if coded else [CONTEXT_FEATURE]
 
     def object_infos(self) -> list[ObjectInfo]:
         return [ObjectInfo(key=key, size=len(data), sha256=_sha256(data)) for key, data in sorted(self.objects.items())]

@@ -28,6 +28,7 @@ from routelog.format.context import MODEL_KEY, model_header_nbytes
 from routelog.format.documents import (
     CONTEXT_ESCAPES_FEATURE,
     CONTEXT_FEATURE,
+    CONTEXT_REFERENCES_FEATURE,
     AnnotationCommit,
     CommitRecord,
     DropRecord,
@@ -96,11 +97,12 @@ def check_commit(commit: CommitRecord | AnnotationCommit, name: str, step: int, 
             f"{where}: routing of transform {info.transform!r} in a commit naming the features {commit.features}: the "
             f"{CONTEXT_FEATURE!r} feature goes with that transform, and only with it"
         )
-    if CONTEXT_ESCAPES_FEATURE in commit.features and not layout.context:
-        raise CorruptDataError(
-            f"{where}: the feature {CONTEXT_ESCAPES_FEATURE!r} in a commit whose routing has transform "
-            f"{info.transform!r}: it goes only with {CONTEXT_FEATURE!r}"
-        )
+    for feature in (CONTEXT_ESCAPES_FEATURE, CONTEXT_REFERENCES_FEATURE):
+        if feature in commit.features and not layout.context:
+            raise CorruptDataError(
+                f"{where}: the feature {feature!r} in a commit whose routing has transform {info.transform!r}: it "
+                f"goes only with {CONTEXT_FEATURE!r}"
+            )
     if layout.context and info.n_rows:
         model = object_info(commit, f"{info.path}/{MODEL_KEY}", where)
         if model.size < model_header_nbytes(info.num_moe_layers):
