@@ -339,7 +339,7 @@ def test_referenced_escapes_are_coded_alike_on_both_paths_and_any_stream_decodes
                 np.testing.assert_array_equal(got, escaped)
 
 
-def test_referenced_escapes_refuse_a_candidate_outside_the_list_on_both_paths() -> None:
+def test_referenced_escapes_refuse_a_candidate_outside_the_list_or_a_forged_set_on_both_paths() -> None:
     """A model whose candidates name sets past its list (the reader checks them when it reads a model; these
     passes check again, as they index the list with them): a ValueError from both paths, a typed error from the
     chunk."""
@@ -365,6 +365,19 @@ def test_referenced_escapes_refuse_a_candidate_outside_the_list_on_both_paths() 
     _, chunks = _coded(ids, tokens, 600, 64, context.CHUNK_VERSION_REFERENCED)
     with pytest.raises(context.ContextFormatError, match="candidate outside the list"):
         context.decode_chunk(chunks[0], (1, 600, 8), np.dtype(np.uint8), 64, tokens, [cut])
+    doubled = model.sets.copy()  # every listed set naming an ID twice: refused where a row reads one
+    doubled[:, 1] = doubled[:, 0]
+    forged = dataclasses.replace(model, sets=doubled)
+    with pytest.raises(ValueError, match="names an ID past the experts or twice"):
+        context._decode_referenced(
+            np.frombuffer(stream, np.uint8), escaped.copy(), order, 64, forged, escaped_tokens, below
+        )
+    with pytest.raises(ValueError, match="names an ID past the experts or twice"):
+        context_python.decode_referenced(
+            stream, escaped.copy(), order.tolist(), 64, doubled, forged.python_tables(), escaped_tokens, below
+        )
+    with pytest.raises(context.ContextFormatError, match="names an ID past the experts or twice"):
+        context.decode_chunk(chunks[0], (1, 600, 8), np.dtype(np.uint8), 64, tokens, [forged])
 
 
 def test_the_list_puts_the_sets_rows_name_by_their_place_first_and_codes_the_same_rows() -> None:

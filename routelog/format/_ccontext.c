@@ -674,7 +674,7 @@ done:
 typedef struct {
     int64_t topk, experts, n_sets;
     int itemsize;
-    const void *sets; /* the layer's list [n_sets, topk] in the rows' dtype, every set checked */
+    const void *sets; /* the layer's list [n_sets, topk] in the rows' dtype, each set checked where it is read */
     const uint16_t *order;
     uint16_t rank[ESCAPE_MAX_EXPERTS]; /* each expert's place in the order */
     uint8_t in_ref[ESCAPE_MAX_EXPERTS];
@@ -694,7 +694,8 @@ static void referenced_free(Referenced *x) {
     free(x->got);
 }
 
-/* The coder's state for one chunk layer; -1 (a Python error set) when the list holds a row that is no set. */
+/* The coder's state for one chunk layer; -1 with a Python error set. The list's sets are checked where a row
+ * reads them (referenced_row), not all of them for every chunk layer. */
 static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const uint16_t *order, Arg *sets) {
     x->topk = topk;
     x->experts = experts;
@@ -710,22 +711,6 @@ static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const 
     x->n_sets = sets->view.len / x->itemsize / topk;
     memset(x->scratch, 0, sizeof(x->scratch));
     memset(x->in_ref, 0, sizeof(x->in_ref));
-    for (int64_t s = 0; s < x->n_sets; s++) { /* the references' IDs index the coder's tables: each set checked */
-        int bad = 0;
-        for (int64_t j = 0; j < topk; j++) {
-            int64_t v = row_value(x->sets, x->itemsize, s * topk + j);
-            if (v >= experts || x->scratch[v]) bad = 1;
-            if (v < experts) x->scratch[v] = 1;
-        }
-        for (int64_t j = 0; j < topk; j++) {
-            int64_t v = row_value(x->sets, x->itemsize, s * topk + j);
-            if (v < experts) x->scratch[v] = 0;
-        }
-        if (bad) {
-            PyErr_SetString(PyExc_ValueError, "referenced escapes: a listed set names an ID past the experts or twice");
-            return -1;
-        }
-    }
     for (int64_t i = 0; i < experts; i++) x->rank[order[i]] = (uint16_t)i;
     int64_t size = 2 * experts * ESCAPE_FOUND + REF_CANDIDATES + REF_PLACES * ESCAPE_FOUND + 1;
     x->all = malloc((size_t)size * sizeof(Counter));
@@ -747,6 +732,8 @@ static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const 
 
 /* The row's candidates in the order its decisions passed them (the row below's, then its token's not among those),
  * at most REF_CANDIDATES; -1 when one is outside the list. */
+enum { REF_OUTSIDE = -1, REF_BAD_SET = -2 }; /* referenced_row's refusals */
+
 static int gather_candidates(const Tables *t, int64_t token, int64_t below, int64_t sets, uint32_t *out) {
     const uint32_t *bc = NULL, *tc = NULL;
     uint32_t nb = below_candidates(t, below, &bc), nt = token_candidates(t, token, &tc);
@@ -764,13 +751,13 @@ static int gather_candidates(const Tables *t, int64_t token, int64_t below, int6
  * Else a bit says whether it takes a reference: the encoder's is the first candidate sharing most experts with the
  * row, taken where it shares more than half the row. A row without one is coded alone; one with one codes which
  * candidate, which of the reference's experts it keeps (in the layer's order; kept for certain once as many are
- * dropped as there are experts outside it), then the experts it adds, in the layer's order. Returns -1 when a
- * candidate is outside the list. */
+ * dropped as there are experts outside it), then the experts it adds, in the layer's order. Returns REF_OUTSIDE
+ * when a candidate is outside the list, REF_BAD_SET when a set it reads names an ID past the experts or twice. */
 static int referenced_row(Coder *c, Referenced *x, const Tables *t, int64_t token, int64_t below,
                           const uint8_t *member) {
     uint32_t candidates[REF_CANDIDATES];
     int n = gather_candidates(t, token, below, x->n_sets, candidates);
-    if (n < 0) return -1;
+    if (n < 0) return REF_OUTSIDE;
     int64_t topk = x->topk, experts = x->experts;
     if (n == 0) {
         code_members(c, x->plain, x->order, experts, NULL, 0, topk, member, 1, x->got);
@@ -781,7 +768,11 @@ static int referenced_row(Coder *c, Referenced *x, const Tables *t, int64_t toke
     if (c->e)
         for (int i = 0; i < n; i++) {
             int64_t shared = 0;
-            for (int64_t j = 0; j < topk; j++) shared += member[row_value(x->sets, x->itemsize, candidates[i] * topk + j)];
+            for (int64_t j = 0; j < topk; j++) {
+                int64_t v = row_value(x->sets, x->itemsize, candidates[i] * topk + j);
+                if (v >= experts) return REF_BAD_SET;
+                shared += member[v];
+            }
             if (shared > best) best = shared, pick = i;
         }
     if (!code_counted(c, x->referenced, 2 * best > topk)) {
@@ -795,7 +786,12 @@ static int referenced_row(Coder *c, Referenced *x, const Tables *t, int64_t toke
             break;
         }
     for (int64_t j = 0; j < topk; j++) { /* the reference's experts in the layer's order */
-        uint16_t v = (uint16_t)row_value(x->sets, x->itemsize, candidates[chosen] * topk + j);
+        int64_t id = row_value(x->sets, x->itemsize, candidates[chosen] * topk + j);
+        if (id >= experts || x->in_ref[id]) { /* no set: refused, the flags of those placed cleared */
+            for (int64_t i = 0; i < j; i++) x->in_ref[x->ref[i]] = 0;
+            return REF_BAD_SET;
+        }
+        uint16_t v = (uint16_t)id;
         x->in_ref[v] = 1;
         int64_t at = j;
         for (; at > 0 && x->rank[x->ref[at - 1]] > x->rank[v]; at--) x->ref[at] = x->ref[at - 1];
@@ -813,6 +809,11 @@ static int referenced_row(Coder *c, Referenced *x, const Tables *t, int64_t toke
     code_members(c, x->rest, x->order, experts, x->in_ref, topk, topk - kept, member, 1, x->got + kept);
     for (int64_t j = 0; j < topk; j++) x->in_ref[x->ref[j]] = 0;
     return 0;
+}
+
+static void referenced_error(const char *name, int status) {
+    PyErr_Format(PyExc_ValueError, "%s: %s", name,
+                 status == REF_OUTSIDE ? "a candidate outside the list" : "a listed set names an ID past the experts or twice");
 }
 
 enum { REF_ROWS, REF_ORDER, REF_BYTES, REF_SETS, REF_ARGS }; /* the first three as get_escape_args holds them */
@@ -883,7 +884,7 @@ static PyObject *encode_referenced(PyObject *self, PyObject *args) {
         for (int64_t j = 0; j < topk; j++) member[row_value(rows, itemsize, r * topk + j)] = 0;
     }
     if (e.bits) encoder_flush(&e);
-    Py_END_ALLOW_THREADS if (status < 0) PyErr_SetString(PyExc_ValueError, "encode_referenced: a candidate outside the list");
+    Py_END_ALLOW_THREADS if (status < 0) referenced_error("encode_referenced", status);
     else answer = PyLong_FromLongLong(e.overflow ? -1 : e.bits ? (long long)e.size : 0);
 done:
     if (x) referenced_free(x);
@@ -930,7 +931,7 @@ static PyObject *decode_referenced(PyObject *self, PyObject *args) {
             put_row(a[REF_ROWS].view.buf, itemsize, r, topk, x->got);
         }
     }
-    Py_END_ALLOW_THREADS if (status < 0) PyErr_SetString(PyExc_ValueError, "decode_referenced: a candidate outside the list");
+    Py_END_ALLOW_THREADS if (status < 0) referenced_error("decode_referenced", status);
     else answer = Py_NewRef(Py_None);
 done:
     if (x) referenced_free(x);

@@ -375,7 +375,7 @@ class _Referenced:
     """A chunk layer's escape coder of version 3: its list, order and counted contexts (the C struct)."""
 
     def __init__(self, sets: npt.NDArray[Any], order: Sequence[int], num_experts: int) -> None:
-        self.sets = [tuple(s) for s in sets.tolist()]
+        self.sets = sets
         self.order = list(order)
         self.rank = {expert: place for place, expert in enumerate(self.order)}
         self.experts = num_experts
@@ -385,6 +385,14 @@ class _Referenced:
         self.kept = _Counted(REF_PLACES * ESCAPE_FOUND)
         self.referenced = _Counted(1)
 
+    def _set(self, at: int, distinct: bool) -> list[int]:
+        """Listed set ``at``, checked where it is read, as the compiled pass checks it: its IDs below the experts, and
+        ``distinct`` (as a reference)."""
+        found = [int(v) for v in self.sets[at].tolist()]
+        if any(v >= self.experts for v in found) or (distinct and len(set(found)) != len(found)):
+            raise ValueError("referenced escapes: a listed set names an ID past the experts or twice")
+        return found
+
     def row(
         self, coder: _Encoder | _Decoder, tables: Tables, token: int, below: int, k: int, members: set[int]
     ) -> list[int]:
@@ -393,11 +401,12 @@ class _Referenced:
         candidates = [*found_below, *(c for c in found_token if c not in found_below)][:REF_CANDIDATES]
         if any(c >= len(self.sets) for c in candidates):
             raise ValueError("referenced escapes: a candidate outside the list")
+        listed = [self._set(c, False) for c in candidates] if isinstance(coder, _Encoder) else []
         if not candidates:
             return _code_members(coder, self.plain, self.order, _NONE, k, members, True)
         pick, best = 0, -1
         if isinstance(coder, _Encoder):
-            shared = [len(members.intersection(self.sets[c])) for c in candidates]
+            shared = [len(members.intersection(s)) for s in listed]
             best = max(shared)
             pick = shared.index(best)
         if not _code(coder, self.referenced, 0, 1 if 2 * best > k else 0):
@@ -407,7 +416,7 @@ class _Referenced:
             if _code(coder, self.choose, i, 1 if i == pick else 0):
                 chosen = i
                 break
-        reference = sorted(self.sets[candidates[chosen]], key=self.rank.__getitem__)
+        reference = sorted(self._set(candidates[chosen], True), key=self.rank.__getitem__)
         got: list[int] = []
         for j, expert in enumerate(reference):
             keep = 1

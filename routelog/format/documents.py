@@ -695,7 +695,9 @@ def check_format(doc: Mapping[str, Any], where: str) -> None:
 
 
 def dump_document(doc: BaseModel) -> bytes:
-    return doc.model_dump_json(indent=1).encode() + b"\n"
+    """A document's stored bytes: compact JSON (indentation was 30 % of a commit's bytes; ``routelog inspect`` and
+    any JSON tool print it indented)."""
+    return doc.model_dump_json().encode() + b"\n"
 
 
 # -- Parquet schema derived from IndexRow --------------------------------------------------------------------------

@@ -148,6 +148,11 @@ class BuiltPart:
         return sum(len(data) for data in self.objects.values() if not isinstance(data, WrittenFile))
 
 
+def zarr_json(metadata: dict[str, Any]) -> bytes:
+    """An array's ``zarr.json``, compact (zarr reads any JSON)."""
+    return json.dumps(metadata, separators=(",", ":")).encode()
+
+
 def _sha256(data: bytes | mapped.Bytes | WrittenFile) -> str:
     return data.sha256() if isinstance(data, WrittenFile) else hashlib.sha256(data).hexdigest()
 
@@ -335,7 +340,7 @@ def _encode_array(
     layout_ = shard_layout(info)
     stamp = {"format_version": FORMAT_VERSION, "transform": info.transform, "topk_order": info.topk_order}
     metadata = layout_.zarr_metadata(options.zstd_level, {"routelog": {**stamp, **attributes}})
-    objects[f"{path}/zarr.json"] = json.dumps(metadata, indent=1).encode()
+    objects[f"{path}/zarr.json"] = zarr_json(metadata)
     if info.n_rows:  # an empty array has no chunk to store
         shards = encode_shards(rows, layout_, options.zstd_level, to_gaps, _under(sink, path), tokens, pool)
         for key, shard in shards.items():
@@ -371,7 +376,7 @@ def _encode_weights(
     layout_ = shard_layout(info)
     attributes = {"routelog": {"format_version": FORMAT_VERSION, "weights_dtype": info.dtype}}
     metadata = layout_.zarr_metadata(options.zstd_level, attributes)
-    objects[f"{info.path}/zarr.json"] = json.dumps(metadata, indent=1).encode()
+    objects[f"{info.path}/zarr.json"] = zarr_json(metadata)
     if info.n_rows:
         shards = encode_shards(data, layout_, options.zstd_level, None, _under(sink, info.path), pool=pool)
         for key, shard in shards.items():
