@@ -312,7 +312,7 @@ def _use_numpy_kernels(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     monkeypatch.setattr(kernels, "IMPLEMENTATION", "numpy")
     # The set-context codec's Python passes in place of its compiled ones (context.py calls them where not built).
     monkeypatch.setattr(context, "_COMPILED", None)
-    for name in ("decode_layer", "decode_escapes", "decode_referenced"):
+    for name in ("decode_layer", "decode_escapes", "decode_referenced", "decode_list"):
         python = getattr(context_python, name)
 
         def counted(*args: Any, _name: str = name, _python: Any = python) -> Any:
@@ -548,11 +548,12 @@ def test_golden_stores_read_the_same_through_the_numpy_kernels(
             np.testing.assert_array_equal(got[key], ids, err_msg=key)
             np.testing.assert_array_equal(ids, expected[f"{store.name}/{key.split('/', 1)[1]}/ids"], err_msg=key)
     features = {f for log in copy.rglob("log/*.json") for f in json.loads(log.read_text()).get("features", [])}
-    if CONTEXT_ESCAPES_FEATURE in features:  # revision 3.2: every set range-coded, no format-2 chunk left
+    if CONTEXT_REFERENCES_FEATURE in features:  # revision 3.3: escapes and lists against references
+        assert calls["context.decode_referenced"], "the referenced escapes were not read by the Python passes"
+        assert calls["context.decode_list"], "the referenced lists were not read by the Python passes"
+    elif CONTEXT_ESCAPES_FEATURE in features:  # revision 3.2: every set range-coded, no format-2 chunk left
         assert calls["context.decode_escapes"], "the coded escapes and lists were not read by the Python passes"
     else:
         assert calls["decode_chunk"] or calls["first_invalid_row"], "the numpy kernels were not used"
-    if CONTEXT_REFERENCES_FEATURE in features:  # revision 3.3: escapes against references
-        assert calls["context.decode_referenced"], "the referenced escapes were not read by the Python passes"
     if CONTEXT_FEATURE in features:
         assert calls["context.decode_layer"], "the set-context codec's Python passes were not used"

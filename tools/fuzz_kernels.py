@@ -9,7 +9,8 @@ must decode to itself, and every forged payload, with bytes flipped in either se
 random windows, every accept rule, misaligned buffers, must return a status), the context codec's on random
 tables (every layer it codes decodes to itself, every forged stream decodes to indices inside the list or returns
 a status, coded escapes decode to themselves and forged escape streams to sorted distinct sets, escapes coded
-against references likewise, forged lists and candidates past the list refused, distinct items are numbered as a
+against references likewise, forged lists and candidates past the list refused, lists of model version 3
+likewise, distinct items are numbered as a
 dict numbers them), the audits' on random routing
 (views with any strides, IDs past E, tokens left out) against plain numpy, the Thrift walks on forged Parquet footers
 and page headers against the Python walks (same values or same problem). A sanitizer report aborts the run with its
@@ -192,6 +193,7 @@ def _fuzz_context(coder: Any, rng: Any, np: Any, seed: int) -> None:
             raise SystemExit(f"seed {seed}: a forged stream decodes to an index outside the list")
     _fuzz_escapes(coder, rng, np, seed)
     _fuzz_referenced(coder, rng, np, seed, sets, tables[2:])
+    _fuzz_list(coder, rng, np, seed)
     width = int(rng.integers(1, 17))
     items = rng.integers(0, 3, (int(rng.integers(0, 400)), width)).astype(np.uint8)
     ids, first = np.empty(len(items), np.int32), np.empty(len(items), np.int64)
@@ -299,6 +301,38 @@ def _fuzz_referenced(coder: Any, rng: Any, np: Any, seed: int, sets: int, tables
         sets_or_refused(out[:written].copy(), forged, "a stream read with a forged list")
     if sets:  # candidates past the list: refused, unless no row reaches one
         sets_or_refused(out[:written].copy(), listed[: int(rng.integers(0, sets))], "a stream read with a cut list")
+
+
+def _fuzz_list(coder: Any, rng: Any, np: Any, seed: int) -> None:
+    """Model version 3's lists: sets near earlier ones (some further back than the writer's window) or drawn afresh,
+    coded and decoded; forged streams (noise, cut short) decoded to sorted distinct sets up to the set they stop at."""
+    experts = int(rng.choice([1, 2, 9, 64, 300, 1024]))
+    k = int(rng.integers(1, min(experts, 40) + 1))
+    dtype = np.uint8 if experts <= 256 else np.uint16
+    n = int(rng.integers(0, 1200))
+    rows = np.zeros((n, k), dtype)
+    for i in range(n):
+        row = rows[rng.integers(0, i)].copy() if i and rng.random() < 0.7 else rng.choice(experts, k, replace=False)
+        outside = np.setdiff1d(np.arange(experts), row)
+        if outside.size and rng.random() < 0.9:
+            row[rng.integers(0, k)] = rng.choice(outside)
+        rows[i] = np.sort(row)
+    order = np.arange(experts, dtype=np.uint16)
+    out = np.empty(n * experts * 2 + 64, np.uint8)
+    written = coder.encode_list(rows.reshape(-1), k, experts, order, out)
+    decoded = np.zeros_like(rows)
+    if coder.decode_list(out[:written].copy(), k, experts, order, decoded.reshape(-1)) != (0, -1):
+        raise SystemExit(f"seed {seed}: a coded list does not decode")
+    if not np.array_equal(decoded, rows):
+        raise SystemExit(f"seed {seed}: a coded list decodes to other sets")
+    for _ in range(5):
+        stream = rng.integers(0, 256, int(rng.integers(0, 60)), dtype=np.uint8)
+        if rng.random() < 0.5 and written:
+            stream = out[: int(rng.integers(0, written))].copy()
+        status, stop = coder.decode_list(stream, k, experts, order, decoded.reshape(-1))
+        read = decoded[: stop if status else n].astype(np.int64)
+        if read.size and ((read >= experts).any() or (np.diff(read, axis=1) <= 0).any()):
+            raise SystemExit(f"seed {seed}: a forged list decodes to something other than sets")
 
 
 def _fuzz_sort(kernels: Any, rng: Any, np: Any, seed: int) -> None:

@@ -22,6 +22,9 @@
  * among the row's candidates (those its decisions passed over) that shares most experts with it. The row names
  * which candidate, then which of the reference's experts it keeps, then the experts it adds in the layer's order.
  * An escape is a set used once in the part, but most are a listed set with an expert or two changed.
+ *
+ * Model version 3 codes a layer's list the same way (encode_list, decode_list): each set against the earlier set of
+ * the list sharing most experts with it, named by its distance back, or alone.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -567,6 +570,24 @@ static inline int64_t row_value(const void *rows, int itemsize, int64_t i) {
     return itemsize == 1 ? ((const uint8_t *)rows)[i] : ((const uint16_t *)rows)[i];
 }
 
+/* Rows of topk IDs each below experts and distinct (member: all clear, left clear); -1 with a ValueError naming
+ * the caller otherwise. */
+static int check_rows(const void *rows, int itemsize, int64_t n, int64_t topk, int64_t experts, uint8_t *member,
+                      const char *name) {
+    for (int64_t i = 0; i < n * topk; i++) {
+        int64_t v = row_value(rows, itemsize, i);
+        if (v >= experts || member[v]) {
+            memset(member, 0, ESCAPE_MAX_EXPERTS);
+            PyErr_Format(PyExc_ValueError, "%s: a row names an ID past the experts or twice", name);
+            return -1;
+        }
+        member[v] = 1;
+        if (i % topk == topk - 1)
+            for (int64_t j = i - topk + 1; j <= i; j++) member[row_value(rows, itemsize, j)] = 0;
+    }
+    return 0;
+}
+
 static void put_row(void *rows, int itemsize, int64_t r, int64_t topk, const uint16_t *got) {
     if (itemsize == 1)
         for (int64_t i = 0; i < topk; i++) ((uint8_t *)rows)[r * topk + i] = (uint8_t)got[i];
@@ -588,16 +609,7 @@ static PyObject *encode_escapes(PyObject *self, PyObject *args) {
     int64_t n = a[0].view.len / itemsize / topk;
     const void *rows = a[0].view.buf;
     uint8_t member[ESCAPE_MAX_EXPERTS] = {0};
-    for (int64_t i = 0; i < n * topk; i++) {
-        int64_t v = row_value(rows, itemsize, i);
-        if (v >= experts || member[v]) {
-            PyErr_SetString(PyExc_ValueError, "encode_escapes: a row names an ID past the experts or twice");
-            goto done;
-        }
-        member[v] = 1;
-        if (i % topk == topk - 1)
-            for (int64_t j = i - topk + 1; j <= i; j++) member[row_value(rows, itemsize, j)] = 0;
-    }
+    if (check_rows(rows, itemsize, n, topk, experts, member, "encode_escapes") < 0) goto done;
     Counter *counters = counters_new(experts);
     if (!counters) {
         PyErr_NoMemory();
@@ -670,6 +682,8 @@ done:
 /* -- chunk version 3: escapes coded against a reference ----------------------------------------------------------- */
 #define REF_CANDIDATES 12 /* candidates a row may choose its reference from (4 below and 8 of its token at most) */
 #define REF_PLACES 16     /* places in the reference told apart by the context (16 and more share the last) */
+#define LIST_BUCKETS 32   /* a listed set's reference at most 2^31 - 1 sets back */
+#define LIST_WINDOW 512   /* the earlier sets a writer compares a listed set with */
 
 typedef struct {
     int64_t topk, experts, n_sets;
@@ -684,7 +698,9 @@ typedef struct {
     Counter *rest;   /* [experts][ESCAPE_FOUND]: the experts outside the reference, by (place among them, to find) */
     Counter *choose; /* [REF_CANDIDATES]: is it this candidate */
     Counter *kept;   /* [REF_PLACES][ESCAPE_FOUND]: is this expert of the reference kept, by (place, kept so far) */
-    Counter *referenced; /* [1]: does a row with candidates take a reference */
+    Counter *referenced; /* [1]: does a row with candidates (a listed set) take a reference */
+    Counter *gap_bucket; /* [LIST_BUCKETS]: a listed set's distance back to its reference, Elias-gamma: its bucket */
+    Counter *gap_low;    /* [LIST_BUCKETS][32]: and its bits below the leading one, by (bucket, bit) */
     Counter *all;
 } Referenced;
 
@@ -712,7 +728,7 @@ static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const 
     memset(x->scratch, 0, sizeof(x->scratch));
     memset(x->in_ref, 0, sizeof(x->in_ref));
     for (int64_t i = 0; i < experts; i++) x->rank[order[i]] = (uint16_t)i;
-    int64_t size = 2 * experts * ESCAPE_FOUND + REF_CANDIDATES + REF_PLACES * ESCAPE_FOUND + 1;
+    int64_t size = 2 * experts * ESCAPE_FOUND + REF_CANDIDATES + REF_PLACES * ESCAPE_FOUND + 1 + LIST_BUCKETS * 33;
     x->all = malloc((size_t)size * sizeof(Counter));
     x->ref = malloc((size_t)topk * sizeof(uint16_t));
     x->got = malloc((size_t)topk * sizeof(uint16_t));
@@ -727,6 +743,8 @@ static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const 
     x->choose = x->rest + experts * ESCAPE_FOUND;
     x->kept = x->choose + REF_CANDIDATES;
     x->referenced = x->kept + REF_PLACES * ESCAPE_FOUND;
+    x->gap_bucket = x->referenced + 1;
+    x->gap_low = x->gap_bucket + LIST_BUCKETS;
     return 0;
 }
 
@@ -744,6 +762,38 @@ static int gather_candidates(const Tables *t, int64_t token, int64_t below, int6
     for (int i = 0; i < n; i++)
         if ((int64_t)out[i] >= sets) return -1;
     return n;
+}
+
+/* A row against the reference x->sets[at] (member: its IDs flagged when encoding, all clear when decoding), into
+ * x->got: which of the reference's experts it keeps, in the order's order (kept for certain once as many are dropped
+ * as there are experts outside it), then the experts it adds, coded alone over the reference's. REF_BAD_SET when
+ * the reference names an ID past the experts or twice. */
+static int code_against(Coder *c, Referenced *x, int64_t at, const uint8_t *member) {
+    int64_t topk = x->topk, experts = x->experts;
+    for (int64_t j = 0; j < topk; j++) { /* the reference's experts in the order's order */
+        int64_t id = row_value(x->sets, x->itemsize, at * topk + j);
+        if (id >= experts || x->in_ref[id]) { /* no set: refused, the flags of those placed cleared */
+            for (int64_t i = 0; i < j; i++) x->in_ref[x->ref[i]] = 0;
+            return REF_BAD_SET;
+        }
+        uint16_t v = (uint16_t)id;
+        x->in_ref[v] = 1;
+        int64_t place = j;
+        for (; place > 0 && x->rank[x->ref[place - 1]] > x->rank[v]; place--) x->ref[place] = x->ref[place - 1];
+        x->ref[place] = v;
+    }
+    int64_t kept = 0;
+    for (int64_t j = 0; j < topk; j++) {
+        int keep = 1;
+        if (j - kept < experts - topk) {
+            int place = j < REF_PLACES - 1 ? (int)j : REF_PLACES - 1;
+            keep = code_counted(c, &x->kept[place * ESCAPE_FOUND + found_context(kept)], member[x->ref[j]]);
+        }
+        if (keep) x->got[kept++] = x->ref[j];
+    }
+    code_members(c, x->rest, x->order, experts, x->in_ref, topk, topk - kept, member, 1, x->got + kept);
+    for (int64_t j = 0; j < topk; j++) x->in_ref[x->ref[j]] = 0;
+    return 0;
 }
 
 /* One escaped row (member: its IDs flagged when encoding, all clear when decoding) into x->got, in the order found.
@@ -785,30 +835,7 @@ static int referenced_row(Coder *c, Referenced *x, const Tables *t, int64_t toke
             chosen = i;
             break;
         }
-    for (int64_t j = 0; j < topk; j++) { /* the reference's experts in the layer's order */
-        int64_t id = row_value(x->sets, x->itemsize, candidates[chosen] * topk + j);
-        if (id >= experts || x->in_ref[id]) { /* no set: refused, the flags of those placed cleared */
-            for (int64_t i = 0; i < j; i++) x->in_ref[x->ref[i]] = 0;
-            return REF_BAD_SET;
-        }
-        uint16_t v = (uint16_t)id;
-        x->in_ref[v] = 1;
-        int64_t at = j;
-        for (; at > 0 && x->rank[x->ref[at - 1]] > x->rank[v]; at--) x->ref[at] = x->ref[at - 1];
-        x->ref[at] = v;
-    }
-    int64_t kept = 0;
-    for (int64_t j = 0; j < topk; j++) {
-        int keep = 1;
-        if (j - kept < experts - topk) {
-            int place = j < REF_PLACES - 1 ? (int)j : REF_PLACES - 1;
-            keep = code_counted(c, &x->kept[place * ESCAPE_FOUND + found_context(kept)], member[x->ref[j]]);
-        }
-        if (keep) x->got[kept++] = x->ref[j];
-    }
-    code_members(c, x->rest, x->order, experts, x->in_ref, topk, topk - kept, member, 1, x->got + kept);
-    for (int64_t j = 0; j < topk; j++) x->in_ref[x->ref[j]] = 0;
-    return 0;
+    return code_against(c, x, candidates[chosen], member);
 }
 
 static void referenced_error(const char *name, int status) {
@@ -862,17 +889,7 @@ static PyObject *encode_referenced(PyObject *self, PyObject *args) {
     int itemsize = (int)a[REF_ROWS].view.itemsize;
     int64_t n = a[REF_ROWS].view.len / itemsize / topk;
     uint8_t *member = x->scratch;
-    for (int64_t i = 0; i < n * topk; i++) {
-        int64_t v = row_value(rows, itemsize, i);
-        if (v >= experts || member[v]) {
-            memset(member, 0, ESCAPE_MAX_EXPERTS);
-            PyErr_SetString(PyExc_ValueError, "encode_referenced: a row names an ID past the experts or twice");
-            goto done;
-        }
-        member[v] = 1;
-        if (i % topk == topk - 1)
-            for (int64_t j = i - topk + 1; j <= i; j++) member[row_value(rows, itemsize, j)] = 0;
-    }
+    if (check_rows(rows, itemsize, n, topk, experts, member, "encode_referenced") < 0) goto done;
     const int64_t *tokens = a[4 + TOKENS].view.buf;
     const int32_t *below = LEN(a[4 + BELOW], 4) ? a[4 + BELOW].view.buf : NULL;
     Encoder e = {0, 0xFFFFFFFFu, 0, 1, a[REF_BYTES].view.buf, 0, (size_t)a[REF_BYTES].view.len, 0, 0};
@@ -937,6 +954,123 @@ done:
     if (x) referenced_free(x);
     free(x);
     release(a, REF_ARGS + TABLE_ARGS);
+    return answer;
+}
+
+
+/* -- model version 3: a layer's list, each set against an earlier one ------------------------------------------- */
+/* Listed set i (of the list x->sets, in ID order; member: its IDs flagged when encoding) into x->got: a bit whether
+ * it takes an earlier set of the list as its reference; if so the distance back to it (the encoder's ``back``),
+ * Elias-gamma (its bit length - 1 in unary, each with its context, then its bits below the leading one, each by
+ * (bucket, bit)), then the set against it; else the set coded alone. Returns the distance (0: none), or -1 for a
+ * distance past the list's start or a reference that is no set. */
+static int64_t list_set(Coder *c, Referenced *x, int64_t i, int64_t back, const uint8_t *member) {
+    if (!code_counted(c, x->referenced, back > 0)) {
+        code_members(c, x->plain, x->order, x->experts, NULL, 0, x->topk, member, 1, x->got);
+        return 0;
+    }
+    int bucket = c->e ? 63 - __builtin_clzll((uint64_t)back) : 0, b = 0;
+    while (code_counted(c, &x->gap_bucket[b], b < bucket))
+        if (++b == LIST_BUCKETS - 1) return -1;
+    int64_t distance = 1;
+    for (int k = b - 1; k >= 0; k--) distance = 2 * distance + code_counted(c, &x->gap_low[b * 32 + k], (int)((back >> k) & 1));
+    if (distance > i || code_against(c, x, i - distance, member) < 0) return -1;
+    return distance;
+}
+
+/* encode_list(rows, topk, experts, order, out) -> bytes written, or -1 when out is too small: a layer's list (u8 or
+ * u16, topk distinct IDs each; the order: the experts' ID order), each set against the earlier set of the list that
+ * shares most experts with it among the LIST_WINDOW before it (the nearest of those), where it shares more than
+ * half. */
+static PyObject *encode_list(PyObject *self, PyObject *args) {
+    PyObject *rows_obj, *order_obj, *out_obj;
+    long long topk, experts;
+    if (!PyArg_ParseTuple(args, "OLLOO", &rows_obj, &topk, &experts, &order_obj, &out_obj)) return NULL;
+    Arg a[3] = {0};
+    PyObject *answer = NULL;
+    uint64_t *masks = NULL;
+    Referenced *x = malloc(sizeof(Referenced));
+    if (!x) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    x->all = NULL, x->ref = x->got = NULL;
+    if (get_escape_args(rows_obj, 0, order_obj, out_obj, 1, "out", experts, topk, a, "encode_list") < 0 ||
+        referenced_start(x, topk, experts, a[1].view.buf, &a[0]) < 0)
+        goto done;
+    int64_t n = x->n_sets, words = (experts + 63) / 64;
+    if (check_rows(x->sets, x->itemsize, n, topk, experts, x->scratch, "encode_list") < 0) goto done;
+    masks = calloc((size_t)(n * words + 1), sizeof(uint64_t));
+    if (!masks) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int64_t i = 0; i < n * topk; i++) {
+        int64_t v = row_value(x->sets, x->itemsize, i);
+        masks[(i / topk) * words + v / 64] |= 1ull << (v % 64);
+    }
+    Encoder e = {0, 0xFFFFFFFFu, 0, 1, a[2].view.buf, 0, (size_t)a[2].view.len, 0, 0};
+    Coder c = {&e, NULL};
+    int64_t status = 0;
+    Py_BEGIN_ALLOW_THREADS for (int64_t i = 0; i < n && status >= 0; i++) {
+        int64_t best = -1, back = 0;
+        for (int64_t j = i - 1; j >= 0 && i - j <= LIST_WINDOW; j--) {
+            int64_t shared = 0;
+            for (int64_t w = 0; w < words; w++) shared += __builtin_popcountll(masks[i * words + w] & masks[j * words + w]);
+            if (shared > best) best = shared, back = i - j;
+        }
+        if (2 * best <= topk) back = 0;
+        for (int64_t j = 0; j < topk; j++) x->scratch[row_value(x->sets, x->itemsize, i * topk + j)] = 1;
+        status = list_set(&c, x, i, back, x->scratch);
+        for (int64_t j = 0; j < topk; j++) x->scratch[row_value(x->sets, x->itemsize, i * topk + j)] = 0;
+    }
+    if (e.bits) encoder_flush(&e);
+    Py_END_ALLOW_THREADS if (status < 0) PyErr_SetString(PyExc_ValueError, "encode_list: a set's reference failed");
+    else answer = PyLong_FromLongLong(e.overflow ? -1 : e.bits ? (long long)e.size : 0);
+done:
+    free(masks);
+    if (x) referenced_free(x);
+    free(x);
+    release(a, 3);
+    return answer;
+}
+
+/* decode_list(stream, topk, experts, order, out) -> (status, row): encode_list's sets into out (u8 or u16, topk
+ * per set), each ascending; status 1 at the first set whose reference lies before the list's start (0: all read).
+ * Every other stream decodes to sets of topk distinct IDs. */
+static PyObject *decode_list(PyObject *self, PyObject *args) {
+    PyObject *stream_obj, *order_obj, *out_obj;
+    long long topk, experts;
+    if (!PyArg_ParseTuple(args, "OLLOO", &stream_obj, &topk, &experts, &order_obj, &out_obj)) return NULL;
+    Arg a[3] = {0};
+    PyObject *answer = NULL;
+    Referenced *x = malloc(sizeof(Referenced));
+    if (!x) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    x->all = NULL, x->ref = x->got = NULL;
+    if (get_escape_args(out_obj, 1, order_obj, stream_obj, 0, "stream", experts, topk, a, "decode_list") < 0 ||
+        referenced_start(x, topk, experts, a[1].view.buf, &a[0]) < 0)
+        goto done;
+    int64_t n = x->n_sets, i = 0;
+    int status = 0;
+    Py_BEGIN_ALLOW_THREADS Decoder d;
+    decoder_start(&d, a[2].view.buf, (size_t)a[2].view.len);
+    Coder c = {NULL, &d};
+    for (; i < n; i++) {
+        if (list_set(&c, x, i, 0, x->scratch) < 0) {
+            status = 1;
+            break;
+        }
+        sort_ids(x->got, topk, experts, x->scratch);
+        put_row(a[0].view.buf, x->itemsize, i, topk, x->got);
+    }
+    Py_END_ALLOW_THREADS answer = Py_BuildValue("iL", status, (long long)(status ? i : -1));
+done:
+    if (x) referenced_free(x);
+    free(x);
+    release(a, 3);
     return answer;
 }
 
@@ -1063,6 +1197,9 @@ static PyMethodDef methods[] = {
     {"encode_escapes", encode_escapes, METH_VARARGS,
      "encode_escapes(rows, topk, experts, order, out) -> bytes written, or -1 when out is too small"},
     {"decode_escapes", decode_escapes, METH_VARARGS, "decode_escapes(stream, topk, experts, order, out) -> None"},
+    {"encode_list", encode_list, METH_VARARGS,
+     "encode_list(rows, topk, experts, order, out) -> bytes written, or -1 when out is too small"},
+    {"decode_list", decode_list, METH_VARARGS, "decode_list(stream, topk, experts, order, out) -> (status, row)"},
     {"encode_referenced", encode_referenced, METH_VARARGS,
      "encode_referenced(rows, topk, experts, order, sets, tokens, below, token_keys, token_table, token_offsets, "
      "token_candidates, below_offsets, below_candidates, out) -> bytes written, or -1 when out is too small"},
@@ -1090,7 +1227,9 @@ PyMODINIT_FUNC PyInit__ccontext(void) {
         PyModule_AddIntConstant(m, "ESCAPE_FOUND", ESCAPE_FOUND) < 0 ||
         PyModule_AddIntConstant(m, "ESCAPE_MAX_EXPERTS", ESCAPE_MAX_EXPERTS) < 0 ||
         PyModule_AddIntConstant(m, "REF_CANDIDATES", REF_CANDIDATES) < 0 ||
-        PyModule_AddIntConstant(m, "REF_PLACES", REF_PLACES) < 0) {
+        PyModule_AddIntConstant(m, "REF_PLACES", REF_PLACES) < 0 ||
+        PyModule_AddIntConstant(m, "LIST_BUCKETS", LIST_BUCKETS) < 0 ||
+        PyModule_AddIntConstant(m, "LIST_WINDOW", LIST_WINDOW) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -35,6 +35,10 @@ REF_CANDIDATES = 12
 """Candidates an escaped row of a version-3 chunk may take its reference from (4 below and 8 of its token)."""
 REF_PLACES = 16
 """Places in the reference its contexts tell apart (16 and more share the last)."""
+LIST_BUCKETS = 32
+"""A listed set's reference is at most 2^31 - 1 sets back."""
+LIST_WINDOW = 512
+"""The earlier sets a writer compares a listed set with."""
 
 
 class _Probabilities:
@@ -384,6 +388,8 @@ class _Referenced:
         self.choose = _Counted(REF_CANDIDATES)
         self.kept = _Counted(REF_PLACES * ESCAPE_FOUND)
         self.referenced = _Counted(1)
+        self.gap_bucket = _Counted(LIST_BUCKETS)
+        self.gap_low = _Counted(LIST_BUCKETS * 32)
 
     def _set(self, at: int, distinct: bool) -> list[int]:
         """Listed set ``at``, checked where it is read, as the compiled pass checks it: its IDs below the experts, and
@@ -416,7 +422,12 @@ class _Referenced:
             if _code(coder, self.choose, i, 1 if i == pick else 0):
                 chosen = i
                 break
-        reference = sorted(self._set(candidates[chosen], True), key=self.rank.__getitem__)
+        return self.against(coder, candidates[chosen], k, members)
+
+    def against(self, coder: _Encoder | _Decoder, at: int, k: int, members: set[int]) -> list[int]:
+        """A row against listed set ``at``: the reference's experts it keeps, in the order's order, then the ones
+        it adds."""
+        reference = sorted(self._set(at, True), key=self.rank.__getitem__)
         got: list[int] = []
         for j, expert in enumerate(reference):
             keep = 1
@@ -426,6 +437,27 @@ class _Referenced:
             if keep:
                 got.append(expert)
         return got + _code_members(coder, self.rest, self.order, set(reference), k - len(got), members, True)
+
+    def listed(self, coder: _Encoder | _Decoder, i: int, back: int, k: int, members: set[int]) -> tuple[int, list[int]]:
+        """Listed set ``i`` (of ``self.sets``, the list so far), against the set ``back`` places before it or
+        alone (``back`` 0; the encoder's): the distance decoded (0: none; -1: past the list's start) and the set."""
+        if not _code(coder, self.referenced, 0, 1 if back > 0 else 0):
+            return 0, _code_members(coder, self.plain, self.order, _NONE, k, members, True)
+        bucket = back.bit_length() - 1 if isinstance(coder, _Encoder) else 0
+        b = 0
+        while _code(coder, self.gap_bucket, b, 1 if b < bucket else 0):
+            b += 1
+            if b == LIST_BUCKETS - 1:
+                return -1, []
+        distance = 1
+        for bit in range(b - 1, -1, -1):
+            distance = 2 * distance + _code(coder, self.gap_low, b * 32 + bit, (back >> bit) & 1)
+        if distance > i:
+            return -1, []
+        try:
+            return distance, self.against(coder, i - distance, k, members)
+        except ValueError:
+            return -1, []
 
 
 def encode_referenced(
@@ -471,6 +503,38 @@ def decode_referenced(
     ]
     if n:
         out[:] = rows
+
+
+def encode_list(sets: npt.NDArray[Any], order: Sequence[int], num_experts: int) -> bytes:
+    """A layer's list of version 3 (``order``: the experts' ID order), each set against the earlier set sharing most
+    experts with it among the :data:`LIST_WINDOW` before it (the nearest of those) where it shares more than half;
+    see the C file."""
+    coder = _Encoder()
+    state = _Referenced(sets, order, num_experts)
+    rows = [set(row) for row in sets.tolist()]
+    k = sets.shape[1] if sets.ndim == 2 else 0
+    for i, members in enumerate(rows):
+        best, back = -1, 0
+        for j in range(i - 1, max(i - LIST_WINDOW, 0) - 1, -1):
+            shared = len(members & rows[j])
+            if shared > best:
+                best, back = shared, i - j
+        state.listed(coder, i, back if 2 * best > k else 0, k, members)
+    return coder.finish()
+
+
+def decode_list(stream: bytes, out: npt.NDArray[Any], order: Sequence[int], num_experts: int) -> tuple[int, int]:
+    """:func:`encode_list`'s sets into ``out`` ``[S, K]`` (each ascending): (status, the set it stopped at or -1),
+    status 1 where a set's reference lies before the list's start."""
+    coder = _Decoder(bytes(stream))
+    state = _Referenced(out, order, num_experts)
+    n, k = out.shape
+    for i in range(n):
+        distance, found = state.listed(coder, i, 0, k, set())
+        if distance < 0:
+            return 1, i
+        out[i] = sorted(found)
+    return OK, -1
 
 
 def distinct(items: npt.NDArray[Any]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]:
