@@ -357,7 +357,7 @@ def test_referenced_escapes_are_coded_alike_on_both_paths_and_any_stream_decodes
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
-    sets=st.integers(0, 1500),
+    sets=st.integers(0, 900),
     shape=st.sampled_from([(9, 8), (12, 6), (16, 1), (64, 8), (300, 6), (1024, 4), (64, 40)]),
     near=st.sampled_from([0.0, 0.7, 1.0]),
 )

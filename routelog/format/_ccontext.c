@@ -704,13 +704,21 @@ typedef struct {
     Counter *all;
 } Referenced;
 
-static void referenced_free(Referenced *x) {
+static Referenced *referenced_new(void) {
+    Referenced *x = calloc(1, sizeof(Referenced));
+    if (!x) PyErr_NoMemory();
+    return x;
+}
+
+static void referenced_delete(Referenced *x) {
+    if (!x) return;
     free(x->all);
     free(x->ref);
     free(x->got);
+    free(x);
 }
 
-/* The coder's state for one chunk layer; -1 with a Python error set. The list's sets are checked where a row
+/* The coder's state for one chunk layer or list (x from referenced_new); -1 with a Python error set. The list's sets are checked where a row
  * reads them (referenced_row), not all of them for every chunk layer. */
 static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const uint16_t *order, Arg *sets) {
     x->topk = topk;
@@ -718,8 +726,6 @@ static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const 
     x->order = order;
     x->itemsize = (int)sets->view.itemsize;
     x->sets = sets->view.buf;
-    x->all = NULL;
-    x->ref = x->got = NULL;
     if ((sets->view.len / x->itemsize) % topk != 0) {
         PyErr_SetString(PyExc_ValueError, "referenced escapes: the list must be topk IDs a set, in the rows' dtype");
         return -1;
@@ -732,8 +738,7 @@ static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const 
     x->all = malloc((size_t)size * sizeof(Counter));
     x->ref = malloc((size_t)topk * sizeof(uint16_t));
     x->got = malloc((size_t)topk * sizeof(uint16_t));
-    if (!x->all || !x->ref || !x->got) {
-        referenced_free(x);
+    if (!x->all || !x->ref || !x->got) { /* the caller's referenced_delete frees what was allocated */
         PyErr_NoMemory();
         return -1;
     }
@@ -876,12 +881,8 @@ static PyObject *encode_referenced(PyObject *self, PyObject *args) {
     Arg a[REF_ARGS + TABLE_ARGS] = {0};
     Tables t;
     PyObject *answer = NULL;
-    Referenced *x = malloc(sizeof(Referenced));
-    if (!x) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    x->all = NULL, x->ref = x->got = NULL;
+    Referenced *x = referenced_new();
+    if (!x) goto done;
     if (get_referenced_args(objs, 0, 1, "out", experts, topk, a, &t, "encode_referenced") < 0 ||
         referenced_start(x, topk, experts, a[REF_ORDER].view.buf, &a[REF_SETS]) < 0)
         goto done;
@@ -904,8 +905,7 @@ static PyObject *encode_referenced(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS if (status < 0) referenced_error("encode_referenced", status);
     else answer = PyLong_FromLongLong(e.overflow ? -1 : e.bits ? (long long)e.size : 0);
 done:
-    if (x) referenced_free(x);
-    free(x);
+    referenced_delete(x);
     release(a, REF_ARGS + TABLE_ARGS);
     return answer;
 }
@@ -924,12 +924,8 @@ static PyObject *decode_referenced(PyObject *self, PyObject *args) {
     Arg a[REF_ARGS + TABLE_ARGS] = {0};
     Tables t;
     PyObject *answer = NULL;
-    Referenced *x = malloc(sizeof(Referenced));
-    if (!x) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    x->all = NULL, x->ref = x->got = NULL;
+    Referenced *x = referenced_new();
+    if (!x) goto done;
     if (get_referenced_args(objs, 1, 0, "stream", experts, topk, a, &t, "decode_referenced") < 0 ||
         referenced_start(x, topk, experts, a[REF_ORDER].view.buf, &a[REF_SETS]) < 0)
         goto done;
@@ -951,8 +947,7 @@ static PyObject *decode_referenced(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS if (status < 0) referenced_error("decode_referenced", status);
     else answer = Py_NewRef(Py_None);
 done:
-    if (x) referenced_free(x);
-    free(x);
+    referenced_delete(x);
     release(a, REF_ARGS + TABLE_ARGS);
     return answer;
 }
@@ -989,12 +984,8 @@ static PyObject *encode_list(PyObject *self, PyObject *args) {
     Arg a[3] = {0};
     PyObject *answer = NULL;
     uint64_t *masks = NULL;
-    Referenced *x = malloc(sizeof(Referenced));
-    if (!x) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    x->all = NULL, x->ref = x->got = NULL;
+    Referenced *x = referenced_new();
+    if (!x) goto done;
     if (get_escape_args(rows_obj, 0, order_obj, out_obj, 1, "out", experts, topk, a, "encode_list") < 0 ||
         referenced_start(x, topk, experts, a[1].view.buf, &a[0]) < 0)
         goto done;
@@ -1029,8 +1020,7 @@ static PyObject *encode_list(PyObject *self, PyObject *args) {
     else answer = PyLong_FromLongLong(e.overflow ? -1 : e.bits ? (long long)e.size : 0);
 done:
     free(masks);
-    if (x) referenced_free(x);
-    free(x);
+    referenced_delete(x);
     release(a, 3);
     return answer;
 }
@@ -1044,12 +1034,8 @@ static PyObject *decode_list(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OLLOO", &stream_obj, &topk, &experts, &order_obj, &out_obj)) return NULL;
     Arg a[3] = {0};
     PyObject *answer = NULL;
-    Referenced *x = malloc(sizeof(Referenced));
-    if (!x) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    x->all = NULL, x->ref = x->got = NULL;
+    Referenced *x = referenced_new();
+    if (!x) goto done;
     if (get_escape_args(out_obj, 1, order_obj, stream_obj, 0, "stream", experts, topk, a, "decode_list") < 0 ||
         referenced_start(x, topk, experts, a[1].view.buf, &a[0]) < 0)
         goto done;
@@ -1068,8 +1054,7 @@ static PyObject *decode_list(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS answer = Py_BuildValue("iL", status, (long long)(status ? i : -1));
 done:
-    if (x) referenced_free(x);
-    free(x);
+    referenced_delete(x);
     release(a, 3);
     return answer;
 }

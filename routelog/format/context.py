@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -459,14 +459,16 @@ def _assemble_coded(
     return [bytes(head), *streams, *escapes]
 
 
-def _escape_buffer(rows: int, k: int) -> npt.NDArray[np.uint8]:
-    """Room for 4 bytes an ID: far more than an escape stream takes."""
-    return np.empty(rows * k * 4 + 64, np.uint8)
-
-
-def _full_escape_buffer(rows: int, num_experts: int) -> npt.NDArray[np.uint8]:
-    """Every bit at its dearest (15 bits) for every expert of every row: the bound, never reached."""
-    return np.empty(rows * num_experts * 2 + 64, np.uint8)
+def _stream(encode: Callable[[npt.NDArray[np.uint8]], int], rows: int, k: int, num_experts: int) -> bytes:
+    """A counted coder's stream of ``rows`` rows, written by ``encode`` into a buffer it returns the bytes written to
+    (-1: too small): first room for 4 bytes an ID, far more than a stream takes; then the bound, every bit at its
+    dearest (15 bits) for every expert of every row, never reached."""
+    out = np.empty(rows * k * 4 + 64, np.uint8)
+    written = encode(out)
+    if written < 0:
+        out = np.empty(rows * num_experts * 2 + 64, np.uint8)
+        written = encode(out)
+    return out[:written].tobytes()
 
 
 def _encode_escapes(rows: npt.NDArray[Any], order: npt.NDArray[np.uint16], num_experts: int) -> bytes:
@@ -474,12 +476,8 @@ def _encode_escapes(rows: npt.NDArray[Any], order: npt.NDArray[np.uint16], num_e
     if _COMPILED is None:
         return context_python.encode_escapes(rows, order.tolist(), num_experts)
     n, k = rows.shape
-    out = _escape_buffer(n, k)
-    written = _COMPILED.encode_escapes(rows.reshape(-1), k, num_experts, order, out)
-    if written < 0:
-        out = _full_escape_buffer(n, num_experts)
-        written = _COMPILED.encode_escapes(rows.reshape(-1), k, num_experts, order, out)
-    return out[:written].tobytes()
+    flat = rows.reshape(-1)
+    return _stream(lambda out: int(_COMPILED.encode_escapes(flat, k, num_experts, order, out)), n, k, num_experts)
 
 
 def _decode_escapes(
@@ -497,12 +495,8 @@ def _encode_list(sets: npt.NDArray[Any], num_experts: int) -> bytes:
     if _COMPILED is None:
         return context_python.encode_list(sets, order.tolist(), num_experts)
     n, k = sets.shape
-    out = _escape_buffer(n, k)
-    written = _COMPILED.encode_list(sets.reshape(-1), k, num_experts, order, out)
-    if written < 0:
-        out = _full_escape_buffer(n, num_experts)
-        written = _COMPILED.encode_list(sets.reshape(-1), k, num_experts, order, out)
-    return out[:written].tobytes()
+    flat = sets.reshape(-1)
+    return _stream(lambda out: int(_COMPILED.encode_list(flat, k, num_experts, order, out)), n, k, num_experts)
 
 
 def _decode_list(stream: npt.NDArray[np.uint8], out: npt.NDArray[Any], num_experts: int) -> int:
@@ -530,15 +524,8 @@ def _encode_referenced(
         )
     n, k = rows.shape
     sets = np.ascontiguousarray(model.sets).reshape(-1)
-    tables = model._tables()
-    out = _escape_buffer(n, k)
-    written = _COMPILED.encode_referenced(rows.reshape(-1), k, num_experts, order, sets, tokens, below, *tables, out)
-    if written < 0:
-        out = _full_escape_buffer(n, num_experts)
-        written = _COMPILED.encode_referenced(
-            rows.reshape(-1), k, num_experts, order, sets, tokens, below, *tables, out
-        )
-    return out[:written].tobytes()
+    args = (rows.reshape(-1), k, num_experts, order, sets, tokens, below, *model._tables())
+    return _stream(lambda out: int(_COMPILED.encode_referenced(*args, out)), n, k, num_experts)
 
 
 def _decode_referenced(

@@ -511,15 +511,20 @@ def encode_list(sets: npt.NDArray[Any], order: Sequence[int], num_experts: int) 
     see the C file."""
     coder = _Encoder()
     state = _Referenced(sets, order, num_experts)
-    rows = [set(row) for row in sets.tolist()]
-    k = sets.shape[1] if sets.ndim == 2 else 0
-    for i, members in enumerate(rows):
-        best, back = -1, 0
-        for j in range(i - 1, max(i - LIST_WINDOW, 0) - 1, -1):
-            shared = len(members & rows[j])
-            if shared > best:
-                best, back = shared, i - j
-        state.listed(coder, i, back if 2 * best > k else 0, k, members)
+    n, k = sets.shape
+    if n and (int(sets.max()) >= num_experts or (np.diff(np.sort(sets.astype(np.int64), axis=1), axis=1) == 0).any()):
+        raise ValueError("encode_list: a row names an ID past the experts or twice")
+    flags = np.zeros((n, num_experts), np.int32)  # each set's experts flagged: a window's overlaps in one product
+    flags[np.repeat(np.arange(n), k), sets.reshape(-1).astype(np.int64)] = 1
+    for i, row in enumerate(sets.tolist()):
+        back = 0
+        if i:
+            start = max(i - LIST_WINDOW, 0)
+            shared = flags[start:i] @ flags[i]
+            best = int(shared.max())
+            if 2 * best > k:  # the nearest of those sharing most
+                back = i - (start + int(np.flatnonzero(shared == best)[-1]))
+        state.listed(coder, i, back, k, set(row))
     return coder.finish()
 
 
