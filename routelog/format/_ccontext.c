@@ -976,7 +976,8 @@ static int64_t list_set(Coder *c, Referenced *x, int64_t i, int64_t back, const 
 /* encode_list(rows, topk, experts, order, out) -> bytes written, or -1 when out is too small: a layer's list (u8 or
  * u16, topk distinct IDs each; the order: the experts' ID order), each set against the earlier set of the list that
  * shares most experts with it among the LIST_WINDOW before it (the nearest of those), where it shares more than
- * half. */
+ * two thirds of them (measured: at more than half, lists of sets drawn at random, as token-dependent routing's,
+ * grew 11 % against version 2's; at two thirds 3 %, and the DeepSeek-V3-style corpus' lists 0.4 % larger). */
 static PyObject *encode_list(PyObject *self, PyObject *args) {
     PyObject *rows_obj, *order_obj, *out_obj;
     long long topk, experts;
@@ -1010,7 +1011,7 @@ static PyObject *encode_list(PyObject *self, PyObject *args) {
             for (int64_t w = 0; w < words; w++) shared += __builtin_popcountll(masks[i * words + w] & masks[j * words + w]);
             if (shared > best) best = shared, back = i - j;
         }
-        if (2 * best <= topk) back = 0;
+        if (3 * best <= 2 * topk) back = 0;
         for (int64_t j = 0; j < topk; j++) x->scratch[row_value(x->sets, x->itemsize, i * topk + j)] = 1;
         status = list_set(&c, x, i, back, x->scratch);
         for (int64_t j = 0; j < topk; j++) x->scratch[row_value(x->sets, x->itemsize, i * topk + j)] = 0;

@@ -507,7 +507,8 @@ def decode_referenced(
 
 def encode_list(sets: npt.NDArray[Any], order: Sequence[int], num_experts: int) -> bytes:
     """A layer's list of version 3 (``order``: the experts' ID order), each set against the earlier set sharing most
-    experts with it among the :data:`LIST_WINDOW` before it (the nearest of those) where it shares more than half;
+    experts with it among the :data:`LIST_WINDOW` before it (the nearest of those) where it shares more than two
+    thirds of them;
     see the C file."""
     coder = _Encoder()
     state = _Referenced(sets, order, num_experts)
@@ -522,7 +523,7 @@ def encode_list(sets: npt.NDArray[Any], order: Sequence[int], num_experts: int) 
             start = max(i - LIST_WINDOW, 0)
             shared = flags[start:i] @ flags[i]
             best = int(shared.max())
-            if 2 * best > k:  # the nearest of those sharing most
+            if 3 * best > 2 * k:  # the nearest of those sharing most
                 back = i - (start + int(np.flatnonzero(shared == best)[-1]))
         state.listed(coder, i, back, k, set(row))
     return coder.finish()
