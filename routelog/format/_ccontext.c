@@ -718,8 +718,8 @@ static void referenced_delete(Referenced *x) {
     free(x);
 }
 
-/* The coder's state for one chunk layer or list (x from referenced_new); -1 with a Python error set. The list's sets are checked where a row
- * reads them (referenced_row), not all of them for every chunk layer. */
+/* The coder's state for one chunk layer or list (x from referenced_new); -1 with a Python error set. The list's
+ * sets are checked where a row reads them (code_against), not all of them for every chunk layer. */
 static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const uint16_t *order, Arg *sets) {
     x->topk = topk;
     x->experts = experts;
@@ -753,10 +753,10 @@ static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const 
     return 0;
 }
 
-/* The row's candidates in the order its decisions passed them (the row below's, then its token's not among those),
- * at most REF_CANDIDATES; -1 when one is outside the list. */
 enum { REF_OUTSIDE = -1, REF_BAD_SET = -2 }; /* referenced_row's refusals */
 
+/* The row's candidates in the order its decisions passed them (the row below's, then its token's not among those),
+ * at most REF_CANDIDATES; -1 when one is outside the list. */
 static int gather_candidates(const Tables *t, int64_t token, int64_t below, int64_t sets, uint32_t *out) {
     const uint32_t *bc = NULL, *tc = NULL;
     uint32_t nb = below_candidates(t, below, &bc), nt = token_candidates(t, token, &tc);
@@ -845,7 +845,8 @@ static int referenced_row(Coder *c, Referenced *x, const Tables *t, int64_t toke
 
 static void referenced_error(const char *name, int status) {
     PyErr_Format(PyExc_ValueError, "%s: %s", name,
-                 status == REF_OUTSIDE ? "a candidate outside the list" : "a listed set names an ID past the experts or twice");
+                 status == REF_OUTSIDE ? "a candidate outside the list"
+                                       : "a listed set names an ID past the experts or twice");
 }
 
 enum { REF_ROWS, REF_ORDER, REF_BYTES, REF_SETS, REF_ARGS }; /* the first three as get_escape_args holds them */
@@ -968,7 +969,8 @@ static int64_t list_set(Coder *c, Referenced *x, int64_t i, int64_t back, const 
     while (code_counted(c, &x->gap_bucket[b], b < bucket))
         if (++b == LIST_BUCKETS - 1) return -1;
     int64_t distance = 1;
-    for (int k = b - 1; k >= 0; k--) distance = 2 * distance + code_counted(c, &x->gap_low[b * 32 + k], (int)((back >> k) & 1));
+    for (int k = b - 1; k >= 0; k--)
+        distance = 2 * distance + code_counted(c, &x->gap_low[b * 32 + k], (int)((back >> k) & 1));
     if (distance > i || code_against(c, x, i - distance, member) < 0) return -1;
     return distance;
 }
@@ -1008,7 +1010,8 @@ static PyObject *encode_list(PyObject *self, PyObject *args) {
         int64_t best = -1, back = 0;
         for (int64_t j = i - 1; j >= 0 && i - j <= LIST_WINDOW; j--) {
             int64_t shared = 0;
-            for (int64_t w = 0; w < words; w++) shared += __builtin_popcountll(masks[i * words + w] & masks[j * words + w]);
+            for (int64_t w = 0; w < words; w++)
+                shared += __builtin_popcountll(masks[i * words + w] & masks[j * words + w]);
             if (shared > best) best = shared, back = i - j;
         }
         if (3 * best <= 2 * topk) back = 0;
