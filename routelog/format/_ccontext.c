@@ -588,6 +588,11 @@ static int check_rows(const void *rows, int itemsize, int64_t n, int64_t topk, i
     return 0;
 }
 
+/* Row r's IDs flagged (value 1) or cleared (0) in member: what an encoder codes the row's bits from. */
+static void flag_row(uint8_t *member, const void *rows, int itemsize, int64_t r, int64_t topk, uint8_t value) {
+    for (int64_t j = 0; j < topk; j++) member[row_value(rows, itemsize, r * topk + j)] = value;
+}
+
 static void put_row(void *rows, int itemsize, int64_t r, int64_t topk, const uint16_t *got) {
     if (itemsize == 1)
         for (int64_t i = 0; i < topk; i++) ((uint8_t *)rows)[r * topk + i] = (uint8_t)got[i];
@@ -625,9 +630,9 @@ static PyObject *encode_escapes(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS Coder c = {&e, NULL};
     for (int64_t r = 0; r < n; r++) {
-        for (int64_t j = 0; j < topk; j++) member[row_value(rows, itemsize, r * topk + j)] = 1;
+        flag_row(member, rows, itemsize, r, topk, 1);
         code_members(&c, counters, order, experts, NULL, 0, topk, member, 0, got);
-        for (int64_t j = 0; j < topk; j++) member[row_value(rows, itemsize, r * topk + j)] = 0;
+        flag_row(member, rows, itemsize, r, topk, 0);
     }
     if (e.bits) encoder_flush(&e);
     Py_END_ALLOW_THREADS free(counters);
@@ -704,11 +709,7 @@ typedef struct {
     Counter *all;
 } Referenced;
 
-static Referenced *referenced_new(void) {
-    Referenced *x = calloc(1, sizeof(Referenced));
-    if (!x) PyErr_NoMemory();
-    return x;
-}
+static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const uint16_t *order, Arg *sets);
 
 static void referenced_delete(Referenced *x) {
     if (!x) return;
@@ -718,8 +719,22 @@ static void referenced_delete(Referenced *x) {
     free(x);
 }
 
-/* The coder's state for one chunk layer or list (x from referenced_new); -1 with a Python error set. The list's
- * sets are checked where a row reads them (code_against), not all of them for every chunk layer. */
+/* The coder's state for one chunk layer or list (its order and list, or the list being written or read, already
+ * checked by the caller's argument parsing); NULL with a Python error set. The list's sets are checked where a row
+ * reads them (code_against), not all of them for every chunk layer. */
+static Referenced *referenced_open(int64_t topk, int64_t experts, const uint16_t *order, Arg *sets) {
+    Referenced *x = calloc(1, sizeof(Referenced));
+    if (!x) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    if (referenced_start(x, topk, experts, order, sets) < 0) {
+        referenced_delete(x);
+        return NULL;
+    }
+    return x;
+}
+
 static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const uint16_t *order, Arg *sets) {
     x->topk = topk;
     x->experts = experts;
@@ -738,7 +753,7 @@ static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const 
     x->all = malloc((size_t)size * sizeof(Counter));
     x->ref = malloc((size_t)topk * sizeof(uint16_t));
     x->got = malloc((size_t)topk * sizeof(uint16_t));
-    if (!x->all || !x->ref || !x->got) { /* the caller's referenced_delete frees what was allocated */
+    if (!x->all || !x->ref || !x->got) { /* referenced_open frees what was allocated */
         PyErr_NoMemory();
         return -1;
     }
@@ -882,10 +897,9 @@ static PyObject *encode_referenced(PyObject *self, PyObject *args) {
     Arg a[REF_ARGS + TABLE_ARGS] = {0};
     Tables t;
     PyObject *answer = NULL;
-    Referenced *x = referenced_new();
-    if (!x) goto done;
+    Referenced *x = NULL;
     if (get_referenced_args(objs, 0, 1, "out", experts, topk, a, &t, "encode_referenced") < 0 ||
-        referenced_start(x, topk, experts, a[REF_ORDER].view.buf, &a[REF_SETS]) < 0)
+        !(x = referenced_open(topk, experts, a[REF_ORDER].view.buf, &a[REF_SETS])))
         goto done;
     const void *rows = a[REF_ROWS].view.buf;
     int itemsize = (int)a[REF_ROWS].view.itemsize;
@@ -898,9 +912,9 @@ static PyObject *encode_referenced(PyObject *self, PyObject *args) {
     Coder c = {&e, NULL};
     int status = 0;
     Py_BEGIN_ALLOW_THREADS for (int64_t r = 0; r < n && status == 0; r++) {
-        for (int64_t j = 0; j < topk; j++) member[row_value(rows, itemsize, r * topk + j)] = 1;
+        flag_row(member, rows, itemsize, r, topk, 1);
         status = referenced_row(&c, x, &t, tokens[r], below ? below[r] : -1, member);
-        for (int64_t j = 0; j < topk; j++) member[row_value(rows, itemsize, r * topk + j)] = 0;
+        flag_row(member, rows, itemsize, r, topk, 0);
     }
     if (e.bits) encoder_flush(&e);
     Py_END_ALLOW_THREADS if (status < 0) referenced_error("encode_referenced", status);
@@ -925,10 +939,9 @@ static PyObject *decode_referenced(PyObject *self, PyObject *args) {
     Arg a[REF_ARGS + TABLE_ARGS] = {0};
     Tables t;
     PyObject *answer = NULL;
-    Referenced *x = referenced_new();
-    if (!x) goto done;
+    Referenced *x = NULL;
     if (get_referenced_args(objs, 1, 0, "stream", experts, topk, a, &t, "decode_referenced") < 0 ||
-        referenced_start(x, topk, experts, a[REF_ORDER].view.buf, &a[REF_SETS]) < 0)
+        !(x = referenced_open(topk, experts, a[REF_ORDER].view.buf, &a[REF_SETS])))
         goto done;
     int itemsize = (int)a[REF_ROWS].view.itemsize;
     int64_t n = a[REF_ROWS].view.len / itemsize / topk;
@@ -987,10 +1000,9 @@ static PyObject *encode_list(PyObject *self, PyObject *args) {
     Arg a[3] = {0};
     PyObject *answer = NULL;
     uint64_t *masks = NULL;
-    Referenced *x = referenced_new();
-    if (!x) goto done;
+    Referenced *x = NULL;
     if (get_escape_args(rows_obj, 0, order_obj, out_obj, 1, "out", experts, topk, a, "encode_list") < 0 ||
-        referenced_start(x, topk, experts, a[1].view.buf, &a[0]) < 0)
+        !(x = referenced_open(topk, experts, a[1].view.buf, &a[0])))
         goto done;
     int64_t n = x->n_sets, words = (experts + 63) / 64;
     if (check_rows(x->sets, x->itemsize, n, topk, experts, x->scratch, "encode_list") < 0) goto done;
@@ -1015,9 +1027,9 @@ static PyObject *encode_list(PyObject *self, PyObject *args) {
             if (shared > best) best = shared, back = i - j;
         }
         if (3 * best <= 2 * topk) back = 0;
-        for (int64_t j = 0; j < topk; j++) x->scratch[row_value(x->sets, x->itemsize, i * topk + j)] = 1;
+        flag_row(x->scratch, x->sets, x->itemsize, i, topk, 1);
         status = list_set(&c, x, i, back, x->scratch);
-        for (int64_t j = 0; j < topk; j++) x->scratch[row_value(x->sets, x->itemsize, i * topk + j)] = 0;
+        flag_row(x->scratch, x->sets, x->itemsize, i, topk, 0);
     }
     if (e.bits) encoder_flush(&e);
     Py_END_ALLOW_THREADS if (status < 0) PyErr_SetString(PyExc_ValueError, "encode_list: a set's reference failed");
@@ -1038,10 +1050,9 @@ static PyObject *decode_list(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OLLOO", &stream_obj, &topk, &experts, &order_obj, &out_obj)) return NULL;
     Arg a[3] = {0};
     PyObject *answer = NULL;
-    Referenced *x = referenced_new();
-    if (!x) goto done;
+    Referenced *x = NULL;
     if (get_escape_args(out_obj, 1, order_obj, stream_obj, 0, "stream", experts, topk, a, "decode_list") < 0 ||
-        referenced_start(x, topk, experts, a[1].view.buf, &a[0]) < 0)
+        !(x = referenced_open(topk, experts, a[1].view.buf, &a[0])))
         goto done;
     int64_t n = x->n_sets, i = 0;
     int status = 0;

@@ -194,14 +194,19 @@ class Tables:
         return found_below, found_token
 
 
+def _contexts(tokens: npt.NDArray[np.int64], below: npt.NDArray[np.int32]) -> list[tuple[int, int]]:
+    """Each row's token and its row below's index in the layer below's list (-1 for every row when ``below`` is
+    empty: no layer below in the chunk)."""
+    return list(zip(tokens.tolist(), below.tolist() if below.size else [-1] * tokens.size, strict=True))
+
+
 def encode_layer(
     index: npt.NDArray[np.int32], tables: Tables, tokens: npt.NDArray[np.int64], below: npt.NDArray[np.int32]
 ) -> bytes:
     """The stream of one chunk layer's rows (``index``: each row's set in the list, -1 to escape)."""
     coder = _Encoder()
     probs = _Probabilities()
-    below_rows = below.tolist() if below.size else [-1] * index.size
-    for found, token, under in zip(index.tolist(), tokens.tolist(), below_rows, strict=True):
+    for found, (token, under) in zip(index.tolist(), _contexts(tokens, below), strict=True):
         _encode_row(coder, probs, tables, token, under, found)
     return coder.finish()
 
@@ -252,9 +257,8 @@ def decode_layer(
     """Each row's set in the list (-1: an escape) into ``index``; (status, the row it stopped at or -1)."""
     coder = _Decoder(bytes(stream))
     probs = _Probabilities()
-    below_rows = below.tolist() if below.size else [-1] * index.size
     found: list[int] = []
-    for r, (token, under) in enumerate(zip(tokens.tolist(), below_rows, strict=True)):
+    for r, (token, under) in enumerate(_contexts(tokens, below)):
         status, value = _decode_row(coder, probs, tables, token, under)
         if status != OK:
             index[: len(found)] = found
@@ -474,9 +478,8 @@ def encode_referenced(
     ``sets``; see the C file."""
     coder = _Encoder()
     state = _Referenced(sets, order, num_experts)
-    below_rows = below.tolist() if below.size else [-1] * rows.shape[0]
     k = rows.shape[1] if rows.ndim == 2 else 0
-    for row, token, under in zip(rows.tolist(), tokens.tolist(), below_rows, strict=True):
+    for row, (token, under) in zip(rows.tolist(), _contexts(tokens, below), strict=True):
         state.row(coder, tables, token, under, k, set(row))
     return coder.finish()
 
@@ -496,11 +499,7 @@ def decode_referenced(
     coder = _Decoder(bytes(stream))
     state = _Referenced(sets, order, num_experts)
     n, k = out.shape
-    below_rows = below.tolist() if below.size else [-1] * n
-    rows = [
-        sorted(state.row(coder, tables, token, under, k, set()))
-        for token, under in zip(tokens.tolist(), below_rows, strict=True)
-    ]
+    rows = [sorted(state.row(coder, tables, token, under, k, set())) for token, under in _contexts(tokens, below)]
     if n:
         out[:] = rows
 
