@@ -56,9 +56,14 @@ def _coded(
     return plan.models, chunks
 
 
-CHUNK_VERSIONS = [context.CHUNK_VERSION, context.CHUNK_VERSION_CODED_ESCAPES, context.CHUNK_VERSION_REFERENCED]
-CODED_FEATURES = ["ranked_context", "context_escapes", "context_references"]
-"""What a commit of ``ranked_context`` parts names where the escape coders take its experts (revision 3.3)."""
+CHUNK_VERSIONS = [
+    context.CHUNK_VERSION,
+    context.CHUNK_VERSION_CODED_ESCAPES,
+    context.CHUNK_VERSION_REFERENCED,
+    context.CHUNK_VERSION_LIST_REFERENCES,
+]
+CODED_FEATURES = ["ranked_context", "context_escapes", "context_references", "context_list_references"]
+"""What a commit of ``ranked_context`` parts names where the escape coders take its experts (revision 3.4)."""
 
 
 # -- models --------------------------------------------------------------------------------------------------------
@@ -110,12 +115,18 @@ def test_uniform_routing_lists_nothing_and_costs_no_more_than_format_2() -> None
         assert len(coded[0]) < len(chunks[0]) and len(coded[0]) < 1.05 * bound, (len(coded[0]), len(chunks[0]))
 
 
-MODEL_VERSIONS = [context.MODEL_VERSION, context.MODEL_VERSION_CODED_LISTS, context.MODEL_VERSION_REFERENCED_LISTS]
+MODEL_VERSIONS = [
+    context.MODEL_VERSION,
+    context.MODEL_VERSION_CODED_LISTS,
+    context.MODEL_VERSION_REFERENCED_LISTS,
+    context.MODEL_VERSION_CODED_TABLES,
+]
 
 
 @pytest.mark.parametrize("version", MODEL_VERSIONS)
 def test_a_model_stores_and_reads_back_every_table(version: int) -> None:
-    """Models of both versions: 2 (lists range-coded, what routelog writes) and 1 (revision 3.1's stores)."""
+    """Models of every version: 4 (lists against references, tables range-coded: what routelog writes), 3, 2 and 1
+    (revision 3.3's, 3.2's and 3.1's stores)."""
     rng = np.random.default_rng(3)
     rows, tokens = _part(rng, 5, 2000, 300, 6, 50)
     models = []
@@ -280,17 +291,24 @@ def _swap_one_expert(rng: np.random.Generator, ids: np.ndarray, experts: int, sh
 def test_coded_escapes_take_fewer_bytes_than_format_2_ones_and_references_fewer_still() -> None:
     """Escaped rows are sets the part uses once: no repeat for format 2's zstd to find, while the range coder
     learns which experts the layer takes (the list's order) within each chunk layer. Where escapes are a usual set
-    with an expert changed (as on the corpora) references code them in fewer bits; where they are drawn afresh (the
-    rest of token-dependent routing) the bit that says so costs next to nothing."""
+    with an expert changed (as on the corpora) references code them in fewer bits, and where no candidate names that
+    set (here: no token ids, the first layer) a listed reference does (version 4); where they are drawn afresh (the
+    rest of token-dependent routing) the bits that say so cost next to nothing."""
     rng = np.random.default_rng(21)
     ids, tokens = _part(rng, 4, 4000, 128, 8, 150_000)
     sizes = {version: sum(map(len, _coded(ids, tokens, 2000, 128, version)[1])) for version in CHUNK_VERSIONS}
     assert sizes[2] < 0.95 * sizes[1], sizes
     assert sizes[3] < 1.005 * sizes[2], sizes
+    assert sizes[4] < 1.005 * sizes[3], sizes
     ids, tokens = _part(rng, 4, 4000, 128, 8, 300)  # a vocabulary whose tokens recur: candidates to refer to
     near = _swap_one_expert(rng, ids, 128, 0.3)
     near_sizes = {version: sum(map(len, _coded(near, tokens, 2000, 128, version)[1])) for version in CHUNK_VERSIONS}
     assert near_sizes[3] < 0.9 * near_sizes[2], near_sizes
+    assert near_sizes[4] < 1.005 * near_sizes[3], near_sizes  # the candidates reference them: the list adds little
+    no_tokens = np.full_like(tokens, -1)  # no candidates in the first layer: only the list to refer to
+    first = near[:1]
+    alone = {version: sum(map(len, _coded(first, no_tokens, 2000, 128, version)[1])) for version in CHUNK_VERSIONS}
+    assert alone[4] < 0.98 * alone[3], alone
 
 
 @pytest.mark.parametrize("version", CHUNK_VERSIONS[1:])
@@ -318,13 +336,15 @@ def _escaped(
     rows=st.integers(1, 500),
     shape=st.sampled_from([(9, 8), (12, 6), (16, 1), (64, 8), (300, 6), (1024, 4), (64, 40)]),
     vocab=st.sampled_from([3, 40, 5000]),
+    lists=st.booleans(),
 )
 def test_referenced_escapes_are_coded_alike_on_both_paths_and_any_stream_decodes_to_sets(
-    seed: int, rows: int, shape: tuple[int, int], vocab: int
+    seed: int, rows: int, shape: tuple[int, int], vocab: int, lists: bool
 ) -> None:
-    """Version 3's escapes, compiled and in Python: the same bytes, the rows back, and any stream (noise) read
-    alike by both as sorted distinct sets, whatever reference each row takes (few experts: every reference
-    dropped to its last expert outside it)."""
+    """Version 3's and 4's (``lists``) escapes, compiled and in Python: the same bytes, the rows back, and any
+    stream (noise) read alike by both, as sorted distinct sets or (version 4) refused where it names a listed
+    reference past the list, whatever reference each row takes (few experts: every reference dropped to its last
+    expert outside it)."""
     experts, k = shape
     rng = np.random.default_rng(seed)
     ids, tokens = _part(rng, 3, rows, experts, k, vocab, share=0.8)
@@ -332,20 +352,31 @@ def test_referenced_escapes_are_coded_alike_on_both_paths_and_any_stream_decodes
     for j, model in enumerate(plan.models):
         escaped, escaped_tokens, below = _escaped(plan, ids, tokens, j)
         order = model.escape_order(experts)
-        compiled = context._encode_referenced(escaped, order, experts, model, escaped_tokens, below)
+        compiled = context._encode_referenced(escaped, order, experts, model, escaped_tokens, below, lists)
         tables = model.python_tables()
         python = context_python.encode_referenced(
-            escaped, order.tolist(), experts, model.sets, tables, escaped_tokens, below
+            escaped, order.tolist(), experts, model.sets, tables, escaped_tokens, below, lists
         )
         assert compiled == python
         for stream in (compiled, rng.integers(0, 256, 40, dtype=np.uint8).tobytes()):
             got = np.empty_like(escaped)
-            context._decode_referenced(
-                np.frombuffer(stream, np.uint8), got, order, experts, model, escaped_tokens, below
-            )
             python_got = np.empty_like(escaped)
+            failure = ""
+            try:
+                context._decode_referenced(
+                    np.frombuffer(stream, np.uint8), got, order, experts, model, escaped_tokens, below, lists
+                )
+            except ValueError as exc:
+                failure = str(exc)
+            if failure:
+                assert lists and stream is not compiled and "reference outside the list" in failure
+                with pytest.raises(ValueError, match="reference outside the list"):
+                    context_python.decode_referenced(
+                        stream, python_got, order.tolist(), experts, model.sets, tables, escaped_tokens, below, lists
+                    )
+                continue
             context_python.decode_referenced(
-                stream, python_got, order.tolist(), experts, model.sets, tables, escaped_tokens, below
+                stream, python_got, order.tolist(), experts, model.sets, tables, escaped_tokens, below, lists
             )
             np.testing.assert_array_equal(got, python_got)
             assert (got < experts).all() and (np.diff(got.astype(np.int64), axis=-1) > 0).all(), "sorted sets"
@@ -393,6 +424,50 @@ def test_lists_are_coded_alike_on_both_paths_and_any_stream_decodes_to_sets_or_s
             np.testing.assert_array_equal(got, rows)
 
 
+@needs_compiled
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    layers=st.integers(1, 4),
+    rows=st.integers(1, 600),
+    vocab=st.sampled_from([3, 40, 150_000]),
+)
+def test_tables_are_coded_alike_on_both_paths_and_any_stream_reads_alike(
+    seed: int, layers: int, rows: int, vocab: int
+) -> None:
+    """Model version 4's candidate tables, compiled and in Python: the same bytes, the tables back, and any stream
+    (noise, or the honest one cut short) read alike by both: the same status, the same tables where it is OK."""
+    rng = np.random.default_rng(seed)
+    ids, tokens = _part(rng, layers, rows, 64, 8, vocab, share=0.8)
+    plan = context.plan_layers(ids, tokens, rows)
+    for j, model in enumerate(plan.models):
+        below_sets = model.below_offsets.size - 1 if j else -1
+        compiled = context._encode_tables(model)
+        lists = [t.tolist() for t in (*_fields(model).values(),)][1:]
+        assert compiled == context_python.encode_tables(*lists, model.n_sets, max(below_sets, 0))
+        n_below = int(np.count_nonzero(np.diff(model.below_offsets.astype(np.int64))))
+        for stream in (compiled, compiled[: len(compiled) // 2], rng.integers(0, 256, 30, dtype=np.uint8).tobytes()):
+            python = context_python.decode_tables(stream, model.token_keys.size, model.n_sets, below_sets, n_below)
+            try:
+                read = context._decode_tables(
+                    np.frombuffer(stream, np.uint8),
+                    model.sets,
+                    model.token_keys.size,
+                    n_below,
+                    None if below_sets < 0 else below_sets,
+                    "layer",
+                )
+            except context.ContextFormatError:
+                assert python[0] != context_python.OK
+                continue
+            assert python[0] == context_python.OK
+            for got, want in zip(list(_fields(read).values())[1:], python[1:], strict=True):
+                np.testing.assert_array_equal(got, np.asarray(want, got.dtype))
+            if stream is compiled:
+                for name, value in _fields(model).items():
+                    np.testing.assert_array_equal(getattr(read, name), value, err_msg=name)
+
+
 def test_a_list_of_near_sets_is_smaller_against_references_and_one_referring_before_its_start_is_corrupt(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -422,7 +497,7 @@ def test_a_list_of_near_sets_is_smaller_against_references_and_one_referring_bef
         context.decode_section(section, 0, 6000, 8, np.dtype(np.uint8), 64, None, 3)
 
 
-def test_referenced_escapes_refuse_a_candidate_outside_the_list_or_a_forged_set_on_both_paths() -> None:
+def test_referenced_escapes_refuse_a_reference_outside_the_list_or_a_forged_set_on_both_paths() -> None:
     """A model whose candidates name sets past its list (the reader checks them when it reads a model; these
     passes check again, as they index the list with them): a ValueError from both paths, a typed error from the
     chunk."""
@@ -434,33 +509,58 @@ def test_referenced_escapes_refuse_a_candidate_outside_the_list_or_a_forged_set_
     assert model.token_candidates.size and escaped.shape[0]
     cut = dataclasses.replace(model, sets=model.sets[: int(model.token_candidates.max())])
     order = model.escape_order(64)
-    stream = context._encode_referenced(escaped, order, 64, model, escaped_tokens, below)
-    with pytest.raises(ValueError, match="candidate outside the list"):
-        context._encode_referenced(escaped, order, 64, cut, escaped_tokens, below)
-    with pytest.raises(ValueError, match="candidate outside the list"):
+    stream = context._encode_referenced(escaped, order, 64, model, escaped_tokens, below, True)
+    with pytest.raises(ValueError, match="reference outside the list"):
+        context._encode_referenced(escaped, order, 64, cut, escaped_tokens, below, True)
+    with pytest.raises(ValueError, match="reference outside the list"):
         context_python.encode_referenced(
-            escaped, order.tolist(), 64, cut.sets, cut.python_tables(), escaped_tokens, below
+            escaped, order.tolist(), 64, cut.sets, cut.python_tables(), escaped_tokens, below, True
         )
-    with pytest.raises(ValueError, match="candidate outside the list"):
+    with pytest.raises(ValueError, match="reference outside the list"):
         context._decode_referenced(
-            np.frombuffer(stream, np.uint8), escaped.copy(), order, 64, cut, escaped_tokens, below
+            np.frombuffer(stream, np.uint8), escaped.copy(), order, 64, cut, escaped_tokens, below, True
         )
-    _, chunks = _coded(ids, tokens, 600, 64, context.CHUNK_VERSION_REFERENCED)
-    with pytest.raises(context.ContextFormatError, match="candidate outside the list"):
+    _, chunks = _coded(ids, tokens, 600, 64, context.CHUNK_VERSION_LIST_REFERENCES)
+    with pytest.raises(context.ContextFormatError, match="reference outside the list"):
         context.decode_chunk(chunks[0], (1, 600, 8), np.dtype(np.uint8), 64, tokens, [cut])
     doubled = model.sets.copy()  # every listed set naming an ID twice: refused where a row reads one
     doubled[:, 1] = doubled[:, 0]
     forged = dataclasses.replace(model, sets=doubled)
     with pytest.raises(ValueError, match="names an ID past the experts or twice"):
         context._decode_referenced(
-            np.frombuffer(stream, np.uint8), escaped.copy(), order, 64, forged, escaped_tokens, below
+            np.frombuffer(stream, np.uint8), escaped.copy(), order, 64, forged, escaped_tokens, below, True
         )
     with pytest.raises(ValueError, match="names an ID past the experts or twice"):
         context_python.decode_referenced(
-            stream, escaped.copy(), order.tolist(), 64, doubled, forged.python_tables(), escaped_tokens, below
+            stream, escaped.copy(), order.tolist(), 64, doubled, forged.python_tables(), escaped_tokens, below, True
         )
     with pytest.raises(context.ContextFormatError, match="names an ID past the experts or twice"):
         context.decode_chunk(chunks[0], (1, 600, 8), np.dtype(np.uint8), 64, tokens, [forged])
+
+
+def test_a_listed_reference_past_the_list_is_refused_on_both_paths() -> None:
+    """Version 4: a row (no candidates) whose stream names a listed reference one past the list: a ValueError from
+    both paths, and the same stream read as version 3 (no listed references) decodes to a set."""
+    rng = np.random.default_rng(26)
+    sets = np.sort(random_topk(rng, 5, 64, 8), axis=-1).astype(np.uint8)
+    model, _ = context.build_layer(np.concatenate([sets] * 3), np.full(15, -1), None, 0)
+    assert model.n_sets == 5
+    order = model.escape_order(64)
+    coder = context_python._Encoder()
+    state = context_python._Referenced(model.sets, order.tolist(), 64)
+    context_python._code(coder, state.list_referenced, 0, 1)  # a row without candidates takes a listed set...
+    state._gamma(coder, model.n_sets + 1)  # ... the one past the list
+    forged = coder.finish()
+    tokens, below = np.full(1, -1), np.zeros(0, np.int32)
+    out = np.zeros((1, 8), np.uint8)
+    with pytest.raises(ValueError, match="reference outside the list"):
+        context._decode_referenced(np.frombuffer(forged, np.uint8), out, order, 64, model, tokens, below, True)
+    with pytest.raises(ValueError, match="reference outside the list"):
+        context_python.decode_referenced(
+            forged, out, order.tolist(), 64, model.sets, model.python_tables(), tokens, below, True
+        )
+    context._decode_referenced(np.frombuffer(forged, np.uint8), out, order, 64, model, tokens, below, False)
+    assert (np.diff(out.astype(np.int64), axis=-1) > 0).all()
 
 
 def test_the_list_puts_the_sets_rows_name_by_their_place_first_and_codes_the_same_rows() -> None:
@@ -545,15 +645,92 @@ def _resealed(body: bytes) -> bytes:
 
 
 def test_forged_tables_inside_the_integers_are_refused() -> None:
-    """Candidates past the list, keys out of order and counts over the limit: a valid frame, checked values."""
+    """Models of versions 1 to 3: candidates past the list, keys out of order and counts over the limit, in a valid
+    frame: checked values. Version 4's writers refuse such tables (their streams are forged below)."""
     model, *_ = _one_layer_model()
+    version = context.MODEL_VERSION_REFERENCED_LISTS
     for field, value in [("token_candidates", model.n_sets), ("token_keys", -5)]:
         forged = getattr(model, field).copy()
         forged[-1] = value if field != "token_keys" else forged[0] - 1
         bad = context.LayerModel(**{**_fields(model), field: forged})
-        section = context.encode_model([bad], 64)[context.model_header_nbytes(1) :]
+        section = context.encode_model([bad], 64, version=version)[context.model_header_nbytes(1) :]
         with pytest.raises(context.ContextFormatError, match=r"limits|order"):
-            context.decode_section(section, 0, 1500, 8, np.dtype(np.uint8), 64, None, 3)
+            context.decode_section(section, 0, 1500, 8, np.dtype(np.uint8), 64, None, version)
+        with pytest.raises(ValueError, match="past their limits"):
+            context.encode_model([bad], 64)
+
+
+def _tables_stream(keys: list[int], counts: list[int], candidates: list[int], below: list[int]) -> bytes:
+    """A version-4 table stream coding what it is given, checked or not: key gaps, each key's count and candidates
+    (``candidates`` in order), then each set below's count (``below``; their candidates all 0)."""
+    coder = context_python._Encoder()
+    k = context_python._TableCounters()
+    previous = -1
+    for key in keys:
+        context_python._code_gamma(coder, k.key_bucket, k.key_low, context_python.TABLE_BUCKETS, key - previous)
+        previous = key
+    values = iter(candidates)
+    for count in counts:
+        context_python._code_count(coder, k.token_more, count, 1, context.MAX_TOKEN_CANDIDATES)
+        context_python._code_candidates(coder, k.token_bucket, k.token_low, 2**40, [next(values) for _ in range(count)])
+    for count in below:
+        context_python._code_count(coder, k.below_more, count, 0, context.MAX_BELOW_CANDIDATES)
+        context_python._code_candidates(coder, k.below_bucket, k.below_low, 2**40, [0] * count)
+    return coder.finish()
+
+
+@pytest.mark.parametrize("kernels", ["compiled", "numpy"])
+def test_forged_version_4_tables_are_refused_with_the_typed_error(
+    kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Model version 4: a stream naming a candidate past the list, a key past the largest token id, or other sets
+    below with candidates than the section's head says (the stream's count in the head, the stream another): the
+    typed error, on both paths; the honest stream reads back."""
+    if kernels == "numpy":
+        monkeypatch.setattr(context, "_COMPILED", None)
+    elif context._COMPILED is None:
+        pytest.skip("the compiled passes were not built")
+    model, *_ = _one_layer_model()
+    encode_tables = context._encode_tables
+    keys = model.token_keys.tolist()
+    counts = np.diff(model.token_offsets.astype(np.int64)).tolist()
+    candidates = model.token_candidates.tolist()
+    cases = {
+        "": _tables_stream(keys, counts, candidates, []),
+        "candidate": _tables_stream(keys, counts, [*candidates[:-1], model.n_sets], []),
+        "key": _tables_stream([*keys[:-1], context.MAX_TOKEN + 1], counts, candidates, []),
+    }
+    for problem, stream in cases.items():
+        monkeypatch.setattr(context, "_encode_tables", lambda _model, stream=stream: stream)
+        section = context.encode_model([model], 64)[context.model_header_nbytes(1) :]
+        version = context.MODEL_VERSION_CODED_TABLES
+        if not problem:
+            read = context.decode_section(section, 0, 1500, 8, np.dtype(np.uint8), 64, None, version)
+            assert _fields(read).keys() == _fields(model).keys()
+            for name, value in _fields(model).items():
+                np.testing.assert_array_equal(getattr(read, name), value)
+            continue
+        with pytest.raises(context.ContextFormatError, match="past its limit"):
+            context.decode_section(section, 0, 1500, 8, np.dtype(np.uint8), 64, None, version)
+    below = [1, 0, 2]  # a layer below of three sets, two with candidates; the head says 2
+    stream = _tables_stream([], [], [], below)
+    empty = context.LayerModel(
+        model.sets,
+        np.zeros(0, np.int64),
+        np.zeros(1, np.uint32),
+        np.zeros(0, np.uint32),
+        np.array([0, 1, 1, 3], np.uint32),
+        np.zeros(3, np.uint32),
+    )
+    assert encode_tables(empty) == stream
+    monkeypatch.setattr(context, "_encode_tables", encode_tables)
+    section = context.encode_model([empty], 64)[context.model_header_nbytes(1) :]
+    read = context.decode_section(section, 0, 1500, 8, np.dtype(np.uint8), 64, 3, context.MODEL_VERSION_CODED_TABLES)
+    np.testing.assert_array_equal(read.below_offsets, [0, 1, 1, 3])
+    monkeypatch.setattr(context, "_encode_tables", lambda _model: _tables_stream([], [], [], [1, 0, 0]))
+    section = context.encode_model([empty], 64)[context.model_header_nbytes(1) :]
+    with pytest.raises(context.ContextFormatError, match="disagree on the sets below"):
+        context.decode_section(section, 0, 1500, 8, np.dtype(np.uint8), 64, 3, context.MODEL_VERSION_CODED_TABLES)
 
 
 def _fields(model: context.LayerModel) -> dict[str, Any]:
@@ -567,8 +744,8 @@ def test_a_forged_model_head_is_refused() -> None:
     for forged, size in [(b"XXXX" + blob[4:head], len(blob)), (blob[:head], len(blob) + 1), (blob[: head - 1], 0)]:
         with pytest.raises(context.ContextFormatError):
             context.read_model_head(forged, 1, size, 64)
-    assert context.read_model_head(blob[:head], 1, len(blob), 64).version == context.MODEL_VERSION_REFERENCED_LISTS
-    with pytest.raises(context.ContextFormatError, match="version-3 set model of 2000 experts"):
+    assert context.read_model_head(blob[:head], 1, len(blob), 64).version == context.MODEL_VERSION_CODED_TABLES
+    with pytest.raises(context.ContextFormatError, match="version-4 set model of 2000 experts"):
         context.read_model_head(blob[:head], 1, len(blob), 2000)
 
 
@@ -694,14 +871,19 @@ def test_a_reader_without_the_feature_refuses_context_parts(monkeypatch: pytest.
 
 @pytest.mark.parametrize(
     ("supported", "missing"),
-    [({"ranked_context"}, "context_escapes"), ({"ranked_context", "context_escapes"}, "context_references")],
-    ids=["revision 3.1", "revision 3.2"],
+    [
+        ({"ranked_context"}, "context_escapes"),
+        ({"ranked_context", "context_escapes"}, "context_references"),
+        ({"ranked_context", "context_escapes", "context_references"}, "context_list_references"),
+    ],
+    ids=["revision 3.1", "revision 3.2", "revision 3.3"],
 )
 def test_a_reader_without_coded_escapes_refuses_their_parts_and_many_experts_keep_version_1(
     monkeypatch: pytest.MonkeyPatch, supported: set[str], missing: str
 ) -> None:
-    """A reader of revision 3.1 (``ranked_context`` without ``context_escapes``) or 3.2 (without
-    ``context_references``) refuses the parts routelog writes now with the typed error naming what it lacks; a model
+    """A reader of revision 3.1 (``ranked_context`` without ``context_escapes``), 3.2 (without
+    ``context_references``) or 3.3 (without ``context_list_references``) refuses the parts routelog writes now with
+    the typed error naming what it lacks; a model
     of more experts than the escape coders take still writes version-1 chunks, which both read."""
     import routelog.format.documents
 

@@ -20,7 +20,12 @@ from hypothesis import strategies as st
 
 import routelog
 from routelog.format import context, context_python, kernels, kernels_numpy, ranked
-from routelog.format.documents import CONTEXT_ESCAPES_FEATURE, CONTEXT_FEATURE, CONTEXT_REFERENCES_FEATURE
+from routelog.format.documents import (
+    CONTEXT_ESCAPES_FEATURE,
+    CONTEXT_FEATURE,
+    CONTEXT_LIST_REFERENCES_FEATURE,
+    CONTEXT_REFERENCES_FEATURE,
+)
 
 
 def _compiled_reference() -> Any:
@@ -312,7 +317,7 @@ def _use_numpy_kernels(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     monkeypatch.setattr(kernels, "IMPLEMENTATION", "numpy")
     # The set-context codec's Python passes in place of its compiled ones (context.py calls them where not built).
     monkeypatch.setattr(context, "_COMPILED", None)
-    for name in ("decode_layer", "decode_escapes", "decode_referenced", "decode_list"):
+    for name in ("decode_layer", "decode_escapes", "decode_referenced", "decode_list", "decode_tables"):
         python = getattr(context_python, name)
 
         def counted(*args: Any, _name: str = name, _python: Any = python) -> Any:
@@ -548,6 +553,8 @@ def test_golden_stores_read_the_same_through_the_numpy_kernels(
             np.testing.assert_array_equal(got[key], ids, err_msg=key)
             np.testing.assert_array_equal(ids, expected[f"{store.name}/{key.split('/', 1)[1]}/ids"], err_msg=key)
     features = {f for log in copy.rglob("log/*.json") for f in json.loads(log.read_text()).get("features", [])}
+    if CONTEXT_LIST_REFERENCES_FEATURE in features:  # revision 3.4: the candidate tables range-coded too
+        assert calls["context.decode_tables"], "the coded tables were not read by the Python passes"
     if CONTEXT_REFERENCES_FEATURE in features:  # revision 3.3: escapes and lists against references
         assert calls["context.decode_referenced"], "the referenced escapes were not read by the Python passes"
         assert calls["context.decode_list"], "the referenced lists were not read by the Python passes"

@@ -194,6 +194,7 @@ def _fuzz_context(coder: Any, rng: Any, np: Any, seed: int) -> None:
     _fuzz_escapes(coder, rng, np, seed)
     _fuzz_referenced(coder, rng, np, seed, sets, tables[2:])
     _fuzz_list(coder, rng, np, seed)
+    _fuzz_tables(coder, rng, np, seed, sets, below_sets, tables[2:])
     width = int(rng.integers(1, 17))
     items = rng.integers(0, 3, (int(rng.integers(0, 400)), width)).astype(np.uint8)
     ids, first = np.empty(len(items), np.int32), np.empty(len(items), np.int64)
@@ -247,9 +248,10 @@ def _fuzz_escapes(coder: Any, rng: Any, np: Any, seed: int) -> None:
 
 
 def _fuzz_referenced(coder: Any, rng: Any, np: Any, seed: int, sets: int, tables: tuple[Any, ...]) -> None:
-    """Version 3's escapes against the random tables of :func:`_fuzz_context` (``sets`` listed): escaped rows near a
-    listed set or drawn afresh, coded and decoded; forged streams decoded to sorted distinct sets; a list with an ID
-    past the experts or twice, and candidates past the list, refused with ValueError (or no row reaching them)."""
+    """Version 3's and 4's escapes against the random tables of :func:`_fuzz_context` (``sets`` listed): escaped
+    rows near a listed set or drawn afresh, coded and decoded; forged streams decoded to sorted distinct sets (or,
+    in version 4, refused for a listed reference past the list); a list with an ID past the experts or twice, and
+    candidates past the list, refused with ValueError (or no row reaching them)."""
     experts = int(rng.choice([2, 9, 16, 64, 300, 1024]))
     k = int(rng.integers(1, min(experts, 40) + 1))
     dtype = np.uint8 if experts <= 256 else np.uint16
@@ -270,21 +272,22 @@ def _fuzz_referenced(coder: Any, rng: Any, np: Any, seed: int, sets: int, tables
     below_keys = tables[4].size - 1
     below = rng.integers(-1, below_keys + 2, rows).astype(np.int32) if rng.random() < 0.7 else np.zeros(0, np.int32)
     order = rng.permutation(experts).astype(np.uint16)
+    lists = bool(rng.random() < 0.7)
     args = (k, experts, order, listed.reshape(-1), tokens, below, *tables)
     out = np.empty(rows * experts * 2 + 64, np.uint8)
-    written = coder.encode_referenced(ids.reshape(-1), *args, out)
+    written = coder.encode_referenced(ids.reshape(-1), *args, out, lists)
     decoded = np.empty_like(ids)
-    coder.decode_referenced(out[:written].copy(), *args, decoded.reshape(-1))
+    coder.decode_referenced(out[:written].copy(), *args, decoded.reshape(-1), lists)
     if not np.array_equal(decoded, ids):
         raise SystemExit(f"seed {seed}: referenced escapes decode to other sets")
 
     def sets_or_refused(stream: Any, listed_now: Any, what: str) -> None:
         try:
             coder.decode_referenced(
-                stream, k, experts, order, listed_now.reshape(-1), tokens, below, *tables, decoded.reshape(-1)
+                stream, k, experts, order, listed_now.reshape(-1), tokens, below, *tables, decoded.reshape(-1), lists
             )
-        except ValueError:
-            if listed_now is listed:
+        except ValueError as exc:
+            if listed_now is listed and not (lists and "reference outside the list" in str(exc)):
                 raise
             return
         if rows and ((decoded >= experts).any() or (np.diff(decoded.astype(np.int64), axis=1) <= 0).any()):
@@ -333,6 +336,44 @@ def _fuzz_list(coder: Any, rng: Any, np: Any, seed: int) -> None:
         read = decoded[: stop if status else n].astype(np.int64)
         if read.size and ((read >= experts).any() or (np.diff(read, axis=1) <= 0).any()):
             raise SystemExit(f"seed {seed}: a forged list decodes to something other than sets")
+
+
+def _fuzz_tables(coder: Any, rng: Any, np: Any, seed: int, sets: int, below_sets: int, tables: tuple[Any, ...]) -> None:
+    """Model version 4's candidate tables (:func:`_fuzz_context`'s random ones, their keys spread over the token ids):
+    coded and decoded; forged streams (noise, cut short) read to a status, with keys ascending up to the largest
+    token id and candidates inside the list wherever it is OK."""
+    keys, _, offsets, candidates, below_offsets, below_candidates = tables
+    keys = keys * int(rng.choice([1, 1000, 400_000]))
+    n_below = int(np.count_nonzero(np.diff(below_offsets.astype(np.int64))))
+    arrays = (keys, offsets, candidates, below_offsets, below_candidates)
+    out = np.empty(128 * (keys.size + candidates.size + below_sets + below_candidates.size) + 64, np.uint8)
+    written = coder.encode_tables(*arrays, sets, below_sets, out)
+
+    def read(stream: Any) -> tuple[int, tuple[Any, ...]]:
+        got = (
+            np.empty(keys.size, np.int64),
+            np.empty(keys.size + 1, np.uint32),
+            np.empty(keys.size * 8, np.uint32),
+            np.empty(below_sets + 1, np.uint32),
+            np.empty(below_sets * 4, np.uint32),
+        )
+        return coder.decode_tables(stream, sets, below_sets, n_below, *got), got
+
+    status, got = read(out[:written].copy())
+    if status != 0 or any(not np.array_equal(g[: a.size], a) for g, a in zip(got, arrays, strict=True)):
+        raise SystemExit(f"seed {seed}: coded tables decode to other tables")
+    for _ in range(5):
+        stream = rng.integers(0, 256, int(rng.integers(0, 60)), dtype=np.uint8)
+        if rng.random() < 0.5 and written:
+            stream = out[: int(rng.integers(0, written))].copy()
+        status, (k, to, tc, bo, bc) = read(stream)
+        if status == 0 and (
+            (np.diff(k) < 1).any()
+            or (k.size and (k[0] < 0 or k[-1] > 2**31 - 1))
+            or (tc[: to[-1]] >= sets).any()
+            or (bc[: bo[-1]] >= sets).any()
+        ):
+            raise SystemExit(f"seed {seed}: forged tables read as OK past their limits")
 
 
 def _fuzz_sort(kernels: Any, rng: Any, np: Any, seed: int) -> None:

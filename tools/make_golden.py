@@ -440,6 +440,13 @@ def write_context_references(root: Path, expected: dict[str, np.ndarray]) -> Non
     write_context(root, expected, prefix="references")
 
 
+def write_context_list_references(root: Path, expected: dict[str, np.ndarray]) -> None:
+    """Revision 3.4: :func:`write_context`'s stores again, now with chunks of version 4 (an escaped row may take any
+    listed set as its reference) and models of version 4 (candidate tables range-coded), the commits naming
+    ``context_list_references``; streams end without their trailing zero bytes."""
+    write_context(root, expected, prefix="list-references")
+
+
 def write_split_token_ids(root: Path, expected: dict[str, np.ndarray]) -> None:
     """Revision 3.2 indexes: the token ids stored as byte planes (Parquet ``BYTE_STREAM_SPLIT``), ids of a
     Zipf-distributed 150k vocabulary (three bytes used) and of an id near 2^31; ``ranked_context`` parts, whose
@@ -505,6 +512,7 @@ WRITERS: dict[str, Callable[[Path, dict[str, np.ndarray]], None]] = {
     "escapes-64-8,escapes-300-6": write_context_escapes,
     "split-token-ids": write_split_token_ids,
     "references-64-8,references-300-6": write_context_references,
+    "list-references-64-8,list-references-300-6": write_context_list_references,
 }
 """Fixture stores of this version by name, in the order they were added."""
 

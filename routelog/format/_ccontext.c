@@ -116,8 +116,19 @@ static void encode_bit(Encoder *e, uint16_t *p, int bit) {
     *p = adapted(*p, bit, PROB_ONE, ADAPT);
 }
 
+/* The stream's end. Any value in [low, low + range) decodes alike: the one with the most trailing zero bits is
+ * written, and the zero bytes the stream then ends with are left out (a decoder reads zeros past a stream's end). */
 static void encoder_flush(Encoder *e) {
+    uint64_t last = e->low + e->range - 1;
+    for (int bits = 32; bits > 0; bits--) {
+        uint64_t mask = (1ull << bits) - 1, value = (e->low + mask) & ~mask;
+        if (value <= last) {
+            e->low = value;
+            break;
+        }
+    }
     for (int i = 0; i < 5; i++) shift_low(e);
+    while (e->size > 0 && e->out[e->size - 1] == 0) e->size--;
 }
 
 typedef struct {
@@ -205,18 +216,52 @@ static Counter *counters_new(int64_t experts) {
 static inline int found_context(int64_t found) { return found < ESCAPE_FOUND - 1 ? (int)found : ESCAPE_FOUND - 1; }
 
 /* One direction of the escape coders: the encoder codes the bits it is given, the decoder returns the bits it reads
- * (and ignores the ones given). The escape passes are written once for both. */
+ * (and ignores the ones given), and a dry run (neither) adds what the bits given would cost now to *cost, adapting
+ * nothing. The escape passes are written once for all three. */
 typedef struct {
     Encoder *e;
     Decoder *d;
+    uint64_t *cost;
 } Coder;
+
+static inline int knows_bits(const Coder *c) { return c->d == NULL; }
+
+/* What a bit costs, in 1/256 bits, by its probability's 10 leading bits: 256 * -log2((2i + 1) / 2048), from an
+ * integer log2 (the same in the Python passes, bit for bit). */
+#define COST_SLOTS 1024
+static uint32_t cost_table[COST_SLOTS];
+
+static uint32_t log2_fixed(uint64_t m) { /* floor(256 * log2(m)) for m >= 1, by squaring */
+    int whole = 63 - __builtin_clzll(m);
+    uint64_t y = (m << 30) >> whole; /* m / 2^whole in [1, 2), 30 fraction bits */
+    uint32_t result = (uint32_t)whole << 8;
+    for (int b = 7; b >= 0; b--) {
+        y = (y * y) >> 30;
+        if (y >= (2ull << 30)) {
+            y >>= 1;
+            result |= 1u << b;
+        }
+    }
+    return result;
+}
+
+static void costs_start(void) {
+    for (uint64_t i = 0; i < COST_SLOTS; i++) cost_table[i] = (11u << 8) - log2_fixed(2 * i + 1);
+}
+
+static inline uint32_t bit_cost(const Counter *k, int bit) {
+    unsigned slot = (unsigned)(k->p >> (ESCAPE_PROB_BITS - 10));
+    return cost_table[bit ? COST_SLOTS - 1 - slot : slot];
+}
 
 static inline int code_counted(Coder *c, Counter *k, int bit) {
     if (c->e) {
         encode_counted(c->e, k, bit);
         return bit;
     }
-    return decode_counted(c->d, k);
+    if (c->d) return decode_counted(c->d, k);
+    *c->cost += bit_cost(k, bit);
+    return bit;
 }
 
 /* A row's members among the experts of the order not flagged in skip (skipped of them are), a bit each, until want
@@ -628,7 +673,7 @@ static PyObject *encode_escapes(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    Py_BEGIN_ALLOW_THREADS Coder c = {&e, NULL};
+    Py_BEGIN_ALLOW_THREADS Coder c = {&e, NULL, NULL};
     for (int64_t r = 0; r < n; r++) {
         flag_row(member, rows, itemsize, r, topk, 1);
         code_members(&c, counters, order, experts, NULL, 0, topk, member, 0, got);
@@ -670,7 +715,7 @@ static PyObject *decode_escapes(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS uint8_t member[ESCAPE_MAX_EXPERTS] = {0};
     Decoder d;
     decoder_start(&d, a[2].view.buf, (size_t)a[2].view.len);
-    Coder c = {NULL, &d};
+    Coder c = {NULL, &d, NULL};
     for (int64_t r = 0; r < n; r++) {
         code_members(&c, counters, order, experts, NULL, 0, topk, member, 0, got);
         sort_ids(got, topk, experts, member);
@@ -689,6 +734,11 @@ done:
 #define REF_PLACES 16     /* places in the reference told apart by the context (16 and more share the last) */
 #define LIST_BUCKETS 32   /* a listed set's reference at most 2^31 - 1 sets back */
 #define LIST_WINDOW 512   /* the earlier sets a writer compares a listed set with */
+#define LIST_SEARCH 1024  /* the list's first sets a writer compares an escaped row with (version 4) */
+#define LIST_PREFERENCE 2 /* a writer takes a listed reference over a candidate sharing this many fewer experts */
+#define LIST_MARGIN 256   /* ... and one whose bits cost this much (1/256 bits) less than the row's alone */
+#define LIST_TRIAL 128    /* a writer searches the list for each escaped row of a chunk layer's first this many, */
+                          /* then while one row in LIST_TRIAL of those searched takes a listed set */
 
 typedef struct {
     int64_t topk, experts, n_sets;
@@ -706,7 +756,13 @@ typedef struct {
     Counter *referenced; /* [1]: does a row with candidates (a listed set) take a reference */
     Counter *gap_bucket; /* [LIST_BUCKETS]: a listed set's distance back to its reference, Elias-gamma: its bucket */
     Counter *gap_low;    /* [LIST_BUCKETS][32]: and its bits below the leading one, by (bucket, bit) */
+    Counter *list_referenced; /* [2]: does a row take a listed set as its reference, by (row has candidates) */
     Counter *all;
+    /* The encoder's search of the list's first LIST_SEARCH sets (version 4): */
+    int64_t searched, looked, taken; /* sets searched; rows the search was run for, and took a listed set */
+    int64_t words;                   /* 64-bit words an expert mask takes */
+    uint64_t *masks;                 /* [searched][words]: each searched set's experts as bits */
+    uint64_t row[ESCAPE_MAX_EXPERTS / 64]; /* the row's experts as bits */
 } Referenced;
 
 static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const uint16_t *order, Arg *sets);
@@ -714,6 +770,7 @@ static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const 
 static void referenced_delete(Referenced *x) {
     if (!x) return;
     free(x->all);
+    free(x->masks);
     free(x->ref);
     free(x->got);
     free(x);
@@ -749,7 +806,7 @@ static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const 
     memset(x->scratch, 0, sizeof(x->scratch));
     memset(x->in_ref, 0, sizeof(x->in_ref));
     for (int64_t i = 0; i < experts; i++) x->rank[order[i]] = (uint16_t)i;
-    int64_t size = 2 * experts * ESCAPE_FOUND + REF_CANDIDATES + REF_PLACES * ESCAPE_FOUND + 1 + LIST_BUCKETS * 33;
+    int64_t size = 2 * experts * ESCAPE_FOUND + REF_CANDIDATES + REF_PLACES * ESCAPE_FOUND + 1 + LIST_BUCKETS * 33 + 2;
     x->all = malloc((size_t)size * sizeof(Counter));
     x->ref = malloc((size_t)topk * sizeof(uint16_t));
     x->got = malloc((size_t)topk * sizeof(uint16_t));
@@ -765,7 +822,91 @@ static int referenced_start(Referenced *x, int64_t topk, int64_t experts, const 
     x->referenced = x->kept + REF_PLACES * ESCAPE_FOUND;
     x->gap_bucket = x->referenced + 1;
     x->gap_low = x->gap_bucket + LIST_BUCKETS;
+    x->list_referenced = x->gap_low + LIST_BUCKETS * 32;
     return 0;
+}
+
+/* Experts flagged as bits in masks, words a mask: n sets of topk from sets (checked: IDs below the experts). */
+static void flag_sets(const void *sets, int itemsize, int64_t n, int64_t topk, int64_t words, uint64_t *masks) {
+    for (int64_t i = 0; i < n * topk; i++) {
+        int64_t v = row_value(sets, itemsize, i);
+        masks[(i / topk) * words + v / 64] |= 1ull << (v % 64);
+    }
+}
+
+/* The encoder's search of the list's first LIST_SEARCH sets (their sets checked by the caller): their experts as
+ * bits; -1 when out of memory. */
+static int search_start(Referenced *x) {
+    x->searched = x->n_sets < LIST_SEARCH ? x->n_sets : LIST_SEARCH;
+    x->words = (x->experts + 63) / 64;
+    x->masks = calloc((size_t)(x->searched * x->words + 1), sizeof(uint64_t));
+    if (!x->masks) return -1;
+    flag_sets(x->sets, x->itemsize, x->searched, x->topk, x->words, x->masks);
+    return 0;
+}
+
+/* How many experts each of n masks (words a mask) shares with row, into shared: the machine's popcount instruction
+ * where it has one (chosen at run time), else the same count in portable steps. */
+static inline int64_t shared_bits(uint64_t v) {
+    v = v - ((v >> 1) & 0x5555555555555555ull);
+    v = (v & 0x3333333333333333ull) + ((v >> 2) & 0x3333333333333333ull);
+    v = (v + (v >> 4)) & 0x0F0F0F0F0F0F0F0Full;
+    return (int64_t)((v * 0x0101010101010101ull) >> 56);
+}
+
+static void count_shared(const uint64_t *masks, int64_t n, int64_t words, const uint64_t *row, uint16_t *shared) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t count = 0;
+        for (int64_t w = 0; w < words; w++) count += shared_bits(masks[i * words + w] & row[w]);
+        shared[i] = (uint16_t)count;
+    }
+}
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+__attribute__((target("popcnt"))) static void count_shared_popcnt(const uint64_t *masks, int64_t n, int64_t words,
+                                                                   const uint64_t *row, uint16_t *shared) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t count = 0;
+        for (int64_t w = 0; w < words; w++) count += __builtin_popcountll(masks[i * words + w] & row[w]);
+        shared[i] = (uint16_t)count;
+    }
+}
+#endif
+
+/* The first of the searched sets sharing most experts with the row (x->row) where one shares at least half of them,
+ * and in *shared how many it shares; else 0 and -1. */
+static int64_t nearest_set(Referenced *x, int64_t *shared) {
+    uint16_t counts[LIST_SEARCH];
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    if (__builtin_cpu_supports("popcnt"))
+        count_shared_popcnt(x->masks, x->searched, x->words, x->row, counts);
+    else
+#endif
+        count_shared(x->masks, x->searched, x->words, x->row, counts);
+    int64_t place = 0, best = -1;
+    for (int64_t i = 0; i < x->searched; i++)
+        if (counts[i] > best) best = counts[i], place = i;
+    if (2 * best < x->topk) best = -1, place = 0;
+    *shared = best;
+    return place;
+}
+
+/* A positive integer (the encoder's value), Elias-gamma: its bit length - 1 in unary, each bit with its context
+ * (bucket[b]), then its bits below the leading one by (bucket, bit) (low[b * 32 + bit]). Returns it, or -1 where its
+ * bucket reaches buckets - 1 (at most 33: low has 32 a bucket). */
+static int64_t code_gamma_in(Coder *c, Counter *bucket, Counter *low, int buckets, int64_t value) {
+    int wanted = knows_bits(c) ? 63 - __builtin_clzll((uint64_t)value) : 0, b = 0;
+    while (code_counted(c, &bucket[b], b < wanted))
+        if (++b == buckets - 1) return -1;
+    int64_t decoded = 1;
+    for (int k = b - 1; k >= 0; k--)
+        decoded = 2 * decoded + code_counted(c, &low[b * 32 + k], (int)((value >> k) & 1));
+    return decoded;
+}
+
+/* A listed set's distance back, or a listed reference's place + 1. */
+static int64_t code_gamma(Coder *c, Referenced *x, int64_t value) {
+    return code_gamma_in(c, x->gap_bucket, x->gap_low, LIST_BUCKETS, value);
 }
 
 enum { REF_OUTSIDE = -1, REF_BAD_SET = -2 }; /* referenced_row's refusals */
@@ -816,51 +957,97 @@ static int code_against(Coder *c, Referenced *x, int64_t at, const uint8_t *memb
     return 0;
 }
 
-/* One escaped row (member: its IDs flagged when encoding, all clear when decoding) into x->got, in the order found.
- * A row without candidates is coded alone, as version 2 codes a row (but with contexts by experts still to find).
- * Else a bit says whether it takes a reference: the encoder's is the first candidate sharing most experts with the
- * row, taken where it shares more than half the row. A row without one is coded alone; one with one codes which
- * candidate, which of the reference's experts it keeps (in the layer's order; kept for certain once as many are
- * dropped as there are experts outside it), then the experts it adds, in the layer's order. Returns REF_OUTSIDE
- * when a candidate is outside the list, REF_BAD_SET when a set it reads names an ID past the experts or twice. */
+enum { ALONE, BY_CANDIDATE, BY_LIST }; /* the ways an escaped row is coded */
+
+/* The encoder's way for an escaped row (member: its IDs flagged; x->row: the same), with the candidate (*pick)
+ * and the listed set (*near) it would take: the first candidate sharing most experts with the row, where it shares at
+ * least half and no searched listed set shares LIST_PREFERENCE more; else, where searched, the first searched listed
+ * set sharing most, where it shares at least half and its bits cost LIST_MARGIN less now (a dry run: the counters as
+ * they stand, none adapted) than the row's alone (measured: taken on their overlap alone, listed references made
+ * token-dependent routing's escapes 2.8 % larger; priced, 0.06 %); else that candidate, where it shares at least
+ * half; else alone. The list is searched for a chunk layer's first LIST_TRIAL rows, then while one in LIST_TRIAL of
+ * the rows searched took a listed set (token-dependent routing's rows take one in a thousand: searching for each
+ * made its writer five times slower). REF_BAD_SET when a set it reads names an ID past the experts or twice. */
+static int choose_way(Referenced *x, const uint32_t *candidates, int n, int searched, const uint8_t *member, int *way,
+                      int *pick, int64_t *near) {
+    int64_t topk = x->topk, best = -1, near_shared = -1;
+    for (int i = 0; i < n; i++) {
+        int64_t shared = 0;
+        for (int64_t j = 0; j < topk; j++) {
+            int64_t v = row_value(x->sets, x->itemsize, candidates[i] * topk + j);
+            if (v >= x->experts) return REF_BAD_SET;
+            shared += member[v];
+        }
+        if (shared > best) best = shared, *pick = i;
+    }
+    searched = searched && (x->looked < LIST_TRIAL || x->taken * LIST_TRIAL >= x->looked);
+    if (searched) {
+        *near = nearest_set(x, &near_shared);
+        x->looked++;
+    }
+    int candidate = n > 0 && 2 * best >= topk;
+    if (candidate && near_shared < best + LIST_PREFERENCE) {
+        *way = BY_CANDIDATE;
+        return 0;
+    }
+    if (2 * near_shared >= topk) { /* -1 where not searched */
+        uint64_t alone = 0, listed = 0;
+        Coder dry = {NULL, NULL, &alone};
+        code_counted(&dry, &x->list_referenced[n > 0], 0);
+        code_members(&dry, x->plain, x->order, x->experts, NULL, 0, topk, member, 1, x->got);
+        dry.cost = &listed;
+        code_counted(&dry, &x->list_referenced[n > 0], 1);
+        code_gamma(&dry, x, *near + 1);
+        if (code_against(&dry, x, *near, member) < 0) return REF_BAD_SET;
+        if (listed + LIST_MARGIN < alone) {
+            *way = BY_LIST;
+            x->taken++;
+            return 0;
+        }
+    }
+    if (candidate) *way = BY_CANDIDATE;
+    return 0;
+}
+
+/* One escaped row (member: its IDs flagged when encoding, all clear when decoding; the encoder's of version 4 also
+ * in x->row) into x->got, in the order found. Where the row has candidates, a bit says whether it takes
+ * one as its reference; if so which (unary over them), then which of the reference's experts it keeps (in the
+ * layer's order; kept for certain once as many are dropped as there are experts outside it), then the experts it
+ * adds, in the layer's order. In version 4 (lists) a row no candidate references may then take a listed set as its
+ * reference: a bit (context: has candidates), the set's place + 1 (Elias-gamma), then the row against it. Any other
+ * row is coded alone, as version 2 codes a row (but with contexts by experts still to find). The encoder's way is
+ * choose_way's. Returns REF_OUTSIDE when a candidate or listed reference is outside the list, REF_BAD_SET when a set
+ * it reads names an ID past the experts or twice. */
 static int referenced_row(Coder *c, Referenced *x, const Tables *t, int64_t token, int64_t below,
-                          const uint8_t *member) {
+                          const uint8_t *member, int lists) {
     uint32_t candidates[REF_CANDIDATES];
     int n = gather_candidates(t, token, below, x->n_sets, candidates);
     if (n < 0) return REF_OUTSIDE;
-    int64_t topk = x->topk, experts = x->experts;
-    if (n == 0) {
-        code_members(c, x->plain, x->order, experts, NULL, 0, topk, member, 1, x->got);
-        return 0;
-    }
-    int pick = 0;
-    int64_t best = -1;
-    if (c->e)
-        for (int i = 0; i < n; i++) {
-            int64_t shared = 0;
-            for (int64_t j = 0; j < topk; j++) {
-                int64_t v = row_value(x->sets, x->itemsize, candidates[i] * topk + j);
-                if (v >= experts) return REF_BAD_SET;
-                shared += member[v];
+    int searched = lists && x->n_sets > 0, way = ALONE, pick = 0;
+    int64_t near = 0;
+    if (c->e && (n > 0 || searched) && choose_way(x, candidates, n, searched, member, &way, &pick, &near) < 0)
+        return REF_BAD_SET;
+    if (n > 0 && code_counted(c, x->referenced, way == BY_CANDIDATE)) {
+        int chosen = n - 1;
+        for (int i = 0; i + 1 < n; i++)
+            if (code_counted(c, &x->choose[i], i == pick)) {
+                chosen = i;
+                break;
             }
-            if (shared > best) best = shared, pick = i;
-        }
-    if (!code_counted(c, x->referenced, 2 * best > topk)) {
-        code_members(c, x->plain, x->order, experts, NULL, 0, topk, member, 1, x->got);
-        return 0;
+        return code_against(c, x, candidates[chosen], member);
     }
-    int chosen = n - 1;
-    for (int i = 0; i + 1 < n; i++)
-        if (code_counted(c, &x->choose[i], i == pick)) {
-            chosen = i;
-            break;
-        }
-    return code_against(c, x, candidates[chosen], member);
+    if (searched && code_counted(c, &x->list_referenced[n > 0], way == BY_LIST)) {
+        int64_t value = code_gamma(c, x, near + 1);
+        if (value < 1 || value > x->n_sets) return REF_OUTSIDE;
+        return code_against(c, x, value - 1, member);
+    }
+    code_members(c, x->plain, x->order, x->experts, NULL, 0, x->topk, member, 1, x->got);
+    return 0;
 }
 
 static void referenced_error(const char *name, int status) {
     PyErr_Format(PyExc_ValueError, "%s: %s", name,
-                 status == REF_OUTSIDE ? "a candidate outside the list"
+                 status == REF_OUTSIDE ? "a reference outside the list"
                                        : "a listed set names an ID past the experts or twice");
 }
 
@@ -884,15 +1071,16 @@ static int get_referenced_args(PyObject **objs, int rows_writable, int bytes_wri
 }
 
 /* encode_referenced(rows, topk, experts, order, sets, tokens, below, token_keys, token_table, token_offsets,
- * token_candidates, below_offsets, below_candidates, out) -> bytes written, or -1 when out is too small: a chunk
- * layer's escaped rows (u8 or u16, topk distinct IDs each) against their references in the list ``sets``; tokens
- * and below are the escaped rows' own. */
+ * token_candidates, below_offsets, below_candidates, out, lists) -> bytes written, or -1 when out is too small: a
+ * chunk layer's escaped rows (u8 or u16, topk distinct IDs each) against their references in the list ``sets``
+ * (version 3, or 4 with lists: any listed set may be one); tokens and below are the escaped rows' own. */
 static PyObject *encode_referenced(PyObject *self, PyObject *args) {
     PyObject *objs[REF_ARGS + TABLE_ARGS];
     long long topk, experts;
-    if (!PyArg_ParseTuple(args, "OLLOOOOOOOOOOO", &objs[REF_ROWS], &topk, &experts, &objs[REF_ORDER], &objs[REF_SETS],
-                          &objs[4], &objs[5], &objs[6], &objs[7], &objs[8], &objs[9], &objs[10], &objs[11],
-                          &objs[REF_BYTES]))
+    int lists;
+    if (!PyArg_ParseTuple(args, "OLLOOOOOOOOOOOp", &objs[REF_ROWS], &topk, &experts, &objs[REF_ORDER],
+                          &objs[REF_SETS], &objs[4], &objs[5], &objs[6], &objs[7], &objs[8], &objs[9], &objs[10],
+                          &objs[11], &objs[REF_BYTES], &lists))
         return NULL;
     Arg a[REF_ARGS + TABLE_ARGS] = {0};
     Tables t;
@@ -906,14 +1094,26 @@ static PyObject *encode_referenced(PyObject *self, PyObject *args) {
     int64_t n = a[REF_ROWS].view.len / itemsize / topk;
     uint8_t *member = x->scratch;
     if (check_rows(rows, itemsize, n, topk, experts, member, "encode_referenced") < 0) goto done;
+    if (lists) { /* the searched sets are checked here: the encoder compares the row with each */
+        int64_t searched = x->n_sets < LIST_SEARCH ? x->n_sets : LIST_SEARCH;
+        if (check_rows(x->sets, x->itemsize, searched, topk, experts, member, "encode_referenced") < 0) goto done;
+        if (search_start(x) < 0) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
     const int64_t *tokens = a[4 + TOKENS].view.buf;
     const int32_t *below = LEN(a[4 + BELOW], 4) ? a[4 + BELOW].view.buf : NULL;
     Encoder e = {0, 0xFFFFFFFFu, 0, 1, a[REF_BYTES].view.buf, 0, (size_t)a[REF_BYTES].view.len, 0, 0};
-    Coder c = {&e, NULL};
+    Coder c = {&e, NULL, NULL};
     int status = 0;
     Py_BEGIN_ALLOW_THREADS for (int64_t r = 0; r < n && status == 0; r++) {
         flag_row(member, rows, itemsize, r, topk, 1);
-        status = referenced_row(&c, x, &t, tokens[r], below ? below[r] : -1, member);
+        if (lists) {
+            memset(x->row, 0, sizeof(x->row));
+            flag_sets((const uint8_t *)rows + r * topk * itemsize, itemsize, 1, topk, x->words, x->row);
+        }
+        status = referenced_row(&c, x, &t, tokens[r], below ? below[r] : -1, member, lists);
         flag_row(member, rows, itemsize, r, topk, 0);
     }
     if (e.bits) encoder_flush(&e);
@@ -926,15 +1126,16 @@ done:
 }
 
 /* decode_referenced(stream, topk, experts, order, sets, tokens, below, token_keys, token_table, token_offsets,
- * token_candidates, below_offsets, below_candidates, out): the rows of encode_referenced's stream into out (u8 or
- * u16, topk per row), each ascending. Every stream, forged or not, decodes to rows of topk distinct IDs; a candidate
- * outside the list is a ValueError. */
+ * token_candidates, below_offsets, below_candidates, out, lists): the rows of encode_referenced's stream into out (u8
+ * or u16, topk per row), each ascending. Every stream, forged or not, decodes to rows of topk distinct IDs; a
+ * reference outside the list, or a listed set read that is no set, is a ValueError. */
 static PyObject *decode_referenced(PyObject *self, PyObject *args) {
     PyObject *objs[REF_ARGS + TABLE_ARGS];
     long long topk, experts;
-    if (!PyArg_ParseTuple(args, "OLLOOOOOOOOOOO", &objs[REF_BYTES], &topk, &experts, &objs[REF_ORDER],
+    int lists;
+    if (!PyArg_ParseTuple(args, "OLLOOOOOOOOOOOp", &objs[REF_BYTES], &topk, &experts, &objs[REF_ORDER],
                           &objs[REF_SETS], &objs[4], &objs[5], &objs[6], &objs[7], &objs[8], &objs[9], &objs[10],
-                          &objs[11], &objs[REF_ROWS]))
+                          &objs[11], &objs[REF_ROWS], &lists))
         return NULL;
     Arg a[REF_ARGS + TABLE_ARGS] = {0};
     Tables t;
@@ -950,9 +1151,9 @@ static PyObject *decode_referenced(PyObject *self, PyObject *args) {
     int status = 0;
     Py_BEGIN_ALLOW_THREADS Decoder d;
     decoder_start(&d, a[REF_BYTES].view.buf, (size_t)a[REF_BYTES].view.len);
-    Coder c = {NULL, &d};
+    Coder c = {NULL, &d, NULL};
     for (int64_t r = 0; r < n && status == 0; r++) {
-        status = referenced_row(&c, x, &t, tokens[r], below ? below[r] : -1, x->scratch);
+        status = referenced_row(&c, x, &t, tokens[r], below ? below[r] : -1, x->scratch, lists);
         if (status == 0) {
             sort_ids(x->got, topk, experts, x->scratch);
             put_row(a[REF_ROWS].view.buf, itemsize, r, topk, x->got);
@@ -978,13 +1179,8 @@ static int64_t list_set(Coder *c, Referenced *x, int64_t i, int64_t back, const 
         code_members(c, x->plain, x->order, x->experts, NULL, 0, x->topk, member, 1, x->got);
         return 0;
     }
-    int bucket = c->e ? 63 - __builtin_clzll((uint64_t)back) : 0, b = 0;
-    while (code_counted(c, &x->gap_bucket[b], b < bucket))
-        if (++b == LIST_BUCKETS - 1) return -1;
-    int64_t distance = 1;
-    for (int k = b - 1; k >= 0; k--)
-        distance = 2 * distance + code_counted(c, &x->gap_low[b * 32 + k], (int)((back >> k) & 1));
-    if (distance > i || code_against(c, x, i - distance, member) < 0) return -1;
+    int64_t distance = code_gamma(c, x, back);
+    if (distance < 1 || distance > i || code_against(c, x, i - distance, member) < 0) return -1;
     return distance;
 }
 
@@ -1011,19 +1207,16 @@ static PyObject *encode_list(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    for (int64_t i = 0; i < n * topk; i++) {
-        int64_t v = row_value(x->sets, x->itemsize, i);
-        masks[(i / topk) * words + v / 64] |= 1ull << (v % 64);
-    }
+    flag_sets(x->sets, x->itemsize, n, topk, words, masks);
     Encoder e = {0, 0xFFFFFFFFu, 0, 1, a[2].view.buf, 0, (size_t)a[2].view.len, 0, 0};
-    Coder c = {&e, NULL};
+    Coder c = {&e, NULL, NULL};
     int64_t status = 0;
     Py_BEGIN_ALLOW_THREADS for (int64_t i = 0; i < n && status >= 0; i++) {
         int64_t best = -1, back = 0;
         for (int64_t j = i - 1; j >= 0 && i - j <= LIST_WINDOW; j--) {
             int64_t shared = 0;
             for (int64_t w = 0; w < words; w++)
-                shared += __builtin_popcountll(masks[i * words + w] & masks[j * words + w]);
+                shared += shared_bits(masks[i * words + w] & masks[j * words + w]);
             if (shared > best) best = shared, back = i - j;
         }
         if (3 * best <= 2 * topk) back = 0;
@@ -1058,7 +1251,7 @@ static PyObject *decode_list(PyObject *self, PyObject *args) {
     int status = 0;
     Py_BEGIN_ALLOW_THREADS Decoder d;
     decoder_start(&d, a[2].view.buf, (size_t)a[2].view.len);
-    Coder c = {NULL, &d};
+    Coder c = {NULL, &d, NULL};
     for (; i < n; i++) {
         if (list_set(&c, x, i, 0, x->scratch) < 0) {
             status = 1;
@@ -1071,6 +1264,187 @@ static PyObject *decode_list(PyObject *self, PyObject *args) {
 done:
     referenced_delete(x);
     release(a, 3);
+    return answer;
+}
+
+/* -- model version 4: a layer's candidate tables range-coded ------------------------------------------------- */
+#define MAX_TOKEN_CANDIDATES 8 /* a token's candidates */
+#define MAX_BELOW_CANDIDATES 4 /* a set below's candidates */
+#define MAX_TOKEN 2147483647   /* token ids are int32 */
+#define TABLE_BUCKETS 33       /* a token key's gap at most 2^31 */
+
+typedef struct {
+    Counter key_bucket[TABLE_BUCKETS], key_low[TABLE_BUCKETS * 32];
+    Counter token_more[MAX_TOKEN_CANDIDATES];
+    Counter token_bucket[TABLE_BUCKETS], token_low[TABLE_BUCKETS * 32];
+    Counter below_more[MAX_BELOW_CANDIDATES];
+    Counter below_bucket[TABLE_BUCKETS], below_low[TABLE_BUCKETS * 32];
+} TableCounters;
+
+enum { TABLE_RANGE = 1, TABLE_KEYS_BELOW = 2 }; /* code_tables' refusals: a value past its limit, keys miscounted */
+
+/* A count from least up to most (the encoder's count): a bit "more than n" for each n from least, context n. */
+static int64_t code_count(Coder *c, Counter *more, int64_t count, int64_t least, int64_t most) {
+    int64_t n = least;
+    while (n < most && code_counted(c, &more[n], count > n)) n++;
+    return n;
+}
+
+/* A candidate, as its place in the list + 1 (Elias-gamma); -1 when past the list of sets. */
+static int64_t code_candidate(Coder *c, Counter *bucket, Counter *low, int64_t sets, uint32_t value) {
+    int64_t got = code_gamma_in(c, bucket, low, TABLE_BUCKETS, (int64_t)value + 1);
+    return got < 1 || got > sets ? -1 : got - 1;
+}
+
+/* A layer's candidate tables, read by the encoder and written by the decoder: its n_keys token keys (ascending) as
+ * gaps from the one before (the first from -1), Elias-gamma; then each key's candidate count (1 to
+ * MAX_TOKEN_CANDIDATES, unary) and its candidates (each as its place in the list + 1, Elias-gamma); then, where the
+ * layer has a layer below (below_sets >= 0), each of that list's sets' candidate count (0 to MAX_BELOW_CANDIDATES,
+ * unary) and candidates. Every bit is counted, with contexts by what it says (a bucket, a bit of it, a count so far).
+ * Returns 0, TABLE_RANGE (a key past MAX_TOKEN, a candidate past the list, a bucket past its end), or
+ * TABLE_KEYS_BELOW (n_below sets below with candidates, as the model's head says, not what the stream holds). */
+static int code_tables(Coder *c, TableCounters *k, int64_t n_keys, int64_t sets, int64_t below_sets, int64_t n_below,
+                       int64_t *keys, uint32_t *token_offsets, uint32_t *token_candidates, uint32_t *below_offsets,
+                       uint32_t *below_candidates) {
+    int known = knows_bits(c);
+    int64_t previous = -1;
+    for (int64_t i = 0; i < n_keys; i++) {
+        int64_t gap = code_gamma_in(c, k->key_bucket, k->key_low, TABLE_BUCKETS, known ? keys[i] - previous : 0);
+        if (gap < 1 || previous + gap > MAX_TOKEN) return TABLE_RANGE;
+        previous += gap;
+        if (!known) keys[i] = previous;
+    }
+    if (!known) token_offsets[0] = 0;
+    for (int64_t i = 0; i < n_keys; i++) {
+        int64_t count = known ? token_offsets[i + 1] - token_offsets[i] : 0;
+        count = code_count(c, k->token_more, count, 1, MAX_TOKEN_CANDIDATES);
+        if (!known) token_offsets[i + 1] = token_offsets[i] + (uint32_t)count;
+        for (uint32_t j = token_offsets[i]; j < token_offsets[i + 1]; j++) {
+            int64_t got = code_candidate(c, k->token_bucket, k->token_low, sets, known ? token_candidates[j] : 0);
+            if (got < 0) return TABLE_RANGE;
+            if (!known) token_candidates[j] = (uint32_t)got;
+        }
+    }
+    if (below_sets < 0) return 0;
+    int64_t keyed = 0;
+    if (!known) below_offsets[0] = 0;
+    for (int64_t s = 0; s < below_sets; s++) {
+        int64_t count = known ? below_offsets[s + 1] - below_offsets[s] : 0;
+        count = code_count(c, k->below_more, count, 0, MAX_BELOW_CANDIDATES);
+        keyed += count > 0;
+        if (!known) below_offsets[s + 1] = below_offsets[s] + (uint32_t)count;
+        for (uint32_t j = below_offsets[s]; j < below_offsets[s + 1]; j++) {
+            int64_t got = code_candidate(c, k->below_bucket, k->below_low, sets, known ? below_candidates[j] : 0);
+            if (got < 0) return TABLE_RANGE;
+            if (!known) below_candidates[j] = (uint32_t)got;
+        }
+    }
+    return keyed == n_below ? 0 : TABLE_KEYS_BELOW;
+}
+
+static TableCounters *table_counters_new(void) {
+    TableCounters *k = malloc(sizeof(TableCounters));
+    if (!k) return NULL;
+    Counter *all = (Counter *)k;
+    for (size_t i = 0; i < sizeof(TableCounters) / sizeof(Counter); i++)
+        all[i] = (Counter){(uint16_t)(ESCAPE_PROB_ONE / 2), 0};
+    return k;
+}
+
+/* encode_tables(token_keys, token_offsets, token_candidates, below_offsets, below_candidates, sets, below_sets,
+ * out) -> bytes written, or -1 when out is too small: a layer's candidate tables (code_tables; below_sets -1: no
+ * layer below, below_offsets then [0]). The caller's tables are checked: keys ascending in 0..MAX_TOKEN, counts
+ * within their limits, candidates in the list. */
+static PyObject *encode_tables(PyObject *self, PyObject *args) {
+    PyObject *objs[6];
+    long long sets, below_sets;
+    if (!PyArg_ParseTuple(args, "OOOOOLLO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &sets, &below_sets,
+                          &objs[5]))
+        return NULL;
+    Arg a[6] = {0};
+    PyObject *answer = NULL;
+    TableCounters *k = NULL;
+    if (get_array(objs[0], &a[0], "q", 8, 0, "token_keys") < 0 ||
+        get_array(objs[1], &a[1], "I", 4, 0, "token_offsets") < 0 ||
+        get_array(objs[2], &a[2], "I", 4, 0, "token_candidates") < 0 ||
+        get_array(objs[3], &a[3], "I", 4, 0, "below_offsets") < 0 ||
+        get_array(objs[4], &a[4], "I", 4, 0, "below_candidates") < 0 || get_array(objs[5], &a[5], "B", 1, 1, "out") < 0)
+        goto done;
+    int64_t n_keys = LEN(a[0], 8), n_below = 0;
+    int64_t *keys = a[0].view.buf;
+    uint32_t *to = a[1].view.buf, *tc = a[2].view.buf, *bo = a[3].view.buf, *bc = a[4].view.buf;
+    int bad = LEN(a[1], 4) != n_keys + 1 || to[0] != 0 || LEN(a[3], 4) != (below_sets < 0 ? 1 : below_sets + 1) ||
+              bo[0] != 0 || to[n_keys] != LEN(a[2], 4) || bo[LEN(a[3], 4) - 1] != LEN(a[4], 4);
+    for (int64_t i = 0; i < n_keys && !bad; i++)
+        bad = keys[i] < (i ? keys[i - 1] + 1 : 0) || keys[i] > MAX_TOKEN || to[i + 1] <= to[i] ||
+              to[i + 1] - to[i] > MAX_TOKEN_CANDIDATES;
+    for (int64_t s = 0; s < below_sets && !bad; s++) {
+        bad = bo[s + 1] < bo[s] || bo[s + 1] - bo[s] > MAX_BELOW_CANDIDATES;
+        n_below += bo[s + 1] > bo[s];
+    }
+    for (int64_t j = 0; j < LEN(a[2], 4) && !bad; j++) bad = tc[j] >= sets;
+    for (int64_t j = 0; j < LEN(a[4], 4) && !bad; j++) bad = bc[j] >= sets;
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "encode_tables: keys out of order, or counts or candidates past their limits");
+        goto done;
+    }
+    if (!(k = table_counters_new())) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Encoder e = {0, 0xFFFFFFFFu, 0, 1, a[5].view.buf, 0, (size_t)a[5].view.len, 0, 0};
+    Coder c = {&e, NULL, NULL};
+    Py_BEGIN_ALLOW_THREADS code_tables(&c, k, n_keys, sets, below_sets, n_below, keys, to, tc, bo, bc);
+    if (e.bits) encoder_flush(&e);
+    Py_END_ALLOW_THREADS answer = PyLong_FromLongLong(e.overflow ? -1 : e.bits ? (long long)e.size : 0);
+done:
+    free(k);
+    release(a, 6);
+    return answer;
+}
+
+/* decode_tables(stream, sets, below_sets, n_below, token_keys, token_offsets, token_candidates, below_offsets,
+ * below_candidates) -> status: encode_tables' stream into the arrays (token_keys sized to the model's keys,
+ * token_offsets one more, token_candidates room for MAX_TOKEN_CANDIDATES a key, below_offsets below_sets + 1 (1 where
+ * -1), below_candidates room for MAX_BELOW_CANDIDATES a set below); code_tables' status. */
+static PyObject *decode_tables(PyObject *self, PyObject *args) {
+    PyObject *objs[6];
+    long long sets, below_sets, n_below;
+    if (!PyArg_ParseTuple(args, "OLLLOOOOO", &objs[0], &sets, &below_sets, &n_below, &objs[1], &objs[2], &objs[3],
+                          &objs[4], &objs[5]))
+        return NULL;
+    Arg a[6] = {0};
+    PyObject *answer = NULL;
+    TableCounters *k = NULL;
+    if (get_array(objs[0], &a[0], "B", 1, 0, "stream") < 0 || get_array(objs[1], &a[1], "q", 8, 1, "token_keys") < 0 ||
+        get_array(objs[2], &a[2], "I", 4, 1, "token_offsets") < 0 ||
+        get_array(objs[3], &a[3], "I", 4, 1, "token_candidates") < 0 ||
+        get_array(objs[4], &a[4], "I", 4, 1, "below_offsets") < 0 ||
+        get_array(objs[5], &a[5], "I", 4, 1, "below_candidates") < 0)
+        goto done;
+    int64_t n_keys = LEN(a[1], 8);
+    if (LEN(a[2], 4) != n_keys + 1 || LEN(a[3], 4) < n_keys * MAX_TOKEN_CANDIDATES ||
+        LEN(a[4], 4) != (below_sets < 0 ? 1 : below_sets + 1) ||
+        LEN(a[5], 4) < (below_sets < 0 ? 0 : below_sets * MAX_BELOW_CANDIDATES)) {
+        PyErr_SetString(PyExc_ValueError, "decode_tables: the arrays must have room for the most candidates");
+        goto done;
+    }
+    if (!(k = table_counters_new())) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int status;
+    uint32_t *bo = a[4].view.buf;
+    bo[0] = 0;
+    Py_BEGIN_ALLOW_THREADS Decoder d;
+    decoder_start(&d, a[0].view.buf, (size_t)a[0].view.len);
+    Coder c = {NULL, &d, NULL};
+    status = code_tables(&c, k, n_keys, sets, below_sets, n_below, a[1].view.buf, a[2].view.buf, a[3].view.buf, bo,
+                         a[5].view.buf);
+    Py_END_ALLOW_THREADS answer = PyLong_FromLong(status);
+done:
+    free(k);
+    release(a, 6);
     return answer;
 }
 
@@ -1202,10 +1576,16 @@ static PyMethodDef methods[] = {
     {"decode_list", decode_list, METH_VARARGS, "decode_list(stream, topk, experts, order, out) -> (status, row)"},
     {"encode_referenced", encode_referenced, METH_VARARGS,
      "encode_referenced(rows, topk, experts, order, sets, tokens, below, token_keys, token_table, token_offsets, "
-     "token_candidates, below_offsets, below_candidates, out) -> bytes written, or -1 when out is too small"},
+     "token_candidates, below_offsets, below_candidates, out, lists) -> bytes written, or -1 when out is too small"},
     {"decode_referenced", decode_referenced, METH_VARARGS,
      "decode_referenced(stream, topk, experts, order, sets, tokens, below, token_keys, token_table, token_offsets, "
-     "token_candidates, below_offsets, below_candidates, out) -> None"},
+     "token_candidates, below_offsets, below_candidates, out, lists) -> None"},
+    {"encode_tables", encode_tables, METH_VARARGS,
+     "encode_tables(token_keys, token_offsets, token_candidates, below_offsets, below_candidates, sets, below_sets, "
+     "out) -> bytes written, or -1 when out is too small"},
+    {"decode_tables", decode_tables, METH_VARARGS,
+     "decode_tables(stream, sets, below_sets, n_below, token_keys, token_offsets, token_candidates, below_offsets, "
+     "below_candidates) -> status"},
     {"distinct", distinct, METH_VARARGS, "distinct(data, width, ids, first) -> number of distinct items"},
     {"hash_keys", hash_keys, METH_VARARGS, "hash_keys(keys, table) -> None"},
     {NULL, NULL, 0, NULL}};
@@ -1229,9 +1609,21 @@ PyMODINIT_FUNC PyInit__ccontext(void) {
         PyModule_AddIntConstant(m, "REF_CANDIDATES", REF_CANDIDATES) < 0 ||
         PyModule_AddIntConstant(m, "REF_PLACES", REF_PLACES) < 0 ||
         PyModule_AddIntConstant(m, "LIST_BUCKETS", LIST_BUCKETS) < 0 ||
-        PyModule_AddIntConstant(m, "LIST_WINDOW", LIST_WINDOW) < 0) {
+        PyModule_AddIntConstant(m, "LIST_WINDOW", LIST_WINDOW) < 0 ||
+        PyModule_AddIntConstant(m, "LIST_SEARCH", LIST_SEARCH) < 0 ||
+        PyModule_AddIntConstant(m, "LIST_PREFERENCE", LIST_PREFERENCE) < 0 ||
+        PyModule_AddIntConstant(m, "LIST_MARGIN", LIST_MARGIN) < 0 ||
+        PyModule_AddIntConstant(m, "LIST_TRIAL", LIST_TRIAL) < 0 ||
+        PyModule_AddIntConstant(m, "COST_SLOTS", COST_SLOTS) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_TOKEN_CANDIDATES", MAX_TOKEN_CANDIDATES) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_BELOW_CANDIDATES", MAX_BELOW_CANDIDATES) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_TOKEN", MAX_TOKEN) < 0 ||
+        PyModule_AddIntConstant(m, "TABLE_BUCKETS", TABLE_BUCKETS) < 0 ||
+        PyModule_AddIntConstant(m, "TABLE_RANGE", TABLE_RANGE) < 0 ||
+        PyModule_AddIntConstant(m, "TABLE_KEYS_BELOW", TABLE_KEYS_BELOW) < 0) {
         Py_DECREF(m);
         return NULL;
     }
+    costs_start();
     return m;
 }

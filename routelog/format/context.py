@@ -1,4 +1,4 @@
-"""The ``ranked_context`` chunk codec (store format revisions 3.1 to 3.3): a model each part stores once, chunks
+"""The ``ranked_context`` chunk codec (store format revisions 3.1 to 3.4): a model each part stores once, chunks
 coded by it.
 
 Routing in trained MoE models repeats itself across a part far more than within one chunk: the same token tends to
@@ -35,7 +35,7 @@ taken from), 6-8 % smaller than as a format-2 chunk.
 Most escapes of real routing are not new sets, though: they are a set the row's token or row below usually takes
 with an expert or two changed (on the DeepSeek-V3-style corpus, 70 % of them share 5 or more of their 8 experts with
 a candidate of theirs). A chunk of version 3 (revision 3.3) codes each escaped row against a **reference**, the
-candidate sharing most experts with it (where one shares more than half): which candidate, which of its experts the
+candidate sharing most experts with it (where one shares at least half): which candidate, which of its experts the
 row keeps, then the ones it adds in the layer's order; rows without one are coded alone, as version 2 codes every
 row. The decoder knows each escaped row's candidates from its token and row below, as the decisions did. Measured
 (``tools/bench_codec.py``'s corpora, the same models): chunks 11 % smaller than of version 2 on the DeepSeek-V3-style
@@ -46,23 +46,34 @@ the earlier set of its list that shares most experts with it (among the
 the distance back (Elias-gamma) and the experts kept and added, or alone. On the DeepSeek-V3-style corpus 69 % of
 the listed sets are an expert away from an earlier one, and the lists take 21 % fewer bytes.
 
+A third of that corpus' escapes have no candidate sharing more than half their experts, yet a listed set shares 6
+or 7 of their 8. A chunk of version 4 (revision 3.4) lets such a row take any listed set as its reference, named by
+its place in the list (Elias-gamma). The writer searches the list's first
+:data:`~routelog.format.context_python.LIST_SEARCH` sets and takes the one sharing most where what its bits would
+cost (a dry run of the coder, its contexts as they stand) is below the row's alone: taken on overlap alone, listed
+references made token-dependent routing's escapes (drawn afresh, near a popular set by chance) 2.8 % larger. A model
+of version 4 range-codes its candidate tables too (key gaps, counts, candidates: Elias-gamma and unary with counted
+contexts) instead of zstd over byte planes. Measured on the DeepSeek-V3-style corpus: chunks 3.4 % smaller, models
+4.9 % smaller; token-dependent routing's chunks within 0.1 %.
+
 Measured on the corpus (issue #33, B per routed token-layer, every byte of the model counted, chunks of version 1):
 Qwen3-MoE-style 0.41, DeepSeek-V3-style 0.89, against format 2's 0.71 and 1.39 and zstd-19 of the whole array's
 0.46 and 0.80.
 
 Stored model (``routing/model``, little-endian): ``b"RLSM"``, u8 version (1; 2 where its lists are range-coded as
-escapes are, in expert-ID order; 3 where each listed set is coded against an earlier one), three zero bytes, u32 L,
+escapes are, in expert-ID order; 3 where each listed set is coded against an earlier one; 4 where its candidate
+tables are range-coded too), three zero bytes, u32 L,
 u64 end offset of each layer's section (from the object's start), u32 crc32c of those bytes; then each layer's
 section: u32 S (listed sets), u32 T (token keys), u32 B (below keys), u32 n and the list ``[S, K]`` in n bytes
-(version 1: a format-2 chunk ``[1, S, K]``; versions 2 and 3: a range-coded stream; none when S is 0), u32 m and a
-zstd frame of m bytes holding the integers: T token-id deltas (the first from 0) as u32, T candidate counts as u8,
+(version 1: a format-2 chunk ``[1, S, K]``; versions 2 to 4: a range-coded stream; none when S is 0), u32 m and m
+bytes of candidate tables (version 4: a range-coded stream, FORMAT.md section 5.1; the others:) a zstd frame holding
+the integers: T token-id deltas (the first from 0) as u32, T candidate counts as u8,
 the token candidates (list indices) as u32, B below keys' deltas (indices in the layer below's list), B counts, the
 below candidates; each u32 array as its four byte planes
 (all low bytes first); then u32 crc32c of the section. Stored chunk of version 1: u8 version 1, u32 U (the escape
 rows' chunk has U rows per layer), u32 stream bytes per layer of the chunk, the streams, then (when U > 0) the
-format-2 chunk ``[L, U, K]`` of each layer's escapes in row order, its unused rows padding. Of version 2 (or 3):
-u8 version 2 (or 3), u32 stream bytes per layer, u32 escape-stream bytes per layer, the streams, the escape
-streams.
+format-2 chunk ``[L, U, K]`` of each layer's escapes in row order, its unused rows padding. Of version 2, 3 or 4:
+u8 version, u32 stream bytes per layer, u32 escape-stream bytes per layer, the streams, the escape streams.
 """
 
 from __future__ import annotations
@@ -80,9 +91,9 @@ import numpy.typing as npt
 from routelog.format import context_python, ranked, zstd_frames
 from routelog.format.kernels import compiled_module
 
-MAX_TOKEN_CANDIDATES = 8
+MAX_TOKEN_CANDIDATES = context_python.MAX_TOKEN_CANDIDATES
 """Candidates a token may have in one layer's model (readers refuse more)."""
-MAX_BELOW_CANDIDATES = 4
+MAX_BELOW_CANDIDATES = context_python.MAX_BELOW_CANDIDATES
 """Candidates a set of the layer below may have."""
 LIST_MIN_USES = 3
 """Uses in the part that put a set in the layer's list (writers' choice; a reader takes any model). Measured with
@@ -102,7 +113,9 @@ MODEL_VERSION_CODED_LISTS = 2
 MODEL_VERSION_REFERENCED_LISTS = 3
 """Models whose listed sets are range-coded in expert-ID order, each against an earlier set of its list or alone
 (revision 3.3)."""
-CODED_MODEL_VERSIONS = (MODEL_VERSION_CODED_LISTS, MODEL_VERSION_REFERENCED_LISTS)
+MODEL_VERSION_CODED_TABLES = 4
+"""Models of version 3 whose candidate tables are range-coded too (revision 3.4)."""
+CODED_MODEL_VERSIONS = (MODEL_VERSION_CODED_LISTS, MODEL_VERSION_REFERENCED_LISTS, MODEL_VERSION_CODED_TABLES)
 """The model versions whose lists are range-coded (at most :data:`ESCAPE_MAX_EXPERTS` experts)."""
 CHUNK_VERSION = 1
 """Chunks whose escapes are a format-2 chunk (revision 3.1; still written where E > :data:`ESCAPE_MAX_EXPERTS`)."""
@@ -111,11 +124,13 @@ CHUNK_VERSION_CODED_ESCAPES = 2
 CHUNK_VERSION_REFERENCED = 3
 """Chunks whose escapes are range-coded against a reference each, the candidate sharing most experts with them
 (revision 3.3)."""
-CODED_VERSIONS = (CHUNK_VERSION_CODED_ESCAPES, CHUNK_VERSION_REFERENCED)
+CHUNK_VERSION_LIST_REFERENCES = 4
+"""Chunks of version 3 whose escapes may take any listed set as their reference too (revision 3.4)."""
+CODED_VERSIONS = (CHUNK_VERSION_CODED_ESCAPES, CHUNK_VERSION_REFERENCED, CHUNK_VERSION_LIST_REFERENCES)
 """The chunk versions whose escapes are range-coded streams (at most :data:`ESCAPE_MAX_EXPERTS` experts)."""
 ESCAPE_MAX_EXPERTS = 1024
 """The most experts a version-2 chunk may have (each escaped row costs up to E decisions)."""
-MAX_TOKEN = 2**31 - 1
+MAX_TOKEN = context_python.MAX_TOKEN
 MODEL_LEVEL = 19
 """zstd level of a stored model's integers and list (written once per part, read once per reader)."""
 
@@ -420,9 +435,9 @@ def _layer_streams(
 
 
 def _below_nbytes(model: LayerModel, alone: LayerModel) -> int:
-    """What a layer's below candidates add to its stored model: its compressed integers with them and without."""
-    with_below, without = (zstd_frames.compress(_integers(m), MODEL_LEVEL) for m in (model, alone))
-    return len(with_below) - len(without)
+    """What a layer's below candidates add to its stored model: its range-coded tables (model version 4) with them
+    and without (for a model of version 1, with its tables through zstd, a close estimate)."""
+    return len(_encode_tables(model)) - len(_encode_tables(alone))
 
 
 def chunk_pieces(
@@ -434,8 +449,9 @@ def chunk_pieces(
     version: int | None = None,
 ) -> list[bytes]:
     """The stored bytes of the plan's row chunk ``row_chunk``, in pieces: ``rows`` are its rows ``[L, R, K]`` (the
-    array's, no padding). ``version``: 3 (escapes range-coded against references), 2 (range-coded alone) or 1
-    (escapes in a format-2 chunk at zstd ``level``); by default version 3 where :func:`codes_escapes` and a layer of
+    array's, no padding). ``version``: 4 (escapes range-coded against candidates or listed sets), 3 (against
+    candidates), 2 (range-coded alone) or 1 (escapes in a format-2 chunk at zstd ``level``); by default version 4
+    where :func:`codes_escapes` and a layer of
     the chunk lists a set. Where none does (uniform routing: nothing recurs, every row escapes) the range coder
     would save 2 % of the bytes at a tenth of format 2's speed, so the chunk stays version 1."""
     r0 = row_chunk * plan.chunk_rows
@@ -443,10 +459,10 @@ def chunk_pieces(
     streams = [layer[row_chunk] for layer in plan.streams]
     if version is None:
         coded = codes_escapes(num_experts) and any(model.n_sets for model in plan.models)
-        version = CHUNK_VERSION_REFERENCED if coded else CHUNK_VERSION
+        version = CHUNK_VERSION_LIST_REFERENCES if coded else CHUNK_VERSION
     if version in CODED_VERSIONS:
-        tokens = plan.tokens[r0 : r0 + rows.shape[1]] if version == CHUNK_VERSION_REFERENCED else None
-        return _assemble_coded(rows, index, streams, plan.models, num_experts, tokens)
+        tokens = plan.tokens[r0 : r0 + rows.shape[1]]
+        return _assemble_coded(rows, index, streams, plan.models, num_experts, tokens, version)
     return _assemble(rows, index, streams, num_experts, level)
 
 
@@ -461,20 +477,24 @@ def _assemble_coded(
     streams: Sequence[bytes],
     models: Sequence[LayerModel],
     num_experts: int,
-    tokens: npt.NDArray[np.int64] | None,
+    tokens: npt.NDArray[np.int64],
+    version: int,
 ) -> list[bytes]:
-    """A chunk of version 2 (``tokens`` None) or 3 (the rows' token ids given): each layer's decisions, then each
-    layer's escaped rows as a range-coded stream, alone or against references."""
+    """A chunk of ``version`` 2, 3 or 4: each layer's decisions, then each layer's escaped rows as a range-coded
+    stream, alone or against references (``tokens``: the rows' token ids)."""
     escapes = []
     for j in range(rows.shape[0]):
         escaped = index[j] < 0
         order = models[j].escape_order(num_experts)
-        if tokens is None:
+        if version == CHUNK_VERSION_CODED_ESCAPES:
             escapes.append(_encode_escapes(rows[j][escaped], order, num_experts))
         else:
             below = index[j - 1][escaped] if j else _NO_ROWS
-            escapes.append(_encode_referenced(rows[j][escaped], order, num_experts, models[j], tokens[escaped], below))
-    version = CHUNK_VERSION_CODED_ESCAPES if tokens is None else CHUNK_VERSION_REFERENCED
+            lists = version == CHUNK_VERSION_LIST_REFERENCES
+            escaped_rows = rows[j][escaped]
+            escapes.append(
+                _encode_referenced(escaped_rows, order, num_experts, models[j], tokens[escaped], below, lists)
+            )
     head = bytearray([version])
     for stream in [*streams, *escapes]:
         head += len(stream).to_bytes(4, "little")
@@ -538,16 +558,17 @@ def _encode_referenced(
     model: LayerModel,
     tokens: npt.NDArray[np.int64],
     below: npt.NDArray[np.int32],
+    lists: bool,
 ) -> bytes:
     rows, tokens, below = (np.ascontiguousarray(a) for a in (rows, tokens, below))
     if _COMPILED is None:
         return context_python.encode_referenced(
-            rows, order.tolist(), num_experts, model.sets, model.python_tables(), tokens, below
+            rows, order.tolist(), num_experts, model.sets, model.python_tables(), tokens, below, lists
         )
     n, k = rows.shape
     sets = np.ascontiguousarray(model.sets).reshape(-1)
     args = (rows.reshape(-1), k, num_experts, order, sets, tokens, below, *model._tables())
-    return _stream(lambda out: int(_COMPILED.encode_referenced(*args, out)), n, k, num_experts)
+    return _stream(lambda out: int(_COMPILED.encode_referenced(*args, out, lists)), n, k, num_experts)
 
 
 def _decode_referenced(
@@ -558,17 +579,18 @@ def _decode_referenced(
     model: LayerModel,
     tokens: npt.NDArray[np.int64],
     below: npt.NDArray[np.int32],
+    lists: bool,
 ) -> None:
     tokens, below = np.ascontiguousarray(tokens), np.ascontiguousarray(below)
     if _COMPILED is None:
         tables = model.python_tables()
         context_python.decode_referenced(
-            stream.tobytes(), out, order.tolist(), num_experts, model.sets, tables, tokens, below
+            stream.tobytes(), out, order.tolist(), num_experts, model.sets, tables, tokens, below, lists
         )
     else:
         sets = np.ascontiguousarray(model.sets).reshape(-1)
         _COMPILED.decode_referenced(
-            stream, out.shape[1], num_experts, order, sets, tokens, below, *model._tables(), out.reshape(-1)
+            stream, out.shape[1], num_experts, order, sets, tokens, below, *model._tables(), out.reshape(-1), lists
         )
 
 
@@ -674,7 +696,10 @@ def decode_chunk(
                     here = escaped[j - l0]  # the layer's escaped rows up to r1, in row order
                     below = index[j - 1][here] if j else _NO_ROWS
                     try:
-                        _decode_referenced(stream, found, order, num_experts, models[j], tokens[:r1][here], below)
+                        lists = version == CHUNK_VERSION_LIST_REFERENCES
+                        _decode_referenced(
+                            stream, found, order, num_experts, models[j], tokens[:r1][here], below, lists
+                        )
                     except ValueError as exc:
                         raise ContextFormatError(f"layer {j}'s escapes: {exc}") from exc
             escapes.append(found)
@@ -722,7 +747,7 @@ def encode_model(
     """The stored model object of an array's layers (see the module) of ``version``: by default 3 (each listed set
     range-coded against an earlier one) where :func:`codes_escapes`, else 1 (its lists format-2 chunks)."""
     if version is None:
-        version = MODEL_VERSION_REFERENCED_LISTS if codes_escapes(num_experts) else MODEL_VERSION
+        version = MODEL_VERSION_CODED_TABLES if codes_escapes(num_experts) else MODEL_VERSION
     sections = [_encode_section(model, num_experts, level, version) for model in layers]
     head = bytearray(MAGIC + bytes([version, 0, 0, 0]) + len(layers).to_bytes(4, "little"))
     end = model_header_nbytes(len(layers))
@@ -741,14 +766,17 @@ def model_header_nbytes(layers: int) -> int:
 def _encode_section(model: LayerModel, num_experts: int, level: int, version: int) -> bytes:
     below_keys = np.flatnonzero(np.diff(model.below_offsets.astype(np.int64)))
     sets = b""
-    if model.n_sets and version == MODEL_VERSION_REFERENCED_LISTS:
+    if model.n_sets and version in (MODEL_VERSION_REFERENCED_LISTS, MODEL_VERSION_CODED_TABLES):
         sets = _encode_list(model.sets, num_experts)
     elif model.n_sets and version == MODEL_VERSION_CODED_LISTS:  # distinct sets, range-coded as escapes, ID order
         sets = _encode_escapes(model.sets, _id_order(num_experts), num_experts)
     elif model.n_sets:
         sets = b"".join(ranked.encode_pieces(np.ascontiguousarray(model.sets[None]), num_experts, level=level))
-    integers = _integers(model)
-    frame = zstd_frames.compress(integers, level) if integers else b""
+    if version == MODEL_VERSION_CODED_TABLES:
+        frame = _encode_tables(model)
+    else:
+        integers = _integers(model)
+        frame = zstd_frames.compress(integers, level) if integers else b""
     body = b"".join(
         [
             model.n_sets.to_bytes(4, "little"),
@@ -854,7 +882,7 @@ def decode_section(
     if n_sets and version == MODEL_VERSION_CODED_LISTS:  # any stream decodes to valid sets
         sets = np.empty((int(n_sets), topk), dtype)
         _decode_escapes(section[16:at], sets, _id_order(num_experts), num_experts)
-    elif n_sets and version == MODEL_VERSION_REFERENCED_LISTS:
+    elif n_sets and version in (MODEL_VERSION_REFERENCED_LISTS, MODEL_VERSION_CODED_TABLES):
         sets = np.empty((int(n_sets), topk), dtype)
         stopped = _decode_list(section[16:at], sets, num_experts)
         if stopped >= 0:
@@ -867,11 +895,14 @@ def decode_section(
     frame_nbytes = int.from_bytes(section[at : at + 4].tobytes(), "little")
     if at + 4 + frame_nbytes != section.size - 4:
         raise ContextFormatError(f"{where}: its sections do not add up to its bytes")
+    frame = section[at + 4 : at + 4 + frame_nbytes]
+    if version == MODEL_VERSION_CODED_TABLES:
+        return _decode_tables(frame, sets, int(n_keys), int(n_below), below_sets, where)
     bound = int(n_keys) * (5 + 4 * MAX_TOKEN_CANDIDATES) + int(n_below) * (5 + 4 * MAX_BELOW_CANDIDATES)
     integers = np.zeros(0, np.uint8)
     if frame_nbytes:
         try:
-            integers = zstd_frames.decompress(section[at + 4 : at + 4 + frame_nbytes], bound, "set model", sized=True)
+            integers = zstd_frames.decompress(frame, bound, "set model", sized=True)
         except zstd_frames.FrameError as exc:
             raise ContextFormatError(f"{where}: {exc}") from exc
     reader = _Integers(integers, where)
@@ -906,6 +937,57 @@ def decode_section(
         below_offsets,
         below_candidates.astype(np.uint32),
     )
+
+
+def _encode_tables(model: LayerModel) -> bytes:
+    """A layer's candidate tables, range-coded (model version 4)."""
+    below_sets = model.below_offsets.size - 1
+    tables = (model.token_keys, model.token_offsets, model.token_candidates, model.below_offsets)
+    if _COMPILED is None:
+        keys, offsets, candidates, below_offsets = (t.tolist() for t in tables)
+        below_candidates = model.below_candidates.tolist()
+        return context_python.encode_tables(
+            keys, offsets, candidates, below_offsets, below_candidates, model.n_sets, below_sets
+        )
+    values = model.token_keys.size + model.token_candidates.size + below_sets + model.below_candidates.size
+    arrays = [np.ascontiguousarray(t) for t in (*tables, model.below_candidates)]
+    out = np.empty(8 * values + 64, np.uint8)  # room for about 60 bits a value, far more than they take
+    written = _COMPILED.encode_tables(*arrays, model.n_sets, below_sets, out)
+    if written < 0:  # the bound: 65 decisions of at most 15 bits a value, never reached
+        out = np.empty(128 * values + 64, np.uint8)
+        written = _COMPILED.encode_tables(*arrays, model.n_sets, below_sets, out)
+    return out[:written].tobytes()
+
+
+def _decode_tables(
+    frame: npt.NDArray[np.uint8], sets: npt.NDArray[Any], n_keys: int, n_below: int, below_sets: int | None, where: str
+) -> LayerModel:
+    """A layer's model from its list and its range-coded candidate tables (model version 4), checked as they are
+    read: keys ascending up to the largest token id, counts within their limits (by construction), candidates in the
+    list, as many sets below with candidates as the section's head says."""
+    below = -1 if below_sets is None else below_sets
+    n_sets = sets.shape[0]
+    if _COMPILED is None:
+        status, *found = context_python.decode_tables(frame.tobytes(), n_keys, n_sets, below, n_below)
+        keys = np.asarray(found[0], np.int64)
+        token_offsets, token_candidates, below_offsets, below_candidates = (np.asarray(f, np.uint32) for f in found[1:])
+    else:
+        keys = np.empty(n_keys, np.int64)
+        token_offsets = np.empty(n_keys + 1, np.uint32)
+        token_candidates = np.empty(n_keys * MAX_TOKEN_CANDIDATES, np.uint32)
+        below_offsets = np.empty(max(below, 0) + 1, np.uint32)
+        below_candidates = np.empty(max(below, 0) * MAX_BELOW_CANDIDATES, np.uint32)
+        status = _COMPILED.decode_tables(
+            frame, n_sets, below, n_below, keys, token_offsets, token_candidates, below_offsets, below_candidates
+        )
+        if status == context_python.OK:
+            token_candidates = token_candidates[: token_offsets[-1]]
+            below_candidates = below_candidates[: below_offsets[-1]]
+    if status == context_python.TABLE_KEYS_BELOW:
+        raise ContextFormatError(f"{where}: its head and its tables disagree on the sets below with candidates")
+    if status != context_python.OK:
+        raise ContextFormatError(f"{where}: a token key, a candidate or a count past its limit")
+    return LayerModel(sets, keys, token_offsets, token_candidates, below_offsets, below_candidates)
 
 
 class _Integers:

@@ -37,8 +37,31 @@ REF_PLACES = 16
 """Places in the reference its contexts tell apart (16 and more share the last)."""
 LIST_BUCKETS = 32
 """A listed set's reference is at most 2^31 - 1 sets back."""
+MAX_TOKEN_CANDIDATES = 8
+"""A token's candidates."""
+MAX_BELOW_CANDIDATES = 4
+"""A set below's candidates."""
+MAX_TOKEN = 2**31 - 1
+"""Token ids are int32."""
 LIST_WINDOW = 512
 """The earlier sets a writer compares a listed set with."""
+LIST_SEARCH = 1024
+"""The list's first sets a writer compares an escaped row with (version 4)."""
+LIST_PREFERENCE = 2
+"""A writer takes a listed reference over a candidate (version 4) where the listed set shares this many more experts
+with the row."""
+LIST_MARGIN = 256
+"""A writer takes a listed reference (version 4) where its bits cost this much (1/256 bits: one bit) less than the
+row's alone."""
+LIST_TRIAL = 128
+"""A writer searches the list (version 4) for each escaped row of a chunk layer's first this many, then while one in
+this many of the rows searched took a listed set."""
+COST_SLOTS = 1024
+"""A dry run prices a bit by its probability's 10 leading bits."""
+TABLE_BUCKETS = 33
+"""A token key's gap (model version 4) is at most 2^31."""
+TABLE_RANGE = 1
+TABLE_KEYS_BELOW = 2
 
 
 class _Probabilities:
@@ -108,11 +131,20 @@ class _Encoder:
             self._shift_low()
 
     def finish(self) -> bytes:
-        if not self.bits:  # no decision coded: stored empty
+        """The stream (empty where no decision was coded), ending with the value of ``[low, low + range)`` with the
+        most trailing zero bits, its zero bytes at the end left out: a decoder reads zeros past a stream's end."""
+        if not self.bits:
             return b""
+        last = self.low + self.range - 1
+        for bits in range(32, 0, -1):
+            mask = (1 << bits) - 1
+            value = (self.low + mask) & ~mask
+            if value <= last:
+                self.low = value
+                break
         for _ in range(5):
             self._shift_low()
-        return bytes(self.out)
+        return bytes(self.out).rstrip(b"\0")
 
 
 class _Decoder:
@@ -310,13 +342,41 @@ class _Counted:
         self.counts = [0] * size
 
 
-def _code(coder: _Encoder | _Decoder, counted: _Counted, slot: int, bit: int) -> int:
-    """One counted bit: the encoder codes ``bit``, the decoder returns the bit it reads (the escape passes are
-    written once for both directions)."""
+def _log2_fixed(m: int) -> int:
+    """floor(256 * log2(m)) for m >= 1, by squaring (the C file's integer steps)."""
+    whole = m.bit_length() - 1
+    y = (m << 30) >> whole
+    result = whole << 8
+    for b in range(7, -1, -1):
+        y = (y * y) >> 30
+        if y >= 2 << 30:
+            y >>= 1
+            result |= 1 << b
+    return result
+
+
+_COSTS = [(11 << 8) - _log2_fixed(2 * i + 1) for i in range(COST_SLOTS)]
+"""What a bit costs, in 1/256 bits, by its probability's 10 leading bits: 256 * -log2((2i + 1) / 2048)."""
+
+
+class _DryRun:
+    """A coder that codes nothing: it adds what each bit given would cost now to ``cost``, adapting nothing."""
+
+    def __init__(self) -> None:
+        self.cost = 0
+
+
+def _code(coder: _Encoder | _Decoder | _DryRun, counted: _Counted, slot: int, bit: int) -> int:
+    """One counted bit: the encoder codes ``bit``, the decoder returns the bit it reads, a dry run prices ``bit``
+    (the escape passes are written once for all three)."""
     if isinstance(coder, _Encoder):
         coder.counted_bit(counted.probs, counted.counts, slot, bit)
         return bit
-    return coder.counted_bit(counted.probs, counted.counts, slot)
+    if isinstance(coder, _Decoder):
+        return coder.counted_bit(counted.probs, counted.counts, slot)
+    at = counted.probs[slot] >> (ESCAPE_PROB_BITS - 10)
+    coder.cost += _COSTS[COST_SLOTS - 1 - at if bit else at]
+    return bit
 
 
 def _found_context(found: int) -> int:
@@ -324,7 +384,7 @@ def _found_context(found: int) -> int:
 
 
 def _code_members(
-    coder: _Encoder | _Decoder,
+    coder: _Encoder | _Decoder | _DryRun,
     counted: _Counted,
     order: Sequence[int],
     skip: frozenset[int] | set[int],
@@ -379,6 +439,26 @@ def decode_escapes(stream: bytes, out: npt.NDArray[Any], order: Sequence[int], n
         out[:] = rows
 
 
+def _code_gamma(coder: _Encoder | _Decoder | _DryRun, bucket: _Counted, low: _Counted, buckets: int, value: int) -> int:
+    """A positive integer (the encoder's ``value``), Elias-gamma: its bit length - 1 in unary, each bit with its
+    context, then its bits below the leading one by (bucket, bit). Returns it, or -1 where its bucket reaches
+    ``buckets`` - 1."""
+    wanted = 0 if isinstance(coder, _Decoder) else value.bit_length() - 1
+    b = 0
+    while _code(coder, bucket, b, 1 if b < wanted else 0):
+        b += 1
+        if b == buckets - 1:
+            return -1
+    decoded = 1
+    for bit in range(b - 1, -1, -1):
+        decoded = 2 * decoded + _code(coder, low, b * 32 + bit, (value >> bit) & 1)
+    return decoded
+
+
+_ALONE, _BY_CANDIDATE, _BY_LIST = 0, 1, 2
+"""The ways an escaped row is coded."""
+
+
 class _Referenced:
     """A chunk layer's escape coder of version 3: its list, order and counted contexts (the C struct)."""
 
@@ -394,6 +474,9 @@ class _Referenced:
         self.referenced = _Counted(1)
         self.gap_bucket = _Counted(LIST_BUCKETS)
         self.gap_low = _Counted(LIST_BUCKETS * 32)
+        self.list_referenced = _Counted(2)
+        self._flags: npt.NDArray[np.int32] | None = None
+        self.looked = self.taken = 0  # the encoder's rows searched, and taking a listed set
 
     def _set(self, at: int, distinct: bool) -> list[int]:
         """Listed set ``at``, checked where it is read, as the compiled pass checks it: its IDs below the experts, and
@@ -404,31 +487,89 @@ class _Referenced:
         return found
 
     def row(
-        self, coder: _Encoder | _Decoder, tables: Tables, token: int, below: int, k: int, members: set[int]
+        self,
+        coder: _Encoder | _Decoder | _DryRun,
+        tables: Tables,
+        token: int,
+        below: int,
+        k: int,
+        members: set[int],
+        lists: bool = False,
     ) -> list[int]:
-        """One escaped row (``members``: its IDs when encoding, none when decoding), in the order found."""
+        """One escaped row (``members``: its IDs when encoding, none when decoding), in the order found; ``lists``
+        (version 4): a row its candidates do not reference may take any listed set as its reference."""
         found_below, found_token = tables.candidates(token, below)
         candidates = [*found_below, *(c for c in found_token if c not in found_below)][:REF_CANDIDATES]
         if any(c >= len(self.sets) for c in candidates):
-            raise ValueError("referenced escapes: a candidate outside the list")
-        listed = [self._set(c, False) for c in candidates] if isinstance(coder, _Encoder) else []
-        if not candidates:
-            return _code_members(coder, self.plain, self.order, _NONE, k, members, True)
-        pick, best = 0, -1
-        if isinstance(coder, _Encoder):
-            shared = [len(members.intersection(s)) for s in listed]
+            raise ValueError("referenced escapes: a reference outside the list")
+        searched = lists and len(self.sets) > 0
+        way, pick, near = _ALONE, 0, 0
+        if isinstance(coder, _Encoder) and (candidates or searched):
+            way, pick, near = self._way(candidates, searched, k, members)
+        if candidates and _code(coder, self.referenced, 0, 1 if way == _BY_CANDIDATE else 0):
+            chosen = len(candidates) - 1
+            for i in range(len(candidates) - 1):
+                if _code(coder, self.choose, i, 1 if i == pick else 0):
+                    chosen = i
+                    break
+            return self.against(coder, candidates[chosen], k, members)
+        if searched and _code(coder, self.list_referenced, 1 if candidates else 0, 1 if way == _BY_LIST else 0):
+            value = self._gamma(coder, near + 1)
+            if not 0 < value <= len(self.sets):
+                raise ValueError("referenced escapes: a reference outside the list")
+            return self.against(coder, value - 1, k, members)
+        return _code_members(coder, self.plain, self.order, _NONE, k, members, True)
+
+    def _way(self, candidates: list[int], searched: bool, k: int, members: set[int]) -> tuple[int, int, int]:
+        """The encoder's way for an escaped row, with the candidate and the listed set it would take: the first
+        candidate sharing most experts with the row, where it shares at least half and no searched listed set shares
+        :data:`LIST_PREFERENCE` more; else, where searched, the first searched listed set sharing most, where it
+        shares at least half and its bits cost :data:`LIST_MARGIN` less now (a dry run) than the row's alone; else
+        that candidate where it shares at least half; else alone. The list is searched while
+        :data:`LIST_TRIAL` says (see the C file)."""
+        pick, best, near, near_shared = 0, -1, 0, -1
+        if candidates:
+            shared = [len(members.intersection(self._set(c, False))) for c in candidates]
             best = max(shared)
             pick = shared.index(best)
-        if not _code(coder, self.referenced, 0, 1 if 2 * best > k else 0):
-            return _code_members(coder, self.plain, self.order, _NONE, k, members, True)
-        chosen = len(candidates) - 1
-        for i in range(len(candidates) - 1):
-            if _code(coder, self.choose, i, 1 if i == pick else 0):
-                chosen = i
-                break
-        return self.against(coder, candidates[chosen], k, members)
+        if searched and (self.looked < LIST_TRIAL or self.taken * LIST_TRIAL >= self.looked):
+            near, near_shared = self._nearest(members)
+            self.looked += 1
+        candidate = bool(candidates) and 2 * best >= k
+        if candidate and near_shared < best + LIST_PREFERENCE:
+            return _BY_CANDIDATE, pick, near
+        if 2 * near_shared >= k:  # -1 where not searched
+            has = 1 if candidates else 0
+            alone, listed = _DryRun(), _DryRun()
+            _code(alone, self.list_referenced, has, 0)
+            _code_members(alone, self.plain, self.order, _NONE, k, members, True)
+            _code(listed, self.list_referenced, has, 1)
+            self._gamma(listed, near + 1)
+            self.against(listed, near, k, members)
+            if listed.cost + LIST_MARGIN < alone.cost:
+                self.taken += 1
+                return _BY_LIST, pick, near
+        return (_BY_CANDIDATE if candidate else _ALONE), pick, near
 
-    def against(self, coder: _Encoder | _Decoder, at: int, k: int, members: set[int]) -> list[int]:
+    def _nearest(self, members: set[int]) -> tuple[int, int]:
+        """The first of the list's :data:`LIST_SEARCH` first sets sharing most experts with a row where one shares
+        at least half of them, and how many it shares; else 0 and -1."""
+        if self._flags is None:  # the searched sets checked first, as the compiled pass checks them
+            head = np.asarray(self.sets[:LIST_SEARCH], np.int64)
+            if head.size and (head.max() >= self.experts or (np.diff(np.sort(head, axis=1), axis=1) == 0).any()):
+                raise ValueError("referenced escapes: a row names an ID past the experts or twice")
+            self._flags = np.zeros((head.shape[0], self.experts), np.int32)
+            self._flags[np.repeat(np.arange(head.shape[0]), head.shape[1]), head.reshape(-1)] = 1
+        shared = self._flags[:, sorted(members)].sum(axis=1)
+        place = int(np.argmax(shared)) if shared.size else 0
+        most = int(shared[place]) if shared.size else -1
+        return (place, most) if 2 * most >= len(members) else (0, -1)
+
+    def _gamma(self, coder: _Encoder | _Decoder | _DryRun, value: int) -> int:
+        """A listed set's distance back, or a listed reference's place + 1 (:func:`_code_gamma`)."""
+        return _code_gamma(coder, self.gap_bucket, self.gap_low, LIST_BUCKETS, value)
+
+    def against(self, coder: _Encoder | _Decoder | _DryRun, at: int, k: int, members: set[int]) -> list[int]:
         """A row against listed set ``at``: the reference's experts it keeps, in the order's order, then the ones
         it adds."""
         reference = sorted(self._set(at, True), key=self.rank.__getitem__)
@@ -442,21 +583,15 @@ class _Referenced:
                 got.append(expert)
         return got + _code_members(coder, self.rest, self.order, set(reference), k - len(got), members, True)
 
-    def listed(self, coder: _Encoder | _Decoder, i: int, back: int, k: int, members: set[int]) -> tuple[int, list[int]]:
+    def listed(
+        self, coder: _Encoder | _Decoder | _DryRun, i: int, back: int, k: int, members: set[int]
+    ) -> tuple[int, list[int]]:
         """Listed set ``i`` (of ``self.sets``, the list so far), against the set ``back`` places before it or
         alone (``back`` 0; the encoder's): the distance decoded (0: none; -1: past the list's start) and the set."""
         if not _code(coder, self.referenced, 0, 1 if back > 0 else 0):
             return 0, _code_members(coder, self.plain, self.order, _NONE, k, members, True)
-        bucket = back.bit_length() - 1 if isinstance(coder, _Encoder) else 0
-        b = 0
-        while _code(coder, self.gap_bucket, b, 1 if b < bucket else 0):
-            b += 1
-            if b == LIST_BUCKETS - 1:
-                return -1, []
-        distance = 1
-        for bit in range(b - 1, -1, -1):
-            distance = 2 * distance + _code(coder, self.gap_low, b * 32 + bit, (back >> bit) & 1)
-        if distance > i:
+        distance = self._gamma(coder, back)
+        if not 0 < distance <= i:
             return -1, []
         try:
             return distance, self.against(coder, i - distance, k, members)
@@ -472,15 +607,16 @@ def encode_referenced(
     tables: Tables,
     tokens: npt.NDArray[np.int64],
     below: npt.NDArray[np.int32],
+    lists: bool = False,
 ) -> bytes:
-    """The escape stream of one chunk layer (version 3): its escaped rows ``[n, K]`` (ascending distinct IDs), each
-    against its reference among its candidates (``tokens`` and ``below``: the escaped rows' own) in the list
-    ``sets``; see the C file."""
+    """The escape stream of one chunk layer (version 3, or 4 with ``lists``): its escaped rows ``[n, K]`` (ascending
+    distinct IDs), each against its reference among its candidates (``tokens`` and ``below``: the escaped rows' own)
+    or, in version 4, any set of the list ``sets``; see the C file."""
     coder = _Encoder()
     state = _Referenced(sets, order, num_experts)
     k = rows.shape[1] if rows.ndim == 2 else 0
     for row, (token, under) in zip(rows.tolist(), _contexts(tokens, below), strict=True):
-        state.row(coder, tables, token, under, k, set(row))
+        state.row(coder, tables, token, under, k, set(row), lists)
     return coder.finish()
 
 
@@ -493,13 +629,15 @@ def decode_referenced(
     tables: Tables,
     tokens: npt.NDArray[np.int64],
     below: npt.NDArray[np.int32],
+    lists: bool = False,
 ) -> None:
     """The escaped rows of :func:`encode_referenced`' stream into ``out`` ``[n, K]`` (each ascending). Every stream
-    decodes to valid rows; a candidate outside the list is a ValueError."""
+    decodes to valid rows; a reference outside the list is a ValueError."""
     coder = _Decoder(bytes(stream))
     state = _Referenced(sets, order, num_experts)
     n, k = out.shape
-    rows = [sorted(state.row(coder, tables, token, under, k, set())) for token, under in _contexts(tokens, below)]
+    contexts = _contexts(tokens, below)
+    rows = [sorted(state.row(coder, tables, token, under, k, set(), lists)) for token, under in contexts]
     if n:
         out[:] = rows
 
@@ -540,6 +678,105 @@ def decode_list(stream: bytes, out: npt.NDArray[Any], order: Sequence[int], num_
             return 1, i
         out[i] = sorted(found)
     return OK, -1
+
+
+class _TableCounters:
+    """The counted contexts of a layer's candidate tables (model version 4; the C struct)."""
+
+    def __init__(self) -> None:
+        self.key_bucket, self.key_low = _Counted(TABLE_BUCKETS), _Counted(TABLE_BUCKETS * 32)
+        self.token_more = _Counted(MAX_TOKEN_CANDIDATES)
+        self.token_bucket, self.token_low = _Counted(TABLE_BUCKETS), _Counted(TABLE_BUCKETS * 32)
+        self.below_more = _Counted(MAX_BELOW_CANDIDATES)
+        self.below_bucket, self.below_low = _Counted(TABLE_BUCKETS), _Counted(TABLE_BUCKETS * 32)
+
+
+def _code_count(coder: _Encoder | _Decoder, more: _Counted, count: int, least: int, most: int) -> int:
+    """A count from ``least`` up to ``most``: a bit "more than n" for each n from ``least``, context n."""
+    n = least
+    while n < most and _code(coder, more, n, 1 if count > n else 0):
+        n += 1
+    return n
+
+
+def _code_candidates(
+    coder: _Encoder | _Decoder, bucket: _Counted, low: _Counted, sets: int, values: list[int]
+) -> list[int] | None:
+    """Candidates, each as its place in the list + 1 (Elias-gamma); None at one past the list."""
+    got = []
+    for value in values:
+        place = _code_gamma(coder, bucket, low, TABLE_BUCKETS, value + 1) - 1
+        if not 0 <= place < sets:
+            return None
+        got.append(place)
+    return got
+
+
+def encode_tables(
+    token_keys: Sequence[int],
+    token_offsets: Sequence[int],
+    token_candidates: Sequence[int],
+    below_offsets: Sequence[int],
+    below_candidates: Sequence[int],
+    sets: int,
+    below_sets: int,
+) -> bytes:
+    """A layer's candidate tables of model version 4 (checked by the caller; ``below_sets`` -1 where the layer has no
+    layer below, ``below_offsets`` then ``[0]``); see the C file."""
+    coder = _Encoder()
+    counters = _TableCounters()
+    previous = -1
+    for key in token_keys:
+        _code_gamma(coder, counters.key_bucket, counters.key_low, TABLE_BUCKETS, key - previous)
+        previous = key
+    for i in range(len(token_keys)):
+        start, end = token_offsets[i], token_offsets[i + 1]
+        _code_count(coder, counters.token_more, end - start, 1, MAX_TOKEN_CANDIDATES)
+        _code_candidates(coder, counters.token_bucket, counters.token_low, sets, list(token_candidates[start:end]))
+    for s in range(max(below_sets, 0)):
+        start, end = below_offsets[s], below_offsets[s + 1]
+        _code_count(coder, counters.below_more, end - start, 0, MAX_BELOW_CANDIDATES)
+        _code_candidates(coder, counters.below_bucket, counters.below_low, sets, list(below_candidates[start:end]))
+    return coder.finish()
+
+
+def decode_tables(
+    stream: bytes, n_keys: int, sets: int, below_sets: int, n_below: int
+) -> tuple[int, list[int], list[int], list[int], list[int], list[int]]:
+    """:func:`encode_tables`' stream: (status, token keys, token offsets, token candidates, below offsets, below
+    candidates); status :data:`TABLE_RANGE` (a key past the largest token id, a candidate past the list, a bucket
+    past its end) or :data:`TABLE_KEYS_BELOW` (not ``n_below`` sets below with candidates), the lists then partial."""
+    coder = _Decoder(bytes(stream))
+    counters = _TableCounters()
+    keys: list[int] = []
+    previous = -1
+    token_offsets, below_offsets = [0], [0]
+    token_candidates: list[int] = []
+    below_candidates: list[int] = []
+    for _ in range(n_keys):
+        gap = _code_gamma(coder, counters.key_bucket, counters.key_low, TABLE_BUCKETS, 0)
+        if gap < 1 or previous + gap > MAX_TOKEN:
+            return TABLE_RANGE, keys, token_offsets, token_candidates, below_offsets, below_candidates
+        previous += gap
+        keys.append(previous)
+    for _ in range(n_keys):
+        count = _code_count(coder, counters.token_more, 0, 1, MAX_TOKEN_CANDIDATES)
+        got = _code_candidates(coder, counters.token_bucket, counters.token_low, sets, [0] * count)
+        if got is None:
+            return TABLE_RANGE, keys, token_offsets, token_candidates, below_offsets, below_candidates
+        token_candidates += got
+        token_offsets.append(len(token_candidates))
+    keyed = 0
+    for _ in range(max(below_sets, 0)):
+        count = _code_count(coder, counters.below_more, 0, 0, MAX_BELOW_CANDIDATES)
+        got = _code_candidates(coder, counters.below_bucket, counters.below_low, sets, [0] * count)
+        if got is None:
+            return TABLE_RANGE, keys, token_offsets, token_candidates, below_offsets, below_candidates
+        keyed += count > 0
+        below_candidates += got
+        below_offsets.append(len(below_candidates))
+    status = OK if below_sets < 0 or keyed == n_below else TABLE_KEYS_BELOW
+    return status, keys, token_offsets, token_candidates, below_offsets, below_candidates
 
 
 def distinct(items: npt.NDArray[Any]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]:

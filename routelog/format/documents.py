@@ -36,7 +36,12 @@ section 5.1)."""
 CONTEXT_REFERENCES_FEATURE = "context_references"
 """Revision 3.3: ``ranked_context`` chunks of version 3, each escaped row range-coded against a reference among its
 candidates (FORMAT.md section 5.1)."""
-SUPPORTED_FEATURES: frozenset[str] = frozenset({CONTEXT_FEATURE, CONTEXT_ESCAPES_FEATURE, CONTEXT_REFERENCES_FEATURE})
+CONTEXT_LIST_REFERENCES_FEATURE = "context_list_references"
+"""Revision 3.4: ``ranked_context`` chunks of version 4, an escaped row its candidates do not reference may take any
+listed set as its reference (FORMAT.md section 5.1)."""
+SUPPORTED_FEATURES: frozenset[str] = frozenset(
+    {CONTEXT_FEATURE, CONTEXT_ESCAPES_FEATURE, CONTEXT_REFERENCES_FEATURE, CONTEXT_LIST_REFERENCES_FEATURE}
+)
 """Optional format features this routelog understands; a document requiring any other is refused."""
 
 # -- limits (FORMAT.md section 9): every size read from storage is bounded before anything is allocated --------

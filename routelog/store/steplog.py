@@ -28,6 +28,7 @@ from routelog.format.context import MODEL_KEY, model_header_nbytes
 from routelog.format.documents import (
     CONTEXT_ESCAPES_FEATURE,
     CONTEXT_FEATURE,
+    CONTEXT_LIST_REFERENCES_FEATURE,
     CONTEXT_REFERENCES_FEATURE,
     AnnotationCommit,
     CommitRecord,
@@ -97,7 +98,7 @@ def check_commit(commit: CommitRecord | AnnotationCommit, name: str, step: int, 
             f"{where}: routing of transform {info.transform!r} in a commit naming the features {commit.features}: the "
             f"{CONTEXT_FEATURE!r} feature goes with that transform, and only with it"
         )
-    for feature in (CONTEXT_ESCAPES_FEATURE, CONTEXT_REFERENCES_FEATURE):
+    for feature in (CONTEXT_ESCAPES_FEATURE, CONTEXT_REFERENCES_FEATURE, CONTEXT_LIST_REFERENCES_FEATURE):
         if feature in commit.features and not layout.context:
             raise CorruptDataError(
                 f"{where}: the feature {feature!r} in a commit whose routing has transform {info.transform!r}: it "
