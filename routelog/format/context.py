@@ -62,15 +62,14 @@ Qwen3-MoE-style 0.41, DeepSeek-V3-style 0.89, against format 2's 0.71 and 1.39 a
 
 Stored model (``routing/model``, little-endian): ``b"RLSM"``, u8 version (1; 2 where its lists are range-coded as
 escapes are, in expert-ID order; 3 where each listed set is coded against an earlier one; 4 where its candidate
-tables are range-coded too), three zero bytes, u32 L,
-u64 end offset of each layer's section (from the object's start), u32 crc32c of those bytes; then each layer's
-section: u32 S (listed sets), u32 T (token keys), u32 B (below keys), u32 n and the list ``[S, K]`` in n bytes
-(version 1: a format-2 chunk ``[1, S, K]``; versions 2 to 4: a range-coded stream; none when S is 0), u32 m and m
-bytes of candidate tables (version 4: a range-coded stream, FORMAT.md section 5.1; the others:) a zstd frame holding
-the integers: T token-id deltas (the first from 0) as u32, T candidate counts as u8,
-the token candidates (list indices) as u32, B below keys' deltas (indices in the layer below's list), B counts, the
-below candidates; each u32 array as its four byte planes
-(all low bytes first); then u32 crc32c of the section. Stored chunk of version 1: u8 version 1, u32 U (the escape
+tables are range-coded too), three zero bytes, u32 L, u64 end offset of each layer's section (from the object's
+start), u32 crc32c of those bytes; then each layer's section: u32 S (listed sets), u32 T (token keys), u32 B (below
+keys), u32 n and the list ``[S, K]`` in n bytes (version 1: a format-2 chunk ``[1, S, K]``; versions 2 to 4: a
+range-coded stream; none when S is 0), u32 m and m bytes of candidate tables: in version 4 a range-coded stream
+(FORMAT.md section 5.1), in the others a zstd frame holding the integers: T token-id deltas (the first from 0) as
+u32, T candidate counts as u8, the token candidates (list indices) as u32, B below keys' deltas (indices in the
+layer below's list), B counts, the below candidates; each u32 array as its four byte planes (all low bytes first);
+then u32 crc32c of the section. Stored chunk of version 1: u8 version 1, u32 U (the escape
 rows' chunk has U rows per layer), u32 stream bytes per layer of the chunk, the streams, then (when U > 0) the
 format-2 chunk ``[L, U, K]`` of each layer's escapes in row order, its unused rows padding. Of version 2, 3 or 4:
 u8 version, u32 stream bytes per layer, u32 escape-stream bytes per layer, the streams, the escape streams.
@@ -451,9 +450,9 @@ def chunk_pieces(
     """The stored bytes of the plan's row chunk ``row_chunk``, in pieces: ``rows`` are its rows ``[L, R, K]`` (the
     array's, no padding). ``version``: 4 (escapes range-coded against candidates or listed sets), 3 (against
     candidates), 2 (range-coded alone) or 1 (escapes in a format-2 chunk at zstd ``level``); by default version 4
-    where :func:`codes_escapes` and a layer of
-    the chunk lists a set. Where none does (uniform routing: nothing recurs, every row escapes) the range coder
-    would save 2 % of the bytes at a tenth of format 2's speed, so the chunk stays version 1."""
+    where :func:`codes_escapes` and a layer of the chunk lists a set. Where none does (uniform routing: nothing
+    recurs, every row escapes) the range coder would save 2 % of the bytes at a tenth of format 2's speed, so the
+    chunk stays version 1."""
     r0 = row_chunk * plan.chunk_rows
     index = plan.index[:, r0 : r0 + rows.shape[1]]
     streams = [layer[row_chunk] for layer in plan.streams]

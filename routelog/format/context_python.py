@@ -460,7 +460,8 @@ _ALONE, _BY_CANDIDATE, _BY_LIST = 0, 1, 2
 
 
 class _Referenced:
-    """A chunk layer's escape coder of version 3: its list, order and counted contexts (the C struct)."""
+    """A chunk layer's escape coder of versions 3 and 4, or a list's: its list, order and counted contexts (the C
+    struct)."""
 
     def __init__(self, sets: npt.NDArray[Any], order: Sequence[int], num_experts: int) -> None:
         self.sets = sets
@@ -488,7 +489,7 @@ class _Referenced:
 
     def row(
         self,
-        coder: _Encoder | _Decoder | _DryRun,
+        coder: _Encoder | _Decoder,
         tables: Tables,
         token: int,
         below: int,
@@ -583,9 +584,7 @@ class _Referenced:
                 got.append(expert)
         return got + _code_members(coder, self.rest, self.order, set(reference), k - len(got), members, True)
 
-    def listed(
-        self, coder: _Encoder | _Decoder | _DryRun, i: int, back: int, k: int, members: set[int]
-    ) -> tuple[int, list[int]]:
+    def listed(self, coder: _Encoder | _Decoder, i: int, back: int, k: int, members: set[int]) -> tuple[int, list[int]]:
         """Listed set ``i`` (of ``self.sets``, the list so far), against the set ``back`` places before it or
         alone (``back`` 0; the encoder's): the distance decoded (0: none; -1: past the list's start) and the set."""
         if not _code(coder, self.referenced, 0, 1 if back > 0 else 0):
