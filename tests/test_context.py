@@ -661,22 +661,12 @@ def test_forged_tables_inside_the_integers_are_refused() -> None:
 
 
 def _tables_stream(keys: list[int], counts: list[int], candidates: list[int], below: list[int]) -> bytes:
-    """A version-4 table stream coding what it is given, checked or not: key gaps, each key's count and candidates
-    (``candidates`` in order), then each set below's count (``below``; their candidates all 0)."""
-    coder = context_python._Encoder()
-    k = context_python._TableCounters()
-    previous = -1
-    for key in keys:
-        context_python._code_gamma(coder, k.key_bucket, k.key_low, context_python.TABLE_BUCKETS, key - previous)
-        previous = key
-    values = iter(candidates)
-    for count in counts:
-        context_python._code_count(coder, k.token_more, count, 1, context.MAX_TOKEN_CANDIDATES)
-        context_python._code_candidates(coder, k.token_bucket, k.token_low, 2**40, [next(values) for _ in range(count)])
-    for count in below:
-        context_python._code_count(coder, k.below_more, count, 0, context.MAX_BELOW_CANDIDATES)
-        context_python._code_candidates(coder, k.below_bucket, k.below_low, 2**40, [0] * count)
-    return coder.finish()
+    """A version-4 table stream of what it is given, unchecked (the Python pass codes any values; the candidates may
+    name any place): the keys, each key's count and candidates (``candidates`` in order), then each set below's
+    count (``below``; their candidates all 0)."""
+    offsets = [0, *np.cumsum(counts, dtype=np.int64).tolist()]
+    below_offsets = [0, *np.cumsum(below, dtype=np.int64).tolist()]
+    return context_python.encode_tables(keys, offsets, candidates, below_offsets, [0] * sum(below), 2**40, len(below))
 
 
 @pytest.mark.parametrize("kernels", ["compiled", "numpy"])

@@ -762,6 +762,8 @@ typedef struct {
     int64_t searched, looked, taken; /* sets searched; rows the search was run for, and took a listed set */
     int64_t words;                   /* 64-bit words an expert mask takes */
     uint64_t *masks;                 /* [searched][words]: each searched set's experts as bits */
+    /* count_shared or count_shared_popcnt, chosen once per search: */
+    void (*count_shared)(const uint64_t *, int64_t, int64_t, const uint64_t *, uint16_t *);
     uint64_t row[ESCAPE_MAX_EXPERTS / 64]; /* the row's experts as bits */
 } Referenced;
 
@@ -834,19 +836,8 @@ static void flag_sets(const void *sets, int itemsize, int64_t n, int64_t topk, i
     }
 }
 
-/* The encoder's search of the list's first LIST_SEARCH sets (their sets checked by the caller): their experts as
- * bits; -1 when out of memory. */
-static int search_start(Referenced *x) {
-    x->searched = x->n_sets < LIST_SEARCH ? x->n_sets : LIST_SEARCH;
-    x->words = (x->experts + 63) / 64;
-    x->masks = calloc((size_t)(x->searched * x->words + 1), sizeof(uint64_t));
-    if (!x->masks) return -1;
-    flag_sets(x->sets, x->itemsize, x->searched, x->topk, x->words, x->masks);
-    return 0;
-}
-
-/* How many experts each of n masks (words a mask) shares with row, into shared: the machine's popcount instruction
- * where it has one (chosen at run time), else the same count in portable steps. */
+/* How many experts each of n masks (words a mask) shares with row, into shared: in portable steps, or with the
+ * machine's popcount instruction (the same counts; search_start chooses). */
 static inline int64_t shared_bits(uint64_t v) {
     v = v - ((v >> 1) & 0x5555555555555555ull);
     v = (v & 0x3333333333333333ull) + ((v >> 2) & 0x3333333333333333ull);
@@ -873,16 +864,26 @@ __attribute__((target("popcnt"))) static void count_shared_popcnt(const uint64_t
 }
 #endif
 
+/* The encoder's search of the list's first LIST_SEARCH sets (their sets checked by the caller): their experts as
+ * bits, and how to count them (the popcount instruction where the machine has one); -1 when out of memory. */
+static int search_start(Referenced *x) {
+    x->searched = x->n_sets < LIST_SEARCH ? x->n_sets : LIST_SEARCH;
+    x->words = (x->experts + 63) / 64;
+    x->masks = calloc((size_t)(x->searched * x->words + 1), sizeof(uint64_t));
+    if (!x->masks) return -1;
+    flag_sets(x->sets, x->itemsize, x->searched, x->topk, x->words, x->masks);
+    x->count_shared = count_shared;
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    if (__builtin_cpu_supports("popcnt")) x->count_shared = count_shared_popcnt;
+#endif
+    return 0;
+}
+
 /* The first of the searched sets sharing most experts with the row (x->row) where one shares at least half of them,
  * and in *shared how many it shares; else 0 and -1. */
 static int64_t nearest_set(Referenced *x, int64_t *shared) {
     uint16_t counts[LIST_SEARCH];
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-    if (__builtin_cpu_supports("popcnt"))
-        count_shared_popcnt(x->masks, x->searched, x->words, x->row, counts);
-    else
-#endif
-        count_shared(x->masks, x->searched, x->words, x->row, counts);
+    x->count_shared(x->masks, x->searched, x->words, x->row, counts);
     int64_t place = 0, best = -1;
     for (int64_t i = 0; i < x->searched; i++)
         if (counts[i] > best) best = counts[i], place = i;
@@ -1385,7 +1386,8 @@ static PyObject *encode_tables(PyObject *self, PyObject *args) {
     for (int64_t j = 0; j < LEN(a[2], 4) && !bad; j++) bad = tc[j] >= sets;
     for (int64_t j = 0; j < LEN(a[4], 4) && !bad; j++) bad = bc[j] >= sets;
     if (bad) {
-        PyErr_SetString(PyExc_ValueError, "encode_tables: keys out of order, or counts or candidates past their limits");
+        PyErr_SetString(PyExc_ValueError,
+                        "encode_tables: keys out of order, or counts or candidates past their limits");
         goto done;
     }
     if (!(k = table_counters_new())) {

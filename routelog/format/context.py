@@ -504,10 +504,16 @@ def _stream(encode: Callable[[npt.NDArray[np.uint8]], int], rows: int, k: int, n
     """A counted coder's stream of ``rows`` rows, written by ``encode`` into a buffer it returns the bytes written to
     (-1: too small): first room for 4 bytes an ID, far more than a stream takes; then the bound, every bit at its
     dearest (15 bits) for every expert of every row, never reached."""
-    out = np.empty(rows * k * 4 + 64, np.uint8)
+    return _written(encode, rows * k * 4 + 64, rows * num_experts * 2 + 64)
+
+
+def _written(encode: Callable[[npt.NDArray[np.uint8]], int], first: int, bound: int) -> bytes:
+    """What ``encode`` writes into a buffer of ``first`` bytes, or where that is too small (it returns -1) of
+    ``bound``."""
+    out = np.empty(first, np.uint8)
     written = encode(out)
     if written < 0:
-        out = np.empty(rows * num_experts * 2 + 64, np.uint8)
+        out = np.empty(bound, np.uint8)
         written = encode(out)
     return out[:written].tobytes()
 
@@ -950,12 +956,12 @@ def _encode_tables(model: LayerModel) -> bytes:
         )
     values = model.token_keys.size + model.token_candidates.size + below_sets + model.below_candidates.size
     arrays = [np.ascontiguousarray(t) for t in (*tables, model.below_candidates)]
-    out = np.empty(8 * values + 64, np.uint8)  # room for about 60 bits a value, far more than they take
-    written = _COMPILED.encode_tables(*arrays, model.n_sets, below_sets, out)
-    if written < 0:  # the bound: 65 decisions of at most 15 bits a value, never reached
-        out = np.empty(128 * values + 64, np.uint8)
-        written = _COMPILED.encode_tables(*arrays, model.n_sets, below_sets, out)
-    return out[:written].tobytes()
+    # first room for about 60 bits a value, far more than they take; then the bound: 65 decisions of 15 bits a value
+    return _written(
+        lambda out: int(_COMPILED.encode_tables(*arrays, model.n_sets, below_sets, out)),
+        8 * values + 64,
+        128 * values + 64,
+    )
 
 
 def _decode_tables(

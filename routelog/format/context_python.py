@@ -748,21 +748,22 @@ def decode_tables(
     coder = _Decoder(bytes(stream))
     counters = _TableCounters()
     keys: list[int] = []
-    previous = -1
     token_offsets, below_offsets = [0], [0]
     token_candidates: list[int] = []
     below_candidates: list[int] = []
+    tables = (keys, token_offsets, token_candidates, below_offsets, below_candidates)  # filled in place
+    previous = -1
     for _ in range(n_keys):
         gap = _code_gamma(coder, counters.key_bucket, counters.key_low, TABLE_BUCKETS, 0)
         if gap < 1 or previous + gap > MAX_TOKEN:
-            return TABLE_RANGE, keys, token_offsets, token_candidates, below_offsets, below_candidates
+            return TABLE_RANGE, *tables
         previous += gap
         keys.append(previous)
     for _ in range(n_keys):
         count = _code_count(coder, counters.token_more, 0, 1, MAX_TOKEN_CANDIDATES)
         got = _code_candidates(coder, counters.token_bucket, counters.token_low, sets, [0] * count)
         if got is None:
-            return TABLE_RANGE, keys, token_offsets, token_candidates, below_offsets, below_candidates
+            return TABLE_RANGE, *tables
         token_candidates += got
         token_offsets.append(len(token_candidates))
     keyed = 0
@@ -770,12 +771,11 @@ def decode_tables(
         count = _code_count(coder, counters.below_more, 0, 0, MAX_BELOW_CANDIDATES)
         got = _code_candidates(coder, counters.below_bucket, counters.below_low, sets, [0] * count)
         if got is None:
-            return TABLE_RANGE, keys, token_offsets, token_candidates, below_offsets, below_candidates
+            return TABLE_RANGE, *tables
         keyed += count > 0
         below_candidates += got
         below_offsets.append(len(below_candidates))
-    status = OK if below_sets < 0 or keyed == n_below else TABLE_KEYS_BELOW
-    return status, keys, token_offsets, token_candidates, below_offsets, below_candidates
+    return (OK if below_sets < 0 or keyed == n_below else TABLE_KEYS_BELOW), *tables
 
 
 def distinct(items: npt.NDArray[Any]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]:
