@@ -146,6 +146,40 @@ def test_bench_writers_commits_every_record_and_reports_the_np_save_baseline(rou
     assert set(report["ratios_vs_np_save"]) == {f"{t}_{n}_writers" for t in ("local", "s3_moto") for n in (1, 2)}
 
 
+def test_bench_writers_ceiling_commits_every_record_with_each_stage_made_free() -> None:
+    result = _tool(str(TOOLS / "bench_writers.py"), "--ceiling", "--quick", "--json")
+    assert result.returncode == 0, result.stderr  # run_writers exits non-zero when a record was not committed
+    report = json.loads(result.stdout)
+    variants = report["variants"]
+    frees = [v["free"] for v in variants.values()]
+    assert frees == [[], ["entropy"], ["entropy", "fsync"], ["entropy", "fsync", "sha256"]]
+    for variant in variants.values():
+        assert variant["MBps"] > 0 and len(variant["rounds_over_zstd3"]) == report["config"]["rounds"] == 1
+    assert len(report["zstd3_per_record_MBps_rounds"]) == 1
+
+
+def test_bench_writers_free_stages_replace_what_they_name() -> None:
+    script = (
+        "import hashlib, io, os, sys\n"
+        f"sys.path.insert(0, {str(TOOLS)!r})\n"
+        "import bench_writers\n"
+        "from routelog.format import zstd_frames\n"
+        "before = zstd_frames.compress(bytes(range(90)), 1)\n"
+        "bench_writers._make_free('entropy,fsync,sha256')\n"
+        "assert zstd_frames.compress(bytes(range(90)), 1) == bytes(range(60)) != before\n"
+        "os.fsync(-1)  # a no-op: a real fsync of -1 raises\n"
+        "assert hashlib.file_digest(io.BytesIO(b'x'), 'sha256').hexdigest() == hashlib.sha256(b'').hexdigest()\n"
+        "try:\n"
+        "    bench_writers._make_free('compression')\n"
+        "except SystemExit as exc:\n"
+        "    assert 'unknown stage' in str(exc)\n"
+        "else:\n"
+        "    raise AssertionError('an unknown stage was accepted')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "token-dependent"])
 def test_bench_writers_routing_is_one_valid_top_k_set_per_token_layer(routing: str) -> None:
     bench = _load_tool("bench_writers")

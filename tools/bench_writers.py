@@ -39,7 +39,13 @@ durability itself costs on this disk: the writer compresses part k + 1 while par
 the last part's write to the disk (fsyncs of one flush run concurrently, so per-call latency is hidden; synthetic
 uniform routing, the least compressible, stores 5 bytes per token-layer).
 
+``--ceiling`` bounds what any cheaper stage could give issue #32's goal: one writer to local disk as it is, then with
+zstd's compression of its chunks made free (:data:`FREE_STAGES`: a copy as large as uniform routing's gaps
+compress to), then fsync too, then the SHA-256 of its objects too, alternating rounds, each beside its own zstd-3
+per record run. Such stores cannot be read: the variants measure time only.
+
     python tools/bench_writers.py [--json] [--quick] [--records N --tokens T --layers L] [--routing KIND]
+    python tools/bench_writers.py --ceiling [--rounds N] [--json] [--quick]
     python tools/bench_writers.py --scheduler [--pin] [--json] [--rate R --trials N --seconds S]
     python tools/bench_writers.py --durability [--baseline-ref REF] [--rounds N] [--json] [--quick]
 """
@@ -91,6 +97,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     """One writer: generate its routing, then append everything and close, timed."""
     if args.no_fsync:  # the durability benchmark's baseline: the same writes, never forced to disk
         os.fsync = lambda fd: None
+    _make_free(args.free)
     arrays = _routing(args, seed=args.writer)
     spec = synthetic_spec(args.layers, 128, 8)
     store = routelog.create_store(args.url, spec)
@@ -130,6 +137,40 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "parts": len(objects),
         "objects_per_flush": float(np.mean(objects)) if objects else 0.0,
     }
+
+
+FREE_STAGES = ("entropy", "fsync", "sha256")
+"""What ``--ceiling`` makes cost nothing in a writer process (the store it writes is then unreadable: measurement
+only): zstd's compression of every chunk frame (each frame becomes a copy of the first two thirds of its input, as
+large as uniform routing's gaps compress to), forcing objects to disk, and hashing them for their commit."""
+
+CEILING_VARIANTS: dict[str, tuple[str, ...]] = {
+    "writer": (),
+    "entropy free": ("entropy",),
+    "entropy and fsync free": ("entropy", "fsync"),
+    "entropy, fsync and sha256 free": FREE_STAGES,
+}
+
+
+def _make_free(stages: str) -> None:
+    """Replace the stages named (comma-separated, :data:`FREE_STAGES`) in this process by ones that cost nothing."""
+    for stage in filter(None, stages.split(",")):
+        if stage == "entropy":
+            from routelog.format import zstd_frames
+
+            def copy(data: Any, level: int, *, min_match: int | None = None) -> bytes:
+                view = memoryview(zstd_frames._buffer(data)).cast("B")
+                return bytes(view[: len(view) * 2 // 3])
+
+            zstd_frames.compress = copy
+        elif stage == "fsync":
+            os.fsync = lambda fd: None
+        elif stage == "sha256":  # a local upload reads each object back for its digest: hash nothing instead
+            import hashlib
+
+            hashlib.file_digest = lambda file, digest: hashlib.sha256(b"")  # type: ignore[assignment]
+        else:
+            raise SystemExit(f"--free: unknown stage {stage!r} (one of {', '.join(FREE_STAGES)})")
 
 
 SCHEDULER_MODES = ("no writer", "writer in the engine process", "writer process")
@@ -415,6 +456,39 @@ def encode_threads(args: argparse.Namespace, root: Path, env: dict[str, str]) ->
     }
 
 
+def ceiling(args: argparse.Namespace, root: Path, env: dict[str, str]) -> dict[str, Any]:
+    """One writer to local disk as it is and with its stages made free one after another (:data:`CEILING_VARIANTS`),
+    in alternating rounds, each round beside its own zstd-3 per record run: the most any cheaper entropy coder (or
+    cheaper durability and integrity) could give the writer, against issue #32's goal."""
+    rates: dict[str, list[float]] = {name: [] for name in CEILING_VARIANTS}
+    ratios: dict[str, list[float]] = {name: [] for name in CEILING_VARIANTS}
+    baselines: list[float] = []
+    (root / "zstd-warm-up").mkdir()  # this process's first run of the baseline measured 0.55-0.6 x its later ones
+    baseline(args, root / "zstd-warm-up", "zstd-3")
+    for round_ in range(args.rounds):
+        (root / f"zstd-{round_}").mkdir()
+        zstd = baseline(args, root / f"zstd-{round_}", "zstd-3")["MBps"]
+        baselines.append(zstd)
+        for name, stages in CEILING_VARIANTS.items():
+            url = str(root / f"{name.replace(' ', '-').replace(',', '')}-{round_}")
+            got = run_writers(args, url, 1, env, ("--free", ",".join(stages)) if stages else ())["MBps"]
+            rates[name].append(got)
+            ratios[name].append(got / zstd)
+    return {
+        "variants": {
+            name: {
+                "free": list(CEILING_VARIANTS[name]),
+                "MBps": float(np.median(rates[name])),
+                "over_zstd3_per_record": float(np.median(ratios[name])),
+                "rounds_over_zstd3": ratios[name],
+            }
+            for name in CEILING_VARIANTS
+        },
+        "zstd3_per_record_MBps_rounds": baselines,
+        "goal": "one writer >= 1 x zstd-3 per record",
+    }
+
+
 def durability(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """One writer to local disk: with fsync, without, and (``--baseline-ref``) the revision's routelog; alternating
     rounds, medians of MB/s, ratios against each baseline."""
@@ -485,7 +559,11 @@ def main() -> None:
         default=None,
         help="one writer's encode_threads to compare, comma-separated (default: 1 and this process's CPUs)",
     )
+    parser.add_argument(
+        "--ceiling", action="store_true", help="measure one writer with its entropy stage, fsync and hashing made free"
+    )
     parser.add_argument("--no-fsync", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--free", default="", help=argparse.SUPPRESS)
     parser.add_argument("--scheduler-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -504,6 +582,21 @@ def main() -> None:
         return
     if args.scheduler_child:
         print(json.dumps(scheduler_child(args)))
+        return
+    if args.ceiling:
+        with tempfile.TemporaryDirectory(prefix="routelog-bench-ceiling-") as tmp:
+            report = ceiling(args, Path(tmp), dict(os.environ))
+        report["config"] = {"records": args.records, "tokens": args.tokens, "layers": args.layers}
+        report["config"] |= {"flush_mb": args.flush_mb, "routing": args.routing, "rounds": args.rounds}
+        if args.json:
+            print(json.dumps(report, indent=1))
+            return
+        print(f"one writer, local disk, {args.records} records x {args.tokens} tokens x {args.layers} layers:")
+        for name, r in report["variants"].items():
+            rounds = ", ".join(f"{v:.2f}" for v in r["rounds_over_zstd3"])
+            print(f"  {name:32s} {r['MBps']:7.0f} MB/s {r['over_zstd3_per_record']:6.2f} x zstd-3 (rounds: {rounds})")
+        rounds = ", ".join(f"{v:.0f}" for v in report["zstd3_per_record_MBps_rounds"])
+        print(f"  zstd-3 per record, local: {rounds} MB/s; goal: {report['goal']}")
         return
     if args.durability:
         if args.quick:
