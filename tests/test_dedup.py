@@ -308,6 +308,27 @@ def test_writers_share_prefixes_with_each_others_committed_parts() -> None:
     _assert_reads_back(store, group + other)
 
 
+def test_a_writer_listing_its_peers_parts_stays_within_its_budget() -> None:
+    """Peers' records are listed a commit at a time and the index evicts once after: it holds no more than its
+    budget once the listing is done, and still shares with the most recent peer part it kept."""
+    rng = np.random.default_rng(12)
+    groups = [_grpo_group(rng, f"g{g}", 2, prompt_len=64) for g in range(10)]
+    url = f"memory://dedup-tests/{uuid.uuid4().hex}"
+    budget = 12_000  # a few of worker-a's parts' rows and candidates
+    with routelog.open_writer(url, step=0, model_spec=SPEC, writer_id="worker-b") as writer:
+        writer._prefixes.budget_bytes = budget
+        _write_parts(url, [group[0] for group in groups], "worker-a", per_part=1)
+        writer.append(groups[0][0])  # already present: the flush reads the step and lists worker-a's parts only
+        writer.flush()
+        assert writer.already_present == ["g0/0"] and not writer.commits
+        assert 0 < writer._prefixes.nbytes <= budget
+        writer.append(groups[-1][1])
+        writer.flush()
+    b_commit = next(c for c in routelog.open_store(url).step(0).commits if c.writer_id == "worker-b")
+    assert b_commit.routing.n_rows == int(groups[-1][1].valid.sum()) - 64, "shares the last group's prompt"
+    _assert_reads_back(routelog.open_store(url), [group[0] for group in groups] + [groups[-1][1]])
+
+
 def test_a_writer_does_not_share_with_a_peer_whose_routing_differs() -> None:
     rng = np.random.default_rng(9)
     a, b = _grpo_group(rng, "g", 2, prompt_len=64)

@@ -10,7 +10,8 @@ import pytest
 
 import routelog
 from routelog import Record
-from routelog.format.index_rows import IndexRows
+from routelog.errors import CorruptDataError
+from routelog.format.index_rows import IndexRows, record_spans
 from routelog.store.history import COMMIT_COLUMN
 from routelog.synth import synthetic_spec
 
@@ -62,3 +63,60 @@ def test_a_row_breaking_the_format_is_refused_all_at_once(memory_url: str) -> No
     with pytest.raises(pydantic.ValidationError) as every:
         rows.every()
     assert str(every.value) == str(one.value)
+
+
+def test_record_spans_are_the_validated_rows_tokens_and_spans(memory_url: str) -> None:
+    table = _index(memory_url)
+    every = IndexRows(table, skip=[COMMIT_COLUMN]).every()
+    listed = record_spans(table, 0, "the index")
+    with_tokens = [(row, tokens) for row, tokens in every if tokens is not None]
+    assert len(listed) == len(with_tokens) == 5  # the record without token ids is no candidate
+    assert any(part is not None for record in listed for part in record.parts), "some point into the other part"
+    for record, (row, tokens) in zip(listed, with_tokens, strict=True):
+        assert record.tokens.dtype == np.int64 and np.array_equal(record.tokens, tokens)  # type: ignore[arg-type]
+        got = list(
+            zip(record.token_starts.tolist(), record.n_rows.tolist(), record.rows.tolist(), record.parts, strict=True)
+        )
+        assert got == [(s.token_start, s.n_rows, s.row, s.part) for s in row.spans]
+    shortest = min(len(tokens) for _, tokens in with_tokens)  # type: ignore[arg-type]
+    assert len(record_spans(table, shortest + 1, "the index")) == sum(
+        len(tokens) > shortest  # type: ignore[arg-type]
+        for _, tokens in with_tokens
+    )
+
+
+def _forge_spans(table: pa.Table, position: int, change: dict[str, int | None]) -> pa.Table:
+    spans = table.column("spans").to_pylist()
+    spans[position] = [{**spans[position][0], **change}, *spans[position][1:]]
+    at = table.schema.get_field_index("spans")
+    return table.set_column(at, table.schema.field(at), pa.array(spans, table.schema.field(at).type))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"token_start": -1}, {"n_rows": 0}, {"n_rows": 10_000}, {"row": -3}, {"n_rows": None}, {"token_start": 30}],
+    ids=["negative start", "empty span", "past the tokens", "negative row", "null count", "overlapping"],
+)
+def test_record_spans_refuse_what_the_row_model_refuses(memory_url: str, change: dict[str, int | None]) -> None:
+    table = _index(memory_url)
+    position = next(i for i, spans in enumerate(table.column("spans").to_pylist()) if len(spans) > 1)
+    forged = _forge_spans(table, position, change)
+    sample = table.column("sample_id")[position].as_py()
+    with pytest.raises(pydantic.ValidationError):
+        IndexRows(forged, skip=[COMMIT_COLUMN]).row(position)
+    with pytest.raises(CorruptDataError, match=f"the index: record '{sample}'"):
+        record_spans(forged, 0, "the index")
+
+
+def test_record_spans_refuse_token_ids_that_miscount_and_columns_of_other_types(memory_url: str) -> None:
+    table = _index(memory_url)
+    n_tokens = table.column("n_tokens").to_pylist()
+    n_tokens[1] += 1
+    at = table.schema.get_field_index("n_tokens")
+    miscounted = table.set_column(at, table.schema.field(at), pa.array(n_tokens, table.schema.field(at).type))
+    with pytest.raises(CorruptDataError, match="record 's1' has"):
+        record_spans(miscounted, 0, "the index")
+    at = table.schema.get_field_index("spans")
+    flat = table.set_column(at, "spans", pa.array(["no spans"] * table.num_rows))
+    with pytest.raises(CorruptDataError, match="cannot be read"):
+        record_spans(flat, 0, "the index")

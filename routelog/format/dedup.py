@@ -171,7 +171,7 @@ class PrefixIndex:
         self._parts[part].committed = True
         if not self._candidates_in.get(part):
             self._forget({part})
-        self._evict()
+        self.evict()
 
     def abandon(self, part: int) -> None:
         """The part was not committed: forget it and every record placed in it."""
@@ -192,12 +192,16 @@ class PrefixIndex:
 
     # -- records ----------------------------------------------------------------------------------------------
     def add_record(
-        self, token_ids: npt.NDArray[np.int64], part: npt.NDArray[np.int32], row: npt.NDArray[np.int64]
+        self,
+        token_ids: npt.NDArray[np.int64],
+        part: npt.NDArray[np.int32],
+        row: npt.NDArray[np.int64],
+        parts: frozenset[int],
     ) -> None:
-        """List a committed record as a candidate: for each token, the part id and row of its routing (-1: none)."""
+        """List a committed record as a candidate: for each token, the part id and row of its routing (-1: none),
+        and the ids in ``part``. The caller calls :meth:`evict` once it has listed a commit's records."""
         if token_ids.size >= MIN_SHARED_TOKENS:
-            self._list(_placed(token_ids, part, row))
-            self._evict()
+            self._list(_Placed(token_ids, part, row, parts))
 
     def place(
         self,
@@ -301,7 +305,7 @@ class PrefixIndex:
     def nbytes(self) -> int:
         return self._token_bytes + sum(p.source.nbytes for p in self._parts.values())
 
-    def _evict(self) -> None:
+    def evict(self) -> None:
         """Forget the oldest committed parts (and the records pointing at them) while over the budget; parts not
         committed yet are never forgotten."""
         while self.nbytes > self.budget_bytes:

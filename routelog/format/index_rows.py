@@ -9,12 +9,15 @@ model's ``Int32``), are sliced out of the column's values as one array and only 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from routelog.errors import CorruptDataError
 from routelog.format import context
 from routelog.format.arrow import to_numpy
 from routelog.format.documents import IndexRow
@@ -74,6 +77,73 @@ class IndexRows:
         if tokens is not None and with_tokens:
             row = row.model_copy(update={"token_ids": tokens.tolist()})
         return row, tokens
+
+
+@dataclass(frozen=True)
+class RecordSpans:
+    """What a shared-prefix index needs of an indexed record: its token ids and where its routing rows are."""
+
+    tokens: npt.NDArray[np.int64]
+    token_starts: npt.NDArray[np.int64]
+    n_rows: npt.NDArray[np.int64]
+    rows: npt.NDArray[np.int64]
+    parts: list[str | None]
+    """Each span's part key (None: the indexing part's own rows)."""
+
+
+def record_spans(table: pa.Table, min_tokens: int, where: str) -> list[RecordSpans]:
+    """The records of an index ``table`` with at least ``min_tokens`` token ids, without a model per row: a writer
+    lists every peer's part this way (:mod:`routelog.store.peers`), and a pydantic row per record cost as much as
+    the rest of its listing. The fields it reads are checked as :class:`IndexRow` checks them (token ids as many as
+    ``n_tokens``, spans ascending, disjoint, inside the record, rows from 0): raises :class:`CorruptDataError`
+    naming the record."""
+    if "token_ids" not in table.schema.names or not table.num_rows:
+        return []
+    try:
+        return _record_spans(table, min_tokens, where)
+    except (pa.ArrowException, KeyError, TypeError) as exc:  # columns of other types than an index's
+        raise CorruptDataError(f"{where}: the index's token_ids, n_tokens or spans cannot be read ({exc})") from exc
+
+
+def _record_spans(table: pa.Table, min_tokens: int, where: str) -> list[RecordSpans]:
+    n_tokens = to_numpy(table.column("n_tokens"), fill=-1).astype(np.int64)
+    tokens = table.column("token_ids").combine_chunks()
+    counts = to_numpy(pc.list_value_length(tokens), fill=0).astype(np.int64)
+    present = to_numpy(tokens.is_valid())
+    values = to_numpy(pc.list_flatten(tokens)).astype(np.int64, copy=False)
+    spans = table.column("spans").combine_chunks()
+    flat = pc.list_flatten(spans)
+    per_record = to_numpy(pc.list_value_length(spans), fill=0).astype(np.int64)
+    owner = np.repeat(np.arange(table.num_rows), per_record)
+    fields = ("token_start", "n_rows", "row")
+    starts, lengths, rows = (to_numpy(flat.field(name), fill=-1).astype(np.int64) for name in fields)
+    ends = starts + lengths
+    first = np.ones(owner.size, bool)
+    first[1:] = owner[1:] != owner[:-1]
+    after = np.where(first, 0, np.concatenate([[0], ends[:-1]]))  # where the span before it (same record) ended
+    bad_span = (starts < after) | (lengths < 1) | (rows < 0) | (ends > n_tokens[owner])
+    bad = (present & (counts != n_tokens)) | (n_tokens < 0)
+    bad[owner[bad_span]] = True
+    if bad.any():
+        record = int(np.argmax(bad))
+        sample = table.column("sample_id")[record].as_py()
+        raise CorruptDataError(
+            f"{where}: record {sample!r} has {int(counts[record])} token ids for n_tokens={int(n_tokens[record])} or "
+            "spans that are not ascending, disjoint and inside its tokens"
+        )
+    parts = flat.field("part").to_pylist()
+    token_offsets = np.concatenate([[0], np.cumsum(counts)])
+    span_offsets = np.concatenate([[0], np.cumsum(per_record)])
+    return [
+        RecordSpans(
+            values[token_offsets[i] : token_offsets[i + 1]],
+            starts[span_offsets[i] : span_offsets[i + 1]],
+            lengths[span_offsets[i] : span_offsets[i + 1]],
+            rows[span_offsets[i] : span_offsets[i + 1]],
+            parts[span_offsets[i] : span_offsets[i + 1]],
+        )
+        for i in np.flatnonzero(present & (counts >= min_tokens)).tolist()
+    ]
 
 
 def part_row_tokens(table: pa.Table, n_rows: int) -> npt.NDArray[np.int64]:

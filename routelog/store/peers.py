@@ -20,8 +20,8 @@ from routelog.errors import RoutelogError
 from routelog.format import keys
 from routelog.format.codec import IdArray
 from routelog.format.dedup import MIN_SHARED_TOKENS, PrefixIndex, WeightRows
-from routelog.format.documents import CommitRecord, IndexRow
-from routelog.format.index_rows import IndexRows, part_row_tokens
+from routelog.format.documents import CommitRecord
+from routelog.format.index_rows import RecordSpans, part_row_tokens, record_spans
 from routelog.format.row_blocks import consecutive
 from routelog.store.blocks import BlockRequest, ReadCache, fetch_blocks
 from routelog.store.history import StepView
@@ -89,39 +89,40 @@ class PeerParts:
                 tokens = None
                 if commit.routing.transform == "ranked_context":
                     tokens = part_row_tokens(table, commit.routing.n_rows)
-                self._list(commit, IndexRows(table).every(with_tokens=False), tokens)
+                where = self.store.storage.url_of(keys.part_dir(self.step, commit.part))
+                self._list(commit, record_spans(table, MIN_SHARED_TOKENS, where), tokens)
+        self.prefixes.evict()
         gone = [*view.whole_dropped, *view.refused]
         self.prefixes.forget(keys.part_dir(self.step, e.doc.part) for e in gone if isinstance(e.doc, CommitRecord))
 
-    def _list(
-        self,
-        commit: CommitRecord,
-        rows: list[tuple[IndexRow, npt.NDArray[np.int32] | None]],
-        row_tokens: npt.NDArray[np.int64] | None,
-    ) -> None:
-        """``rows``: each record's index row and its token ids (as an array when kept apart from the row);
-        ``row_tokens``: the token id of each of the part's rows, where its routing is context-coded."""
+    def _list(self, commit: CommitRecord, records: list[RecordSpans], row_tokens: npt.NDArray[np.int64] | None) -> None:
+        """``records``: the part's records with token ids enough to share; ``row_tokens``: the token id of each of
+        the part's rows, where its routing is context-coded."""
         own_key = keys.part_dir(self.step, commit.part)
-        ids: dict[str, int] = {}
-        for row, token_array in rows:
-            tokens = token_array if token_array is not None else row.token_ids
-            if tokens is None or len(tokens) < MIN_SHARED_TOKENS:
-                continue
-            part = np.full(row.n_tokens, -1, np.int32)
-            where = np.full(row.n_tokens, -1, np.int64)
-            for span in row.spans:
-                key = span.part or own_key
+        ids: dict[str | None, int | None] = {}
+        for record in records:
+            span_parts: list[int] = []
+            for key in record.parts:
                 if key not in ids:
-                    known = self.prefixes.part_id(key)
-                    if known is None and key != own_key:
-                        break  # points at a part this writer does not know: not a candidate
-                    ids[key] = (
-                        known
-                        if known is not None
-                        else self.prefixes.add_committed(StoredPart(self.store, own_key, commit, row_tokens), own_key)
-                    )
-                stop = span.token_start + span.n_rows
-                part[span.token_start : stop] = ids[key]
-                where[span.token_start : stop] = np.arange(span.row, span.row + span.n_rows)
+                    ids[key] = self.prefixes.part_id(key or own_key)
+                    if ids[key] is None and key is None:  # the part's own rows: registered once a record needs them
+                        source = StoredPart(self.store, own_key, commit, row_tokens)
+                        ids[key] = self.prefixes.add_committed(source, own_key)
+                known = ids[key]
+                if known is None:
+                    break  # points at a part this writer does not know: not a candidate
+                span_parts.append(known)
             else:
-                self.prefixes.add_record(np.asarray(tokens, np.int64), part, where)
+                self._add(record, span_parts)
+
+    def _add(self, record: RecordSpans, span_parts: list[int]) -> None:
+        """List ``record``, whose spans lie in the parts ``span_parts`` (prefix-index ids)."""
+        n = record.tokens.size
+        part = np.full(n, -1, np.int32)
+        where = np.full(n, -1, np.int64)
+        for part_id, start, count, row in zip(
+            span_parts, record.token_starts.tolist(), record.n_rows.tolist(), record.rows.tolist(), strict=True
+        ):
+            part[start : start + count] = part_id
+            where[start : start + count] = np.arange(row, row + count)
+        self.prefixes.add_record(record.tokens.copy(), part, where, frozenset(span_parts))
