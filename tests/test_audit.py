@@ -393,3 +393,24 @@ def test_batches_read_ahead_and_hand_out_every_record_in_order(runs: dict[str, o
     next(early)
     early.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("routelog-audit-read")]
+
+
+class _Meeting:
+    """A snapshot whose reads wait, at ``barrier``, for a read of the other snapshot to begin too."""
+
+    def __init__(self, snapshot: routelog.StepSnapshot, barrier: threading.Barrier) -> None:
+        self.snapshot, self.barrier = snapshot, barrier
+
+    def read_many(self, sample_ids: list[str]) -> list[object]:
+        self.barrier.wait()  # one thread reading both snapshots in turn never gets past this: BrokenBarrierError
+        return self.snapshot.read_many(sample_ids)  # type: ignore[return-value]
+
+
+def test_batches_read_the_two_snapshots_of_a_diff_at_once(runs: dict[str, object]) -> None:
+    a = routelog.open_store(str(runs["a"])).step(1)
+    b = routelog.open_store(str(runs["b"])).step(1)
+    shared = [sid for sid in a.sample_ids if sid in b]
+    barrier = threading.Barrier(2, timeout=20)
+    got = list(batches([_Meeting(a, barrier), _Meeting(b, barrier)], shared, batch_records=4))  # type: ignore[list-item]
+    assert [r.sample_id for left, _ in got for r in left] == shared
+    assert [r.sample_id for _, right in got for r in right] == shared

@@ -12,7 +12,7 @@ import io
 import json
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
@@ -136,23 +136,24 @@ def batches(
     """The routing of ``sample_ids`` in each of ``snapshots``, ``batch_records`` records at a time: for each batch,
     one list per snapshot.
 
-    The next batch is read in a background thread while the caller works on this one: a read spends most of its
-    time in file reads, zstd and the decoding kernel, which release the GIL, so on two cores an audit's pass over a
-    batch and the read of the next overlap (one batch more is held)."""
+    The next batch is read in the background while the caller works on this one, each snapshot's part of it on a
+    thread of its own: a read spends most of its time in file reads, zstd and the decoding kernel, which release
+    the GIL, so the caller's pass over a batch and the reads of the next overlap, and a diff reads its two steps at
+    once (one batch more is held)."""
     starts = range(0, len(sample_ids), batch_records)
+    with ThreadPoolExecutor(max(1, len(snapshots)), thread_name_prefix="routelog-audit-read") as pool:
 
-    def read(start: int) -> list[list[RecordRouting]]:
-        ids = sample_ids[start : start + batch_records]
-        return [snapshot.read_many(ids) for snapshot in snapshots]
+        def read(start: int) -> list[Future[list[RecordRouting]]]:
+            ids = sample_ids[start : start + batch_records]
+            return [pool.submit(snapshot.read_many, ids) for snapshot in snapshots]
 
-    with ThreadPoolExecutor(1, thread_name_prefix="routelog-audit-read") as pool:
-        pending = [pool.submit(read, start) for start in starts[:1]]
+        pending = [read(start) for start in starts[:1]]
         for start in starts[1:]:
-            batch = pending.pop().result()
-            pending.append(pool.submit(read, start))
+            batch = [future.result() for future in pending.pop()]
+            pending.append(read(start))
             yield batch
         for last in pending:
-            yield last.result()
+            yield [future.result() for future in last]
 
 
 def pack(arrays: Mapping[str, npt.ArrayLike]) -> bytes:
