@@ -17,7 +17,9 @@ from routelog.format import keys
 from routelog.format.dedup import CANDIDATES, MIN_SHARED_TOKENS, PrefixIndex
 from routelog.format.part import build_part
 from routelog.format.record import prepare_record
+from routelog.store import peers as peers_module
 from routelog.store import writer as writer_module
+from routelog.store.peers import StoredPart
 from routelog.store.verify import verify_store
 from routelog.store.writer import WriterError
 from routelog.synth import synthetic_spec
@@ -327,6 +329,38 @@ def test_a_writer_listing_its_peers_parts_stays_within_its_budget() -> None:
     b_commit = next(c for c in routelog.open_store(url).step(0).commits if c.writer_id == "worker-b")
     assert b_commit.routing.n_rows == int(groups[-1][1].valid.sum()) - 64, "shares the last group's prompt"
     _assert_reads_back(routelog.open_store(url), [group[0] for group in groups] + [groups[-1][1]])
+
+
+def test_a_peers_part_is_fetched_a_row_chunk_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Comparisons with a peer's part fetch the row chunks their rows lie in, whole: a later comparison within
+    them (another group of the same part, a longer prefix) reads nothing again."""
+    rng = np.random.default_rng(13)
+    records = [record for g in range(4) for record in _grpo_group(rng, f"g{g}", 1, prompt_len=40)]
+    url = f"memory://dedup-tests/{uuid.uuid4().hex}"
+    with routelog.open_writer(url, 0, model_spec=SPEC, options=PartOptions(chunk_rows=64)) as writer:
+        for record in records:
+            writer.append(record)
+    store = routelog.open_store(url)
+    commit = store.step(0).commits[0]
+    key = keys.part_dir(0, commit.part)
+    every, _ = StoredPart(store, key, commit).take(np.arange(commit.routing.n_rows))
+    fetched: list[tuple[int, int]] = []
+    real_fetch = peers_module.fetch_blocks
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        fetched.append(args[1][0].rows)
+        return real_fetch(*args, **kwargs)
+
+    monkeypatch.setattr(peers_module, "fetch_blocks", counted)
+    part = StoredPart(store, key, commit)
+    for rows, chunks in [((3, 11), [(0, 64)]), ((20, 41), []), ((60, 71), [(0, 128)]), ((5, 6), [])]:
+        wanted = np.arange(*rows)
+        ids, weights = part.take(wanted)
+        assert weights is None and np.array_equal(ids, every[:, wanted])
+        assert fetched == chunks, rows
+        fetched.clear()
+    last = commit.routing.n_rows - 1
+    assert part.take(np.array([last]))[0].shape[1] == 1 and fetched == [(last // 64 * 64, last + 1)]
 
 
 def test_a_writer_does_not_share_with_a_peer_whose_routing_differs() -> None:

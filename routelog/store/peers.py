@@ -49,6 +49,8 @@ class StoredPart:
             raise RoutelogError(f"{self.part_key}: rows [{lo}, {hi}) outside its {self.commit.routing.n_rows} rows")
         cached = next(((a, b) for a, b in self._cache if a <= lo and hi <= b), None)
         if cached is None:
+            step = self.commit.routing.chunk_rows
+            lo, hi = lo // step * step, min(-(-hi // step) * step, self.commit.routing.n_rows)
             layers = (0, self.commit.routing.num_moe_layers)
             requests = [BlockRequest.of(self.part_key, self.commit, layers, (lo, hi))]
             if self.commit.weights is not None:
