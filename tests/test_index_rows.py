@@ -116,6 +116,14 @@ def test_record_spans_refuse_token_ids_that_miscount_and_columns_of_other_types(
     miscounted = table.set_column(at, table.schema.field(at), pa.array(n_tokens, table.schema.field(at).type))
     with pytest.raises(CorruptDataError, match="record 's1' has"):
         record_spans(miscounted, 0, "the index")
+    tokens = table.column("token_ids").to_pylist()
+    tokens[2][7] = None
+    at = table.schema.get_field_index("token_ids")
+    holed = table.set_column(at, table.schema.field(at), pa.array(tokens, table.schema.field(at).type))
+    with pytest.raises(pydantic.ValidationError):
+        IndexRows(holed, skip=[COMMIT_COLUMN]).row(2)
+    with pytest.raises(CorruptDataError, match=r"record 's2' has .* token ids \(or a null one\)"):
+        record_spans(holed, 0, "the index")
     at = table.schema.get_field_index("spans")
     flat = table.set_column(at, "spans", pa.array(["no spans"] * table.num_rows))
     with pytest.raises(CorruptDataError, match="cannot be read"):

@@ -2,8 +2,10 @@
 
 A record's token ids are most of its row: pydantic checks a list of ints one int at a time (measured: 450 us of a
 4k-token record's row), and readers want them as an array anyway. So a row's other fields are taken one scalar per
-column and validated by the model, while its token ids, where the column is a list of int32 (every value fits the
-model's ``Int32``), are sliced out of the column's values as one array and only their count is checked.
+column and validated by the model, while its token ids, where the column is a list of int32 without nulls (every
+value fits the model's ``Int32``), are sliced out of the column's values as one array and only their count is
+checked. A writer listing its peers' records takes only their token ids and spans (:func:`record_spans`), checked
+for a whole index at once.
 """
 
 from __future__ import annotations
@@ -34,8 +36,13 @@ class IndexRows:
         }
         self._tokens: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]] | None = None
         tokens = self._columns.get("token_ids")
-        if tokens is not None and pa.types.is_list(tokens.type) and tokens.type.value_type == pa.int32():
-            del self._columns["token_ids"]  # any other type is validated with the rest, one int at a time
+        if (
+            tokens is not None
+            and pa.types.is_list(tokens.type)
+            and tokens.type.value_type == pa.int32()
+            and not pc.list_flatten(tokens).null_count
+        ):
+            del self._columns["token_ids"]  # any other type (or a null id) is validated with the rest, one at a time
             offsets = to_numpy(tokens.offsets)  # a combined array starts at offset 0; its values are every list's
             self._tokens = (offsets, to_numpy(tokens.values), to_numpy(tokens.is_valid()))
         self.n: int = table.num_rows
@@ -110,7 +117,8 @@ def _record_spans(table: pa.Table, min_tokens: int, where: str) -> list[RecordSp
     tokens = table.column("token_ids").combine_chunks()
     counts = to_numpy(pc.list_value_length(tokens), fill=0).astype(np.int64)
     present = to_numpy(tokens.is_valid())
-    values = to_numpy(pc.list_flatten(tokens)).astype(np.int64, copy=False)
+    flat_tokens = pc.list_flatten(tokens)
+    values = to_numpy(flat_tokens, fill=0).astype(np.int64, copy=False)
     spans = table.column("spans").combine_chunks()
     flat = pc.list_flatten(spans)
     per_record = to_numpy(pc.list_value_length(spans), fill=0).astype(np.int64)
@@ -124,12 +132,14 @@ def _record_spans(table: pa.Table, min_tokens: int, where: str) -> list[RecordSp
     bad_span = (starts < after) | (lengths < 1) | (rows < 0) | (ends > n_tokens[owner])
     bad = (present & (counts != n_tokens)) | (n_tokens < 0)
     bad[owner[bad_span]] = True
+    if flat_tokens.null_count:  # a missing token id in a list
+        bad[np.repeat(np.arange(table.num_rows), counts)[to_numpy(pc.is_null(flat_tokens))]] = True
     if bad.any():
         record = int(np.argmax(bad))
         sample = table.column("sample_id")[record].as_py()
         raise CorruptDataError(
-            f"{where}: record {sample!r} has {int(counts[record])} token ids for n_tokens={int(n_tokens[record])} or "
-            "spans that are not ascending, disjoint and inside its tokens"
+            f"{where}: record {sample!r} has {int(counts[record])} token ids (or a null one) for "
+            f"n_tokens={int(n_tokens[record])}, or spans that are not ascending, disjoint and inside its tokens"
         )
     parts = flat.field("part").to_pylist()
     token_offsets = np.concatenate([[0], np.cumsum(counts)])

@@ -101,16 +101,17 @@ class PeerParts:
         """``records``: the part's records with token ids enough to share; ``row_tokens``: the token id of each of
         the part's rows, where its routing is context-coded."""
         own_key = keys.part_dir(self.step, commit.part)
-        ids: dict[str | None, int | None] = {}
+        ids: dict[str, int | None] = {}
         for record in records:
             span_parts: list[int] = []
             for key in record.parts:
-                if key not in ids:
-                    ids[key] = self.prefixes.part_id(key or own_key)
-                    if ids[key] is None and key is None:  # the part's own rows: registered once a record needs them
+                name = key or own_key
+                if name not in ids:
+                    ids[name] = self.prefixes.part_id(name)
+                    if ids[name] is None and name == own_key:  # its own rows: registered once a record needs them
                         source = StoredPart(self.store, own_key, commit, row_tokens)
-                        ids[key] = self.prefixes.add_committed(source, own_key)
-                known = ids[key]
+                        ids[name] = self.prefixes.add_committed(source, own_key)
+                known = ids[name]
                 if known is None:
                     break  # points at a part this writer does not know: not a candidate
                 span_parts.append(known)
