@@ -95,9 +95,7 @@ def _routing(args: argparse.Namespace, seed: int) -> list[np.ndarray]:
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One writer: generate its routing, then append everything and close, timed."""
-    if args.no_fsync:  # the durability benchmark's baseline: the same writes, never forced to disk
-        os.fsync = lambda fd: None
-    _make_free(args.free)
+    _make_free(args.free)  # the durability benchmark's baseline: fsync free, the same writes never forced to disk
     arrays = _routing(args, seed=args.writer)
     spec = synthetic_spec(args.layers, 128, 8)
     store = routelog.create_store(args.url, spec)
@@ -140,7 +138,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 FREE_STAGES = ("entropy", "fsync", "sha256")
-"""What ``--ceiling`` makes cost nothing in a writer process (the store it writes is then unreadable: measurement
+"""What ``--ceiling`` (and ``--durability``'s baseline: fsync) makes cost nothing in a writer process (the store it writes is then unreadable: measurement
 only): zstd's compression of every chunk frame (each frame becomes a copy of the first two thirds of its input, as
 large as uniform routing's gaps compress to), forcing objects to disk, and hashing them for their commit."""
 
@@ -494,7 +492,7 @@ def durability(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     rounds, medians of MB/s, ratios against each baseline."""
     sides: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
         "fsync": (dict(os.environ), ()),
-        "no fsync": (dict(os.environ), ("--no-fsync",)),
+        "no fsync": (dict(os.environ), ("--free", "fsync")),
     }
     if args.baseline_ref:
         tree = root / "baseline"
@@ -562,7 +560,6 @@ def main() -> None:
     parser.add_argument(
         "--ceiling", action="store_true", help="measure one writer with its entropy stage, fsync and hashing made free"
     )
-    parser.add_argument("--no-fsync", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--free", default="", help=argparse.SUPPRESS)
     parser.add_argument("--scheduler-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", type=int, default=0, help=argparse.SUPPRESS)

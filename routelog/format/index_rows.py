@@ -25,6 +25,31 @@ from routelog.format.arrow import to_numpy
 from routelog.format.documents import IndexRow
 
 
+@dataclass(frozen=True)
+class _TokenLists:
+    """A ``token_ids`` column as arrays: record i's ids are ``values[offsets[i]:offsets[i + 1]]`` where
+    ``present[i]``; ``null_ids`` marks the values that are null (read as 0), None when none is."""
+
+    offsets: npt.NDArray[Any]
+    values: npt.NDArray[Any]
+    present: npt.NDArray[np.bool_]
+    null_ids: npt.NDArray[np.bool_] | None
+
+    @classmethod
+    def of(cls, column: pa.Array | pa.ChunkedArray) -> _TokenLists:
+        tokens = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        values = tokens.values  # a combined array starts at offset 0: its offsets index every list's values
+        null_ids = to_numpy(pc.is_null(values)) if values.null_count else None
+        return cls(to_numpy(tokens.offsets), to_numpy(values, fill=0), to_numpy(tokens.is_valid()), null_ids)
+
+    def holding_nulls(self) -> npt.NDArray[np.bool_]:
+        """Per record: whether a null id lies among its values."""
+        if self.null_ids is None:
+            return np.zeros(self.present.size, bool)
+        before = np.concatenate([[0], np.cumsum(self.null_ids, dtype=np.int64)])
+        return np.asarray(before[self.offsets[1:]] > before[self.offsets[:-1]])
+
+
 class IndexRows:
     """The rows of ``table`` (an index, as a part writes it or a step's concatenation), but ``skip`` columns."""
 
@@ -34,17 +59,13 @@ class IndexRows:
             for name, column in zip(table.column_names, table.columns, strict=True)
             if name not in skip
         }
-        self._tokens: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]] | None = None
+        self._tokens: _TokenLists | None = None
         tokens = self._columns.get("token_ids")
-        if (
-            tokens is not None
-            and pa.types.is_list(tokens.type)
-            and tokens.type.value_type == pa.int32()
-            and not pc.list_flatten(tokens).null_count
-        ):
-            del self._columns["token_ids"]  # any other type (or a null id) is validated with the rest, one at a time
-            offsets = to_numpy(tokens.offsets)  # a combined array starts at offset 0; its values are every list's
-            self._tokens = (offsets, to_numpy(tokens.values), to_numpy(tokens.is_valid()))
+        if tokens is not None and pa.types.is_list(tokens.type) and tokens.type.value_type == pa.int32():
+            lists = _TokenLists.of(tokens)
+            if lists.null_ids is None:  # else (or of any other type) validated with the rest, one int at a time
+                del self._columns["token_ids"]
+                self._tokens = lists
         self.n: int = table.num_rows
 
     def __len__(self) -> int:
@@ -74,10 +95,10 @@ class IndexRows:
     ) -> tuple[IndexRow, npt.NDArray[np.int32] | None]:
         tokens = None
         if self._tokens is not None:
-            offsets, values, present = self._tokens
+            lists = self._tokens
             data["token_ids"] = None  # the other fields are validated without them; their count here
-            if present[position]:
-                tokens = values[offsets[position] : offsets[position + 1]]
+            if lists.present[position]:
+                tokens = lists.values[lists.offsets[position] : lists.offsets[position + 1]]
                 if len(tokens) != data.get("n_tokens"):
                     data["token_ids"] = tokens.tolist()  # the model's check names what is wrong
         row = IndexRow.model_validate(data)
@@ -114,11 +135,9 @@ def record_spans(table: pa.Table, min_tokens: int, where: str) -> list[RecordSpa
 
 def _record_spans(table: pa.Table, min_tokens: int, where: str) -> list[RecordSpans]:
     n_tokens = to_numpy(table.column("n_tokens"), fill=-1).astype(np.int64)
-    tokens = table.column("token_ids").combine_chunks()
-    counts = to_numpy(pc.list_value_length(tokens), fill=0).astype(np.int64)
-    present = to_numpy(tokens.is_valid())
-    flat_tokens = pc.list_flatten(tokens)
-    values = to_numpy(flat_tokens, fill=0).astype(np.int64, copy=False)
+    tokens = _TokenLists.of(table.column("token_ids"))
+    counts = np.diff(tokens.offsets).astype(np.int64)
+    values = tokens.values.astype(np.int64, copy=False)
     spans = table.column("spans").combine_chunks()
     flat = pc.list_flatten(spans)
     per_record = to_numpy(pc.list_value_length(spans), fill=0).astype(np.int64)
@@ -130,10 +149,8 @@ def _record_spans(table: pa.Table, min_tokens: int, where: str) -> list[RecordSp
     first[1:] = owner[1:] != owner[:-1]
     after = np.where(first, 0, np.concatenate([[0], ends[:-1]]))  # where the span before it (same record) ended
     bad_span = (starts < after) | (lengths < 1) | (rows < 0) | (ends > n_tokens[owner])
-    bad = (present & (counts != n_tokens)) | (n_tokens < 0)
+    bad = (tokens.present & ((counts != n_tokens) | tokens.holding_nulls())) | (n_tokens < 0)
     bad[owner[bad_span]] = True
-    if flat_tokens.null_count:  # a missing token id in a list
-        bad[np.repeat(np.arange(table.num_rows), counts)[to_numpy(pc.is_null(flat_tokens))]] = True
     if bad.any():
         record = int(np.argmax(bad))
         sample = table.column("sample_id")[record].as_py()
@@ -142,17 +159,16 @@ def _record_spans(table: pa.Table, min_tokens: int, where: str) -> list[RecordSp
             f"n_tokens={int(n_tokens[record])}, or spans that are not ascending, disjoint and inside its tokens"
         )
     parts = flat.field("part").to_pylist()
-    token_offsets = np.concatenate([[0], np.cumsum(counts)])
     span_offsets = np.concatenate([[0], np.cumsum(per_record)])
     return [
         RecordSpans(
-            values[token_offsets[i] : token_offsets[i + 1]],
+            values[tokens.offsets[i] : tokens.offsets[i + 1]],
             starts[span_offsets[i] : span_offsets[i + 1]],
             lengths[span_offsets[i] : span_offsets[i + 1]],
             rows[span_offsets[i] : span_offsets[i + 1]],
             parts[span_offsets[i] : span_offsets[i + 1]],
         )
-        for i in np.flatnonzero(present & (counts >= min_tokens)).tolist()
+        for i in np.flatnonzero(tokens.present & (counts >= min_tokens)).tolist()
     ]
 
 
@@ -160,14 +176,11 @@ def part_row_tokens(table: pa.Table, n_rows: int) -> npt.NDArray[np.int64]:
     """The token id of each row of a part's routing array ``[n_rows]`` from the part's index (every record it
     stored, dropped and shadowed ones too): :func:`routelog.format.context.row_tokens`, with the token ids taken
     from the column as arrays."""
-    tokens = table.column("token_ids").combine_chunks()
-    offsets = to_numpy(tokens.offsets)
-    values = to_numpy(tokens.values)
-    present = to_numpy(tokens.is_valid())
+    tokens = _TokenLists.of(table.column("token_ids"))
     spans = table.column("spans").to_pylist()
     records = (
         (
-            values[offsets[i] : offsets[i + 1]] if present[i] else None,
+            tokens.values[tokens.offsets[i] : tokens.offsets[i + 1]] if tokens.present[i] else None,
             [(s["token_start"], s["n_rows"], s["row"], s["part"]) for s in spans[i] or ()],
         )
         for i in range(table.num_rows)

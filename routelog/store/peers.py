@@ -49,8 +49,8 @@ class StoredPart:
             raise RoutelogError(f"{self.part_key}: rows [{lo}, {hi}) outside its {self.commit.routing.n_rows} rows")
         cached = next(((a, b) for a, b in self._cache if a <= lo and hi <= b), None)
         if cached is None:
-            step = self.commit.routing.chunk_rows
-            lo, hi = lo // step * step, min(-(-hi // step) * step, self.commit.routing.n_rows)
+            chunk_rows = self.commit.routing.chunk_rows
+            lo, hi = lo // chunk_rows * chunk_rows, min(-(-hi // chunk_rows) * chunk_rows, self.commit.routing.n_rows)
             layers = (0, self.commit.routing.num_moe_layers)
             requests = [BlockRequest.of(self.part_key, self.commit, layers, (lo, hi))]
             if self.commit.weights is not None:
@@ -88,11 +88,12 @@ class PeerParts:
         for key, table in tables.items():
             commit = content.get(key)
             if isinstance(commit, CommitRecord) and "token_ids" in table.schema.names:
+                where = self.store.storage.url_of(keys.part_dir(self.step, commit.part))
+                records = record_spans(table, MIN_SHARED_TOKENS, where)  # checks the token ids and spans first
                 tokens = None
                 if commit.routing.transform == "ranked_context":
                     tokens = part_row_tokens(table, commit.routing.n_rows)
-                where = self.store.storage.url_of(keys.part_dir(self.step, commit.part))
-                self._list(commit, record_spans(table, MIN_SHARED_TOKENS, where), tokens)
+                self._list(commit, records, tokens)
         self.prefixes.evict()
         gone = [*view.whole_dropped, *view.refused]
         self.prefixes.forget(keys.part_dir(self.step, e.doc.part) for e in gone if isinstance(e.doc, CommitRecord))
