@@ -394,6 +394,31 @@ def test_a_commit_is_on_stable_storage_before_it_is_reported(tmp_path: Path) -> 
     assert f"{root}/{keys.parts_dir(0)}" in synced, "a new part directory is durable in its parent"
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_commits_on_fsync_threads_of_its_own(tmp_path: Path) -> None:
+    """A process starts its fsync threads once; a child it forks has none of them, and its commits start their own
+    (handing the fsyncs to the parent's idle threads would wait for ever)."""
+    url, store = _store(tmp_path)
+    _write(store, "parent", _records("p0"))  # the parent's fsync threads are started, and idle now
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child's outcome is its exit code)
+        code = 1
+        try:
+            _write(routelog.open_store(url), "child", _records("c0"))
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while (finished := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if finished[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's commit did not finish in 60 s")
+    assert os.waitstatus_to_exitcode(finished[1]) == 0
+    assert sorted(routelog.open_store(url).step(0).sample_ids) == ["c0", "p0"]
+
+
 # -- ambiguous and unanswered creates --------------------------------------------------------------------------------
 @pytest.fixture
 def proxied(s3_fault_proxy: FaultProxy, s3_bucket: str) -> tuple[str, dict[str, Any], FaultProxy]:

@@ -144,6 +144,12 @@ def test_bench_writers_commits_every_record_and_reports_the_np_save_baseline(rou
             assert row["parts"] >= row["writers"], "every writer commits at least one part"
             assert row["objects_per_flush"] >= 2, "a flush writes data objects and one commit record"
     assert set(report["ratios_vs_np_save"]) == {f"{t}_{n}_writers" for t in ("local", "s3_moto") for n in (1, 2)}
+    zstd = report["zstd3_per_record_local"]
+    assert 0 < zstd["cpu_seconds"] <= zstd["seconds"] + 0.01, "the baseline's CPU is its one thread's"
+    assert all(row["cpu_seconds"] > 0 for row in report["local"])
+    one = report["local"][0]
+    per_cpu_second = report["goals"]["one_writer_over_zstd3_per_record_per_cpu_second"]
+    assert per_cpu_second == zstd["cpu_seconds"] / one["cpu_seconds"]
 
 
 def test_bench_writers_ceiling_commits_every_record_with_each_stage_made_free() -> None:
@@ -155,6 +161,7 @@ def test_bench_writers_ceiling_commits_every_record_with_each_stage_made_free() 
     assert frees == [[], ["entropy"], ["entropy", "fsync"], ["entropy", "fsync", "sha256"]]
     for variant in variants.values():
         assert variant["MBps"] > 0 and len(variant["rounds_over_zstd3"]) == report["config"]["rounds"] == 1
+        assert variant["over_zstd3_per_cpu_second"] > 0
     assert len(report["zstd3_per_record_MBps_rounds"]) == 1
 
 
