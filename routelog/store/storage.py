@@ -16,6 +16,7 @@ commit acknowledged before a power loss is still there after it, with every obje
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -23,7 +24,6 @@ import os
 import posixpath
 import random
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -155,31 +155,17 @@ _FSYNC_THREADS = 16
 """Concurrent fsyncs of one batch of new files (each waits on the disk, not the CPU)."""
 
 
-class _FsyncThreads:
+@functools.cache
+def _fsync_threads() -> ThreadPoolExecutor:
     """The process's threads for concurrent fsyncs, started on first use and kept: a pool made per commit started
     its threads each time, and on two busy cores ``Thread.start`` waits for each new thread to be scheduled (a
-    fifth of a writer's commit in a profile)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-
-    def pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="routelog-fsync")
-            return self._pool
-
-    def forget(self) -> None:
-        """In a forked child: the parent's threads are not there (handing them work would wait for ever), and its
-        lock may have been held by one of them; the child starts its own."""
-        self._lock = threading.Lock()
-        self._pool = None
+    fifth of a writer's commit in a profile). A forked child has none of its parent's threads (handing them work
+    would wait for ever): it starts its own."""
+    return ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="routelog-fsync")
 
 
-_FSYNC = _FsyncThreads()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_FSYNC.forget)
+    os.register_at_fork(after_in_child=_fsync_threads.cache_clear)
 
 WRITE_PIECE_BYTES = 256 << 10
 """Local files are written this many bytes per ``write`` call. On the development machine's ext4, an 11 MB part
@@ -256,7 +242,7 @@ def _write_new_files(files: Mapping[str, bytes | mapped.Bytes | WrittenFile]) ->
             descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # a retry rewrites it whole
             descriptors.append(descriptor)
             _write_all(descriptor, data)
-        pool = _FSYNC.pool()
+        pool = _fsync_threads()
         list(pool.map(os.fsync, descriptors))
         list(pool.map(_fsync_directory, sorted(directories)))
     finally:
