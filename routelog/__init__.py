@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from routelog.format.record import Record, StreamRows, token_hash
     from routelog.format.routing import RecordRouting
     from routelog.format.spec import ModelSpec, RouterSpec, StreamSpec
+    from routelog.store.committer import Committer
     from routelog.store.fidelity import FidelityGate
     from routelog.store.process_writer import ProcessWriter
     from routelog.store.reader import StepSnapshot
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 _PUBLIC = {
     "AlignmentError": "routelog.errors",
     "CommitConflictError": "routelog.errors",
+    "Committer": "routelog.store.committer",
     "CorruptDataError": "routelog.errors",
     "DuplicateSampleError": "routelog.errors",
     "FORMAT_VERSION": "routelog.format.documents",
@@ -137,6 +139,7 @@ __all__ = [
     "FORMAT_VERSION",
     "AlignmentError",
     "CommitConflictError",
+    "Committer",
     "CorruptDataError",
     "DuplicateSampleError",
     "FidelityGate",

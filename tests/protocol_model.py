@@ -1,7 +1,8 @@
 """A small model of the store protocol (``schemas/FORMAT.md`` section 3), written apart from routelog's own code.
 
-The model keeps a step's log as a list of entries and evaluates it by the format's rules: the content is the
-commits before the first seal; a drop removes, among the commits before it, the records it names; of the records
+The model keeps a step's log as a list of entries and evaluates it by the format's rules: the entries are in log
+order (position, then slot: the commits of one commit entry share its position); the content is the commits before
+the first seal; a drop removes, among the commits before it, the records it names; of the records
 of one sample id no drop removed, the earliest is live; an annotation gives values to the live record of each
 sample id it names when that record precedes it with the same tokens; a view as of T evaluates the entries
 created by T. ``tests/test_protocol.py`` drives the real store and this model side by side.
@@ -94,6 +95,8 @@ class Entry:
     kind: str
     created_at: datetime | None = None
     """The real entry's time (read back after each operation)."""
+    position: int = 0
+    """The log position of the real entry (commits of one commit entry share it)."""
     writer_id: str = ""
     part: str = ""
     records: dict[str, ModelRecord] = field(default_factory=dict)
@@ -170,3 +173,12 @@ class Model:
 
     def commits(self) -> list[Entry]:
         return [e for e in self.entries if e.kind == "commit"]
+
+    @property
+    def next_position(self) -> int:
+        """The log position the next entry takes."""
+        return self.entries[-1].position + 1 if self.entries else 0
+
+    def index_at(self, position: int) -> int:
+        """How many model entries precede the log position ``position``."""
+        return sum(1 for e in self.entries if e.position < position)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from routelog import ModelSpec, Record
+from routelog.format import keys
+from routelog.format.documents import CommitGroup, CommitRecord, dump_document, parse_log_document
 from routelog.format.values import LOGPROB_INFER
+from routelog.store.storage import Storage
 
 
 def random_routing(rng: np.random.Generator, tokens: int, layers: int, experts: int, topk: int) -> np.ndarray:
@@ -54,3 +57,18 @@ def sample_records(
             )
         )
     return out
+
+
+def replace_commit(storage: Storage, step: int, commit: CommitRecord) -> None:
+    """Rewrite the log entry holding ``commit`` (found by its position and slot) with ``commit`` in its place: how
+    tests forge one commit of an entry."""
+    assert commit.position is not None
+    key = keys.log_key(step, commit.position)
+    doc = parse_log_document(storage.read(key), key)
+    if isinstance(doc, CommitGroup):
+        assert commit.slot is not None
+        commits = list(doc.commits)
+        commits[commit.slot] = commit
+        storage.write(key, dump_document(doc.model_copy(update={"commits": commits})))
+    else:
+        storage.write(key, dump_document(commit))

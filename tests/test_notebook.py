@@ -31,7 +31,8 @@ def _store(url: str) -> routelog.Store:
     ) as writer:
         for record in synth_records(SPEC, SynthConfig(records=5, tokens=9, ragged=True, seed=3)):
             writer.append(record)
-    assert commits == [f"{i:010d}.json" for i in range(5)], "open_writer passes every writer option on"
+    assert len(set(commits)) == 5, "open_writer passes every writer option on"
+    assert commits == sorted(commits), "parts are committed in the order they were flushed"
     return routelog.open_store(url)
 
 

@@ -48,7 +48,7 @@ from routelog.errors import (
     StepSealedError,
 )
 from routelog.format import keys
-from routelog.format.documents import CommitRecord, DropRecord, parse_log_document
+from routelog.format.documents import CommitGroup, DropRecord, parse_log_document
 from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN
 from routelog.store.gc import MIN_GRACE
 from routelog.store.process_writer import ProcessWriter
@@ -417,11 +417,22 @@ class ProtocolMachine(RuleBasedStateMachine):
         self._record_commit_of(writer.writer_id, records)
 
     def _record_commit_of(self, writer_id: str, records: dict[str, ModelRecord]) -> None:
-        """The model's entry for a commit at the next position, with the part name the real one took."""
-        doc = self._entry(len(self.model.entries))
-        assert isinstance(doc, CommitRecord), doc
-        assert doc.writer_id == writer_id
-        self.model.entries.append(Entry("commit", doc.created_at, writer_id, doc.part, dict(records)))
+        """The model's entry for a commit at the next position (a commit entry holding the writer's one part), with
+        the part name the real one took."""
+        position = self.model.next_position
+        doc = self._entry(position)
+        assert isinstance(doc, CommitGroup), doc
+        assert [c.writer_id for c in doc.commits] == [writer_id], doc.commits
+        self.model.entries.append(
+            Entry(
+                "commit",
+                doc.created_at,
+                position=position,
+                writer_id=writer_id,
+                part=doc.commits[0].part,
+                records=dict(records),
+            )
+        )
 
     @precondition(lambda self: len(self.writers) <= 1 and not self.intent)
     @rule(
@@ -457,7 +468,9 @@ class ProtocolMachine(RuleBasedStateMachine):
             thread.start()
         for thread in threads:
             thread.join(timeout=300)
-        first, second = sorted(writers, key=lambda w: w.commits[0].position if w.commits else 1 << 40)
+        first, second = sorted(
+            writers, key=lambda w: (w.commits[0].position, w.commits[0].slot) if w.commits else (1 << 40, 0)
+        )
         assert first.commits and second.commits, "both decided to write before either committed"
         chosen = {w.writer_id: record_of(sample, v)[1] for w, v in zip(writers, variants, strict=True)}
         for writer in (first, second):
@@ -510,7 +523,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self._count("seal_in_window")
         assert writer.store is not None
         sealed: list[Any] = []
-        entry = Entry("seal")
+        entry = Entry("seal", position=self.model.next_position)
         self.model.entries.append(entry)
         remove = before_first_log_create(writer.store.storage, lambda: sealed.append(self.store.seal(STEP)))
         try:
@@ -518,7 +531,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         finally:
             remove()
         self.intent = True
-        assert sealed and sealed[0].position == len(self.model.entries) - 1
+        assert sealed and sealed[0].position == entry.position
         entry.created_at = sealed[0].sealed_at
 
     # -- drops, seal, annotations, gc ----------------------------------------------------------------------------
@@ -578,12 +591,13 @@ class ProtocolMachine(RuleBasedStateMachine):
         entry = Entry(
             "drop",
             drop.created_at,
+            position=self.model.next_position,
             sample_ids=frozenset(sample_ids),
             parts=frozenset(parts),
             writers=frozenset(writers),
         )
         self.model.entries.append(entry)
-        self._check_entry_kind(len(self.model.entries) - 1, "routelog.drop")
+        self._check_entry_kind(entry.position, "routelog.drop")
 
     @rule()
     def seal(self) -> None:
@@ -596,11 +610,11 @@ class ProtocolMachine(RuleBasedStateMachine):
         seal = self.store.seal(STEP)
         self.intent = True
         if now.sealed:
-            position = next(i for i, e in enumerate(self.model.entries) if e.kind == "seal")
+            position = next(e.position for e in self.model.entries if e.kind == "seal")
             assert seal.position == position, "sealing again returns the step's one seal"
             return
-        assert seal.position == len(self.model.entries)
-        self.model.entries.append(Entry("seal", seal.sealed_at))
+        assert seal.position == self.model.next_position
+        self.model.entries.append(Entry("seal", seal.sealed_at, position=seal.position))
 
     @rule(samples=st.sets(st.sampled_from(SAMPLES), min_size=1, max_size=3))
     def annotate(self, samples: set[str]) -> None:
@@ -611,8 +625,11 @@ class ProtocolMachine(RuleBasedStateMachine):
         with self.store.annotate(STEP, "trainer") as annotator:
             for sid in sorted(samples):
                 annotator.add(sid, {LOGPROB_TRAIN: now.live[sid][1].train_values()})
-        doc = self._entry(len(self.model.entries))
-        self.model.entries.append(Entry("annotation", doc.created_at, records={s: now.live[s][1] for s in samples}))
+        position = self.model.next_position
+        doc = self._entry(position)
+        self.model.entries.append(
+            Entry("annotation", doc.created_at, position=position, records={s: now.live[s][1] for s in samples})
+        )
 
     @rule(hours=st.sampled_from([0.0, 0.5, 2.0]))
     def gc(self, hours: float) -> None:
@@ -626,9 +643,10 @@ class ProtocolMachine(RuleBasedStateMachine):
         for part in dead:  # gc may only call dead a part none of whose records is live
             assert part not in before.needed_parts, part
         if dead:
-            drop = self._entry(len(self.model.entries))
+            position = self.model.next_position
+            drop = self._entry(position)
             assert isinstance(drop, DropRecord) and set(drop.parts) == dead
-            self.model.entries.append(Entry("drop", drop.created_at, parts=frozenset(dead)))
+            self.model.entries.append(Entry("drop", drop.created_at, position=position, parts=frozenset(dead)))
         for i, entry in enumerate(self.model.entries):
             if entry.kind != "drop" or entry.created_at is None:
                 continue
@@ -700,7 +718,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.checkpoints.append(datetime.now(UTC))
         store = self._open_store()
         names = store.storage.list(keys.log_dir(STEP))
-        assert names == [keys.log_name(i) for i in range(len(self.model.entries))], "the log holds the model's entries"
+        assert names == [keys.log_name(i) for i in range(self.model.next_position)], "the log holds the model's entries"
         self._count("check")
         if not self.model.entries:
             return

@@ -28,12 +28,12 @@ from routelog import (
     StoreNotFoundError,
 )
 from routelog.format import keys
-from routelog.format.documents import FORMAT_VERSION, CommitRecord, IndexRow, ObjectInfo, Span, dump_document
+from routelog.format.documents import FORMAT_VERSION, CommitRecord, IndexRow, ObjectInfo, Span
 from routelog.format.part import index_to_parquet
 from routelog.store.gc import collect_garbage
 from routelog.store.storage import Storage
 from routelog.store.verify import verify_store
-from tests.records import sample_records
+from tests.records import replace_commit, sample_records
 
 MakeRouting = Callable[..., np.ndarray]
 
@@ -261,8 +261,8 @@ def test_restarted_writer_continues_its_sequence(
         writer.append(records[1])
     commits = store.step(2).commits
     assert [(c.writer_id, c.seq, c.name) for c in commits] == [
-        ("rollout-1", 0, "0000000000.json"),
-        ("rollout-1", 1, "0000000001.json"),
+        ("rollout-1", 0, "0000000000.00000.json"),
+        ("rollout-1", 1, "0000000001.00000.json"),
     ]
     assert all(c.part.startswith(f"rollout-1.{c.seq:08d}.") for c in commits)
     assert routelog.open_store(store_url).step(2).sample_ids == ["s0", "s1"]
@@ -317,7 +317,7 @@ def test_two_writers_racing_on_one_sample_leave_a_readable_store(store_url: str,
     snapshot = routelog.open_store(store_url).step(0)
     assert snapshot.sample_ids == [record.sample_id]
     (shadow,) = snapshot.shadowed
-    assert (shadow.kept, shadow.shadowed) == ("0000000000.json", "0000000001.json")
+    assert (shadow.kept, shadow.shadowed) == ("0000000000.00000.json", "0000000001.00000.json")
     later = next(w for w in racers if w.commits[0].name == shadow.shadowed)
     assert later.already_present == [record.sample_id], "the later writer learns its copy is not the one read"
     np.testing.assert_array_equal(snapshot.read(record.sample_id).expert_ids, _expected(record))
@@ -363,8 +363,7 @@ def test_span_references_into_another_step_are_refused(
         o if o.key != keys.INDEX else ObjectInfo(key=o.key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
         for o in commit.objects
     ]
-    rewritten = commit.model_copy(update={"objects": objects})
-    store.storage.write(keys.log_key(1, 0), dump_document(rewritten))
+    replace_commit(store.storage, 1, commit.model_copy(update={"objects": objects}))
     snapshot = routelog.open_store(store_url).step(1)
     with pytest.raises(CorruptDataError, match="'turn-2' points at rows of another step"):
         snapshot.read("turn-2")

@@ -15,7 +15,6 @@ first.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -25,12 +24,11 @@ import numpy as np
 import numpy.typing as npt
 
 from routelog.format.codec import IdArray
+from routelog.format.digest import MIN_SHARED_TOKENS, prefix_probe
 from routelog.format.documents import Span
 from routelog.format.row_blocks import RowBlocks, consecutive
 from routelog.format.weights import WeightsDtype, from_storage, missing
 
-MIN_SHARED_TOKENS = 16
-"""Shorter shared prefixes are stored again: the spans that point at them would cost about what they save."""
 CANDIDATES = 8
 """Earlier records with the same first tokens compared per record (the most recent ones: a group's or a
 session's records arrive together)."""
@@ -229,7 +227,7 @@ class PrefixIndex:
         # and only the first of them is compared row by row.
         candidates = [
             earlier
-            for earlier in reversed(self._by_probe.get(_probe(tokens), [])[-CANDIDATES:])
+            for earlier in reversed(self._by_probe.get(prefix_probe(tokens), [])[-CANDIDATES:])
             if earlier.parts <= self._parts.keys()  # else it points at a forgotten part
         ]
         bounds = [_equal_prefix(earlier.tokens, tokens) for earlier in candidates]
@@ -296,7 +294,7 @@ class PrefixIndex:
 
     # -- memory -------------------------------------------------------------------------------------------------
     def _list(self, placed: _Placed) -> None:
-        self._by_probe.setdefault(_probe(placed.tokens), []).append(placed)
+        self._by_probe.setdefault(prefix_probe(placed.tokens), []).append(placed)
         self._token_bytes += placed.tokens.nbytes + placed.part.nbytes + placed.row.nbytes
         for part in placed.parts:
             self._candidates_in[part] = self._candidates_in.get(part, 0) + 1
@@ -341,10 +339,6 @@ def _distinct(parts: npt.NDArray[np.int32]) -> list[int]:
     """The part ids in ``parts``; one look when all rows sit in one part (the common case)."""
     first = int(parts[0])
     return [first] if (parts == first).all() else [int(p) for p in np.unique(parts)]
-
-
-def _probe(tokens: npt.NDArray[np.int64]) -> bytes:
-    return hashlib.blake2b(tokens[:MIN_SHARED_TOKENS].tobytes(), digest_size=16).digest()
 
 
 def _same_weights(theirs: WeightRows | None, mine: WeightRows | None) -> npt.NDArray[np.bool_]:

@@ -14,17 +14,20 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any, Final, Literal, TypeVar
 
+import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, StringConstraints, model_validator
 
 from routelog.errors import CorruptDataError, FormatVersionError
 from routelog.format import keys
 from routelog.format.codec import TopkOrder, Transform
+from routelog.format.digest import DIGEST_PATTERN, decode_hashes
 from routelog.format.spec import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_TOPK, ModelSpec
 from routelog.format.values import VALUES_OBJECT
 from routelog.format.weights import WeightsDtype
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """The format this routelog writes, and the newest it reads (it reads every older one too)."""
 
 CONTEXT_FEATURE = "ranked_context"
@@ -359,6 +362,17 @@ class _CommitBase(_Document):
         return keys.commit_name(self.writer_id, self.seq) if self.position is None else keys.log_name(self.position)
 
 
+class CommitDigest(_Document):
+    """What a format-4 commit's records are, 8 bytes each (``routelog.format.digest``): a process deciding duplicates
+    or looking for shared prefixes reads the part's index only when one of its hashes matches."""
+
+    sample_ids: Annotated[str, StringConstraints(pattern=f"^{DIGEST_PATTERN}$")]
+    """Base64 of the sorted, distinct 64-bit hashes of the records' sample ids (little-endian)."""
+    prefixes: Annotated[str, StringConstraints(pattern=f"^{DIGEST_PATTERN}$")] = ""
+    """Base64 of the sorted, distinct 64-bit probes of the first token ids of each record long enough to share a
+    prefix (FORMAT.md section 6)."""
+
+
 class CommitRecord(_CommitBase):
     """An entry of the step's log, created exclusively after its part (format 3; formats 1-2:
     ``steps/<step>/commits/<writer>.<seq>.json``): the part under ``steps/<step>/parts/<part>/`` becomes visible."""
@@ -376,6 +390,18 @@ class CommitRecord(_CommitBase):
     weights: WeightsArrayInfo | None = None
     """The routing weights of the part's rows (format 2), when any of its records carried them; read only when
     asked for."""
+    slot: int | None = Field(default=None, ge=0, lt=keys.MAX_GROUP_COMMITS)
+    """Format 4: the commit's place in its commit entry's list (commits of one entry are ordered by it). Null for a
+    format-3 commit, which is an entry of its own."""
+    digest: CommitDigest | None = None
+    """Format 4: hashes of the records' sample ids and first tokens (FORMAT.md section 3.3)."""
+
+    @property
+    def name(self) -> str:
+        """``<position:010d>.<slot:05d>.json`` in a format-4 commit entry, else as :class:`_CommitBase` names it."""
+        if self.position is not None and self.slot is not None:
+            return keys.member_name(self.position, self.slot)
+        return super().name
 
     @model_validator(mode="after")
     def _arrays(self) -> CommitRecord:
@@ -389,7 +415,27 @@ class CommitRecord(_CommitBase):
             routing.topk,
         ):
             raise ValueError("the weights array must have the routing array's rows, layers and top-k")
+        if self.slot is not None and self.position is None:
+            raise ValueError("a commit with a slot has a log position")
+        if self.digest is not None:
+            try:  # bounded by the records the commit vouches for, before anything else reads them
+                self.sample_id_hashes("digest")
+                self.prefix_probes("digest")
+            except CorruptDataError as exc:
+                raise ValueError(str(exc)) from None
         return self
+
+    def sample_id_hashes(self, where: str) -> npt.NDArray[np.uint64] | None:
+        """The digest's sample-id hashes (None without a digest), bounded by the commit's records."""
+        if self.digest is None:
+            return None
+        return decode_hashes(self.digest.sample_ids, self.n_records, f"{where}: sample_ids")
+
+    def prefix_probes(self, where: str) -> npt.NDArray[np.uint64] | None:
+        """The digest's prefix probes (None without a digest), bounded by the commit's records."""
+        if self.digest is None:
+            return None
+        return decode_hashes(self.digest.prefixes, self.n_records, f"{where}: prefixes")
 
 
 STREAMS_DIR: Final = "streams"
@@ -577,8 +623,58 @@ class StepLogMarker(_Document):
     step: int = Field(ge=0)
 
 
+class CommitGroup(_Document):
+    """A commit entry of format 4 (``steps/<step>/log/<position>.json``, kind ``routelog.commit``): one or more
+    parts made visible together, in the order of :attr:`commits` (a commit's slot). One process appends it for
+    the writers whose parts it holds (a committer batching many writers, or a writer committing its own parts), so
+    a thousand writers commit in a few appends instead of contending for a thousand positions. An older reader
+    refuses it by its ``format_version``."""
+
+    format_version: int = FORMAT_VERSION
+    kind: Literal["routelog.commit"] = COMMIT_KIND
+    features: list[str] = []
+    """Every feature one of its commits names (so a reader that lacks one refuses the entry before reading it)."""
+    step: int = Field(ge=0)
+    position: Position
+    created_at: UtcDateTime
+    committer: WriterId
+    """The process that appended the entry: a committer's id, or the writer's own when it committed its parts."""
+    commits: list[CommitRecord] = Field(min_length=1, max_length=keys.MAX_GROUP_COMMITS)
+    """The commits, each with this entry's ``step``, ``position`` and ``created_at``, and its index as ``slot``."""
+
+    @model_validator(mode="after")
+    def _members(self) -> CommitGroup:
+        for slot, commit in enumerate(self.commits):
+            if (commit.step, commit.position, commit.slot, commit.created_at) != (
+                self.step,
+                self.position,
+                slot,
+                self.created_at,
+            ):
+                raise ValueError(
+                    f"commit {slot} ({commit.part}) says step {commit.step}, position {commit.position}, slot "
+                    f"{commit.slot}, created {commit.created_at}: a commit of an entry has the entry's step, position "
+                    "and time, and its index as slot"
+                )
+            if commit.format_version > self.format_version:
+                raise ValueError(f"commit {slot} has format version {commit.format_version}, its entry older")
+        parts = [c.part for c in self.commits]
+        if len(set(parts)) != len(parts):
+            raise ValueError("an entry commits a part twice")
+        features = sorted({f for c in self.commits for f in c.features})
+        if sorted(set(self.features)) != features:
+            raise ValueError(f"features {self.features} differ from its commits' {features}")
+        return self
+
+    @property
+    def name(self) -> str:
+        return keys.log_name(self.position)
+
+
 LogDocument = CommitRecord | DropRecord | AnnotationCommit | SealRecord
-"""What a step's log holds (format 3)."""
+"""What one entry of a step's log stands for (a format-4 commit entry stands for each of its commits)."""
+StoredEntry = CommitGroup | LogDocument
+"""What a log entry's object holds: a format-4 commit entry (several commits) or one document."""
 _LOG_MODELS: dict[str, type[CommitRecord] | type[DropRecord] | type[AnnotationCommit] | type[SealRecord]] = {
     COMMIT_KIND: CommitRecord,
     DROP_KIND: DropRecord,
@@ -587,8 +683,9 @@ _LOG_MODELS: dict[str, type[CommitRecord] | type[DropRecord] | type[AnnotationCo
 }
 
 
-def parse_log_document(data: bytes, where: str) -> LogDocument:
-    """A log entry, by its ``kind``; :class:`CorruptDataError` for any other document."""
+def parse_log_document(data: bytes, where: str) -> StoredEntry:
+    """A log entry, by its ``kind`` (a commit entry holding ``commits`` is a format-4 group); :class:`CorruptDataError`
+    for any other document."""
     try:
         raw = load_json(data, where)
     except ValueError as exc:
@@ -598,12 +695,15 @@ def parse_log_document(data: bytes, where: str) -> LogDocument:
     if model is None:
         kind = raw.get("kind") if isinstance(raw, dict) else type(raw).__name__
         raise CorruptDataError(f"{where}: not a log entry (kind {kind!r})")
+    if model is CommitRecord and "commits" in raw:
+        return validate_document(raw, CommitGroup, where)
     return validate_document(raw, model, where)
 
 
 DOCUMENT_MODELS: dict[str, type[BaseModel]] = {
     "run": RunDocument,
     "commit": CommitRecord,
+    "commit_group": CommitGroup,
     "seal": SealRecord,
     "seal_intent": SealIntent,
     "annotation": AnnotationCommit,

@@ -46,8 +46,14 @@ SEALED_OBJECT_PATTERN = rf"{SEALED_DIR}/[0-9a-f]{{1,32}}\.(?:commits\.json|index
 _POSITION_DIGITS = 10
 LOG_NAME_PATTERN = rf"\d{{{_POSITION_DIGITS}}}\.json"
 """``<position:010d>.json``: an entry of a step's log (format 3)."""
-ENTRY_NAME_PATTERN = rf"(?:{COMMIT_NAME_PATTERN}|{LOG_NAME_PATTERN})"
-"""A commit's name: its log entry (format 3) or its per-writer document (formats 1 and 2)."""
+_SLOT_DIGITS = 5
+MAX_GROUP_COMMITS = 10**_SLOT_DIGITS
+"""Commits one format-4 commit entry may hold."""
+MEMBER_NAME_PATTERN = rf"\d{{{_POSITION_DIGITS}}}\.\d{{{_SLOT_DIGITS}}}\.json"
+"""``<position:010d>.<slot:05d>.json``: a commit of a format-4 commit entry (its slot in the entry's list)."""
+ENTRY_NAME_PATTERN = rf"(?:{COMMIT_NAME_PATTERN}|{LOG_NAME_PATTERN}|{MEMBER_NAME_PATTERN})"
+"""A commit's name: its place in a format-4 commit entry, its log entry (format 3) or its per-writer document
+(formats 1 and 2)."""
 MAX_POSITION = 10**_POSITION_DIGITS
 
 _WRITER_ID = re.compile(WRITER_ID_PATTERN)
@@ -179,6 +185,13 @@ def log_name(position: int) -> str:
     if not 0 <= position < MAX_POSITION:
         raise UnsafeKeyError(f"log position {position} outside [0, {MAX_POSITION})")
     return f"{position:0{_POSITION_DIGITS}d}.json"
+
+
+def member_name(position: int, slot: int) -> str:
+    """The name of the commit at ``slot`` of the commit entry at ``position`` (format 4)."""
+    if not 0 <= slot < MAX_GROUP_COMMITS:
+        raise UnsafeKeyError(f"slot {slot} outside [0, {MAX_GROUP_COMMITS})")
+    return f"{log_name(position).removesuffix('.json')}.{slot:0{_SLOT_DIGITS}d}.json"
 
 
 def log_key(step: int, position: int) -> str:

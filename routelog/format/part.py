@@ -29,6 +29,7 @@ from routelog.format.codec import (
     storage_dtype,
 )
 from routelog.format.dedup import PartRows, PrefixIndex
+from routelog.format.digest import encode_hashes, probe_hash, sample_id_hashes
 from routelog.format.documents import (
     CONTEXT_ESCAPES_FEATURE,
     CONTEXT_FEATURE,
@@ -39,6 +40,7 @@ from routelog.format.documents import (
     MAX_PART_ROWS,
     MAX_RECORD_TOKENS,
     STREAMS_DIR,
+    CommitDigest,
     IndexRow,
     ObjectInfo,
     RoutingArrayInfo,
@@ -146,9 +148,24 @@ class BuiltPart:
         return [ObjectInfo(key=key, size=len(data), sha256=_sha256(data)) for key, data in sorted(self.objects.items())]
 
     @property
+    def digest(self) -> CommitDigest:
+        """The part's records in a few bytes each, for its commit (:mod:`routelog.format.digest`)."""
+        return commit_digest([r.sample_id for r in self.rows], [r.token_ids for r in self.rows])
+
+    @property
     def memory_nbytes(self) -> int:
         """Bytes of the objects held in memory (a written file's are on disk)."""
         return sum(len(data) for data in self.objects.values() if not isinstance(data, WrittenFile))
+
+
+def commit_digest(sample_ids: Sequence[str], token_ids: Sequence[Sequence[int] | None]) -> CommitDigest:
+    """The digest a commit of these records carries: hashes of their sample ids, and probes of the first tokens of
+    those long enough to share a prefix."""
+    probes = [probe_hash(np.asarray(t, dtype=np.int64)) for t in token_ids if t is not None]
+    return CommitDigest(
+        sample_ids=encode_hashes(sample_id_hashes(sample_ids)),
+        prefixes=encode_hashes([p for p in probes if p is not None]),
+    )
 
 
 def zarr_json(metadata: dict[str, Any]) -> bytes:

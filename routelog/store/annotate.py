@@ -78,7 +78,7 @@ class Annotator:
                 )
 
         in_time(())
-        entry = log.append(
+        [entry] = log.append(
             lambda position: AnnotationCommit(
                 step=self.step,
                 part=part,

@@ -85,7 +85,7 @@ def write_drop(
     writer_id: str,
 ) -> DropRecord:
     """Append a drop to the step's log."""
-    entry = log.append(
+    [entry] = log.append(
         lambda position: DropRecord(
             step=log.step,
             writer_id=writer_id,

@@ -21,7 +21,7 @@ droppers decide on exactly what precedes their own entry.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -115,7 +115,7 @@ class StepHistory:
     log: StepLog
     as_of: datetime | None = None
     tables: dict[str, pa.Table] = field(default_factory=dict)
-    """Index of each commit read so far, by its entry key (commits dropped whole are not read)."""
+    """Index of each commit read so far, by its entry's name (commits dropped whole are not read)."""
     columns: Sequence[str] | None = None
     """Index columns kept (all when None): a writer keeps what it decides on, not every token id of the step."""
 
@@ -141,9 +141,9 @@ class StepHistory:
         and the full indexes read for them (a writer's shared-prefix search lists them)."""
         preloaded, consolidated = self._consolidated() if not self.log.entries else ({}, {})
         new = self.log.refresh(preloaded)
-        needed = [e for e in _sort(self._entries()).commits if e.key not in self.tables]
-        read = {e.key: consolidated[e.key] for e in needed if e.key in consolidated}
-        read.update(self._read_indexes([e for e in needed if e.key not in read]))
+        needed = [e for e in _sort(self._entries()).commits if e.name not in self.tables]
+        read = {e.name: consolidated[e.name] for e in needed if e.name in consolidated}
+        read.update(self._read_indexes([e for e in needed if e.name not in read]))
         for key, table in read.items():
             self.tables[key] = table if self.columns is None else table.select(list(self.columns))
         return new, read
@@ -198,38 +198,8 @@ class StepHistory:
 
     # -- reading indexes -----------------------------------------------------------------------------------------------
     def _read_indexes(self, commits: Sequence[Entry]) -> dict[str, pa.Table]:
-        """The index of each commit, checked against its commit (SHA-256, counts, spans)."""
-        storage = self.store.storage
-        wanted: dict[str, tuple[Entry, str]] = {}
-        for entry in commits:
-            commit = _commit(entry)
-            key = f"{keys.part_dir(self.step, commit.part)}/{keys.INDEX}"
-            wanted[key] = (entry, storage.url_of(entry.key))
-        if not wanted:
-            return {}
-        try:
-            raw = storage.read_many(wanted)
-        except FileNotFoundError:
-            raw = {}
-            for key, (entry, where) in wanted.items():
-                try:
-                    raw.update(storage.read_many([key]))
-                except FileNotFoundError:
-                    self._missing_index(entry, where)
-        out = {}
-        for key, (entry, where) in wanted.items():
-            commit = _commit(entry)
-            info = object_info(commit, keys.INDEX, where)
-            check_digest(raw[key], info.size, info.sha256, f"{storage.url_of(key)} (listed by commit {commit.name})")
-            table = parquet_index(raw[key], storage.url_of(key), commit.n_records, commit.n_tokens, len(commit.streams))
-            check_index(
-                table.append_column(COMMIT_COLUMN, numeric_array(np.zeros(table.num_rows), np.int32)),
-                [commit],
-                self.step,
-                storage.url_of(key),
-            )
-            out[entry.key] = table
-        return out
+        """The index of each commit, checked against its commit (SHA-256, counts, spans), by entry name."""
+        return read_indexes(self.store, self.step, commits, self._missing_index)
 
     def _missing_index(self, entry: Entry, where: str) -> None:
         """A commit's index is gone: reclaimed by gc after a drop (an as-of view reaching back past it), or lost."""
@@ -243,7 +213,7 @@ class StepHistory:
             )
         raise CorruptDataError(f"{where}: the index of part {commit.part!r} is missing (its commit lists it)")
 
-    def _consolidated(self) -> tuple[dict[int, LogDocument], dict[str, pa.Table]]:
+    def _consolidated(self) -> tuple[dict[int, list[LogDocument]], dict[str, pa.Table]]:
         """A sealed step's seal, commits and indexes from ``_SEALED.json`` (the copy of the seal entry) and the
         seal's consolidated objects: three GETs and the log's listing whatever the number of parts, when the view
         can use them (a format-3 seal that counts as of :attr:`as_of`). Returns the documents by position, and the
@@ -264,14 +234,14 @@ class StepHistory:
             raise CorruptDataError(
                 f"step {self.step} of {self.store.url}: {keys.SEAL} differs from the seal entry {seal.name} it copies"
             )
-        by_position: dict[int, LogDocument] = {seal.position: seal}
+        by_position: dict[int, list[LogDocument]] = {seal.position: [seal]}
         for commit in commits:  # format-1/2 commits of the step (no position) are read where they are
             if commit.position is not None:
                 if commit.position >= seal.position:
                     raise CorruptDataError(
                         f"the seal of step {self.step} lists {commit.name}, which does not precede it"
                     )
-                by_position[commit.position] = commit
+                by_position.setdefault(commit.position, []).append(commit)
         commit_of = to_numpy(index.column(COMMIT_COLUMN))
         order = np.argsort(commit_of, kind="stable")
         grouped = index.take(numeric_array(order)).drop_columns([COMMIT_COLUMN])
@@ -280,7 +250,7 @@ class StepHistory:
         for i, commit in enumerate(commits):
             if bounds[i + 1] > bounds[i]:
                 rows = grouped.slice(int(bounds[i]), int(bounds[i + 1] - bounds[i]))
-                tables[entry_key(self.step, commit)] = rows
+                tables[commit.name] = rows
         return by_position, tables
 
 
@@ -322,13 +292,6 @@ def _drops_after(entries: Sequence[Entry], position: int) -> list[DropRecord]:
     return [e.doc for e in entries if isinstance(e.doc, DropRecord) and e.position > position]
 
 
-def entry_key(step: int, commit: CommitRecord) -> str:
-    """Where a commit's document lives: its log entry, or its format-1/2 document."""
-    if commit.position is None:
-        return keys.commit_key(step, commit.name)
-    return keys.log_key(step, commit.position)
-
-
 def _created_at(entry: Entry) -> datetime:
     doc = entry.doc
     return doc.sealed_at if isinstance(doc, SealRecord) else doc.created_at
@@ -343,10 +306,10 @@ def _commit(entry: Entry) -> CommitRecord:
 def _stored_index(history: StepHistory, commits: Sequence[Entry]) -> pa.Table:
     tables = []
     for i, entry in enumerate(commits):
-        table = history.tables.get(entry.key)
+        table = history.tables.get(entry.name)
         if table is None:  # an as-of view reaching a part no refresh read: read it now
-            table = history._read_indexes([entry])[entry.key]
-            history.tables[entry.key] = table
+            table = history._read_indexes([entry])[entry.name]
+            history.tables[entry.name] = table
         tables.append(table.append_column(COMMIT_COLUMN, numeric_array(np.full(table.num_rows, i), np.int32)))
     schema = INDEX_SCHEMA if history.columns is None else pa.schema([INDEX_SCHEMA.field(c) for c in history.columns])
     empty = pa.Table.from_batches([], schema=schema).append_column(COMMIT_COLUMN, numeric_array([], np.int32))
@@ -384,6 +347,45 @@ def _winners(stored: pa.Table, removed: npt.NDArray[np.bool_]) -> npt.NDArray[np
 
 
 # -- checks shared by readers and verify ----------------------------------------------------------------------------
+def read_indexes(
+    store: StoreRoot, step: int, commits: Sequence[Entry], on_missing: Callable[[Entry, str], None]
+) -> dict[str, pa.Table]:
+    """The index of each commit entry, fetched together and checked against its commit (SHA-256, counts, spans),
+    by entry name; ``on_missing(entry, where)`` raises for an index that is not there."""
+    storage = store.storage
+    wanted: dict[str, tuple[Entry, str]] = {}
+    for entry in commits:
+        commit = _commit(entry)
+        key = f"{keys.part_dir(step, commit.part)}/{keys.INDEX}"
+        wanted[key] = (entry, storage.url_of(entry.key))
+    if not wanted:
+        return {}
+    try:
+        raw = storage.read_many(wanted)
+    except FileNotFoundError:
+        raw = {}
+        for key, (entry, where) in wanted.items():
+            try:
+                raw.update(storage.read_many([key]))
+            except FileNotFoundError:
+                on_missing(entry, where)
+                raise
+    out = {}
+    for key, (entry, _) in wanted.items():
+        commit = _commit(entry)
+        info = object_info(commit, keys.INDEX, storage.url_of(entry.key))
+        check_digest(raw[key], info.size, info.sha256, f"{storage.url_of(key)} (listed by commit {commit.name})")
+        table = parquet_index(raw[key], storage.url_of(key), commit.n_records, commit.n_tokens, len(commit.streams))
+        check_index(
+            table.append_column(COMMIT_COLUMN, numeric_array(np.zeros(table.num_rows), np.int32)),
+            [commit],
+            step,
+            storage.url_of(key),
+        )
+        out[entry.name] = table
+    return out
+
+
 def read_commit_index(store: StoreRoot, step: int, commit: CommitRecord) -> pa.Table:
     """One commit's part index, read alone and checked against its commit (a part dropped whole, whose rows live
     records may still read: its context-coded routing decodes with its rows' token ids)."""

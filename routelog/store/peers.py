@@ -10,22 +10,23 @@ seal) are forgotten: no later part points at them (``routelog gc`` may be reclai
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
-import pyarrow as pa
 
-from routelog.errors import RoutelogError
+from routelog.errors import CorruptDataError, RoutelogError
 from routelog.format import keys
 from routelog.format.codec import IdArray
-from routelog.format.dedup import MIN_SHARED_TOKENS, PrefixIndex, WeightRows
+from routelog.format.dedup import PrefixIndex, WeightRows
+from routelog.format.digest import MIN_SHARED_TOKENS
 from routelog.format.documents import CommitRecord
 from routelog.format.index_rows import RecordSpans, part_row_tokens, record_spans
 from routelog.format.row_blocks import consecutive
 from routelog.store.blocks import BlockRequest, ReadCache, fetch_blocks
-from routelog.store.history import StepView
+from routelog.store.history import read_indexes
 from routelog.store.root import StoreRoot
+from routelog.store.steplog import Entry
 
 _CACHED_RANGES = 4
 """Row ranges of one part kept decoded (a group's samples compare against the same prompt rows in turn)."""
@@ -76,27 +77,40 @@ class StoredPart:
 
 
 class PeerParts:
-    """Keeps a writer's :class:`~routelog.format.dedup.PrefixIndex` aware of the step's parts committed by others."""
+    """Keeps a writer's :class:`~routelog.format.dedup.PrefixIndex` aware of the step's parts committed by others
+    that may share a prefix with what it writes (those its committer names: digest hits)."""
 
     def __init__(self, store: StoreRoot, step: int, prefixes: PrefixIndex) -> None:
         self.store, self.step, self.prefixes = store, step, prefixes
+        self._listed: set[str] = set()
+        """Parts whose records were listed, or that are this writer's own."""
 
-    def absorb(self, view: StepView, tables: Mapping[str, pa.Table]) -> None:
-        """List the records of the commits whose indexes were just read (``tables``, by entry key) that belong to
-        the step's content, and forget the parts dropped whole (or refused by a seal)."""
-        content = {entry.key: entry.doc for entry in view.commits}
-        for key, table in tables.items():
-            commit = content.get(key)
-            if isinstance(commit, CommitRecord) and "token_ids" in table.schema.names:
+    def own(self, part: str) -> None:
+        """``part`` is this writer's: its rows are in the index already."""
+        self._listed.add(part)
+
+    def absorb(self, commits: Sequence[CommitRecord], gone: Iterable[str]) -> None:
+        """List the records of ``commits`` not listed before (their indexes are read, together), and forget the
+        parts ``gone`` (dropped whole, or refused by a seal: no new record may point at them)."""
+        new = [c for c in commits if c.part not in self._listed]
+        entries = [Entry(c.position if c.position is not None else -1, _where(self.step, c), c, c.slot) for c in new]
+        tables = read_indexes(self.store, self.step, entries, _missing)
+        for entry in entries:
+            commit = entry.doc
+            if not isinstance(commit, CommitRecord):  # pragma: no cover - made of commits above
+                raise TypeError(entry.key)
+            self._listed.add(commit.part)
+            table = tables[entry.name]
+            if "token_ids" in table.schema.names:
                 where = self.store.storage.url_of(keys.part_dir(self.step, commit.part))
                 records = record_spans(table, MIN_SHARED_TOKENS, where)  # checks the token ids and spans first
                 tokens = None
                 if commit.routing.transform == "ranked_context":
                     tokens = part_row_tokens(table, commit.routing.n_rows)
                 self._list(commit, records, tokens)
-        self.prefixes.evict()
-        gone = [*view.whole_dropped, *view.refused]
-        self.prefixes.forget(keys.part_dir(self.step, e.doc.part) for e in gone if isinstance(e.doc, CommitRecord))
+        if new:
+            self.prefixes.evict()
+        self.prefixes.forget(keys.part_dir(self.step, part) for part in gone)
 
     def _list(self, commit: CommitRecord, records: list[RecordSpans], row_tokens: npt.NDArray[np.int64] | None) -> None:
         """``records``: the part's records with token ids enough to share; ``row_tokens``: the token id of each of
@@ -130,3 +144,14 @@ class PeerParts:
             part[start : start + count] = part_id
             where[start : start + count] = np.arange(row, row + count)
         self.prefixes.add_record(record.tokens.copy(), part, where, frozenset(span_parts))
+
+
+def _where(step: int, commit: CommitRecord) -> str:
+    """The key of the document a commit was read from (what errors name)."""
+    if commit.position is None:
+        return keys.commit_key(step, commit.name)
+    return keys.log_key(step, commit.position)
+
+
+def _missing(entry: Entry, where: str) -> None:
+    raise CorruptDataError(f"{where}: the index of part {entry.doc.part!r} is missing (its commit lists it)")  # type: ignore[union-attr]

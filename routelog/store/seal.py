@@ -119,19 +119,20 @@ def _attempt(
             raise _LogMovedError
 
     try:
-        return history.log.append(
+        [entry] = history.log.append(
             lambda position: template.model_copy(update={"position": position, "sealed_at": utc_now()}), check=moved
         )
     except _LogMovedError:
         storage.delete(f"{base}/{k}" for k in objects)
         return None
+    return entry
 
 
 def _consolidate(content: Sequence[Entry], kept: Sequence[Entry], stored: pa.Table) -> dict[str, bytes]:
     """The consolidated commit list (every commit of the content, in log order) and index (the rows of the commits
     not dropped whole, ``_commit`` renumbered to that list), under a fresh nonce."""
-    order = {e.key: i for i, e in enumerate(content)}
-    renumber = np.array([order[e.key] for e in kept], dtype=np.int32)
+    order = {e.name: i for i, e in enumerate(content)}
+    renumber = np.array([order[e.name] for e in kept], dtype=np.int32)
     commit_of = stored.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)
     index = stored.set_column(
         stored.schema.get_field_index(COMMIT_COLUMN),

@@ -31,12 +31,14 @@ from routelog.format.documents import (
     CONTEXT_LIST_REFERENCES_FEATURE,
     CONTEXT_REFERENCES_FEATURE,
     AnnotationCommit,
+    CommitGroup,
     CommitRecord,
     DropRecord,
     LogDocument,
     ObjectInfo,
     SealRecord,
     StepLogMarker,
+    StoredEntry,
     dump_document,
     parse_document,
     parse_log_document,
@@ -46,25 +48,66 @@ from routelog.format.spec import ModelSpec
 from routelog.store.root import StoreRoot
 from routelog.store.storage import Storage, is_transient
 
-_D = TypeVar("_D", CommitRecord, DropRecord, AnnotationCommit, SealRecord)
+_D = TypeVar("_D", CommitGroup, CommitRecord, DropRecord, AnnotationCommit, SealRecord)
 
 APPEND_DEADLINE = 120.0
-"""Seconds an append keeps trying positions that other processes take first (each loss is another's progress)."""
+"""Seconds an append keeps trying positions that other processes take first (each loss is another's progress),
+unless the caller gives its own deadline."""
 _APPEND_ATTEMPTS = 10_000
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One document of a step's history at its position (negative for the documents of formats 1 and 2)."""
+    """One document of a step's history at its position (negative for the documents of formats 1 and 2); each
+    commit of a format-4 commit entry is an entry of its own, at the entry's position and its ``slot``."""
 
     position: int
     key: str
-    """The document's key in the store."""
+    """The key of the object holding the document (shared by the commits of one commit entry)."""
     doc: LogDocument
+    slot: int | None = None
 
     @property
     def name(self) -> str:
+        """Unique within the step: the document's file name, or ``<position>.<slot>.json`` for a group's commit."""
         return self.doc.name
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Where the entry stands in the step's history: its position, then its slot."""
+        return self.position, self.slot or 0
+
+
+class Backoff:
+    """How long a process waits before trying a log position again, carried from one append to the next.
+
+    The wait is drawn from a window of ``slot`` x 2^level seconds, ``slot`` being the create's own round trip
+    (measured); each lost position raises the level, each won one lowers it by one rather than to zero, so a process
+    that just appended does not jump ahead of those that have been waiting (restarting at the smallest wait on every
+    append let the last winners win again: first parts took 11.8 attempts on average and up to 100 s, fourth parts
+    4.3)."""
+
+    MAX_LEVEL = 10
+
+    def __init__(self, slot: float = 0.02) -> None:
+        self.slot = slot
+        self.level = 0
+
+    def wait(self) -> float:
+        """Seconds to wait before the next attempt (0 when nothing was lost lately)."""
+        if not self.level:
+            return 0.0
+        return random.uniform(0, min(5.0, self.slot * 2 ** min(self.level, self.MAX_LEVEL)))
+
+    def observe(self, seconds: float) -> None:
+        """A create took ``seconds``: the slot follows the storage's round trip."""
+        self.slot = min(1.0, max(0.001, 0.8 * self.slot + 0.2 * seconds))
+
+    def lost(self) -> None:
+        self.level = min(self.level + 1, self.MAX_LEVEL)
+
+    def won(self) -> None:
+        self.level = max(0, self.level - 1)
 
 
 def check_commit(commit: CommitRecord | AnnotationCommit, name: str, step: int, spec: ModelSpec, where: str) -> None:
@@ -118,34 +161,47 @@ def object_info(commit: CommitRecord | AnnotationCommit, key: str, where: str) -
     raise CorruptDataError(f"{where}: the commit does not list its object {key!r}")
 
 
-def _check_entry(doc: LogDocument, name: str, step: int, spec: ModelSpec, where: str) -> None:
-    if isinstance(doc, (CommitRecord, AnnotationCommit)):
+def _check_entry(doc: StoredEntry, name: str, step: int, spec: ModelSpec, where: str) -> None:
+    if isinstance(doc, CommitGroup):
+        if doc.name != name or doc.step != step:
+            raise CorruptDataError(f"{where}: the document is commit entry {doc.name} of step {doc.step}")
+        for commit in doc.commits:
+            check_commit(commit, commit.name, step, spec, f"{where} ({commit.part})")
+    elif isinstance(doc, (CommitRecord, AnnotationCommit)):
         check_commit(doc, name, step, spec, where)
     elif doc.name != name or doc.step != step:
         raise CorruptDataError(f"{where}: the document is {doc.name} of step {doc.step}")
+
+
+def expand(position: int, key: str, doc: StoredEntry) -> list[Entry]:
+    """The entries an object of the log stands for: each commit of a format-4 commit entry, else the document."""
+    if isinstance(doc, CommitGroup):
+        return [Entry(position, key, commit, commit.slot) for commit in doc.commits]
+    return [Entry(position, key, doc)]
 
 
 class StepLog:
     """The entries of one step read so far, in order; :meth:`refresh` reads those appended since, and
     :meth:`append` creates the next one."""
 
-    def __init__(self, store: StoreRoot, step: int) -> None:
+    def __init__(self, store: StoreRoot, step: int, backoff: Backoff | None = None) -> None:
         self.store = store
         self.step = keys.check_step(step)
         self.entries: list[Entry] = []
         self.next_position = 0
         """The first position no entry read so far holds: where the next entry goes."""
         self.legacy_read = False
+        self.backoff = backoff or Backoff()
 
     @property
     def _legacy_store(self) -> bool:
         return self.store.run.format_version < 3
 
     # -- reading ---------------------------------------------------------------------------------------------------
-    def refresh(self, preloaded: Mapping[int, LogDocument] | None = None) -> list[Entry]:
-        """Read the entries appended since the last refresh (every position from :attr:`next_position` on);
-        returns them. ``preloaded`` holds documents already read and checked elsewhere (a seal's consolidated
-        copies of its commits), by position."""
+    def refresh(self, preloaded: Mapping[int, Sequence[LogDocument]] | None = None) -> list[Entry]:
+        """Read the entries appended since the last refresh (every position from :attr:`next_position` on, listed
+        from there: never the whole log again); returns them. ``preloaded`` holds documents already read and checked
+        elsewhere (a seal's consolidated copies of its commits: a commit entry's commits), by position."""
         new: list[Entry] = []
         if not self.legacy_read:
             self.legacy_read = True
@@ -153,7 +209,9 @@ class StepLog:
                 new += self._read_legacy()
         storage = self.store.storage
         preloaded = preloaded or {}
-        listed = set(self.list_positions()) | set(preloaded)  # a seal's copies stand in for lost entry files
+        listed = set(self.list_positions(after=self.next_position - 1)) | set(
+            preloaded
+        )  # copies stand in for lost files
         positions = sorted(p for p in listed if p >= self.next_position)
         expected = list(range(self.next_position, self.next_position + len(positions)))
         if positions != expected:
@@ -167,19 +225,20 @@ class StepLog:
         for position in positions:
             key = keys.log_key(self.step, position)
             where = storage.url_of(key)
-            doc = preloaded[position] if position in preloaded else parse_log_document(raw[key], where)
+            if position in preloaded:
+                new += [Entry(position, key, doc, getattr(doc, "slot", None)) for doc in preloaded[position]]
+                continue
+            doc = parse_log_document(raw[key], where)
             _check_entry(doc, keys.log_name(position), self.step, self.store.model_spec, where)
-            new.append(Entry(position, key, doc))
+            new += expand(position, key, doc)
         self.entries += new
         self.next_position += len(positions)
         return new
 
-    def list_positions(self) -> list[int]:
-        return sorted(
-            p
-            for p in (keys.parse_log_name(n) for n in self.store.storage.list(keys.log_dir(self.step)))
-            if p is not None
-        )
+    def list_positions(self, after: int = -1) -> list[int]:
+        """Positions of the log's entries after ``after`` (every one by default)."""
+        names = self.store.storage.list_after(keys.log_dir(self.step), keys.log_name(after) if after >= 0 else None)
+        return sorted(p for p in (keys.parse_log_name(n) for n in names) if p is not None)
 
     def _read_legacy(self) -> list[Entry]:
         """The documents of formats 1 and 2, as the log's prefix (see the module docs)."""
@@ -218,38 +277,51 @@ class StepLog:
         return [(key, parse_document(raw[key], model, storage.url_of(key))) for key in doc_keys]
 
     # -- appending -------------------------------------------------------------------------------------------------
-    def append(self, build: Callable[[int], _D], *, check: Callable[[Sequence[Entry]], None] | None = None) -> Entry:
-        """Create ``build(position)`` at the next free position and return its entry.
+    def append(
+        self,
+        build: Callable[[int], _D],
+        *,
+        check: Callable[[Sequence[Entry]], None] | None = None,
+        deadline: float | None = None,
+    ) -> list[Entry]:
+        """Create ``build(position)`` at the next free position and return its entries (one, or a commit entry's
+        commits).
 
         A position another process took first is read (so this log knows every entry before the one it creates)
-        and handed to ``check``, which may raise to give up (a seal appeared, say); then the next position is
-        tried, with jittered backoff, for up to :data:`APPEND_DEADLINE` seconds.
+        and handed to ``check``, which may raise to give up (a seal appeared, say) or rebuild what ``build`` makes;
+        then the next position is tried after the log's :class:`Backoff`, until ``deadline`` (``time.monotonic``;
+        :data:`APPEND_DEADLINE` seconds from now by default).
         """
         storage = self.store.storage
         if self.next_position == 0 and not self.legacy_read:
             self.refresh()
-        deadline = time.monotonic() + APPEND_DEADLINE
-        for attempt in range(_APPEND_ATTEMPTS):
+        deadline = time.monotonic() + APPEND_DEADLINE if deadline is None else deadline
+        for _ in range(_APPEND_ATTEMPTS):
+            time.sleep(self.backoff.wait())
             position = self.next_position
             if position == 0 and self._legacy_store:
                 marker = StepLogMarker(step=self.step)
                 storage.create(f"{keys.commits_dir(self.step)}/{keys.LEGACY_MARKER}", dump_document(marker))
             doc = build(position)
             key = keys.log_key(self.step, position)
-            if _create(storage, key, dump_document(doc)):
-                entry = Entry(position, key, doc)
-                self.entries.append(entry)
+            started = time.monotonic()
+            created = _create(storage, key, dump_document(doc))
+            self.backoff.observe(time.monotonic() - started)
+            if created:
+                self.backoff.won()
+                entries = expand(position, key, doc)
+                self.entries += entries
                 self.next_position = position + 1
-                return entry
+                return entries
+            self.backoff.lost()
             new = self.refresh()
             if check is not None:
                 check(new)
             if time.monotonic() > deadline:
                 break
-            time.sleep(random.uniform(0, min(0.5, 0.005 * 2 ** min(attempt, 7))))
         raise CommitConflictError(
-            f"step {self.step} of {self.store.url}: other processes took every log position for "
-            f"{APPEND_DEADLINE:.0f} s; nothing was appended (retry)"
+            f"step {self.step} of {self.store.url}: other processes took every log position until the append's "
+            "deadline; nothing was appended (retry)"
         )
 
     # -- views -------------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 from urllib.parse import urlsplit
 
 import fsspec
+import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
@@ -307,6 +308,17 @@ def _modified(info: Mapping[str, Any]) -> float:
     return 0.0
 
 
+S3_CONNECTIONS = 64
+"""Connections one process keeps to S3 (botocore's default is 10): a reader opening a step fetches every commit's
+index at once, 1,000 GETs in 0.5 s at 30 ms rather than 3 s. A ``config_kwargs`` the caller gives is left as is."""
+
+
+def _default_connections(options: dict[str, Any]) -> None:
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("max_pool_connections", S3_CONNECTIONS)
+    options["config_kwargs"] = config
+
+
 def _check_not_a_mistyped_url(url: str) -> None:
     """Refuse ``s3:/bucket`` or ``memory:name``: a known filesystem's name and a colon without ``//`` would
     otherwise be a relative local path (a directory named ``s3:`` created beside the user's work)."""
@@ -455,6 +467,8 @@ class Storage:
         protocol = url.split("://", 1)[0] if "://" in url else "file"
         if protocol in ("file", "local"):
             options.setdefault("auto_mkdir", True)
+        if protocol in ("s3", "s3a"):
+            _default_connections(options)
         try:
             fs, root = fsspec.core.url_to_fs(url, **options)
         except ImportError as exc:
@@ -691,6 +705,29 @@ class Storage:
 
     def exists(self, key: str) -> bool:
         return bool(self._call("stat", key, lambda: self.fs.exists(self.path(key))))
+
+    def list_after(self, prefix: str, after: str | None) -> list[str]:
+        """Names directly under ``prefix`` that sort after ``after`` (all when None), ascending: one request for up to
+        1000 new names on S3 (``StartAfter``), however many came before. What a process that has read a log up to
+        ``after`` needs to see what was appended since."""
+        if not hasattr(self.fs, "_call_s3") or after is None:  # other filesystems list a directory whole
+            return [n for n in self.list(prefix) if after is None or n > after]
+        bucket, key, _ = self.fs.split_path(self.path(prefix))
+        base = key.rstrip("/") + "/"
+
+        async def pages() -> list[str]:
+            names: list[str] = []
+            options = {"Bucket": bucket, "Prefix": base, "Delimiter": "/", "StartAfter": base + after}
+            while True:
+                page = await self.fs._call_s3("list_objects_v2", **options, **self.fs.req_kw)
+                names += [item["Key"][len(base) :] for item in page.get("Contents", [])]
+                names += [item["Prefix"][len(base) :].rstrip("/") for item in page.get("CommonPrefixes", [])]
+                if not page.get("IsTruncated"):
+                    return names
+                options["ContinuationToken"] = page["NextContinuationToken"]
+
+        found = self._call("list", prefix, lambda: fsspec.asyn.sync(self.fs.loop, pages))
+        return sorted(n for n in found if n and not n.startswith(".") and n > after)
 
     def list(self, prefix: str) -> list[str]:
         """Names directly under ``prefix`` (one level, no recursion); empty when the prefix is absent."""

@@ -79,7 +79,8 @@ class Store(StoreRoot):
         """A writer appending records to ``step``; use it as a context manager. ``options`` are
         :class:`~routelog.store.writer.StepWriter`'s: ``options`` (:class:`~routelog.format.part.PartOptions`),
         ``flush_bytes``, ``flush_seconds``, ``max_pending``, ``background``, ``on_commit``, ``max_commit_delay``,
-        ``on_duplicate`` and ``encode_threads``."""
+        ``on_duplicate``, ``encode_threads`` and ``committer`` (a :class:`~routelog.store.committer.Committer`, or a
+        client of one in another process, shared with other writers: see :mod:`routelog.store.committer`)."""
         return StepWriter(self, step, writer_id=writer_id, **options)
 
     def seal(self, step: int, *, allow_empty: bool = False) -> SealRecord:

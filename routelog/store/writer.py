@@ -43,6 +43,8 @@ that were not committed (they may be appended again); the writer stays usable. O
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import queue
 import secrets
@@ -53,22 +55,37 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from types import TracebackType
-from typing import Literal, TypedDict
+from typing import Literal, TypedDict, TypeVar
 
-import pyarrow as pa
+import numpy as np
 
 from routelog.errors import DuplicateSampleError, InvalidRecordError, RoutelogError, StepSealedError, StoreError
 from routelog.format import keys
 from routelog.format.dedup import PrefixIndex
-from routelog.format.documents import INDEX_SCHEMA, CommitRecord, ObjectInfo, SealRecord, utc_now
+from routelog.format.digest import probe_hash
+from routelog.format.documents import CommitRecord, ObjectInfo, utc_now
 from routelog.format.part import BuiltPart, PartOptions, build_part
 from routelog.format.record import PreparedRecord, Record, prepare_record
 from routelog.format.shard import ShardSink, SinkFactory
-from routelog.store.history import StepHistory
+from routelog.store.committer import (
+    PRESENT,
+    CommitRequest,
+    CommitService,
+    Committer,
+    CommitterUnavailableError,
+    LookupReply,
+    LookupRequest,
+    PartOutcome,
+    PartProposal,
+    RecordKey,
+    verdict,
+)
 from routelog.store.peers import PeerParts
 from routelog.store.root import StoreRoot
-from routelog.store.steplog import Entry, StepLog
 from routelog.store.storage import Storage
+
+logger = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 DEFAULT_FLUSH_BYTES = 64 << 20
 """Raw-equivalent bytes of routing buffered before a part is written (zarr's >= 1 MB advice, S3's 8-16 MB GETs)."""
@@ -85,6 +102,10 @@ uniform records of 2048 tokens x 48 layers (six 16 MB parts, alternating in one 
 than 0.37-0.39 s (with 2.0 held from memory, 0.33-0.35 s)."""
 DEFAULT_FLUSH_SECONDS = 30.0
 """A part is also written once its oldest record has waited this long."""
+MAX_OWN_GROUP = 64
+"""Parts a writer commits in one entry of its own when several are ready (they share its rows in order)."""
+SHARED_RETRY_SECONDS = 30.0
+"""After a shared committer failed to answer, a writer commits through its own this long before trying it again."""
 MAX_COMMIT_DELAY = 600.0
 """Seconds after a writer read the step (and chose the parts its shared prefixes point at) past which its commit is
 not attempted: ``routelog gc`` may remove uncommitted objects, and parts dropped, older than its grace period,
@@ -144,7 +165,6 @@ class _Staged:
     """When the writer last read the step before the build (its commit must follow within ``max_commit_delay``)."""
 
 
-_PRESENT = "present"
 _DECIDING_COLUMNS = ("sample_id", "token_hash", "n_tokens")
 """Index columns a writer keeps of the step's records: what it decides duplicates on."""
 _REWRITE_ROUNDS = 8
@@ -184,6 +204,7 @@ class WriterOptions(TypedDict, total=False):
     max_commit_delay: float
     on_duplicate: Literal["skip", "error"]
     encode_threads: int
+    committer: CommitService | None
 
 
 class StepWriter:
@@ -210,6 +231,7 @@ class StepWriter:
         max_commit_delay: float = MAX_COMMIT_DELAY,
         on_duplicate: Literal["skip", "error"] = "skip",
         encode_threads: int = 1,
+        committer: CommitService | None = None,
     ) -> None:
         self.store = store
         self.step = keys.check_step(step)
@@ -230,19 +252,18 @@ class StepWriter:
         """Records accepted for writing (new records; ``already_present`` ones are not counted)."""
         self._prefixes = PrefixIndex()
         self._peers = PeerParts(store, self.step, self._prefixes) if self.options.dedup == "step" else None
-        self._history = StepHistory(StepLog(store, self.step), columns=_DECIDING_COLUMNS)
+        self._own = Committer(store, committer_id=self.writer_id, shared=False)
+        """The writer's own committer: its commit path, or the fallback of a shared one that does not answer."""
+        self._service: CommitService = committer or self._own
+        self._shared_failed_at = -math.inf
         self._state = threading.RLock()
-        """The step as this writer knows it (log, live records, shared-prefix index): one thread at a time."""
+        """The shared-prefix index and the peers listed in it: one thread at a time."""
         self._uncommitted: set[str] = set()
         """Keys of this writer's parts that were built and not (or not surely) committed."""
-        self._live: dict[str, tuple[str | None, int, int]] = {}
         self._sealed: StepSealedError | None = None
-        self._evaluated = -1
-        self._refresh()
-        self._check_not_sealed()
-        self._next_seq = 1 + max(
-            (_commit(e).seq for e in self._history.log.commits() if _commit(e).writer_id == self.writer_id), default=-1
-        )
+        self._next_seq = self._lookup(LookupRequest(self.step, self.writer_id)).next_seq
+        if self._sealed is not None:
+            raise self._sealed
         self._sample_ids: set[str] = set()
         self._buffer: list[PreparedRecord] = []
         self._presumed: list[PreparedRecord] = []
@@ -272,35 +293,37 @@ class StepWriter:
                 self._threads.append(thread)
 
     # -- the step as this writer knows it ---------------------------------------------------------------------------
-    def _refresh(self) -> None:
-        """Read the step's new log entries (and the indexes of new commits); other writers' parts become shared-
-        prefix candidates, parts dropped whole stop being ones."""
-        with self._state:
-            _, tables = self._history.refresh()
-            if len(self._history.log.entries) == self._evaluated:  # nothing new (appends read entries too)
-                return
-            self._evaluated = len(self._history.log.entries)
-            view = self._history.view()
-            self._live = view.live_records()  # replaced, never changed in place: appends read it without the lock
-            if self._peers is not None:
-                self._peers.absorb(view, tables)
-            if view.seal is not None:
-                self._sealed = self._sealed or StepSealedError(
-                    f"step {self.step} of {self.store.url} is sealed and accepts no more records"
-                )
+    def _through(self) -> CommitService:
+        """The committer to use now: the shared one, unless it failed to answer in the last
+        :data:`SHARED_RETRY_SECONDS` (then the writer's own)."""
+        if self._service is not self._own and time.monotonic() - self._shared_failed_at < SHARED_RETRY_SECONDS:
+            return self._own
+        return self._service
 
-    def _check_not_sealed(self) -> None:
-        """Refuse to upload into a step that is sealed or being sealed (its commits would be refused)."""
-        if self._sealed is not None:
-            raise self._sealed
-        storage = self.store.storage
-        if storage.exists(keys.seal_key(self.step)):
-            raise StepSealedError(f"step {self.step} of {self.store.url} is sealed and accepts no more records")
-        if storage.exists(keys.sealing_key(self.step)):
-            raise StepSealedError(
-                f"step {self.step} of {self.store.url} is being sealed and accepts no more records (if the sealer "
-                f"died, finish it: routelog seal {self.store.url} --step {self.step})"
+    def _call(self, call: Callable[[CommitService], _R]) -> _R:
+        """``call`` on the committer in use; a shared committer that does not answer hands over to the writer's own
+        (which reads from the log what became of what was sent)."""
+        service = self._through()
+        if service is self._own:
+            return call(service)
+        try:
+            return call(service)
+        except CommitterUnavailableError as exc:
+            self._shared_failed_at = time.monotonic()
+            logger.warning(
+                "writer %s: the shared committer did not answer (%s); committing directly", self.writer_id, exc
             )
+            return call(self._own)
+
+    def _lookup(self, request: LookupRequest) -> LookupReply:
+        """Ask the committer about the step; what it says of a seal, and the peers it names, are taken in."""
+        reply = self._call(lambda service: service.lookup(request))
+        if reply.sealed is not None:
+            self._sealed = self._sealed or StepSealedError(reply.sealed)
+        if self._peers is not None:
+            with self._state:
+                self._peers.absorb(list(reply.peers), reply.gone)
+        return reply
 
     @property
     def buffered_bytes(self) -> int:
@@ -366,19 +389,22 @@ class StepWriter:
             self._done.notify_all()
 
     def _present(self, prepared: PreparedRecord) -> bool:
-        """Whether the step holds a live record of this sample id with the same tokens (as this writer last read
-        it; the flush checks again); :class:`DuplicateSampleError` when it holds one with other tokens, or with
-        ``on_duplicate="error"``, after reading the step again (a drop may have removed it since)."""
+        """Whether the step holds a live record of this sample id with the same tokens, as this writer last read
+        it (the flush checks again); :class:`DuplicateSampleError` when it holds one with other tokens, or with
+        ``on_duplicate="error"``, after reading the step again (a drop may have removed it since). A writer of a
+        shared committer has read nothing of the step here: its flush decides."""
+        if self._through() is not self._own:
+            return False
         sid = prepared.row.sample_id
+        key = _key(prepared)
+        same = False
         for again in (False, True):
-            if again:  # about to refuse: on the step as it is now
-                self._refresh()
-                if self._sealed is not None:
-                    raise self._sealed
-            known = self._live.get(sid)
-            if known is None:
+            live = self._lookup(LookupRequest(self.step, self.writer_id, (key,), refresh=again)).live.get(sid)
+            if again and self._sealed is not None:  # about to refuse: on the step as it is now
+                raise self._sealed
+            if live is None:
                 return False
-            same = (prepared.row.token_hash, prepared.row.n_tokens) == known[:2]
+            same = live == (key.token_hash, key.n_tokens)
             if same and self.on_duplicate == "skip":
                 return True
         raise DuplicateSampleError(
@@ -407,7 +433,7 @@ class StepWriter:
         if not self._threads:
             staged = self._stage_or_fail(batch)
             if staged is not None:
-                self._complete(staged)
+                self._complete([staged])
             return
         self._queue.put(batch)
         with self._done:  # backpressure: max_pending parts waiting, one being built or committed
@@ -439,8 +465,19 @@ class StepWriter:
             self._staged.put(None)
 
     def _run_committer(self) -> None:
+        """Commit the built parts in order, those that are ready together in one entry."""
         while (staged := self._staged.get()) is not None:
-            self._complete(staged)
+            ready = [staged]
+            while len(ready) < MAX_OWN_GROUP:
+                try:
+                    more = self._staged.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._complete(ready)
+                    return
+                ready.append(more)
+            self._complete(ready)
 
     def _age(self) -> float:
         return 0.0 if self._buffer_since is None else time.monotonic() - self._buffer_since
@@ -465,21 +502,22 @@ class StepWriter:
         """Decide on the step as it is now which records to write, and build them as a part. ``share``: place them
         in the writer's shared-prefix index (parts built out of order, the committer's rewrites, never are)."""
         with self._state:
-            self._check_not_sealed()
-            started = time.monotonic()  # shared prefixes point at what this refresh saw: the commit must follow soon
-            self._refresh()
+            started = time.monotonic()  # shared prefixes point at what this lookup saw: the commit must follow soon
+            candidates = [*batch.records, *batch.presumed]
+            probes = _probes(candidates) if share and self._peers is not None else ()
+            reply = self._lookup(LookupRequest(self.step, self.writer_id, tuple(map(_key, candidates)), probes))
             if self._sealed is not None:
                 raise self._sealed
             outcome = _Outcome()
             records = []
-            for record in [*batch.records, *batch.presumed]:
-                verdict = self._verdict(record, self._live.get(record.row.sample_id))
-                if verdict is None:
+            for record in candidates:
+                found = verdict(_key(record), reply.live.get(record.row.sample_id), self.step, self.on_duplicate)
+                if found is None:
                     records.append(record)
-                elif verdict == _PRESENT:
+                elif found == PRESENT:
                     outcome.present.append(record.row.sample_id)
                 else:
-                    outcome.refused[record.row.sample_id] = verdict
+                    outcome.refused[record.row.sample_id] = found
             name = keys.new_part_name(self.writer_id, batch.seq)
             staged = _Staged(batch, outcome, records, None, name, started)
             if not records:
@@ -526,44 +564,65 @@ class StepWriter:
             self._hold(batch, 0 if staged.built is None else staged.built.memory_nbytes)
             return staged
 
-    def _complete(self, staged: _Staged) -> None:
-        """Upload and commit a built part, report what happened to each of its records, and write the records a
-        concurrent drop left without their present copy."""
-        batch = staged.batch
-        stages = [staged]  # and the follow-up parts': what they hold is let go at the end
+    def _complete(self, ready: list[_Staged]) -> None:
+        """Upload and commit built parts (in one entry where the committer can), report what happened to each of
+        their records, and write the records a concurrent drop left without their present copy."""
+        held = {id(s): [s] for s in ready}  # each part and its follow-ups: what they hold is let go at the end
+        origin = {id(s): id(s) for s in ready}
+        pending = list(ready)
         try:
             for _ in range(_REWRITE_ROUNDS):
+                if not pending:
+                    break
                 if self._aborted:
-                    self._abandon(staged)
-                    break
-                if self._sealed is not None:  # learned since the part was built: its records are not committed
-                    self._abandon(staged)
-                    self._fail(batch, self._sealed, _ids([*batch.records, *batch.presumed]))
-                    break
-                outcome = self._commit(staged)
-                if outcome.commit is not None:
-                    with self._lock:
-                        self.commits.append(outcome.commit)
-                    if self.on_commit is not None:
-                        self.on_commit(outcome.commit, outcome.committed)
-                self._settle(outcome)
-                if outcome.refused:
-                    self._fail(batch, RoutelogError("; ".join(outcome.refused.values())), list(outcome.refused))
-                if not outcome.rewrite:
-                    break
-                with self._lock:  # present copies a drop removed meanwhile: written in a part of their own
-                    batch = _Batch(self._next_seq, outcome.rewrite)
-                    self._next_seq += 1
-                staged = self._stage(batch, share=False)
-                stages.append(staged)
-            else:
-                self._fail(batch, RoutelogError("drops kept removing the copies found present"), _ids(batch.records))
+                    for staged in pending:
+                        self._abandon(staged)
+                    return
+                if self._sealed is not None:  # learned since the parts were built: their records are not committed
+                    for staged in pending:
+                        self._abandon(staged)
+                        self._fail(staged.batch, self._sealed, _ids([*staged.batch.records, *staged.batch.presumed]))
+                    return
+                follow: list[_Staged] = []
+                for staged, outcome in zip(pending, self._commit(pending), strict=True):
+                    if isinstance(outcome, Exception):
+                        self._fail(staged.batch, outcome, _ids([*staged.batch.records, *staged.batch.presumed]))
+                        continue
+                    self._report(staged, outcome)
+                    if outcome.rewrite:  # present copies a drop removed meanwhile: written in a part of their own
+                        with self._lock:
+                            batch = _Batch(self._next_seq, outcome.rewrite)
+                            self._next_seq += 1
+                        again = self._stage(batch, share=False)
+                        origin[id(again)] = origin[id(staged)]
+                        held[origin[id(staged)]].append(again)
+                        follow.append(again)
+                pending = follow
+            for staged in pending:
+                self._fail(
+                    staged.batch,
+                    RoutelogError("drops kept removing the copies found present"),
+                    _ids(staged.batch.records),
+                )
         except Exception as exc:  # surfaced to the caller at its next call
-            self._fail(batch, exc, _ids([*batch.records, *batch.presumed]))
+            for staged in pending:
+                self._fail(staged.batch, exc, _ids([*staged.batch.records, *staged.batch.presumed]))
         finally:
-            for done in stages:  # its objects are written or given up: free them now, not when the next comes
-                done.built = None
-            self._finished(*(done.batch for done in stages))
+            for stages in held.values():  # written or given up: free their objects now, not when the next comes
+                for done in stages:
+                    done.built = None
+                self._finished(*(done.batch for done in stages))
+
+    def _report(self, staged: _Staged, outcome: _Outcome) -> None:
+        """A part's outcome, told to the caller's counts and callback."""
+        if outcome.commit is not None:
+            with self._lock:
+                self.commits.append(outcome.commit)
+            if self.on_commit is not None:
+                self.on_commit(outcome.commit, outcome.committed)
+        self._settle(outcome)
+        if outcome.refused:
+            self._fail(staged.batch, RoutelogError("; ".join(outcome.refused.values())), list(outcome.refused))
 
     def _finished(self, *batches: _Batch) -> None:
         for batch in batches:
@@ -613,86 +672,106 @@ class StepWriter:
             else:  # several parts failed before the caller looked: report them together
                 self._error = WriterError(f"{self._error}; and {error}", [*self._error.sample_ids, *sample_ids])
 
-    def _commit(self, staged: _Staged) -> _Outcome:
-        """Upload and commit a built part; the outcome says what happened to each record at the commit's position
-        in the log (see the module docs)."""
-        built = staged.built
-        if built is None:  # nothing left to write: decide on the log as it is now
-            with self._state:
-                self._refresh()
-                return self._decided(staged, self._history.log.next_position)
-        try:
-            base = next((s.part for r in built.rows for s in r.spans if s.part in self._uncommitted), None)
-            if base is not None:
-                raise StoreError(
-                    f"part {staged.name} shares rows with part {base} of this writer, which was not committed"
-                )
-            infos = upload_part(self.store.storage, self.step, staged.name, built)
-            built.objects.clear()  # written and durable: the commit needs only their digests
-            self._hold(staged.batch, 0)
-            with self._state:
-                entry = commit_part(
-                    self._history.log,
-                    self.writer_id,
-                    staged.batch.seq,
-                    staged.name,
-                    built,
-                    infos,
-                    started=staged.started,
-                    max_commit_delay=self.max_commit_delay,
-                )
-        except BaseException:  # not (or not surely) part of the step: never point at it
-            self._abandon(staged)
-            raise
-        with self._state:
-            staged.outcome.commit = _commit(entry)
-            self._history.tables[entry.key] = _deciding_table(built)
-            if built.prefix_part is not None:
-                self._prefixes.committed(built.prefix_part)
-            self._refresh()  # every entry before this commit is known now: decide on them
-            return self._decided(staged, entry.position)
-
-    def _decided(self, staged: _Staged, position: int) -> _Outcome:
-        """Under the state lock: the fate of the staged records, on the log read up to ``position`` (where their
-        commit is, or would be)."""
-        outcome = staged.outcome
-        winners = self._live
-        for record in staged.records:
-            sid = record.row.sample_id
-            winner = winners.get(sid)
-            if winner is not None and winner[2] == position:
-                outcome.committed.append(sid)
+    def _commit(self, pending: list[_Staged]) -> list[_Outcome | Exception]:
+        """Upload the built parts and commit them through the committer, in order and in one request; each part's
+        outcome (what happened to each record at its commit's place in the log), or why it was not committed."""
+        results: list[_Outcome | Exception | None] = [None] * len(pending)
+        proposals: list[tuple[int, PartProposal]] = []
+        broken = False
+        for i, staged in enumerate(pending):
+            if staged.built is None:  # nothing left to write: the records found present are checked again now
+                results[i] = self._recheck(staged)
                 continue
-            verdict = self._verdict(record, winner)  # an earlier copy is live: this one is shadowed, never read
-            if verdict == _PRESENT:
-                outcome.present.append(sid)
-            elif verdict is not None:
-                outcome.refused[sid] = verdict
+            try:
+                if broken:
+                    raise StoreError(f"part {staged.name} follows a part of its flush that could not be uploaded")
+                proposals.append((i, self._propose(staged)))
+            except Exception as exc:
+                broken = True
+                self._abandon(staged)
+                results[i] = exc
+        if proposals:
+            request = CommitRequest(self.step, self.writer_id, tuple(p for _, p in proposals), self.on_duplicate)
+            try:
+                reply = self._call(lambda service: service.commit(request))
+            except Exception as exc:
+                for i, _ in proposals:
+                    self._abandon(pending[i])
+                    results[i] = exc
+            else:
+                for (i, _), part in zip(proposals, reply.outcomes, strict=True):
+                    results[i] = self._taken(pending[i], part)
+        return [r if r is not None else RoutelogError("no outcome") for r in results]
+
+    def _propose(self, staged: _Staged) -> PartProposal:
+        """Upload a built part (made durable) and what its committer needs to commit it."""
+        built = staged.built
+        if built is None:  # pragma: no cover - callers pass built parts
+            raise TypeError(staged.name)
+        base = next((s.part for r in built.rows for s in r.spans if s.part in self._uncommitted), None)
+        if base is not None:
+            raise StoreError(f"part {staged.name} shares rows with part {base} of this writer, which was not committed")
+        infos = upload_part(self.store.storage, self.step, staged.name, built)
+        built.objects.clear()  # written and durable: the commit needs only their digests
+        self._hold(staged.batch, 0)
+        expires_in = staged.started + self.max_commit_delay - time.monotonic()
+        return PartProposal(
+            part_commit(built, self.writer_id, staged.batch.seq, staged.name, self.step, infos),
+            tuple(map(_key, staged.records)),
+            tuple(
+                _key(r)
+                for r in [*staged.batch.records, *staged.batch.presumed]
+                if r.row.sample_id in staged.outcome.present
+            ),
+            expires_in,
+        )
+
+    def _taken(self, staged: _Staged, part: PartOutcome) -> _Outcome | Exception:
+        """The committer's word on a part, as the writer reports it."""
+        try:
+            part.raise_error()
+        except StoreError as exc:  # not (or not surely) part of the step: never point at it
+            self._abandon(staged)
+            if isinstance(exc, StepSealedError):
+                self._sealed = self._sealed or exc
+            return exc
+        built = staged.built
+        with self._state:
+            if built is not None and built.prefix_part is not None:
+                self._prefixes.committed(built.prefix_part)
+            if self._peers is not None:
+                self._peers.own(staged.name)
+        return self._outcome(staged, part)
+
+    def _recheck(self, staged: _Staged) -> _Outcome | Exception:
+        """A batch with nothing to write: its records found present are checked again on the step as it is now."""
+        outcome = staged.outcome
         found = {r.row.sample_id: r for r in [*staged.batch.records, *staged.batch.presumed]}
-        for sid in list(outcome.present):
-            winner = winners.get(sid)
-            if winner is None or winner[2] >= position:  # a drop removed the present copy: write it after all
-                outcome.present.remove(sid)
-                outcome.rewrite.append(found[sid])
-            elif (verdict := self._verdict(found[sid], winner)) not in (None, _PRESENT):
-                outcome.present.remove(sid)
-                outcome.refused[sid] = verdict
+        keys_ = tuple(_key(found[sid]) for sid in outcome.present)
+        reply = self._lookup(LookupRequest(self.step, self.writer_id, keys_))
+        present = []
+        for key in keys_:
+            judged = verdict(key, reply.live.get(key.sample_id), self.step, self.on_duplicate)
+            if judged is None:  # a drop removed the present copy: write it after all
+                outcome.rewrite.append(found[key.sample_id])
+            elif judged == PRESENT:
+                present.append(key.sample_id)
+            else:
+                outcome.refused[key.sample_id] = judged
+        outcome.present = present
         return outcome
 
-    def _verdict(self, record: PreparedRecord, live: tuple[str | None, int, int] | None) -> str | None:
-        """None to write ``record``; :data:`_PRESENT` when the live record ``live`` of its sample id has its tokens;
-        otherwise why it is refused."""
-        if live is None:
-            return None
-        sid = record.row.sample_id
-        if (record.row.token_hash, record.row.n_tokens) != live[:2]:
-            return (
-                f"sample {sid!r} is committed to step {self.step} with other tokens by another writer; give every "
-                "record a unique id, or drop the committed one first (routelog drop)"
-            )
-        if self.on_duplicate == "error":
-            return f"sample {sid!r} is already committed to step {self.step} (on_duplicate='error')"
-        return _PRESENT
+    def _outcome(self, staged: _Staged, part: PartOutcome) -> _Outcome:
+        """The writer's record of a committed part: the committer's verdicts, with the records found present or
+        refused before the build."""
+        outcome = staged.outcome
+        found = {r.row.sample_id: r for r in [*staged.batch.records, *staged.batch.presumed]}
+        outcome.commit = part.commit
+        outcome.committed = list(part.committed)
+        outcome.present = list(part.present)
+        outcome.refused.update(part.refused)
+        outcome.rewrite = [found[sid] for sid in part.rewrite]
+        return outcome
 
     # -- flushing and closing ----------------------------------------------------------------------------------
     def flush(self) -> list[CommitRecord]:
@@ -799,61 +878,27 @@ def upload_part(storage: Storage, step: int, name: str, built: BuiltPart) -> lis
     return infos
 
 
-def commit_part(
-    log: StepLog,
-    writer_id: str,
-    seq: int,
-    name: str,
-    built: BuiltPart,
-    infos: list[ObjectInfo],
-    *,
-    started: float,
-    max_commit_delay: float = MAX_COMMIT_DELAY,
-) -> Entry:
-    """Create the commit of an uploaded part as the next entry of the step's log (the part becomes visible);
-    returns the entry.
-
-    The create is only attempted within ``max_commit_delay`` seconds of ``started`` (the writer's last read of the
-    step, whose parts the part's shared prefixes may point at), so ``routelog gc`` (whose grace period is longer)
-    never collects a part that is about to be committed, nor one that a commit is about to point at. Raises
-    :class:`~routelog.errors.StepSealedError` when a seal precedes the position the commit would take.
-    """
-    step = log.step
-    deadline = started + max_commit_delay
-
-    def no_seal(new: Sequence[Entry]) -> None:
-        sealed = next((e for e in new if isinstance(e.doc, SealRecord)), None)
-        if sealed is not None:
-            raise StepSealedError(
-                f"step {step} of {log.store.url} was sealed (log entry {sealed.name}) before part {name} could be "
-                "committed; its records are not part of the step"
-            )
-        if time.monotonic() > deadline:
-            raise StoreError(
-                f"step {step}: part {name} could not be committed within {max_commit_delay:.0f} s of reading the "
-                "step (the storage is too slow for gc's grace period); not committed"
-            )
-
-    def commit(position: int) -> CommitRecord:
-        return CommitRecord(
-            features=built.features,
-            step=step,
-            part=name,
-            writer_id=writer_id,
-            seq=seq,
-            position=position,
-            created_at=utc_now(),
-            n_records=len(built.rows),
-            n_tokens=built.n_tokens,
-            routing=built.routing,
-            objects=infos,
-            values=built.values,
-            streams=built.streams,
-            weights=built.weights,
-        )
-
-    no_seal([e for e in log.entries if isinstance(e.doc, SealRecord)])
-    return log.append(commit, check=no_seal)
+def part_commit(
+    built: BuiltPart, writer_id: str, seq: int, name: str, step: int, infos: list[ObjectInfo]
+) -> CommitRecord:
+    """The commit document of an uploaded part, but for its place in the log (``position``, ``slot``) and its time:
+    the committer's entry gives those."""
+    return CommitRecord(
+        features=built.features,
+        step=step,
+        part=name,
+        writer_id=writer_id,
+        seq=seq,
+        created_at=utc_now(),
+        n_records=len(built.rows),
+        n_tokens=built.n_tokens,
+        routing=built.routing,
+        objects=infos,
+        values=built.values,
+        streams=built.streams,
+        weights=built.weights,
+        digest=built.digest,
+    )
 
 
 def _check_within_step(built: BuiltPart, step: int) -> None:
@@ -870,16 +915,14 @@ def _check_within_step(built: BuiltPart, step: int) -> None:
                 )
 
 
-def _commit(entry: Entry) -> CommitRecord:
-    if not isinstance(entry.doc, CommitRecord):  # pragma: no cover - callers pass commit entries
-        raise TypeError(f"{entry.key} is not a commit")
-    return entry.doc
+def _key(record: PreparedRecord) -> RecordKey:
+    return RecordKey(record.row.sample_id, record.row.token_hash, record.row.n_tokens)
 
 
-def _deciding_table(built: BuiltPart) -> pa.Table:
-    """The columns a writer decides on, of a part it built (so it never reads its own index back)."""
-    schema = pa.schema([INDEX_SCHEMA.field(name) for name in _DECIDING_COLUMNS])
-    return pa.Table.from_pylist([r.model_dump(include=set(_DECIDING_COLUMNS)) for r in built.rows], schema=schema)
+def _probes(records: Sequence[PreparedRecord]) -> tuple[int, ...]:
+    """Prefix probes of the records that may share a prefix with another writer's (what its digests list)."""
+    probes = (probe_hash(np.asarray(r.row.token_ids, dtype=np.int64)) for r in records if r.row.token_ids is not None)
+    return tuple(sorted({p for p in probes if p is not None}))
 
 
 def _ids(records: Sequence[PreparedRecord]) -> list[str]:

@@ -77,6 +77,30 @@ def commit_keys(storage: Storage, step: int = 0) -> list[str]:
     return entry_keys(storage, "routelog.commit", step)
 
 
+class CommitDoc(dict):  # type: ignore[type-arg]
+    """A commit to edit, as a dict; ``entry`` is the whole log entry it is the first commit of (format 4), or
+    None when the commit is the entry itself (format 3)."""
+
+    entry: dict | None = None  # type: ignore[type-arg]
+
+
+def read_commit(storage: Storage, key: str) -> CommitDoc:
+    """The first commit of the log entry at ``key``, editable in place (:func:`write_commit` writes it back)."""
+    entry = json.loads(storage.read(key))
+    if "commits" not in entry:
+        return CommitDoc(entry)
+    commit = CommitDoc(entry["commits"][0])
+    commit.entry = entry
+    entry["commits"][0] = commit
+    return commit
+
+
+def write_commit(storage: Storage, key: str, commit: dict) -> None:  # type: ignore[type-arg]
+    """Write back the entry an edited commit belongs to."""
+    entry = getattr(commit, "entry", None)
+    storage.write(key, json.dumps(commit if entry is None else entry).encode())
+
+
 def read_everything(url: str) -> dict[str, tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]]:
     """Every record and every per-token column through the public read API (raises on any problem)."""
     store = routelog.open_store(url)

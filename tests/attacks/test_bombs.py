@@ -44,7 +44,16 @@ from routelog.ingest import load_arrays, read_records
 from routelog.store.gc import collect_garbage
 from routelog.store.storage import Storage
 from routelog.store.verify import verify_store
-from tests.attacks.kit import SPEC, assert_same, build_store, commit_keys, entry_keys, read_everything
+from tests.attacks.kit import (
+    SPEC,
+    assert_same,
+    build_store,
+    commit_keys,
+    entry_keys,
+    read_commit,
+    read_everything,
+    write_commit,
+)
 
 PEAK_LIMIT = 32 << 20
 """Bytes any single refusal below may allocate (the stores and payloads are a few KB to 1 MB)."""
@@ -74,7 +83,7 @@ def bounded_allocation() -> Iterator[None]:
 
 def _first_commit(storage: Storage) -> tuple[str, dict[str, Any]]:
     key = commit_keys(storage)[0]
-    return key, json.loads(storage.read(key))
+    return key, read_commit(storage, key)
 
 
 def _replace_object(storage: Storage, commit_key: str, commit: dict[str, Any], name: str, data: bytes) -> None:
@@ -83,7 +92,7 @@ def _replace_object(storage: Storage, commit_key: str, commit: dict[str, Any], n
     for obj in commit["objects"]:
         if obj["key"] == name:
             obj.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
-    storage.write(commit_key, json.dumps(commit).encode())
+    write_commit(storage, commit_key, commit)
 
 
 # -- storage-side bombs ----------------------------------------------------------------------------------------------
@@ -110,7 +119,7 @@ def _unsealed_store_with_first_commit(url: str, field: str, value: Any) -> None:
     for name in path:
         target = target[name]
     target[last] = value
-    storage.write(key, json.dumps(commit).encode())
+    write_commit(storage, key, commit)
 
 
 def test_a_commit_claiming_huge_chunks_is_refused(memory_url: str) -> None:

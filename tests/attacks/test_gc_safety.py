@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
@@ -14,7 +13,16 @@ from routelog.errors import GcRefusedError, StoreError
 from routelog.format import keys
 from routelog.store.gc import MIN_GRACE, collect_garbage
 from routelog.store.writer import MAX_COMMIT_DELAY
-from tests.attacks.kit import SPEC, assert_same, build_store, commit_keys, make_records, read_everything
+from tests.attacks.kit import (
+    SPEC,
+    assert_same,
+    build_store,
+    commit_keys,
+    make_records,
+    read_commit,
+    read_everything,
+    write_commit,
+)
 
 
 def _orphan(store: routelog.Store) -> str:
@@ -63,9 +71,9 @@ def test_a_damaged_part_name_in_a_commit_makes_gc_refuse(tmp_path: Path) -> None
     store = routelog.open_store(url)
     key = commit_keys(store.storage)[0]
     original = store.storage.read(key)
-    doc = json.loads(original)
+    doc = read_commit(store.storage, key)
     doc["part"] = doc["part"][:-1] + ("0" if doc["part"][-1] != "0" else "1")  # still a valid name: another dir
-    store.storage.write(key, json.dumps(doc).encode())
+    write_commit(store.storage, key, doc)
     with pytest.raises(GcRefusedError, match="missing"):
         collect_garbage(store, 0, delete=True, force=True)
     store.storage.write(key, original)

@@ -83,7 +83,7 @@ def test_a_commit_after_the_seal_is_refused_not_lost(store_url: str) -> None:
     assert "committed" not in outcome, "a commit left out of the seal was reported committed"
     assert isinstance(outcome["error"].__cause__, StepSealedError)
     assert outcome["error"].sample_ids == [late.sample_id]
-    assert seal.commits == ["0000000000.json"]
+    assert seal.commits == ["0000000000.00000.json"]
     assert routelog.open_store(store_url).step(0).sample_ids == [early.sample_id]
     with pytest.raises(StepSealedError):
         outcome["writer"].append(make_records(SPEC, 3, seed=2, prefix="again")[0])
@@ -108,8 +108,8 @@ def test_a_commit_before_the_seal_is_in_it(store_url: str) -> None:
     seal = seal_step(routelog.open_store(store_url), 0, after_listing=after_listing)
     assert not thread.is_alive()
     assert outcome.get("committed"), outcome
-    assert listings == [["0000000000.json"], ["0000000000.json", "0000000001.json"]]
-    assert seal.commits == ["0000000000.json", "0000000001.json"] and seal.position == 2
+    assert listings == [["0000000000.00000.json"], ["0000000000.00000.json", "0000000001.00000.json"]]
+    assert seal.commits == ["0000000000.00000.json", "0000000001.00000.json"] and seal.position == 2
     assert sorted(routelog.open_store(store_url).step(0).sample_ids) == sorted([early.sample_id, late.sample_id])
 
 
@@ -124,7 +124,7 @@ def test_a_sealer_that_died_blocks_uploads_until_the_seal_is_run_again(memory_ur
     with pytest.raises(StepSealedError, match="routelog seal"):
         store.writer(0, "other")
     finished = store.seal(0)
-    assert finished.commits == ["0000000000.json"]
+    assert finished.commits == ["0000000000.00000.json"]
 
 
 def test_a_sealer_that_died_before_its_copy_is_completed(memory_url: str) -> None:

@@ -26,7 +26,7 @@ from routelog.format import keys
 from routelog.store.gc import collect_garbage
 from routelog.store.storage import Storage
 from routelog.store.verify import verify_store
-from tests.attacks.kit import SPEC, build_store, commit_keys, entry_keys, read_everything
+from tests.attacks.kit import SPEC, build_store, commit_keys, entry_keys, read_commit, read_everything, write_commit
 
 ESCAPE = "../../../../victim-store/steps/0000000000/parts/alpha.00000000.aaaaaaaaaaaa"
 
@@ -48,7 +48,7 @@ def _first_commit(storage: Storage) -> str:
 def _forge_span_part(storage: Storage) -> None:
     """Rewrite a part's index so a span points outside the store, and its commit's SHA-256 to match."""
     key = _first_commit(storage)
-    commit = json.loads(storage.read(key))
+    commit = read_commit(storage, key)
     index_key = f"{keys.part_dir(0, commit['part'])}/{keys.INDEX}"
     table = pq.read_table(io.BytesIO(storage.read(index_key)))
     rows = table.to_pylist()
@@ -60,7 +60,7 @@ def _forge_span_part(storage: Storage) -> None:
     for obj in commit["objects"]:
         if obj["key"] == keys.INDEX:
             obj.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
-    storage.write(key, json.dumps(commit).encode())
+    write_commit(storage, key, commit)
 
 
 def _forge_commit(field: str) -> Callable[[Storage], None]:
@@ -75,7 +75,10 @@ def _forge_commit(field: str) -> Callable[[Storage], None]:
             elif field == "values.key":
                 doc["values"]["key"] = "../../../../victim-store/routelog.json"
 
-        _edit_json(storage, _first_commit(storage), edit)
+        key = _first_commit(storage)
+        commit = read_commit(storage, key)
+        edit(commit)
+        write_commit(storage, key, commit)
 
     return forge
 

@@ -31,11 +31,20 @@ from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN
 from routelog.store.storage import Storage
 from routelog.store.verify import verify_store
 from routelog.synth import random_topk, synthetic_spec
-from tests.attacks.kit import Expected, assert_same, build_store, commit_keys, entry_keys, read_everything
+from tests.attacks.kit import (
+    Expected,
+    assert_same,
+    build_store,
+    commit_keys,
+    entry_keys,
+    read_commit,
+    read_everything,
+    write_commit,
+)
 
 
 def _commits(storage: Storage) -> list[tuple[str, dict]]:  # type: ignore[type-arg]
-    return [(key, json.loads(storage.read(key))) for key in commit_keys(storage)]
+    return [(key, read_commit(storage, key)) for key in commit_keys(storage)]
 
 
 def test_a_chunk_marked_never_written_is_corruption_not_expert_zero(memory_url: str) -> None:
@@ -56,7 +65,7 @@ def test_a_chunk_marked_never_written_is_corruption_not_expert_zero(memory_url: 
     for obj in commit["objects"]:
         if obj["key"].startswith(f"{info.path}/c/"):
             obj.update(size=len(shard), sha256=hashlib.sha256(shard).hexdigest())
-    store.storage.write(key, json.dumps(commit).encode())
+    write_commit(store.storage, key, commit)
     with pytest.raises(CorruptDataError, match="never written"):
         read_everything(memory_url)
     assert not verify_store(routelog.open_store(memory_url)).ok
@@ -90,18 +99,19 @@ def test_a_renamed_or_dropped_values_declaration_is_damage(memory_url: str) -> N
     key, commit = next((k, c) for k, c in _commits(storage) if c.get("values"))
     original = storage.read(key)
     commit["values"]["columns"][0]["name"] = "logprob_inferred"
-    storage.write(key, json.dumps(commit).encode())
+    write_commit(storage, key, commit)
     with pytest.raises(CorruptDataError, match="declares"):
         read_everything(memory_url)
     assert not verify_store(routelog.open_store(memory_url)).ok
-    dropped = json.loads(original)
+    storage.write(key, original)
+    dropped = read_commit(storage, key)
     dropped.pop("values")  # the object is still listed: an undeclared values object is refused at parse time
-    storage.write(key, json.dumps(dropped).encode())
+    write_commit(storage, key, dropped)
     with pytest.raises(CorruptDataError, match="no values columns are declared"):
         read_everything(memory_url)
     assert not verify_store(routelog.open_store(memory_url)).ok
     dropped["objects"] = [o for o in dropped["objects"] if o["key"] != "values.parquet"]
-    storage.write(key, json.dumps(dropped).encode())
+    write_commit(storage, key, dropped)
     # With both the declaration and the listing gone the commit no longer vouches for the object: readers (who
     # never list part directories) read the records without the column, and verify reports the unlisted object.
     report = verify_store(routelog.open_store(memory_url))
@@ -226,7 +236,7 @@ def _replace_first_chunk(root: Path, patch: Callable[[bytes], bytes]) -> None:
     for obj in commit["objects"]:
         if obj["key"] == f"{info.path}/{layout.shard_key()}":
             obj.update(size=len(rebuilt), sha256=hashlib.sha256(rebuilt).hexdigest())
-    storage.write(key, json.dumps(commit).encode())
+    write_commit(storage, key, commit)
 
 
 def _assert_refused(root: Path, match: str = "no set of distinct ascending IDs") -> None:
