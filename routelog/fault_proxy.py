@@ -25,6 +25,9 @@ Faults (:data:`FaultKind`):
 ``delay``
     The request waits ``Fault.delay`` seconds (at most :data:`MAX_DELAY`), then is forwarded normally.
 
+``latency`` (a setting, not a fault) makes every forwarded request wait that long, like an object store's round trip,
+and ``observer`` sees every request as it arrives (benchmarks count requests by kind with it).
+
 A dropped connection closes with FIN (aiohttp: ``ServerDisconnectedError``, botocore: ``ConnectionClosedError``),
 or with RST when ``Fault(rst=True)`` (aiohttp: ``ClientOSError``, botocore: ``EndpointConnectionError``); the two
 reach different retry rules in s3fs.
@@ -47,7 +50,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from types import TracebackType
@@ -178,6 +181,8 @@ class FaultProxy:
         upstream_timeout: float = 60.0,
         idle_timeout: float = 30.0,
         log_size: int = 1000,
+        latency: float = 0.0,
+        observer: Callable[[str, str, frozenset[str]], None] | None = None,
     ) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or parts.query:
@@ -187,6 +192,13 @@ class FaultProxy:
         self.upstream_port = parts.port or 80
         self.upstream_timeout = upstream_timeout
         self.idle_timeout = idle_timeout
+        if not 0 <= latency <= MAX_DELAY:
+            raise ValueError(f"latency must be within [0, {MAX_DELAY}] seconds, not {latency}")
+        self.latency = latency
+        """Seconds every request waits before it is forwarded (an object store's round trip), faults or not."""
+        self.observer = observer
+        """Called with each request's method, target and header names (lower case) as it arrives: benchmarks count
+        requests by kind with it."""
         self._lock = threading.Lock()
         self._faults: list[_Armed] = []
         self._random: list[tuple[Fault, float]] = []
@@ -302,6 +314,8 @@ class FaultProxy:
 
     def _choose(self, method: str, target: str, headers: frozenset[str]) -> Fault | None:
         """The fault for this request, if any (counted and logged)."""
+        if self.observer is not None:
+            self.observer(method, target, headers)
         with self._lock:
             self._counts["requests"] += 1
             chosen: Fault | None = None
@@ -419,6 +433,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             if fault is not None and fault.kind == "delay":
                 owner._closing.wait(fault.delay)
+            if owner.latency:
+                owner._closing.wait(owner.latency)
             if expect:
                 self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             body = self._read_body()

@@ -10,7 +10,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cache, partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +23,9 @@ from routelog.format.part import PartOptions
 from routelog.format.spec import ModelSpec
 from routelog.format.transport import record_from_payload
 from routelog.store.store import Store, create_store, open_store
+
+if TYPE_CHECKING:
+    from routelog.store.committer import JsonClient
 
 
 def ray_writer_id(prefix: str = "ray") -> str:
@@ -41,8 +44,95 @@ def ray_writer_id(prefix: str = "ray") -> str:
     return check_writer_id(f"{prefix}-{digest}")
 
 
+# -- a committer shared by the writers of a cluster -------------------------------------------------------------------
+COMMIT_TIMEOUT = 660.0
+"""Seconds a writer waits for the committer actor's answer to a commit: longer than any part may wait for its commit
+(:data:`~routelog.store.writer.MAX_COMMIT_DELAY`); past it the writer commits through its own committer."""
+LOOKUP_TIMEOUT = 60.0
+
+
+def committer_name(url: str) -> str:
+    """The name of a store's committer actor: ``routelog-committer-<hash of the URL>``."""
+    return f"routelog-committer-{hashlib.blake2b(url.rstrip('/').encode(), digest_size=8).hexdigest()}"
+
+
+class CommitterActor:
+    """A :class:`~routelog.store.committer.Committer` of one store in a Ray actor: the writers of a cluster commit
+    through it (:func:`start_committer`). Requests and replies cross as JSON bytes, never pickled objects."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        from routelog.store.committer import Committer, JsonCommitter
+
+        self._committer = JsonCommitter(Committer(open_store(url, storage_options=storage_options)))
+
+    def lookup(self, request: bytes) -> bytes:
+        return self._committer.lookup(request)
+
+    def commit(self, request: bytes) -> bytes:
+        return self._committer.commit(request)
+
+
+def _ray_client(actor: Any, name: str) -> JsonClient:
+    """A writer's handle on the committer actor ``actor``: a call it does not answer (its process died, or the call
+    timed out) raises :class:`~routelog.store.committer.CommitterUnavailableError`, and the writer commits through
+    its own committer."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    from routelog.store.committer import CommitterUnavailableError, JsonClient
+
+    def call(method: str, payload: bytes) -> bytes:
+        timeout = COMMIT_TIMEOUT if method == "commit" else LOOKUP_TIMEOUT
+        try:
+            return bytes(ray.get(getattr(actor, method).remote(payload), timeout=timeout))
+        except (RayActorError, GetTimeoutError) as exc:
+            raise CommitterUnavailableError(f"the committer actor {name!r} did not answer: {exc}") from exc
+
+    return JsonClient(call)
+
+
+def start_committer(
+    url: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    name: str | None = None,
+    max_concurrency: int = 256,
+    max_restarts: int = -1,
+    num_cpus: float = 0.5,
+) -> JsonClient:
+    """Start the committer actor of the store at ``url`` (or find the one running under ``name``, by default
+    :func:`committer_name`): every writer given it commits through it, many parts per log entry, instead of
+    contending for the step's log (``routelog.ray.connect_committer`` finds it from another actor). Ray restarts it
+    if its process dies (a new one reads the log again); meanwhile writers commit through their own committers."""
+    import ray
+
+    name = name or committer_name(url)
+    actor = (
+        ray.remote(CommitterActor)
+        .options(
+            name=name,
+            get_if_exists=True,
+            max_concurrency=max_concurrency,
+            max_restarts=max_restarts,
+            num_cpus=num_cpus,
+        )
+        .remote(url, dict(storage_options or {}))
+    )
+    return _ray_client(actor, name)
+
+
+def connect_committer(url: str, *, name: str | None = None) -> JsonClient:
+    """The committer actor started for the store at ``url`` (under ``name``, by default :func:`committer_name`), as
+    a writer's ``committer``."""
+    import ray
+
+    name = name or committer_name(url)
+    return _ray_client(ray.get_actor(name), name)
+
+
 class RoutingWriter:
-    """A writer for one step, meant to run as a Ray actor (see :func:`remote_writer`)."""
+    """A writer for one step, meant to run as a Ray actor (see :func:`remote_writer`). With ``committer`` (the name
+    of a committer actor, :func:`start_committer`) it commits through that actor."""
 
     def __init__(
         self,
@@ -54,6 +144,7 @@ class RoutingWriter:
         flush_bytes: int | None = None,
         topk_order: str = "sorted",
         encode_threads: int = 1,
+        committer: str | None = None,
     ) -> None:
         store = (
             create_store(url, ModelSpec.model_validate_json(model_spec_json), storage_options=storage_options)
@@ -62,7 +153,12 @@ class RoutingWriter:
         )
         options = PartOptions(topk_order="score" if topk_order == "score" else "sorted")
         self._writer = store.writer(
-            step, writer_id, options=options, flush_bytes=flush_bytes, encode_threads=encode_threads
+            step,
+            writer_id,
+            options=options,
+            flush_bytes=flush_bytes,
+            encode_threads=encode_threads,
+            committer=None if committer is None else connect_committer(url, name=committer),
         )
 
     def append(self, payload: Mapping[str, Any]) -> None:

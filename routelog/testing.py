@@ -157,11 +157,11 @@ def before_first_log_create(storage: Storage, action: Callable[[], object]) -> C
     function that removes the hook."""
     original, done = storage.create, [False]
 
-    def create(key: str, data: bytes) -> bool:
+    def create(key: str, data: bytes, **options: bool) -> bool:
         if "/log/" in key and not done[0]:
             done[0] = True
             action()
-        return original(key, data)
+        return original(key, data, **options)
 
     storage.create = create  # type: ignore[method-assign]
 

@@ -449,11 +449,11 @@ def _pipelined_writer(
             raise OSError(28, "No space left on device (injected)")
         real_write_many(objects)
 
-    def create(key: str, data: bytes) -> bool:
+    def create(key: str, data: bytes, **options: bool) -> bool:
         if fail is not None and fail == ("commit", len(uploads) - 1) and "/log/" in key:
             wait_for_next_build()
             raise OSError(5, "Input/output error (injected)")
-        return real_create(key, data)
+        return real_create(key, data, **options)
 
     monkeypatch.setattr(storage, "write_many", write_many)
     monkeypatch.setattr(storage, "create", create)

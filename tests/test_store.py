@@ -298,11 +298,13 @@ def test_two_writers_racing_on_one_sample_leave_a_readable_store(store_url: str,
         racer = routelog.open_store(store_url)
         original, waited = racer.storage.create, []
 
-        def create(key: str, data: bytes, original: Any = original, waited: list[bool] = waited) -> bool:
+        def create(
+            key: str, data: bytes, original: Any = original, waited: list[bool] = waited, **options: bool
+        ) -> bool:
             if "/log/" in key and not waited:  # each writer's first commit attempt waits for the other's upload
                 waited.append(True)
                 both_built.wait()
-            return bool(original(key, data))
+            return bool(original(key, data, **options))
 
         racer.storage.create = create  # type: ignore[method-assign]
         racers.append(racer.writer(0, writer_id, background=False))

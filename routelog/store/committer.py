@@ -27,7 +27,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -148,11 +148,10 @@ class CommitReply:
     outcomes: tuple[PartOutcome, ...]
 
 
-MESSAGES = {
-    "lookup": (TypeAdapter(LookupRequest), TypeAdapter(LookupReply)),
-    "commit": (TypeAdapter(CommitRequest), TypeAdapter(CommitReply)),
-}
-"""Request and reply adapters by call: how the messages cross a process boundary (JSON, never pickle)."""
+_LOOKUP_REQUEST = TypeAdapter(LookupRequest)
+_LOOKUP_REPLY = TypeAdapter(LookupReply)
+_COMMIT_REQUEST = TypeAdapter(CommitRequest)
+_COMMIT_REPLY = TypeAdapter(CommitReply)
 
 
 class CommitService(Protocol):
@@ -171,6 +170,35 @@ class CommitService(Protocol):
 class CommitterUnavailableError(StoreError):
     """A shared committer did not answer (its process is gone, or the call timed out): the writer commits through
     its own committer, which first reads from the log what became of the parts it had sent."""
+
+
+class JsonCommitter:
+    """A committer answering requests that crossed a process boundary as JSON (never pickled objects)."""
+
+    def __init__(self, committer: CommitService) -> None:
+        self.committer = committer
+
+    def lookup(self, request: bytes) -> bytes:
+        return _LOOKUP_REPLY.dump_json(self.committer.lookup(_LOOKUP_REQUEST.validate_json(request)))
+
+    def commit(self, request: bytes) -> bytes:
+        return _COMMIT_REPLY.dump_json(self.committer.commit(_COMMIT_REQUEST.validate_json(request)))
+
+
+class JsonClient:
+    """A :class:`CommitService` in another process, reached by ``call(method, request JSON) -> reply JSON``; a
+    transport that gets no answer raises :class:`CommitterUnavailableError`. Always shared."""
+
+    shared = True
+
+    def __init__(self, call: Callable[[Literal["lookup", "commit"], bytes], bytes]) -> None:
+        self._call = call
+
+    def lookup(self, request: LookupRequest) -> LookupReply:
+        return _LOOKUP_REPLY.validate_json(self._call("lookup", _LOOKUP_REQUEST.dump_json(request)))
+
+    def commit(self, request: CommitRequest) -> CommitReply:
+        return _COMMIT_REPLY.validate_json(self._call("commit", _COMMIT_REQUEST.dump_json(request)))
 
 
 def verdict(record: RecordKey, live: tuple[str | None, int] | None, step: int, on_duplicate: str) -> str | None:
@@ -219,6 +247,7 @@ class _StepState:
         self.queue: list[_Ticket] = []
         self.appending = False
         self.refreshed_at = -math.inf
+        self.sealing_lock = threading.Lock()
         self.sealing_checked_at = -math.inf
         self.sealing = False
 
@@ -260,9 +289,8 @@ class Committer:
     def lookup(self, request: LookupRequest) -> LookupReply:
         """What ``request`` asks, on the log as this committer knows it (read again first when asked and due)."""
         state = self._state(request.step)
-        due = time.monotonic() - state.refreshed_at >= self._refresh_every
-        if not state.directory.log.legacy_read or (request.refresh and due):
-            self._refresh(state)
+        if not state.directory.log.legacy_read or request.refresh:
+            self._refresh(state, since=time.monotonic() - self._refresh_every)
         sealed = self._sealed(state, check=request.refresh)
         with state.known:
             directory = state.directory
@@ -275,23 +303,29 @@ class Committer:
                 sealed=sealed,
             )
 
-    def _refresh(self, state: _StepState) -> None:
+    def _refresh(self, state: _StepState, since: float) -> None:
+        """Read what the log gained, unless it was read after ``since`` (``time.monotonic``): writers asking at once
+        share one read."""
         with state.log:
-            new = state.directory.log.refresh()
+            if state.directory.log.legacy_read and state.refreshed_at > since:
+                return
+            state.directory.log.refresh()
             state.refreshed_at = time.monotonic()
             with state.known:
-                state.directory.absorb(new)
+                state.directory.catch_up()
 
     def _sealed(self, state: _StepState, *, check: bool) -> str | None:
-        """Why the step takes no uploads: sealed (its log says so) or being sealed (a sealer's intent exists)."""
+        """Why the step takes no uploads: sealed (its log says so) or being sealed (a sealer's intent exists; looked
+        for when ``check``, at most every refresh interval, by one thread for all)."""
         directory = state.directory
         where = f"step {directory.step} of {self.store.url}"
         if directory.seal is not None:
             return f"{where} is sealed and accepts no more records"
-        now = time.monotonic()
-        if not state.sealing and check and now - state.sealing_checked_at >= self._refresh_every:
-            state.sealing = self.store.storage.exists(keys.sealing_key(directory.step))
-            state.sealing_checked_at = now
+        with state.sealing_lock:
+            now = time.monotonic()
+            if not state.sealing and check and now - state.sealing_checked_at >= self._refresh_every:
+                state.sealing = self.store.storage.has(keys.sealing_key(directory.step))
+                state.sealing_checked_at = now
         if state.sealing:
             return (
                 f"{where} is being sealed and accepts no more records (if the sealer died, finish it: routelog seal "
@@ -356,18 +390,19 @@ class Committer:
         def absorb(new: Sequence[Entry]) -> None:
             state.refreshed_at = time.monotonic()
             with state.known:
-                directory.absorb(new)
+                directory.catch_up()
 
         try:
             with state.log:
                 if not directory.log.legacy_read:
-                    absorb(directory.log.refresh())
+                    directory.log.refresh()
+                    absorb(())
                 deadline = max(t.deadline for t in batch)
                 entries = directory.log.append(build, check=absorb, deadline=deadline)
                 with state.known:
                     for entry, ticket in zip(entries, members, strict=True):
                         directory.learn(entry, _rows(ticket.proposal.records))
-                    directory.absorb(entries)
+                    directory.catch_up()
         except _NothingToAppendError:
             pass
         except Exception as exc:  # the storage failed the entry: each of its parts is reported, never lost
@@ -500,6 +535,8 @@ __all__ = [
     "CommitService",
     "Committer",
     "CommitterUnavailableError",
+    "JsonClient",
+    "JsonCommitter",
     "LookupReply",
     "LookupRequest",
     "PartOutcome",

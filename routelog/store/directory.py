@@ -74,6 +74,8 @@ class StepDirectory:
         self._drops: list[_Drop] = []
         self._whole: set[str] = set()
         """Parts dropped whole (by part or writer) or committed after the seal: no new record may point at them."""
+        self._absorbed = 0
+        """Entries of the log taken in so far."""
 
     @property
     def store(self) -> StoreRoot:
@@ -91,11 +93,14 @@ class StepDirectory:
     def refresh(self) -> list[Entry]:
         """Read the entries appended since the last refresh (one listing from the last position read)."""
         new = self.log.refresh()
-        self.absorb(new)
+        self.catch_up()
         return new
 
-    def absorb(self, entries: Iterable[Entry]) -> None:
-        """Take in entries the log has read (by a refresh, or as what an append created)."""
+    def catch_up(self) -> None:
+        """Take in every entry the log holds that this directory has not (read by a refresh, or created by an
+        append); the commits this process learned exactly (:meth:`learn`) first."""
+        entries = self.log.entries[self._absorbed :]
+        self._absorbed = len(self.log.entries)
         where = self.store.storage.url_of
         for entry in entries:
             doc = entry.doc

@@ -192,6 +192,8 @@ class StepLog:
         """The first position no entry read so far holds: where the next entry goes."""
         self.legacy_read = False
         self.backoff = backoff or Backoff()
+        self._read_bytes: dict[int, bytes] = {}
+        """The objects the last refresh read, by position: an append that lost a position compares its own bytes."""
 
     @property
     def _legacy_store(self) -> bool:
@@ -222,6 +224,7 @@ class StepLog:
             )
         wanted = [keys.log_key(self.step, p) for p in positions if p not in preloaded]
         raw = storage.read_many(wanted) if wanted else {}
+        self._read_bytes = {p: raw[keys.log_key(self.step, p)] for p in positions if p not in preloaded}
         for position in positions:
             key = keys.log_key(self.step, position)
             where = storage.url_of(key)
@@ -304,8 +307,9 @@ class StepLog:
                 storage.create(f"{keys.commits_dir(self.step)}/{keys.LEGACY_MARKER}", dump_document(marker))
             doc = build(position)
             key = keys.log_key(self.step, position)
+            data = dump_document(doc)
             started = time.monotonic()
-            created = _create(storage, key, dump_document(doc))
+            created = _create(storage, key, data)
             self.backoff.observe(time.monotonic() - started)
             if created:
                 self.backoff.won()
@@ -313,8 +317,11 @@ class StepLog:
                 self.entries += entries
                 self.next_position = position + 1
                 return entries
-            self.backoff.lost()
             new = self.refresh()
+            if self._read_bytes.get(position) == data:  # the position holds this very entry: a retry met it
+                self.backoff.won()
+                return [e for e in new if e.position == position]
+            self.backoff.lost()
             if check is not None:
                 check(new)
             if time.monotonic() > deadline:
@@ -334,11 +341,12 @@ class StepLog:
 
 
 def _create(storage: Storage, key: str, data: bytes) -> bool:
-    """:meth:`Storage.create`, deciding what an unanswered create did: when every attempt failed, the key is read
-    back; holding ``data`` it was created, holding another's document it was not, and absent the outcome stays
-    unknown (:class:`CommitUndecidedError`: a delayed request may still land)."""
+    """:meth:`Storage.create` without its read-back (the append reads the position it found taken with the entries
+    it lost to), deciding what an unanswered create did: when every attempt failed, the key is read back; holding
+    ``data`` it was created, holding another's document it was not, and absent the outcome stays unknown
+    (:class:`CommitUndecidedError`: a delayed request may still land)."""
     try:
-        return storage.create(key, data)
+        return storage.create(key, data, read_back=False)
     except StoreError as failure:
         if failure.__cause__ is None or not is_transient(failure.__cause__):
             raise  # refused (access, full disk): nothing was created

@@ -682,13 +682,15 @@ class Storage:
             raise TypeError(f"{self.url} is not on local disk: its objects are uploaded from memory")
         return FileSink(self, key, start)
 
-    def create(self, key: str, data: bytes) -> bool:
+    def create(self, key: str, data: bytes, *, read_back: bool = True) -> bool:
         """Create ``key`` holding ``data`` only if it does not exist; ``False`` when another's object is there.
 
         Finding the key may mean finding this very create: a request whose response was lost (a timeout, a reset
         connection) is retried by the S3 client or by :meth:`_call`, and the retry meets the object the first try
         wrote (S3 answers 412). So an existing object is read back: holding exactly ``data`` (every document
-        routelog creates is unique: a fresh part name, a timestamp), it is this create's, which succeeded.
+        routelog creates is unique: a fresh part name, a timestamp), it is this create's, which succeeded. With
+        ``read_back=False`` the caller reads it back itself (a log append reads the entries it lost to anyway), and
+        ``False`` means only that the key exists.
         """
 
         def put() -> bool:
@@ -698,13 +700,22 @@ class Storage:
                 else:  # S3's conditional PUT and the memory filesystem publish the whole object at once
                     self.fs.pipe_file(self.path(key), data, mode="create")
             except FileExistsError:
-                return self.read(key) == data
+                return read_back and self.read(key) == data
             return True
 
         return self._call("create", key, put)
 
     def exists(self, key: str) -> bool:
         return bool(self._call("stat", key, lambda: self.fs.exists(self.path(key))))
+
+    def has(self, key: str) -> bool:
+        """Whether the small object ``key`` exists, in one request where :meth:`exists` may take two (S3: a GET that
+        answers 404, where ``exists`` follows a 404 HEAD with a listing, for a directory of that name)."""
+        try:
+            self.read(key)
+        except FileNotFoundError:
+            return False
+        return True
 
     def list_after(self, prefix: str, after: str | None) -> list[str]:
         """Names directly under ``prefix`` that sort after ``after`` (all when None), ascending: one request for up to

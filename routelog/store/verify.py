@@ -27,7 +27,7 @@ from routelog.format.documents import (
     parse_log_document,
 )
 from routelog.format.index_rows import IndexRows
-from routelog.format.part import shard_layout
+from routelog.format.part import commit_digest, shard_layout
 from routelog.format.routing import RecordRouting
 from routelog.store.history import StepHistory, StepView, parquet_index
 from routelog.store.reader import StepSnapshot
@@ -140,7 +140,19 @@ def _verify_part(store: StoreRoot, step: int, commit: CommitRecord, report: Veri
         report.problems.append(f"{where}: the index does not parse ({str(exc).splitlines()[0]})")
         return None
     report.records += len(rows)
+    _verify_digest(where, commit, rows, report)
     return rows
+
+
+def _verify_digest(where: str, commit: CommitRecord, rows: list[IndexRow], report: VerifyReport) -> None:
+    """A commit's digest lists every record of its index (FORMAT.md section 3.3: a hash missing from it would hide
+    a duplicate from every writer that trusts it)."""
+    if commit.digest is None:
+        return
+    expected = commit_digest([r.sample_id for r in rows], [r.token_ids for r in rows])
+    if expected != commit.digest:
+        which = "sample ids" if expected.sample_ids != commit.digest.sample_ids else "prefixes"
+        report.problems.append(f"{where}: the digest of commit {commit.name} does not list its records' {which}")
 
 
 def _verify_zarr_json(

@@ -36,12 +36,12 @@ def _hold_commit_creates(store: routelog.Store, arrived: threading.Event, releas
     original = storage.create
     held: list[bool] = []
 
-    def create(key: str, data: bytes) -> bool:
+    def create(key: str, data: bytes, **options: bool) -> bool:
         if "/log/" in key and not held:
             held.append(True)
             arrived.set()
             assert release.wait(_WAIT), "never released"
-        return bool(original(key, data))
+        return bool(original(key, data, **options))
 
     storage.create = create  # type: ignore[method-assign]
 
