@@ -50,7 +50,16 @@ from routelog.errors import (
 from routelog.format import keys
 from routelog.format.documents import CommitGroup, DropRecord, parse_log_document
 from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN
+from routelog.store.committer import (
+    CommitReply,
+    CommitRequest,
+    Committer,
+    CommitterUnavailableError,
+    LookupReply,
+    LookupRequest,
+)
 from routelog.store.gc import MIN_GRACE
+from routelog.store.history import read_commit_index
 from routelog.store.process_writer import ProcessWriter
 from routelog.store.verify import verify_store
 from routelog.store.writer import StepWriter, WriterError
@@ -127,6 +136,33 @@ class Faults:
         self.fired["lost_response"] = self.fired.get("lost_response", 0) + 1
 
 
+class FlakyCommitter:
+    """A shared committer reached over a transport that can fail (as a Ray actor's process dies): armed, its next
+    commit raises :class:`CommitterUnavailableError`, ``before`` the committer sees the request or ``after`` it
+    committed and before the answer comes back. Writers then commit through their own committers."""
+
+    shared = True
+
+    def __init__(self, committer: Committer) -> None:
+        self.committer = committer
+        self.armed: str | None = None
+        self.fired: list[str] = []
+
+    def lookup(self, request: LookupRequest) -> LookupReply:
+        return self.committer.lookup(request)
+
+    def commit(self, request: CommitRequest) -> CommitReply:
+        armed, self.armed = self.armed, None
+        if armed == "before":
+            self.fired.append(armed)
+            raise CommitterUnavailableError("the committer's process is gone (before the request)")
+        reply = self.committer.commit(request)
+        if armed == "after":
+            self.fired.append(armed)
+            raise CommitterUnavailableError("the committer's process is gone (after it committed)")
+        return reply
+
+
 @dataclass
 class ModelWriter:
     """A writer under test and what the model knows of it."""
@@ -147,6 +183,11 @@ class ModelWriter:
     @property
     def in_process(self) -> bool:
         return isinstance(self.real, StepWriter)
+
+    @property
+    def shared(self) -> bool:
+        """Commits through the machine's shared committer now (it reads nothing of the step at ``append``)."""
+        return isinstance(self.real, StepWriter) and self.real.shared_committer
 
 
 class ProtocolMachine(RuleBasedStateMachine):
@@ -172,6 +213,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.intent = False
         self.counts: dict[str, int] = {}
         self.processes = 0
+        committer = Committer(self._open_store(), committer_id="shared", refresh_every=0.0)
+        self.committer = FlakyCommitter(committer)
+        """The committer writers share (reading the log for every lookup, so that what they decide is exact)."""
 
     def _count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
@@ -201,13 +245,17 @@ class ProtocolMachine(RuleBasedStateMachine):
         pipelined=st.booleans(),
         context=st.booleans(),
         threads=st.booleans(),
+        shared=st.booleans(),
     )
-    def open_writer(self, index: int, process: int, pipelined: bool, context: bool, threads: bool) -> None:
+    def open_writer(
+        self, index: int, process: int, pipelined: bool, context: bool, threads: bool, shared: bool
+    ) -> None:
         """Writer ``w2`` stores shared prompts once (its prefix index keeps their rows); ``w1``'s builds take their
         records' rows and give them back to the OS as they encode (and ``w0``'s, as :meth:`start` drew). With
         ``context`` an in-process writer codes its routing with ``ranked_context`` (its parts' models learn their
         tokens; other writers read its rows to share them, live records may read them from a part dropped whole).
-        With ``threads`` it compresses its parts' chunks (16 rows each: several per part) on two threads."""
+        With ``threads`` it compresses its parts' chunks (16 rows each: several per part) on two threads. With
+        ``shared`` an in-process writer commits through the committer the machine's writers share."""
         writer_id = WRITER_IDS[index]
         if writer_id in self.writers:
             return
@@ -215,10 +263,16 @@ class ProtocolMachine(RuleBasedStateMachine):
         in_process = self.intent or not (self.process_writers and process == 0 and self.processes == 0)
         if self.intent:
             with pytest.raises(StepSealedError):
-                self._open(writer_id, in_process)
+                self._open(writer_id, in_process, shared=shared)
             return
         self.writers[writer_id] = self._open(
-            writer_id, in_process, pipelined=pipelined, shares=index % 2 == 0, context=context, threads=threads
+            writer_id,
+            in_process,
+            pipelined=pipelined,
+            shares=index % 2 == 0,
+            context=context,
+            threads=threads,
+            shared=shared,
         )
 
     def _open(
@@ -230,6 +284,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         shares: bool = True,
         context: bool = False,
         threads: bool = False,
+        shared: bool = False,
     ) -> ModelWriter:
         if in_process:
             store = self._open_store()
@@ -245,8 +300,11 @@ class ProtocolMachine(RuleBasedStateMachine):
                     chunk_rows=16 if threads else PartOptions.chunk_rows,
                 ),
                 encode_threads=2 if threads else 1,
+                committer=self.committer if shared else None,
             )
             self._count("open_pipelined" if pipelined else "open_in_process")
+            if shared:
+                self._count("open_shared_committer")
             self._count("open_sharing" if shares else "open_consuming")
             if context:
                 self._count("open_ranked_context")
@@ -330,6 +388,8 @@ class ProtocolMachine(RuleBasedStateMachine):
             return "sealed"
         if record.sample_id in writer.appended:
             return "duplicate"
+        if writer.shared:  # a writer of a shared committer reads nothing of the step here: its flush decides
+            return "accepted"
         seen = mine.live.get(record.sample_id)
         if seen is None or seen[1].tokens == record.tokens:
             return "accepted"
@@ -533,6 +593,116 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.intent = True
         assert sealed and sealed[0].position == entry.position
         entry.created_at = sealed[0].sealed_at
+
+    @precondition(lambda self: not self.intent)
+    @rule(data=st.data(), count=st.sampled_from([4, 32]))
+    def many_writers(self, data: st.DataObject, count: int) -> None:
+        """``count`` writers of a shared committer append records (any of the sample ids, any variant: they collide)
+        and close all at once; their parts land in few entries, in an order the storage fixes. Each writer's report
+        must be the model's at its commit's place in the log (at the end for a writer that committed nothing)."""
+        self._count(f"many_writers_{count}")
+        records = st.lists(
+            st.tuples(st.sampled_from(SAMPLES), st.integers(0, VARIANTS - 1)),
+            min_size=1,
+            max_size=2,
+            unique_by=lambda item: item[0],
+        )
+        self.run_many_writers([data.draw(records) for _ in range(count)])
+
+    def run_many_writers(self, chosen: list[list[tuple[str, int]]]) -> None:
+        """Writer ``m<i>`` appends the records ``chosen[i]`` (sample, variant); all close at once (see
+        :meth:`many_writers`)."""
+        count = len(chosen)
+        committed: dict[str, list[str]] = {}
+        writers = []
+        for i, records in enumerate(chosen):
+            writer_id = f"m{i}"
+            writer = self._open_store().writer(
+                STEP,
+                writer_id,
+                background=False,
+                flush_bytes=1 << 40,
+                flush_seconds=None,
+                committer=self.committer,
+                on_commit=lambda commit, sids, w=writer_id: committed.setdefault(w, []).extend(sids),
+            )
+            for sample, variant in records:
+                writer.append(record_of(sample, variant)[0])
+            writers.append(writer)
+        errors: dict[str, WriterError] = {}
+        start = threading.Barrier(count, timeout=120)
+
+        def close(writer: StepWriter) -> None:
+            start.wait()
+            try:
+                writer.close()
+            except WriterError as exc:
+                errors[writer.writer_id] = exc
+
+        threads = [threading.Thread(target=close, args=(w,)) for w in writers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        assert not any(t.is_alive() for t in threads), "a writer never finished"
+        variants = {w.writer_id: dict(records) for w, records in zip(writers, chosen, strict=True)}
+        placed = self._record_entries_of(variants)
+        final = self.model.view()
+        for writer in writers:
+            at = placed.get(writer.writer_id)
+            view = self.model.view(at) if at is not None else final
+            expected_committed, expected_present, expected_refused = [], [], []
+            for sample, variant in variants[writer.writer_id].items():
+                live = view.live.get(sample)
+                if live is None:
+                    expected_committed.append(sample)
+                elif live[1].tokens == record_of(sample, variant)[1].tokens:
+                    expected_present.append(sample)
+                else:
+                    expected_refused.append(sample)
+            assert sorted(committed.get(writer.writer_id, [])) == sorted(expected_committed), writer.writer_id
+            assert sorted(writer.already_present) == sorted(expected_present), writer.writer_id
+            error = errors.get(writer.writer_id)
+            assert sorted(error.sample_ids if error else []) == sorted(expected_refused), (writer.writer_id, error)
+
+    def _record_entries_of(self, variants: dict[str, dict[str, int]]) -> dict[str, int]:
+        """The model's entries for the commit entries writers appended since the model's last one: each commit with
+        the records its part holds (read from its index). Returns where each writer's commit stands in the model."""
+        placed: dict[str, int] = {}
+        store = self._open_store()
+        position = self.model.next_position
+        while True:
+            try:
+                doc = self._entry(position)
+            except FileNotFoundError:
+                return placed
+            assert isinstance(doc, CommitGroup), doc
+            for commit in doc.commits:
+                assert commit.writer_id in variants and commit.writer_id not in placed, commit.writer_id
+                index = read_commit_index(store, STEP, commit)
+                held = index.column("sample_id").to_pylist()
+                placed[commit.writer_id] = len(self.model.entries)
+                records = {sid: record_of(sid, variants[commit.writer_id][sid])[1] for sid in held}
+                self.model.entries.append(
+                    Entry(
+                        "commit",
+                        doc.created_at,
+                        position=position,
+                        writer_id=commit.writer_id,
+                        part=commit.part,
+                        records=records,
+                    )
+                )
+            position += 1
+
+    @precondition(lambda self: self.committer.armed is None)
+    @rule(after=st.booleans())
+    def committer_dies(self, after: bool) -> None:
+        """The shared committer's next commit gets no answer back to its writer: before the committer saw it (nothing
+        is committed), or after it committed (the entry is there). The writer commits through its own committer,
+        which finds out from the log what became of the part: it is committed exactly once either way."""
+        self._count("committer_dies_after" if after else "committer_dies_before")
+        self.committer.armed = "after" if after else "before"
 
     # -- drops, seal, annotations, gc ----------------------------------------------------------------------------
     @rule(data=st.data())
@@ -754,8 +924,11 @@ class ProtocolMachine(RuleBasedStateMachine):
         checks = self.counts.get("check", 0) + self.counts.get("as_of_check", 0)
         RUNS.setdefault(self.backend, []).append(sum(self.counts.values()) - checks)
         if STATS:
+            faults = dict(self.faults.fired)
+            for when in self.committer.fired:
+                faults[f"committer_died_{when}"] = faults.get(f"committer_died_{when}", 0) + 1
             with open(STATS, "a") as file:
-                file.write(json.dumps({"counts": self.counts, "faults": self.faults.fired}) + "\n")
+                file.write(json.dumps({"counts": self.counts, "faults": faults}) + "\n")
 
 
 def _read_parts(model: Model, moment: datetime) -> set[str]:
@@ -881,4 +1054,44 @@ def test_protocol_on_s3_behind_a_fault_proxy(s3_fault_proxy: Any, s3_bucket: str
     try:
         _run(S3Machine, examples=2, steps=15)
     finally:
+        s3_fault_proxy.clear()
+
+
+def test_many_writers_on_s3_behind_a_fault_proxy(s3_fault_proxy: Any, s3_bucket: str) -> None:
+    """Rounds of 32 writers of one shared committer on a real S3 server behind the fault proxy, with the answer of
+    a commit entry's create lost, the committer dying before and after it committed, and drops and a seal between
+    rounds; after each round every view, the log and every writer's report must be the model's."""
+    options = {"endpoint_url": s3_fault_proxy.endpoint, "skip_instance_cache": True}
+
+    class S3Machine(ProtocolMachine):
+        backend = "moto S3 behind the fault proxy"
+        storage_options = options
+        url_factory = staticmethod(lambda: f"s3://{s3_bucket}/{uuid.uuid4().hex[:12]}")  # type: ignore[assignment]
+        faults_factory = staticmethod(lambda: Faults(proxy=s3_fault_proxy))  # type: ignore[assignment]
+
+    rng = random.Random(52)
+
+    def round_of(count: int) -> list[list[tuple[str, int]]]:
+        return [[(s, rng.randrange(VARIANTS)) for s in rng.sample(SAMPLES, rng.randint(1, 2))] for _ in range(count)]
+
+    machine = S3Machine()
+    try:
+        machine.start(variants=[0, 1, 2, 0], shares=True, context=False, threads=False)
+        machine.views_equal_the_model()
+        for fault in ("lost_response", "before", "after"):
+            if fault == "lost_response":
+                machine.lose_a_create_response()
+            else:
+                machine.committer_dies(after=fault == "after")
+            machine.run_many_writers(round_of(32))
+            machine.views_equal_the_model()
+            live = set(machine.model.view().live)  # the next round writes every sample id again
+            machine._record_drop(machine.store.drop(STEP, sample_ids=live).drop, sample_ids=live)
+            machine.views_equal_the_model()
+        machine.seal()
+        machine.views_equal_the_model()
+        assert machine.faults.fired.get("lost_response") == 1 and s3_fault_proxy.counts["lost_response"] == 1
+        assert sorted(machine.committer.fired) == ["after", "before"]
+    finally:
+        machine.teardown()
         s3_fault_proxy.clear()

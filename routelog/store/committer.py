@@ -254,8 +254,9 @@ class _StepState:
 
 class Committer:
     """Appends the commits of the writers that share it to their steps' logs, many parts per entry (see the module
-    docs); thread-safe. ``shared``: other writers than one commit through it (it then reads the log for lookups at
-    most every :data:`SHARED_REFRESH_SECONDS`, and checks for a sealer as often)."""
+    docs); thread-safe. ``shared``: other writers than one commit through it; it then reads the log for lookups at
+    most every ``refresh_every`` seconds (:data:`SHARED_REFRESH_SECONDS` by default; a writer's own reads it for
+    each), and looks for a sealer as often."""
 
     def __init__(
         self,
@@ -264,12 +265,13 @@ class Committer:
         committer_id: str | None = None,
         shared: bool = True,
         max_group: int = DEFAULT_MAX_GROUP,
+        refresh_every: float | None = None,
     ) -> None:
         self.store = store
         self.committer_id = keys.check_writer_id(committer_id or f"committer-{secrets.token_hex(4)}")
         self._shared = shared
         self.max_group = max(1, min(max_group, keys.MAX_GROUP_COMMITS))
-        self._refresh_every = SHARED_REFRESH_SECONDS if shared else 0.0
+        self._refresh_every = refresh_every if refresh_every is not None else SHARED_REFRESH_SECONDS if shared else 0.0
         self._steps: dict[int, _StepState] = {}
         self._steps_lock = threading.Lock()
         self._requests = itertools.count()

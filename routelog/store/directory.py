@@ -72,8 +72,10 @@ class StepDirectory:
         self._undigested: list[Entry] = []
         self._probes: dict[int, list[Entry]] = {}
         self._drops: list[_Drop] = []
-        self._whole: set[str] = set()
-        """Parts dropped whole (by part or writer) or committed after the seal: no new record may point at them."""
+        self._whole: dict[str, int] = {}
+        """Parts dropped whole (by part or writer) or committed after the seal, and the position from which none of
+        their records counts (the earliest drop naming them, or their own): no new record may point at them, and no
+        decision after that position reads their indexes (gc may have reclaimed them)."""
         self._absorbed = 0
         """Entries of the log taken in so far."""
 
@@ -107,7 +109,7 @@ class StepDirectory:
             if isinstance(doc, CommitRecord):
                 self.parts[doc.part] = entry
                 if self.seal is not None and entry.position > self.seal.position:
-                    self._whole.add(doc.part)
+                    self._whole.setdefault(doc.part, entry.position)
                 probes = doc.prefix_probes(where(entry.key))
                 for probe in probes.tolist() if probes is not None else ():
                     self._probes.setdefault(int(probe), []).append(entry)
@@ -129,7 +131,7 @@ class StepDirectory:
                         and isinstance(commit, CommitRecord)
                         and (part in drop.parts or commit.writer_id in drop.writers)
                     ):
-                        self._whole.add(part)
+                        self._whole.setdefault(part, drop.position)
             elif isinstance(doc, SealRecord) and self.seal is None:
                 self.seal = entry
 
@@ -147,7 +149,7 @@ class StepDirectory:
         """The live copy of each of ``sample_ids`` that has one, in the step as it was just before ``before`` (the
         whole log read so far when None): among the commits of the content before that point, the first copy that
         no drop before that point removed. Reads the indexes of the commits whose digests match (once each)."""
-        self._resolve(sample_ids)
+        self._resolve(sample_ids, before)
         out = {}
         for sample_id in sample_ids:
             copy = self._winner(sample_id, before)
@@ -155,15 +157,20 @@ class StepDirectory:
                 out[sample_id] = copy
         return out
 
-    def _resolve(self, sample_ids: Collection[str]) -> None:
-        """Know exactly every commit that may hold one of ``sample_ids``: those without a digest, and those whose
-        digest holds one of their hashes."""
-        wanted = {e.name: e for e in self._undigested}
+    def _resolve(self, sample_ids: Collection[str], before: Order | None) -> None:
+        """Know exactly every commit that may hold one of ``sample_ids`` at ``before``: those without a digest, and
+        those whose digest holds one of their hashes (but for parts removed whole by then)."""
+
+        def counts(entry: Entry) -> bool:
+            since = self._whole.get(_part(entry))
+            return since is None or (before is not None and since >= before[0])
+
+        wanted = {e.name: e for e in self._undigested if counts(e)}
         for sample_id in sample_ids:
             for entry in self._by_hash.get(sample_id_hash(sample_id), ()):
-                if entry.name not in self._known:
+                if entry.name not in self._known and counts(entry):
                     wanted[entry.name] = entry
-        self._undigested = []
+        self._undigested = [e for e in self._undigested if e.name not in wanted]
         if not wanted:
             return
         tables = read_indexes(self.store, self.step, list(wanted.values()), _raise_missing)
@@ -204,7 +211,7 @@ class StepDirectory:
 
     def gone(self) -> list[str]:
         """Parts no new record may point at: dropped whole, or committed after the seal."""
-        return sorted(self._whole)
+        return sorted(self._whole)  # its keys
 
     def next_seq(self, writer_id: str) -> int:
         """One past the highest part counter ``writer_id`` committed in the step (a writer id used again goes on)."""

@@ -326,6 +326,12 @@ class StepWriter:
         return reply
 
     @property
+    def shared_committer(self) -> bool:
+        """Whether the writer commits through a shared committer now (not its own): it then reads nothing of the
+        step at ``append``, and its flush decides every record."""
+        return self._through() is not self._own
+
+    @property
     def buffered_bytes(self) -> int:
         """Raw-equivalent routing bytes waiting for the next part."""
         return self._buffered_bytes
@@ -393,7 +399,7 @@ class StepWriter:
         it (the flush checks again); :class:`DuplicateSampleError` when it holds one with other tokens, or with
         ``on_duplicate="error"``, after reading the step again (a drop may have removed it since). A writer of a
         shared committer has read nothing of the step here: its flush decides."""
-        if self._through() is not self._own:
+        if self.shared_committer:
             return False
         sid = prepared.row.sample_id
         key = _key(prepared)
