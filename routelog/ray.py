@@ -49,6 +49,8 @@ COMMIT_TIMEOUT = 660.0
 """Seconds a writer waits for the committer actor's answer to a commit: longer than any part may wait for its commit
 (:data:`~routelog.store.writer.MAX_COMMIT_DELAY`); past it the writer commits through its own committer."""
 LOOKUP_TIMEOUT = 60.0
+_STARTED: dict[str, list[Any]] = {}
+"""The committer actors this process started, by name: held so that they live as long as the process."""
 
 
 def committer_name(url: str) -> str:
@@ -60,33 +62,52 @@ class CommitterActor:
     """A :class:`~routelog.store.committer.Committer` of one store in a Ray actor: the writers of a cluster commit
     through it (:func:`start_committer`). Requests and replies cross as JSON bytes, never pickled objects."""
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, shards: int = 1) -> None:
         from routelog.store.committer import Committer, JsonCommitter
 
         self._committer = JsonCommitter(Committer(open_store(url, storage_options=storage_options)))
+        self._shards = shards
+        self._calls = {"lookup": 0, "commit": 0}
 
     def lookup(self, request: bytes) -> bytes:
+        self._calls["lookup"] += 1
         return self._committer.lookup(request)
 
     def commit(self, request: bytes) -> bytes:
+        self._calls["commit"] += 1
         return self._committer.commit(request)
 
+    def shards(self) -> int:
+        """How many committer actors share the store's writers (this one is the first)."""
+        return self._shards
 
-def _ray_client(actor: Any, name: str) -> JsonClient:
-    """A writer's handle on the committer actor ``actor``: a call it does not answer (its process died, or the call
-    timed out) raises :class:`~routelog.store.committer.CommitterUnavailableError`, and the writer commits through
-    its own committer."""
+    def usage(self) -> str:
+        """JSON: the calls answered and the CPU seconds the actor's process spent (what one committer can take)."""
+        import time
+
+        return json.dumps({**self._calls, "cpu_s": time.process_time()})
+
+
+def _shard_names(name: str, shards: int) -> list[str]:
+    return [name, *(f"{name}-{i}" for i in range(1, shards))]
+
+
+def _ray_client(actors: Sequence[Any], name: str) -> JsonClient:
+    """A writer's handle on the committer actors ``actors`` (each writer always reaches the same one): a call that
+    gets no answer (the actor's process died, or the call timed out) raises
+    :class:`~routelog.store.committer.CommitterUnavailableError`, and the writer commits through its own committer."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
     from routelog.store.committer import CommitterUnavailableError, JsonClient
 
-    def call(method: str, payload: bytes) -> bytes:
+    def call(method: str, writer_id: str, payload: bytes) -> bytes:
+        shard = int.from_bytes(hashlib.blake2b(writer_id.encode(), digest_size=4).digest(), "little") % len(actors)
         timeout = COMMIT_TIMEOUT if method == "commit" else LOOKUP_TIMEOUT
         try:
-            return bytes(ray.get(getattr(actor, method).remote(payload), timeout=timeout))
+            return bytes(ray.get(getattr(actors[shard], method).remote(payload), timeout=timeout))
         except (RayActorError, GetTimeoutError) as exc:
-            raise CommitterUnavailableError(f"the committer actor {name!r} did not answer: {exc}") from exc
+            raise CommitterUnavailableError(f"the committer actor {name!r} ({shard}) did not answer: {exc}") from exc
 
     return JsonClient(call)
 
@@ -96,38 +117,56 @@ def start_committer(
     *,
     storage_options: Mapping[str, Any] | None = None,
     name: str | None = None,
+    shards: int = 1,
     max_concurrency: int = 256,
     max_restarts: int = -1,
     num_cpus: float = 0.5,
 ) -> JsonClient:
     """Start the committer actor of the store at ``url`` (or find the one running under ``name``, by default
     :func:`committer_name`): every writer given it commits through it, many parts per log entry, instead of
-    contending for the step's log (``routelog.ray.connect_committer`` finds it from another actor). Ray restarts it
-    if its process dies (a new one reads the log again); meanwhile writers commit through their own committers."""
+    contending for the step's log (:func:`connect_committer` finds it from another actor). ``shards`` > 1 starts
+    that many actors and sends each writer to one of them (one takes about 2,000 calls a second: two a part). It
+    lives as long as the process that started it (or until :func:`stop_committer`); Ray restarts it if its process
+    dies (a new one reads the log again); meanwhile writers commit through their own committers."""
     import ray
 
     name = name or committer_name(url)
-    actor = (
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    actors = _STARTED.get(name) or [
         ray.remote(CommitterActor)
         .options(
-            name=name,
+            name=shard,
             get_if_exists=True,
             max_concurrency=max_concurrency,
             max_restarts=max_restarts,
             num_cpus=num_cpus,
         )
-        .remote(url, dict(storage_options or {}))
-    )
-    return _ray_client(actor, name)
+        .remote(url, dict(storage_options or {}), shards)
+        for shard in _shard_names(name, shards)
+    ]
+    _STARTED[name] = actors  # owned by this process for as long as it runs (an actor nobody holds is ended)
+    return _ray_client(actors, name)
+
+
+def stop_committer(url: str, *, name: str | None = None) -> None:
+    """End the committer actors this process started for ``url`` (writers then commit through their own)."""
+    import ray
+
+    for actor in _STARTED.pop(name or committer_name(url), []):
+        ray.kill(actor, no_restart=True)
 
 
 def connect_committer(url: str, *, name: str | None = None) -> JsonClient:
-    """The committer actor started for the store at ``url`` (under ``name``, by default :func:`committer_name`), as
+    """The committer actors started for the store at ``url`` (under ``name``, by default :func:`committer_name`), as
     a writer's ``committer``."""
     import ray
 
     name = name or committer_name(url)
-    return _ray_client(ray.get_actor(name), name)
+    first = ray.get_actor(name)
+    count: Any = ray.get(first.shards.remote())
+    shards = int(count)
+    return _ray_client([first, *(ray.get_actor(n) for n in _shard_names(name, shards)[1:])], name)
 
 
 class RoutingWriter:
@@ -189,7 +228,7 @@ def remote_writer(
 ) -> Any:
     """Start a :class:`RoutingWriter` actor; feed it :func:`routelog.format.transport.record_payload` dicts.
     ``kwargs`` are the actor's (``flush_bytes``, ``topk_order``, ``encode_threads``: reserve ``num_cpus`` for
-    them)."""
+    them; ``committer``: the name of a committer actor to commit through, :func:`start_committer`)."""
     import ray
 
     actor = ray.remote(num_cpus=num_cpus)(RoutingWriter)

@@ -138,3 +138,30 @@ def test_concurrent_tasks_get_their_own_writer_ids(tmp_path: Path) -> None:
     for task in range(tasks):
         want = make_records(f"t{task}-", 4, seed=task)[2]
         np.testing.assert_array_equal(snapshot.read(want.sample_id).expert_ids[:-1], np.sort(want.expert_ids, -1)[:-1])
+
+
+def test_writer_actors_commit_through_a_committer_actor(s3_bucket: str) -> None:
+    """Rollout workers' writers commit through one committer actor (their parts in few log entries, requests and
+    replies as JSON); when it dies for good, they commit through their own committers, and nothing is lost."""
+    from routelog.format.documents import CommitGroup, parse_log_document
+    from routelog.format.transport import record_payload
+    from routelog.ray import committer_name, remote_writer, start_committer, stop_committer
+
+    url = f"s3://{s3_bucket}/ray-committer"
+    routelog.create_store(url, SPEC)
+    start_committer(url, max_restarts=0)
+    name = committer_name(url)
+    actors = [remote_writer(url, 0, f"actor-{i}", num_cpus=0.25, flush_bytes=1 << 30, committer=name) for i in range(4)]
+    records = {i: make_records(f"a{i}-", 6, seed=i) for i in range(4)}
+    ray.get([a.append_many.remote([record_payload(r) for r in records[i][:3]]) for i, a in enumerate(actors)])
+    assert sum(ray.get([a.flush.remote() for a in actors])) == 4
+    store = routelog.open_store(url)
+    directory = "steps/0000000000/log"
+    log = [parse_log_document(store.storage.read(f"{directory}/{n}"), n) for n in store.storage.list(directory)]
+    assert all(isinstance(e, CommitGroup) and e.committer.startswith("committer-") for e in log)
+    stop_committer(url)
+    ray.get([a.append_many.remote([record_payload(r) for r in records[i][3:]]) for i, a in enumerate(actors)])
+    parts = ray.get([a.close.remote() for a in actors])
+    assert all(len(p) == 2 for p in parts)
+    snapshot = routelog.open_store(url).step(0)
+    assert sorted(snapshot.sample_ids) == sorted(r.sample_id for rs in records.values() for r in rs)

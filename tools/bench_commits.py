@@ -63,7 +63,7 @@ def request_kind(method: str, target: str, headers: frozenset[str]) -> str:
 def request_area(target: str) -> str:
     """What a request touches: the step's log, a part's data, the seal's objects, or anything else."""
     path = target.split("?", 1)[0]
-    if "/log/" in path or "prefix=" in target and "log" in target:
+    if "/log/" in path or ("prefix=" in target and "log" in target):
         return "log"
     if "/parts/" in path:
         return "parts"
@@ -133,6 +133,7 @@ def client(options: dict[str, Any]) -> None:
 
     _run_all([threading.Thread(target=open_writer, args=(i,)) for i in range(writers)])
     phase("open")
+    usage_before = _committer_usage(options)
     start = threading.Barrier(writers, timeout=TIMEOUT)
 
     def write(i: int) -> None:
@@ -157,6 +158,7 @@ def client(options: dict[str, Any]) -> None:
     _run_all([threading.Thread(target=write, args=(i,)) for i in range(writers)])
     wall = time.monotonic() - began
     commits = sum(len(w.commits) for w in opened if w is not None)
+    usage = _committer_usage(options)
     phase("write")
     reader = routelog.open_store(url, storage_options=storage_options)
     snapshot = reader.step(0)
@@ -166,6 +168,10 @@ def client(options: dict[str, Any]) -> None:
     sealed = routelog.open_store(url, storage_options=storage_options).step(0)
     phase("sealed reader")
     entries = reader.storage.list(f"steps/{0:010d}/log")
+    per_call = None
+    if usage is not None and usage_before is not None:
+        calls = usage["lookup"] + usage["commit"] - usage_before["lookup"] - usage_before["commit"]
+        per_call = round((usage["cpu_s"] - usage_before["cpu_s"]) / max(1, calls), 5)
     result = {
         "commits": commits,
         "expected_commits": writers * parts,
@@ -177,12 +183,25 @@ def client(options: dict[str, Any]) -> None:
         "wall_s": round(wall, 3),
         "append_p50_s": round(statistics.median(latencies), 3) if latencies else None,
         "append_p99_s": round(float(np.percentile(latencies, 99)), 3) if latencies else None,
+        "committer_cpu_s_per_call": per_call,
     }
     print("RESULT " + json.dumps(result), flush=True)
     if options["committer"] == "ray":
         import ray
 
         ray.shutdown()
+
+
+def _committer_usage(options: dict[str, Any]) -> dict[str, float] | None:
+    """The committer actor's calls and CPU seconds so far (``ray`` scenarios)."""
+    if options["committer"] != "ray":
+        return None
+    import ray
+
+    from routelog.ray import _STARTED
+
+    (first, *_) = next(iter(_STARTED.values()))
+    return dict(json.loads(ray.get(first.usage.remote())))
 
 
 def _run_all(threads: list[threading.Thread]) -> None:
@@ -193,7 +212,9 @@ def _run_all(threads: list[threading.Thread]) -> None:
 
 
 # -- the parent: moto, the proxy and the counts ----------------------------------------------------------------------
-def scenario(proxy: FaultProxy, counts: Counts, writers: int, parts: int, committer: str, records: int) -> dict[str, Any]:
+def scenario(
+    proxy: FaultProxy, counts: Counts, writers: int, parts: int, committer: str, records: int
+) -> dict[str, Any]:
     """Run one scenario in a client process; its figures and the requests of each phase."""
     options = {
         "writers": writers,

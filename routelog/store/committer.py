@@ -186,19 +186,20 @@ class JsonCommitter:
 
 
 class JsonClient:
-    """A :class:`CommitService` in another process, reached by ``call(method, request JSON) -> reply JSON``; a
-    transport that gets no answer raises :class:`CommitterUnavailableError`. Always shared."""
+    """A :class:`CommitService` in another process, reached by ``call(method, writer_id, request JSON) -> reply
+    JSON`` (the writer id lets a transport send each writer to the same one of several committers); a transport
+    that gets no answer raises :class:`CommitterUnavailableError`. Always shared."""
 
     shared = True
 
-    def __init__(self, call: Callable[[Literal["lookup", "commit"], bytes], bytes]) -> None:
+    def __init__(self, call: Callable[[Literal["lookup", "commit"], str, bytes], bytes]) -> None:
         self._call = call
 
     def lookup(self, request: LookupRequest) -> LookupReply:
-        return _LOOKUP_REPLY.validate_json(self._call("lookup", _LOOKUP_REQUEST.dump_json(request)))
+        return _LOOKUP_REPLY.validate_json(self._call("lookup", request.writer_id, _LOOKUP_REQUEST.dump_json(request)))
 
     def commit(self, request: CommitRequest) -> CommitReply:
-        return _COMMIT_REPLY.validate_json(self._call("commit", _COMMIT_REQUEST.dump_json(request)))
+        return _COMMIT_REPLY.validate_json(self._call("commit", request.writer_id, _COMMIT_REQUEST.dump_json(request)))
 
 
 def verdict(record: RecordKey, live: tuple[str | None, int] | None, step: int, on_duplicate: str) -> str | None:

@@ -78,6 +78,10 @@ class StepDirectory:
         decision after that position reads their indexes (gc may have reclaimed them)."""
         self._absorbed = 0
         """Entries of the log taken in so far."""
+        self._seqs: dict[str, int] = {}
+        """Each writer's highest part counter committed in the step."""
+        self._no_digest: list[Entry] = []
+        """Commits without a digest (formats 1-3): any may hold a prefix."""
 
     @property
     def store(self) -> StoreRoot:
@@ -108,6 +112,9 @@ class StepDirectory:
             doc = entry.doc
             if isinstance(doc, CommitRecord):
                 self.parts[doc.part] = entry
+                self._seqs[doc.writer_id] = max(doc.seq, self._seqs.get(doc.writer_id, -1))
+                if doc.digest is None:
+                    self._no_digest.append(entry)
                 if self.seal is not None and entry.position > self.seal.position:
                     self._whole.setdefault(doc.part, entry.position)
                 probes = doc.prefix_probes(where(entry.key))
@@ -203,10 +210,8 @@ class StepDirectory:
         for probe in probes:
             for entry in self._probes.get(probe, ()):
                 found[entry.name] = entry
-        for entry in self.parts.values():
-            commit = entry.doc
-            if isinstance(commit, CommitRecord) and commit.digest is None:
-                found[entry.name] = entry
+        for entry in self._no_digest:
+            found[entry.name] = entry
         return sorted((e for e in found.values() if _part(e) not in self._whole), key=lambda e: e.order)
 
     def gone(self) -> list[str]:
@@ -215,10 +220,7 @@ class StepDirectory:
 
     def next_seq(self, writer_id: str) -> int:
         """One past the highest part counter ``writer_id`` committed in the step (a writer id used again goes on)."""
-        seqs = [
-            e.doc.seq for e in self.parts.values() if isinstance(e.doc, CommitRecord) and e.doc.writer_id == writer_id
-        ]
-        return 1 + max(seqs, default=-1)
+        return 1 + self._seqs.get(writer_id, -1)
 
 
 def _part(entry: Entry) -> str:
