@@ -488,6 +488,74 @@ def _chained_routing(
     return ids
 
 
+def write_committers(root: Path, expected: dict[str, np.ndarray]) -> None:
+    """Format 4: commit entries of many commits. Eight writers of one shared committer whose creates are slow (so
+    the parts that wait share an entry), GRPO prompts spread over writers (their rows shared across writers through
+    the digests' probes), a re-send of a committed record (shadowed), a writer through its own committer between
+    two entries, a drop and the seal; two steps."""
+    import threading
+    import time
+
+    from routelog.store.committer import Committer
+
+    spec = ModelSpec(name="golden/committers", num_layers=3, moe_layers=(1, 2), num_experts=40, topk=4)
+    rng = np.random.default_rng(40)
+    name = "committers"
+    url = str(root / name)
+    store = routelog.create_store(url, spec, run_id="golden-committers")
+    committer_store = routelog.open_store(url)
+    create = committer_store.storage.create
+
+    def slow_create(key: str, data: bytes, **options: bool) -> bool:
+        time.sleep(0.2)
+        return bool(create(key, data, **options))
+
+    committer_store.storage.create = slow_create  # type: ignore[method-assign]
+    committer = Committer(committer_store, committer_id="golden-committer")
+    prompts = [(rng.integers(0, 30000, 20), _routing(rng, 20, 2, 40, 4)) for _ in range(3)]
+
+    def record(sample_id: str, prompt: int, seed: int) -> Record:
+        local = np.random.default_rng(seed)
+        tokens, routing = prompts[prompt]
+        response = int(local.integers(5, 15))
+        ids = np.concatenate([routing, _routing(local, response, 2, 40, 4)])
+        token_ids = np.concatenate([tokens, local.integers(30000, 40000, response)])
+        return _last_missing(sample_id, ids, 20, token_ids, group_id=f"p{prompt}")
+
+    live: dict[tuple[int, str], Record] = {}
+    for step in (0, 1):
+        writers = [
+            store.writer(step, f"w{i}", background=False, flush_bytes=1 << 30, committer=committer) for i in range(8)
+        ]
+        for i, writer in enumerate(writers):
+            for k in range(2):
+                r = record(f"t{step}-s{i}-{k}", (i + k) % 3, 100 * step + 10 * i + k)
+                writer.append(r)
+                live[(step, r.sample_id)] = r
+        start = threading.Barrier(len(writers), timeout=60)
+
+        def close(writer: routelog.StepWriter, start: threading.Barrier = start) -> None:
+            start.wait()
+            writer.close()
+
+        threads = [threading.Thread(target=close, args=(w,)) for w in writers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        with store.writer(step, "own") as writer:  # its own committer; and a re-send, found present (shadowed)
+            writer.append(live[(step, f"t{step}-s3-1")])
+            r = record(f"t{step}-own", 1, 1000 + step)
+            writer.append(r)
+            live[(step, r.sample_id)] = r
+    store.drop(1, sample_ids=["t1-s5-0"])
+    del live[(1, "t1-s5-0")]
+    store.seal(0)
+    for r in live.values():
+        _expect_sorted(expected, name, r)
+        expected[f"{name}/{r.sample_id}/tokens"] = np.asarray(r.token_ids)
+
+
 def _close(writer: routelog.StepWriter) -> None:
     """Close a writer whose commit is refused (its records are not part of the step)."""
     with contextlib.suppress(routelog.StoreError):
@@ -513,8 +581,15 @@ WRITERS: dict[str, Callable[[Path, dict[str, np.ndarray]], None]] = {
     "split-token-ids": write_split_token_ids,
     "references-64-8,references-300-6": write_context_references,
     "list-references-64-8,list-references-300-6": write_context_list_references,
+    "committers": write_committers,
 }
-"""Fixture stores of this version by name, in the order they were added."""
+"""Fixture stores by name, in the order they were added."""
+WRITTEN_IN: dict[int, tuple[str, ...]] = {
+    3: tuple(name for name in WRITERS if name != "committers"),
+    4: ("history", "grpo-96,grpo-384", "committers"),
+}
+"""The stores each format version's fixtures hold: a version whose parts are unchanged writes again only what its
+documents change (format 4: the log, its commit entries and digests)."""
 
 
 def main() -> int:
@@ -539,9 +614,8 @@ def main() -> int:
                 return 1
             shutil.rmtree(FIXTURES)
         FIXTURES.mkdir(parents=True)
-        for name, write in WRITERS.items():
-            if FORMAT_VERSION >= 3 or name != "history":
-                write(FIXTURES, expected)
+        for name in WRITTEN_IN[FORMAT_VERSION]:
+            WRITERS[name](FIXTURES, expected)
     np.savez_compressed(FIXTURES / "expected.npz", **expected)  # type: ignore[arg-type]
     print(f"wrote {FIXTURES}")
     return 0

@@ -82,7 +82,8 @@ Int32 = Annotated[int, ArrowType(pa.int32())]
 PartName = Annotated[str, StringConstraints(pattern=f"^{keys.PART_NAME_PATTERN}$")]
 """``<writer>.<seq:08d>.<hex>``: a part or annotation directory, one path segment."""
 CommitName = Annotated[str, StringConstraints(pattern=f"^{keys.ENTRY_NAME_PATTERN}$")]
-"""A commit's name: ``<position:010d>.json`` (its log entry, format 3) or ``<writer>.<seq:08d>.json`` (formats 1-2)."""
+"""A commit's name: ``<position:010d>.<slot:05d>.json`` (its place in a commit entry, format 4),
+``<position:010d>.json`` (its log entry, format 3) or ``<writer>.<seq:08d>.json`` (formats 1-2)."""
 WriterId = Annotated[str, StringConstraints(pattern=f"^{keys.WRITER_ID_PATTERN}$")]
 Segment_ = Annotated[str, StringConstraints(pattern=f"^{keys.SEGMENT_PATTERN}$")]
 RelativeKey = Annotated[str, StringConstraints(pattern=f"^{keys.RELATIVE_KEY_PATTERN}$")]
@@ -332,7 +333,7 @@ class _CommitBase(_Document):
     """The writer's part counter: ``part`` starts with ``<writer_id>.<seq:08d>.``. In formats 1-2 it also names the
     commit (``<writer_id>.<seq:08d>.json``)."""
     position: Position | None = None
-    """The commit's position in the step's log (format 3; its file name is ``log/<position:010d>.json``). Null for
+    """The commit's position in the step's log (formats 3 and 4; its entry is ``log/<position:010d>.json``). Null for
     format 1-2 commits, which live under ``commits/<writer_id>.<seq:08d>.json``."""
     created_at: UtcDateTime
     n_records: int = Field(ge=0)
@@ -374,8 +375,9 @@ class CommitDigest(_Document):
 
 
 class CommitRecord(_CommitBase):
-    """An entry of the step's log, created exclusively after its part (format 3; formats 1-2:
-    ``steps/<step>/commits/<writer>.<seq>.json``): the part under ``steps/<step>/parts/<part>/`` becomes visible."""
+    """What makes the part under ``steps/<step>/parts/<part>/`` visible: one of the commits of a commit entry of the
+    step's log (format 4, :class:`CommitGroup`), an entry of its own (format 3), or
+    ``steps/<step>/commits/<writer>.<seq>.json`` (formats 1-2); created exclusively after its part."""
 
     kind: Literal["routelog.commit"] = COMMIT_KIND
     n_tokens: int = Field(ge=0)
@@ -579,8 +581,9 @@ class SealRecord(_Document):
     """Format 3: the seal's position in the step's log; it closes the step to commits after it."""
     sealed_at: UtcDateTime
     commits: list[CommitName]
-    """Names of the commits of the step, sorted and unique: format 3, every commit entry before the seal; formats
-    1-2, the commit documents (``<writer>.<seq>.json``) the sealer listed."""
+    """Names of the commits of the step, sorted and unique: formats 3 and 4, every commit before the seal (a commit
+    entry's commits by their names, ``<position>.<slot>.json``); formats 1-2, the commit documents
+    (``<writer>.<seq>.json``) the sealer listed."""
     n_records: int = Field(ge=0)
     n_tokens: int = Field(ge=0)
     """Records and tokens the consolidated index holds (format 3: every record of the commits not dropped whole

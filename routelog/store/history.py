@@ -21,7 +21,7 @@ droppers decide on exactly what precedes their own entry.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -552,12 +552,3 @@ def _check_consolidated(
             f"{where}: the seal says {seal.n_records} records of {seal.n_tokens} tokens, its index holds "
             f"{index.num_rows} records of {sum(c.n_tokens for c in held)} tokens"
         )
-
-
-def live_before(view: StepView, position: int) -> Mapping[str, int]:
-    """``{sample_id: row of view.stored}`` of the live records committed before ``position``."""
-    positions = np.array([e.position for e in view.commits], dtype=np.int64)
-    rows = np.flatnonzero(view.live)
-    commit_of = to_numpy(view.stored.column(COMMIT_COLUMN))
-    sids = view.stored.column("sample_id").to_pylist()
-    return {sids[r]: int(r) for r in rows if positions[commit_of[r]] < position}

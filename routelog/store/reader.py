@@ -123,11 +123,11 @@ class StepSnapshot:
     def __post_init__(self) -> None:
         self._commit_column = to_numpy(self.index.column(COMMIT_COLUMN))
         self._n_tokens = to_numpy(self.index.column("n_tokens"))
-        positions = self.positions or list(range(len(self.commits)))
-        self._own = {keys.part_dir(self.step, c.part): (p, c) for p, c in zip(positions, self.commits, strict=True)}
+        # each part's commit and its place among the commits (their list is in log order: position, then slot)
+        self._own = {keys.part_dir(self.step, c.part): (i, c) for i, c in enumerate(self.commits)}
         self._own.update(
             {keys.part_dir(self.step, c.part): (-(1 << 62), c) for c in self.dropped_commits}
-        )  # a dropped part's position is only compared with the records pointing at it: before every record
+        )  # a dropped part's place is only compared with the records pointing at it: before every record
         self._positions = {sid: i for i, sid in enumerate(self.index.column("sample_id").to_pylist())}
 
     # -- loading -------------------------------------------------------------------------------------------------

@@ -683,17 +683,13 @@ class StepWriter:
         outcome (what happened to each record at its commit's place in the log), or why it was not committed."""
         results: list[_Outcome | Exception | None] = [None] * len(pending)
         proposals: list[tuple[int, PartProposal]] = []
-        broken = False
         for i, staged in enumerate(pending):
             if staged.built is None:  # nothing left to write: the records found present are checked again now
                 results[i] = self._recheck(staged)
                 continue
-            try:
-                if broken:
-                    raise StoreError(f"part {staged.name} follows a part of its flush that could not be uploaded")
+            try:  # a part built on one that failed to upload fails too (_propose), the others go on
                 proposals.append((i, self._propose(staged)))
             except Exception as exc:
-                broken = True
                 self._abandon(staged)
                 results[i] = exc
         if proposals:
