@@ -84,7 +84,8 @@ class Settings:
     """Committer actors sharing the writers (``routelog.ray.start_committer(shards=...)``)."""
     view_cpu: float = 0.0
     """``before``: CPU seconds per commit of the step to evaluate it again after each read (every record's index
-    row, on the writers' shared cores): what made its attempts long on the benchmark's two cores."""
+    row, on the writers' shared cores)."""
+
     seed: int = 0
 
 
@@ -209,6 +210,8 @@ class Scenario:
         self.cpu = simpy.Resource(self.env, capacity=cores) if cores else None
         self.client_pool = simpy.Resource(self.env, capacity=S3_CONNECTIONS) if cores else None
         self.rng = random.Random(settings.seed + 1)
+        self.lanes: list[str] = []
+        """The lanes candidate: every lane entry created so far (its key is in its writer's directory)."""
         self.data_requests = 0
         self.waiting = 0
         self.all_open = self.env.event()
@@ -395,14 +398,14 @@ class Scenario:
                 began = self.env.now
                 yield from self.upload(pool, writer, part)
                 yield from self.store.request(pool, "CPUT", f"lanes/w{writer}/{part}", "log")
-                self.store.log_size += 1
+                self.lanes.append(f"lanes/w{writer}/{part}")
                 self.outcome.entries += 1
                 yield from self.store.request(pool, "GET", "seal/_SEALING", "seal")
                 # exact reports: every lane's new entries are read (lanes are listed whole: no common start key)
-                size = self.store.log_size
+                size = len(self.lanes)
                 for _ in range(max(1, math.ceil(size / LIST_PAGE))):
                     yield from self.store.request(pool, "LIST", "lanes/", "log")
-                yield from self.store.many(pool, "GET", [f"lanes/{i}" for i in range(seen, size)], "log")
+                yield from self.store.many(pool, "GET", self.lanes[seen:size], "log")
                 seen = size
                 self.commit_done(began)
                 committed += 1

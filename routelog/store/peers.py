@@ -1,10 +1,12 @@
 """Other writers' committed records of a step, as candidates for shared prefixes (:mod:`routelog.format.dedup`).
 
 A GRPO group's samples or a session's turns may reach different inference workers, so a prefix can repeat across
-writers. Each time a writer reads the step's new log entries it lists the records of the commits it reads for the
-first time as candidates (token ids and where each token's routing row lives); the rows themselves are fetched only
-when a record's first tokens match, and compared before they are shared. Parts dropped whole (and commits after a
-seal) are forgotten: no later part points at them (``routelog gc`` may be reclaiming them).
+writers. Before a writer builds a part it asks its committer which committed parts may hold a record starting like
+one of its own (their digests list the probe of its first tokens, :mod:`routelog.format.digest`), and lists the
+records of those it has not listed yet as candidates (token ids and where each token's routing row lives); the rows
+themselves are fetched only when a record's first tokens match, and compared before they are shared. Parts dropped
+whole (and commits after a seal) are forgotten: no later part points at them (``routelog gc`` may be reclaiming
+them).
 """
 
 from __future__ import annotations

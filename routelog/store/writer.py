@@ -1,10 +1,12 @@
 """Appending records to one step of a store and committing them, streaming in the background.
 
 Commit protocol (see ``schemas/FORMAT.md`` section 3): a flush uploads the part's data objects under a fresh, unique
-directory, then creates the part's commit as the next entry of the step's log (:mod:`routelog.store.steplog`),
-exclusively. Readers only follow commits, so a writer that dies before its commit leaves orphans (``routelog gc``) but
-never a half-visible part. No shared object is ever read, modified and written back, so any number of writers append to
-a step without coordination.
+directory, then hands the part to a committer (:mod:`routelog.store.committer`), which creates a commit entry naming
+it (with any other parts waiting) as the next entry of the step's log (:mod:`routelog.store.steplog`), exclusively.
+Readers only follow commits, so a writer that dies before its commit leaves orphans (``routelog gc``) but never a
+half-visible part. No shared object is ever read, modified and written back. Each writer has a committer of its own;
+writers that share one (``committer=``, in a process or as a Ray actor) commit in a few entries whatever their number,
+and one whose shared committer does not answer commits through its own.
 
 Streaming: ``append`` validates and canonicalises a record on the caller's thread (so a bad record raises there and
 nothing else is affected, at about 1 GB/s of routing); compression runs on a background thread, upload and commit on
