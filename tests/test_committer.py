@@ -327,3 +327,20 @@ def test_a_forged_commit_entry_is_refused(memory_url: str, forgery: str) -> None
     store.storage.write(key, json.dumps(raw).encode())
     with pytest.raises(CorruptDataError, match=r"twice|slot|features|transform"):
         routelog.open_store(memory_url).step(0)
+
+
+def test_a_committer_serves_many_steps_and_forgets_the_oldest(memory_url: str) -> None:
+    """An RL run commits step after step through one committer: it keeps what it knows of the last few steps only,
+    and a step it forgot is read from its log again when used."""
+    from routelog.store.committer import STEPS_KEPT
+
+    store = routelog.create_store(memory_url, SPEC)
+    committer = Committer(routelog.open_store(memory_url))
+    for step in range(STEPS_KEPT + 3):
+        with store.writer(step, "w", committer=committer) as writer:
+            writer.append(_records(f"{step}/", 1)[0])
+    assert len(committer._steps) == STEPS_KEPT
+    with store.writer(0, "w", committer=committer) as writer:  # forgotten: read again, the re-send found present
+        writer.append(_records("0/", 1)[0])
+    assert writer.already_present == ["0/s0"]
+    assert all(len(store.step(step)) == 1 for step in range(STEPS_KEPT + 3))

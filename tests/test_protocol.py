@@ -515,19 +515,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             writer = store.writer(STEP, writer_id, background=False, flush_bytes=1 << 40, flush_seconds=None)
             writer.append(record_of(sample, variant)[0])
             writers.append(writer)
-        errors: dict[str, BaseException] = {}
-
-        def close(writer: StepWriter) -> None:
-            try:
-                writer.close()
-            except WriterError as exc:
-                errors[writer.writer_id] = exc
-
-        threads = [threading.Thread(target=close, args=(w,)) for w in writers]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=300)
+        errors = _close_together(writers, start=None)
         first, second = sorted(
             writers, key=lambda w: (w.commits[0].position, w.commits[0].slot) if w.commits else (1 << 40, 0)
         )
@@ -539,7 +527,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         if chosen[first.writer_id].tokens == chosen[second.writer_id].tokens:
             assert second.already_present == [sample] and second.writer_id not in errors
         else:
-            assert second.already_present == [] and set(errors[second.writer_id].sample_ids) == {sample}  # type: ignore[attr-defined]
+            assert second.already_present == [] and set(errors[second.writer_id].sample_ids) == {sample}
 
     @precondition(lambda self: any(w.pending and not w.pipelined for w in self.writers.values()))
     @rule(data=st.data())
@@ -629,22 +617,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             for sample, variant in records:
                 writer.append(record_of(sample, variant)[0])
             writers.append(writer)
-        errors: dict[str, WriterError] = {}
-        start = threading.Barrier(count, timeout=120)
-
-        def close(writer: StepWriter) -> None:
-            start.wait()
-            try:
-                writer.close()
-            except WriterError as exc:
-                errors[writer.writer_id] = exc
-
-        threads = [threading.Thread(target=close, args=(w,)) for w in writers]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=300)
-        assert not any(t.is_alive() for t in threads), "a writer never finished"
+        errors = _close_together(writers, start=threading.Barrier(count, timeout=120))
         variants = {w.writer_id: dict(records) for w, records in zip(writers, chosen, strict=True)}
         placed = self._record_entries_of(variants)
         final = self.model.view()
@@ -929,6 +902,27 @@ class ProtocolMachine(RuleBasedStateMachine):
                 faults[f"committer_died_{when}"] = faults.get(f"committer_died_{when}", 0) + 1
             with open(STATS, "a") as file:
                 file.write(json.dumps({"counts": self.counts, "faults": faults}) + "\n")
+
+
+def _close_together(writers: list[StepWriter], start: threading.Barrier | None) -> dict[str, WriterError]:
+    """Close every writer on a thread of its own (meeting at ``start`` first); the errors they raised, by writer."""
+    errors: dict[str, WriterError] = {}
+
+    def close(writer: StepWriter) -> None:
+        if start is not None:
+            start.wait()
+        try:
+            writer.close()
+        except WriterError as exc:
+            errors[writer.writer_id] = exc
+
+    threads = [threading.Thread(target=close, args=(w,)) for w in writers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a writer never finished"
+    return errors
 
 
 def _read_parts(model: Model, moment: datetime) -> set[str]:

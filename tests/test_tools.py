@@ -507,3 +507,45 @@ def test_the_context_model_learns_what_the_token_decides() -> None:
         learned = explore.context_model_bits(rows, keys, 32, None, below)
         chunked = explore.context_model_bits(rows, keys, 32, 4096, below)
         assert learned < blind / 20 and learned <= chunked
+
+
+def test_bench_commits_counts_every_phase_and_commits_every_part() -> None:
+    """Small sizes: each committer commits every part, and the requests of each phase are counted at the proxy."""
+    result = _tool(
+        str(TOOLS / "bench_commits.py"), "--writers", "3", "--parts", "2", "--committer", "own,shared", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    for row in report["scenarios"]:
+        assert row["commits"] == row["expected_commits"] == 6 and row["failed_writers"] == 0
+        assert set(row["phases"]) == {"open", "write", "reader", "seal", "sealed reader"}
+        assert row["data_puts_per_commit"] == 3.0, "a part is three objects"
+        assert row["sealed_reader_open_requests"] < row["reader_open_requests"]
+    own, shared = report["scenarios"]
+    assert shared["entries"] <= own["entries"] and shared["creates_per_entry"] == 1.0
+
+
+def test_sim_commits_models_every_path_and_validates_against_a_benchmark_report(tmp_path: Path) -> None:
+    """The model commits every part on each path at a small scale, and prints a benchmark's scenarios beside its
+    own (``--validate``)."""
+    result = _tool(
+        str(TOOLS / "sim_commits.py"), "--writers", "8", "--parts", "2", "--paths", "shared,own,lanes,before", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["path"] for r in rows] == ["shared x1", "own", "lanes", "before"]
+    assert all(r["commits"] == 16 and r["failed_parts"] == 0 for r in rows)
+    shared = rows[0]
+    assert shared["protocol_requests_per_commit"] < min(r["protocol_requests_per_commit"] for r in rows[1:])
+    bench = {
+        "latency_s": 0.03,
+        "scenarios": [
+            {"committer": "own", "writers": 4, "parts": 1, "requests_per_commit": 11.5, "creates_per_entry": 2.5}
+        ],
+    }
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    result = _tool(str(TOOLS / "sim_commits.py"), "--validate", str(tmp_path / "bench.json"), "--seeds", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert rows[0]["what"] == "own (bench)" and 0.5 < rows[0]["requests_per_commit_ratio"] < 2
+    assert any(r["what"].startswith("before") for r in rows), "the old protocol's measurements beside its model"

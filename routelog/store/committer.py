@@ -27,6 +27,7 @@ import math
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -47,6 +48,8 @@ MAX_GROUP_BYTES = 32 << 20
 SHARED_REFRESH_SECONDS = 1.0
 """A shared committer reads the log for lookups at most this often (commits are decided on the complete log in
 any case: a create at the next position succeeds only where every entry before it was read)."""
+STEPS_KEPT = 8
+"""Steps a committer keeps what it knows of (an RL run commits to one or two steps at a time)."""
 PRESENT = "present"
 """:func:`verdict` of a record whose sample id is live with the same tokens."""
 OutcomeError = Literal["sealed", "expired", "undecided", "conflict", "failed", "dependent"]
@@ -228,6 +231,8 @@ class _Ticket:
     deadline: float
     """``time.monotonic()`` past which the commit is not created."""
     on_duplicate: str
+    size: int
+    """Bytes of its commit document (what an entry may hold is bounded)."""
     outcome: PartOutcome | None = None
 
 
@@ -273,7 +278,7 @@ class Committer:
         self._shared = shared
         self.max_group = max(1, min(max_group, keys.MAX_GROUP_COMMITS))
         self._refresh_every = refresh_every if refresh_every is not None else SHARED_REFRESH_SECONDS if shared else 0.0
-        self._steps: dict[int, _StepState] = {}
+        self._steps: OrderedDict[int, _StepState] = OrderedDict()
         self._steps_lock = threading.Lock()
         self._requests = itertools.count()
 
@@ -282,10 +287,15 @@ class Committer:
         return self._shared
 
     def _state(self, step: int) -> _StepState:
+        """The step's state (the steps used least recently are forgotten past :data:`STEPS_KEPT`: a step used again
+        is read from its log again)."""
         with self._steps_lock:
             state = self._steps.get(step)
             if state is None:
                 state = self._steps[step] = _StepState(self.store, keys.check_step(step))
+            self._steps.move_to_end(step)
+            while len(self._steps) > STEPS_KEPT:
+                self._steps.popitem(last=False)
             return state
 
     # -- lookups -------------------------------------------------------------------------------------------------------
@@ -345,7 +355,10 @@ class Committer:
         state = self._state(request.step)
         start = time.monotonic()
         number = next(self._requests)
-        tickets = [_Ticket(number, p, start + p.expires_in, request.on_duplicate) for p in request.parts]
+        tickets = [
+            _Ticket(number, p, start + p.expires_in, request.on_duplicate, len(p.commit.model_dump_json()))
+            for p in request.parts
+        ]
         with state.queue_changed:
             state.queue += tickets
             while any(t.outcome is None for t in tickets):
@@ -364,16 +377,15 @@ class Committer:
         return CommitReply(tuple(t.outcome for t in tickets if t.outcome is not None))
 
     def _take(self, state: _StepState) -> list[_Ticket]:
-        """The next batch: the oldest waiting parts, whole requests where they fit."""
+        """The next batch: the oldest waiting parts, as many as an entry holds."""
         batch: list[_Ticket] = []
         nbytes = 0
         while state.queue and len(batch) < self.max_group:
             ticket = state.queue[0]
-            size = len(ticket.proposal.commit.model_dump_json())
-            if batch and nbytes + size > MAX_GROUP_BYTES:
+            if batch and nbytes + ticket.size > MAX_GROUP_BYTES:
                 break
             batch.append(state.queue.pop(0))
-            nbytes += size
+            nbytes += ticket.size
         return batch
 
     def _append(self, state: _StepState, batch: list[_Ticket]) -> None:
