@@ -23,7 +23,7 @@ from routelog.errors import StoreError
 from routelog.store.process_writer import WriterProcessError
 from routelog.store.writer import WriterError
 from routelog.synth import synthetic_spec
-from tests.records import random_routing
+from tests.records import random_routing, sample_records
 
 SPEC = synthetic_spec(layers=4, experts=32, topk=4)
 
@@ -260,3 +260,40 @@ def test_a_writer_process_that_cannot_start_says_why(tmp_path: Path) -> None:
     routelog.create_store(str(tmp_path / "store"), spec)
     with pytest.raises(StoreError, match=r"(?s)exited with code 1.*ModelSpecError: store .* holds routing of model"):
         ProcessWriter(str(tmp_path / "store"), 0, model_spec=synthetic_spec(3, 16, 2))
+
+
+@pytest.mark.parametrize("answers", [True, False])
+def test_a_writer_process_commits_through_the_committer_its_engine_shares(tmp_path: Path, answers: bool) -> None:
+    """Writer processes of several engines on one host commit through the committer the engines' processes share
+    (their lookups and commits come up the pipe as JSON); one whose committer does not answer commits through its
+    own, and nothing is lost."""
+    from routelog.format.documents import CommitGroup, parse_log_document
+    from routelog.store.committer import Committer, CommitterUnavailableError
+
+    url = f"file://{tmp_path}/store"
+    store = routelog.create_store(url, SPEC)
+    shared = Committer(routelog.open_store(url), committer_id="engines")
+
+    class Unanswered:
+        shared = True
+
+        def lookup(self, request: Any) -> Any:
+            raise CommitterUnavailableError("down")
+
+        def commit(self, request: Any) -> Any:
+            raise CommitterUnavailableError("down")
+
+    committer: Any = shared if answers else Unanswered()
+    writers = [ProcessWriter(url, 0, writer_id=f"engine-{i}", committer=committer, niceness=0) for i in range(2)]
+    for i, writer in enumerate(writers):
+        for record in sample_records(SPEC, 3, seed=i, prefix=f"e{i}/"):
+            writer.append(record)
+    for writer in writers:
+        writer.close()
+    names = store.storage.list("steps/0000000000/log")
+    entries = [parse_log_document(store.storage.read(f"steps/0000000000/log/{n}"), n) for n in names]
+    assert all(isinstance(e, CommitGroup) for e in entries)
+    assert {e.committer for e in entries} == ({"engines"} if answers else {"engine-0", "engine-1"})
+    assert sorted(routelog.open_store(url).step(0).sample_ids) == sorted(
+        f"e{i}/s{k}" for i in range(2) for k in range(3)
+    )

@@ -86,10 +86,16 @@ class PeerParts:
         self.store, self.step, self.prefixes = store, step, prefixes
         self._listed: set[str] = set()
         """Parts whose records were listed, or that are this writer's own."""
+        self._gone: set[str] = set()
+        """Parts forgotten (dropped whole, or after the seal)."""
 
     def own(self, part: str) -> None:
         """``part`` is this writer's: its rows are in the index already."""
         self._listed.add(part)
+
+    def news(self, commits: Sequence[CommitRecord], gone: Sequence[str]) -> bool:
+        """Whether ``commits`` or ``gone`` hold anything :meth:`absorb` has not taken in yet."""
+        return any(c.part not in self._listed for c in commits) or any(p not in self._gone for p in gone)
 
     def absorb(self, commits: Sequence[CommitRecord], gone: Iterable[str]) -> None:
         """List the records of ``commits`` not listed before (their indexes are read, together), and forget the
@@ -112,7 +118,9 @@ class PeerParts:
                 self._list(commit, records, tokens)
         if new:
             self.prefixes.evict()
-        self.prefixes.forget(keys.part_dir(self.step, part) for part in gone)
+        forgotten = [part for part in gone if part not in self._gone]
+        self._gone.update(forgotten)
+        self.prefixes.forget(keys.part_dir(self.step, part) for part in forgotten)
 
     def _list(self, commit: CommitRecord, records: list[RecordSpans], row_tokens: npt.NDArray[np.int64] | None) -> None:
         """``records``: the part's records with token ids enough to share; ``row_tokens``: the token id of each of

@@ -19,6 +19,11 @@ are in the message (its stderr is passed through to the engine's as before); a c
 the same way. ``close`` never waits forever (``close_timeout``, then the child is killed), always frees every
 shared-memory segment the writer created, and may be called again.
 
+With ``committer`` (a shared committer the engine's process holds: a ``routelog.Committer``, or a client of a Ray
+committer actor, ``routelog.ray.connect_committer``), the child commits through it: its lookups and commits come up
+the pipe as JSON and the engine's side answers them from a few threads of its own; when that committer does not
+answer, the child commits through its own committer, as any writer does.
+
 The child runs at a lower CPU priority (``niceness``, 10 by default): where the engine's host has no idle core, the
 scheduler keeps its core and the writer takes what is left; a writer only falls behind, never the engine (its
 shared-memory segments bound what waits). ``cpus`` pins the child to those CPUs (Linux), for hosts that keep
@@ -31,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import signal
 import struct
 import subprocess
@@ -38,7 +44,8 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import resource_tracker, shared_memory
 from types import TracebackType
 from typing import IO, Any
@@ -49,6 +56,7 @@ from routelog.errors import StepSealedError, StoreError
 from routelog.format.record import Record
 from routelog.format.spec import ModelSpec
 from routelog.format.transport import META, record_from_payload, record_payload
+from routelog.store.committer import CommitService, CommitterUnavailableError, JsonClient, JsonCommitter
 from routelog.store.writer import DEFAULT_FLUSH_SECONDS, WriterError, check_encode_threads
 
 SEGMENT_BYTES = 8 << 20
@@ -67,6 +75,11 @@ _JOIN_WAIT = 5.0
 _DYING_WAIT = 2.0
 """Seconds a writer process whose pipe broke gets to finish exiting (its status then says why) before it is killed."""
 _STDERR_LINES = 12
+_RELAY_THREADS = 4
+"""Threads of the engine's side answering its writer process's committer calls (a commit waits for its entry)."""
+_RELAY_TIMEOUT = 700.0
+"""Seconds the writer process waits for the engine's side to answer a committer call before it commits through its
+own committer (longer than a shared committer is given: ``routelog.ray.COMMIT_TIMEOUT``)."""
 
 
 class WriterProcessError(WriterError):
@@ -113,6 +126,7 @@ class ProcessWriter:
         cpus: Collection[int] | None = None,
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
         encode_threads: int | None = None,
+        committer: CommitService | None = None,
     ) -> None:
         if cpus is not None:
             if not hasattr(os, "sched_setaffinity"):
@@ -135,6 +149,7 @@ class ProcessWriter:
             "flush_bytes": flush_bytes,
             "flush_seconds": flush_seconds,
             "storage_options": dict(storage_options or {}),
+            "committer": committer is not None,
         }
         self.step = step
         self.url = url
@@ -152,6 +167,13 @@ class ProcessWriter:
         self._unacked: list[str] = []
         """Sample ids sent to the child since the last flush (or close) it acknowledged, in order."""
         self._cond = threading.Condition()
+        self._sending = threading.Lock()
+        """Messages to the child come from the caller's thread and from the committer relay's."""
+        self._relay = (
+            None
+            if committer is None
+            else (JsonCommitter(committer), ThreadPoolExecutor(_RELAY_THREADS, thread_name_prefix="routelog-relay"))
+        )
         self._eof = False
         self._failure: WriterProcessError | None = None
         self._closed = False
@@ -173,6 +195,9 @@ class ProcessWriter:
             try:
                 _send(self._to_child, config)
                 ready = _receive(self._from_child)
+                while ready is not None and ready.get("op") == "commit-call":  # the child's writer asks as it opens
+                    self._relay_call(ready)
+                    ready = _receive(self._from_child)
             except (OSError, ValueError):  # a broken pipe, or a garbled reply: the child is gone or going
                 ready = None
             if ready is None or ready.get("op") != "ready":
@@ -196,6 +221,9 @@ class ProcessWriter:
     def _read_replies(self) -> None:
         try:
             while (message := _receive(self._from_child)) is not None:
+                if message["op"] == "commit-call":
+                    self._relay_call(message)
+                    continue
                 with self._cond:
                     if message["op"] == "copied":
                         self._free.append(message["segment"])
@@ -210,6 +238,28 @@ class ProcessWriter:
             with self._cond:
                 self._eof = True
                 self._cond.notify_all()
+
+    def _relay_call(self, message: dict[str, Any]) -> None:
+        """A lookup or commit of the child, answered from the engine's side by the shared committer (on a thread of
+        the relay: a commit may wait for its log entry)."""
+        if self._relay is None:  # a child that was given none: refused, it commits through its own
+            self._answer({"op": "commit-unavailable", "id": message["id"], "message": "no committer here"})
+            return
+        committer, threads = self._relay
+
+        def answer() -> None:
+            try:
+                reply = getattr(committer, message["method"])(str(message["request"]).encode())
+            except Exception as exc:  # unanswered: the child commits through its own committer
+                self._answer({"op": "commit-unavailable", "id": message["id"], "message": repr(exc)})
+                return
+            self._answer({"op": "commit-reply", "id": message["id"], "reply": reply.decode()})
+
+        threads.submit(answer)
+
+    def _answer(self, message: Mapping[str, Any]) -> None:
+        with contextlib.suppress(OSError, ValueError), self._sending:  # a child that is gone needs no answer
+            _send(self._to_child, message)
 
     def _read_stderr(self, stream: IO[bytes]) -> None:
         """Pass the child's stderr through to ours, keeping its last lines for the error that says why it died."""
@@ -307,7 +357,8 @@ class ProcessWriter:
 
     def _post(self, message: Mapping[str, Any], doing: str, also: Iterable[str] = ()) -> None:
         try:
-            _send(self._to_child, message)
+            with self._sending:
+                _send(self._to_child, message)
         except (OSError, ValueError) as exc:  # a broken pipe: the child is gone
             raise self._fail(f"when {doing!r} was sent to it", also=also) from exc
 
@@ -391,6 +442,8 @@ class ProcessWriter:
             self._free.clear()
         for segment in segments:
             _release(segment)
+        if self._relay is not None:
+            self._relay[1].shutdown(wait=False, cancel_futures=True)
 
     def _exit_cause(self) -> str:
         code = self._child.poll()
@@ -495,6 +548,61 @@ def counters(writer: Any) -> dict[str, Any]:
     return {"appended": writer.appended, "already_present": list(writer.already_present)}
 
 
+class _ParentCommitter:
+    """The writer process's end of the committer relay: calls go up the pipe, their answers come back down it
+    (routed here by the thread that reads the pipe)."""
+
+    def __init__(self, send: Callable[[Mapping[str, Any]], None]) -> None:
+        self._send = send
+        self._lock = threading.Lock()
+        self._next = 0
+        self._waiting: dict[int, list[Any]] = {}
+
+    def call(self, method: str, writer_id: str, payload: bytes) -> bytes:
+        answered = threading.Event()
+        with self._lock:
+            number = self._next
+            self._next += 1
+            self._waiting[number] = [answered, None]
+        try:
+            self._send({"op": "commit-call", "id": number, "method": method, "request": payload.decode()})
+            if not answered.wait(_RELAY_TIMEOUT):
+                raise CommitterUnavailableError(f"the engine's side did not answer within {_RELAY_TIMEOUT:g} s")
+        finally:
+            with self._lock:
+                slot = self._waiting.pop(number)
+        message = slot[1]
+        if message is None or message["op"] != "commit-reply":
+            raise CommitterUnavailableError(str(None if message is None else message.get("message")))
+        return str(message["reply"]).encode()
+
+    def answer(self, message: Mapping[str, Any]) -> None:
+        with self._lock:
+            slot = self._waiting.get(int(message["id"]))
+            if slot is not None:
+                slot[1] = message
+                slot[0].set()
+
+    def end(self) -> None:
+        """The pipe ended: no answer will come (the calls waiting raise, and the writer commits on its own)."""
+        with self._lock:
+            for slot in self._waiting.values():
+                slot[0].set()
+
+
+def _pump(incoming: IO[bytes], inbox: queue.Queue[dict[str, Any] | None], relay: _ParentCommitter) -> None:
+    """Read the pipe from the engine: committer answers to the calls waiting for them, the rest to ``inbox``."""
+    try:
+        while (message := _receive(incoming)) is not None:
+            if message["op"] in ("commit-reply", "commit-unavailable"):
+                relay.answer(message)
+            else:
+                inbox.put(message)
+    finally:
+        relay.end()
+        inbox.put(None)
+
+
 def serve(incoming: IO[bytes], outgoing: IO[bytes]) -> None:
     """The writer process: a StepWriter fed by messages on ``incoming``; replies on ``outgoing``.
 
@@ -504,12 +612,18 @@ def serve(incoming: IO[bytes], outgoing: IO[bytes]) -> None:
     import routelog
     from routelog.errors import RoutelogError
 
+    sending = threading.Lock()
+
+    def send(message: Mapping[str, Any]) -> None:
+        with sending:  # replies, and the committer calls of the writer's threads
+            _send(outgoing, message)
+
     def report(exc: RoutelogError, also: str | None = None) -> None:
         samples = list(exc.sample_ids) if isinstance(exc, WriterError) else []
         if also is not None and also not in samples:
             samples.append(also)
         sealed = isinstance(exc, StepSealedError)
-        _send(outgoing, {"op": "error", "sample_ids": [str(s) for s in samples], "message": str(exc), "sealed": sealed})
+        send({"op": "error", "sample_ids": [str(s) for s in samples], "message": str(exc), "sealed": sealed})
 
     config = _receive(incoming)
     if config is None:
@@ -518,6 +632,9 @@ def serve(incoming: IO[bytes], outgoing: IO[bytes]) -> None:
         os.nice(int(config["niceness"]))
     if config.get("cpus") is not None:  # keep the writer off the engine's cores (it inherited the engine's mask)
         os.sched_setaffinity(0, config["cpus"])
+    relay = _ParentCommitter(send)
+    inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+    threading.Thread(target=_pump, args=(incoming, inbox, relay), name="routelog-pipe", daemon=True).start()
     spec = None if config["model_spec"] is None else ModelSpec.model_validate(config["model_spec"])
     writer = routelog.open_writer(
         config["url"],
@@ -528,11 +645,12 @@ def serve(incoming: IO[bytes], outgoing: IO[bytes]) -> None:
         flush_seconds=config.get("flush_seconds", DEFAULT_FLUSH_SECONDS),
         storage_options=config["storage_options"] or None,
         encode_threads=int(config.get("encode_threads", 1)),
+        committer=JsonClient(relay.call) if config.get("committer") else None,
     )
-    _send(outgoing, {"op": "ready"})
+    send({"op": "ready"})
     attached: dict[str, shared_memory.SharedMemory] = {}
     while True:
-        received = _receive(incoming)
+        received = inbox.get()
         message = received or {}
         op = "close" if received is None else message["op"]
         current: str | None = None  # the record an append carries: not taken if the append raises
@@ -546,7 +664,7 @@ def serve(incoming: IO[bytes], outgoing: IO[bytes]) -> None:
                 try:
                     record = _record_from(message, attached[name])
                 finally:  # the segment is free again, also when the record is refused
-                    _send(outgoing, {"op": "copied", "segment": name})
+                    send({"op": "copied", "segment": name})
                 try:
                     writer.append(record)
                 except WriterError as exc:  # an earlier part's failure, raised before this record was taken
@@ -558,15 +676,15 @@ def serve(incoming: IO[bytes], outgoing: IO[bytes]) -> None:
                     segment.close()
             elif op == "flush":
                 writer.flush()
-                _send(outgoing, {"op": "flushed", **counters(writer)})
+                send({"op": "flushed", **counters(writer)})
             elif op == "close":
                 writer.close()
                 if received is not None:
-                    _send(outgoing, {"op": "closed", **counters(writer)})
+                    send({"op": "closed", **counters(writer)})
                 return
         except RoutelogError as exc:  # reported to the engine's next call, naming the samples
             report(exc, current)
             if op in ("flush", "close"):
-                _send(outgoing, {"op": "flushed" if op == "flush" else "closed", **counters(writer)})
+                send({"op": "flushed" if op == "flush" else "closed", **counters(writer)})
                 if op == "close":
                     return

@@ -322,7 +322,7 @@ class StepWriter:
         reply = self._call(lambda service: service.lookup(request))
         if reply.sealed is not None:
             self._sealed = self._sealed or StepSealedError(reply.sealed)
-        if self._peers is not None:
+        if self._peers is not None and self._peers.news(reply.peers, reply.gone):  # (a build holds the index)
             with self._state:
                 self._peers.absorb(list(reply.peers), reply.gone)
         return reply
