@@ -62,9 +62,11 @@ from routelog.store.writer import DEFAULT_FLUSH_SECONDS, WriterError, check_enco
 SEGMENT_BYTES = 8 << 20
 """Default size of a shared-memory segment (one 4096-token, 48-layer, top-8 record is 1.5 MB of IDs)."""
 _HEADER = struct.Struct("<I")
-_CHILD = (  # replies go to a copy of stdout; the child's fd 1 becomes its stderr, so no stray print breaks a reply
+_CHILD = (  # replies go to a copy of stdout; the child's fd 1 becomes its stderr, so no stray print breaks a reply.
+    # Messages are read from an unbuffered copy of stdin: the thread reading it may still wait there when the
+    # interpreter exits, which a buffered reader's lock would turn into a fatal error.
     "import os, sys; from routelog.store.process_writer import serve; "
-    "replies = os.fdopen(os.dup(1), 'wb'); os.dup2(2, 1); serve(sys.stdin.buffer, replies)"
+    "replies = os.fdopen(os.dup(1), 'wb'); os.dup2(2, 1); serve(os.fdopen(os.dup(0), 'rb', buffering=0), replies)"
 )
 DEFAULT_CLOSE_TIMEOUT = 900.0
 """Seconds ``close`` waits for the writer process to commit what it holds before killing it."""
@@ -100,12 +102,28 @@ def _send(stream: IO[bytes], message: Mapping[str, Any]) -> None:
 
 
 def _receive(stream: IO[bytes]) -> dict[str, Any] | None:
-    head = stream.read(_HEADER.size)
-    if len(head) < _HEADER.size:
+    head = _read_exactly(stream, _HEADER.size)
+    if head is None:
         return None
     (size,) = _HEADER.unpack(head)
-    message: dict[str, Any] = json.loads(stream.read(size))
+    body = _read_exactly(stream, size)
+    if body is None:
+        return None
+    message: dict[str, Any] = json.loads(body)
     return message
+
+
+def _read_exactly(stream: IO[bytes], size: int) -> bytes | None:
+    """``size`` bytes (an unbuffered stream returns what the pipe holds); None at the end of the stream."""
+    pieces: list[bytes] = []
+    left = size
+    while left:
+        piece = stream.read(left)
+        if not piece:
+            return None
+        pieces.append(piece)
+        left -= len(piece)
+    return b"".join(pieces)
 
 
 class ProcessWriter:
