@@ -37,7 +37,8 @@ if TYPE_CHECKING:
         ValuesNotFoundError,
         WriteInterruptedError,
     )
-    from routelog.format.documents import FORMAT_VERSION, IndexRow, Segment
+    from routelog.format.documents import IndexRow, Segment
+    from routelog.format.limits import FORMAT_VERSION
     from routelog.format.part import PartOptions
     from routelog.format.record import Record, StreamRows, token_hash
     from routelog.format.routing import RecordRouting
@@ -55,7 +56,7 @@ _PUBLIC = {
     "Committer": "routelog.store.committer",
     "CorruptDataError": "routelog.errors",
     "DuplicateSampleError": "routelog.errors",
-    "FORMAT_VERSION": "routelog.format.documents",
+    "FORMAT_VERSION": "routelog.format.limits",
     "FidelityGate": "routelog.store.fidelity",
     "FormatVersionError": "routelog.errors",
     "IndexRow": "routelog.format.documents",

@@ -40,6 +40,10 @@ from routelog.store.store import create_store
 
 Progress = Callable[[str], None]
 
+DEMO_THREADS = 1
+"""torch's intra-op threads for the demo's models: they are so small that a second thread gains nothing idle, and
+threads fighting other processes for the cores cost a lot (2-core development machine, ``--quick``: 8.3 s with
+torch's default of 2 threads and 7.9-8.1 s with one, idle; with six busy processes beside it, 58 s and 29 s)."""
 STAGES_PER_MODEL = 4
 MOE_MODELS = ("qwen3_moe", "deepseek_v3")
 STAGES = STAGES_PER_MODEL * len(MOE_MODELS) + 2
@@ -304,7 +308,7 @@ def run_demo(
     base = (store_url or str(out_dir / "store")).rstrip("/")
     start = time.perf_counter()
     torch.manual_seed(config.seed)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(DEMO_THREADS)
     models = build_models(config)
     prompts = torch.randint(1, 1024, (config.batch, config.prompt_len))
     results = []

@@ -16,8 +16,9 @@ import numpy.typing as npt
 
 from routelog.errors import ModelSpecError
 from routelog.format.documents import Segment
+from routelog.format.limits import MAX_MOE_LAYERS
 from routelog.format.record import Record, token_hash
-from routelog.format.spec import MAX_MOE_LAYERS, ModelSpec
+from routelog.format.spec import ModelSpec
 from routelog.format.values import LOGPROB_INFER
 
 VOCAB_SIZE = 32000

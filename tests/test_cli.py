@@ -216,3 +216,28 @@ def test_seal_gc_and_ls_as_of(tmp_path: Path) -> None:
     cells = [cell.strip() for cell in row.strip("│ ").split("│")]
     assert cells[6] == "0", f"policy version 0 (synth's policy is its step) is shown, not blank: {cells}"
     assert _cli("verify", url).returncode == 0
+
+
+@pytest.mark.parametrize("asked", [["--version"], ["--help"], ["synth", "--help"]])
+def test_version_and_help_import_nothing_heavy(asked: list[str]) -> None:
+    """``routelog --version`` and ``--help`` load the command line alone (a loaded host once took 4 s for them):
+    no numpy, pyarrow, pydantic or torch, none of the format's or the store's modules."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "routelog", *asked], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+    heavy = {"numpy", "pyarrow", "torch", "routelog.format.documents", "routelog.store.store"}
+    if len(asked) == 1:  # (a command's own help: typer looks for pydantic types among its options)
+        heavy.add("pydantic")
+    assert not heavy & imported, sorted(heavy & imported)
+
+
+def test_flags_are_shown_without_a_value() -> None:
+    """``--debug`` and ``--version`` take no value: the help must not show one (``--debug <bool>`` read as if it
+    did)."""
+    result = subprocess.run([sys.executable, "-m", "routelog", "--help"], capture_output=True, text=True, check=False)
+    assert result.returncode == 0
+    lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip().startswith("--")}
+    for flag in ("--debug", "--version", "--help"):
+        assert "<" not in lines[flag] and "BOOL" not in lines[flag].upper().split(flag.upper())[1], lines[flag]

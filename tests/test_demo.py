@@ -104,3 +104,21 @@ def test_demo_shows_replay_working_and_the_readme_table(tmp_path: Path) -> None:
     assert stored["token_diff_rate"] == pytest.approx(qwen["no_replay"]["token_diff_rate"])
     mismatch = routelog.audit.mismatch(qwen["store"])
     assert mismatch.steps[0].kl_k3 == pytest.approx(qwen["no_replay"]["kl_k3"], rel=1e-5)
+
+
+def test_the_demo_says_it_started_before_it_loads_torch(tmp_path: Path) -> None:
+    """The first line comes before the imports that take seconds on a busy host (torch, transformers). (Its output
+    directory is under a file: it stops once it has loaded them.)"""
+    (tmp_path / "file").write_text("")
+    out = str(tmp_path / "file" / "demo")
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "routelog", "demo", "--out", out, "--quick"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    lines = result.stderr.splitlines()
+    said = next(i for i, line in enumerate(lines) if line.startswith("routelog demo: loading torch"))
+    torch = next(i for i, line in enumerate(lines) if line.startswith("import time") and line.endswith("| torch"))
+    assert said < torch

@@ -21,7 +21,7 @@ import numpy as np
 
 import routelog
 from routelog import ModelSpec, PartOptions, Record, Segment
-from routelog.format.documents import FORMAT_VERSION
+from routelog.format.limits import FORMAT_VERSION
 from routelog.testing import before_first_log_create
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / f"golden-v{FORMAT_VERSION}"

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from routelog.format.spec import ModelSpec
+if TYPE_CHECKING:  # the command line imports what a command needs when it runs (--help and --version: nothing)
+    from rich.progress import Progress
 
-if TYPE_CHECKING:
+    from routelog.format.spec import ModelSpec
     from routelog.store.store import Store
 
 app = typer.Typer(
@@ -28,6 +28,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's own help: flags are shown without a value (typer's panels said "--debug <bool>")
 )
 _WIDE = None if sys.stdout.isatty() else 160  # redirected output: do not cut tables at 80 columns
 # No markup anywhere: what is printed (sample ids, paths, messages naming "routelog[s3]") is printed as it is.
@@ -40,7 +41,8 @@ DEBUG_ENV = "ROUTELOG_DEBUG"
 
 def _version(value: bool) -> None:
     if value:
-        from routelog import FORMAT_VERSION, __version__
+        from routelog import __version__
+        from routelog.format.limits import FORMAT_VERSION
 
         typer.echo(f"routelog {__version__} (format {FORMAT_VERSION})")
         raise typer.Exit()
@@ -99,6 +101,7 @@ def try_open(url: str, options: dict[str, Any]) -> Store | None:
 def load_spec(path: Path) -> ModelSpec:
     """A model spec JSON, or a HF ``config.json`` to derive one from."""
     from routelog.errors import ModelSpecError
+    from routelog.format.spec import ModelSpec
 
     try:
         raw = json.loads(path.read_text())
@@ -129,6 +132,8 @@ def labeled(label: str, style: str, message: str, *, stderr: bool = True) -> Non
 
 def progress_bar() -> Progress:
     """A progress bar on stderr, shown only on a terminal (redirected output gets the final summary line)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-import numpy as np
 import typer
 from rich.table import Table
 
@@ -99,7 +98,7 @@ def stats(
             f"{layer.imbalance:.3f}",
             f"{layer.cv:.3f}",
             f"{layer.entropy_normalized:.4f}",
-            str(int(np.argmax(layer.load))),
+            str(max(range(len(layer.load)), key=layer.load.__getitem__)),
         )
     summary = (
         f"{result.url}: steps {result.steps}, {result.records:,} records, {result.tokens:,} tokens "

@@ -69,12 +69,13 @@ def demo(
         ),
     ] = None,
     quick: Annotated[
-        bool, typer.Option(help="Smaller models and batch (about 10 s instead of 31 s on 2 cores).")
+        bool, typer.Option(help="Smaller models and batch (about 8 s instead of 11 s on 2 idle cores).")
     ] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Record -> store -> load aligned -> replay on tiny CPU MoE models, with the R3 paper's metrics."""
     started = time.perf_counter()
+    say("routelog demo: loading torch and transformers, then two tiny MoE models and a dense one on CPU")
     from routelog.demo import STAGES, run_demo
 
     with progress_bar() as progress:

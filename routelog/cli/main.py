@@ -21,7 +21,6 @@ import sys
 import traceback
 
 import typer
-from pydantic import ValidationError
 from rich.text import Text
 
 from routelog.cli.app import DEBUG_ENV, app, err_console
@@ -54,10 +53,19 @@ def _usage(exc: Exception) -> str:
     return f"{_one_line(Exception(message))} (see: {command} --help)"
 
 
-def _validation(exc: ValidationError) -> str:
+def _is_validation_error(exc: Exception) -> bool:
+    """A pydantic validation error (pydantic is imported only by a command that ran into one)."""
+    if "pydantic" not in sys.modules:
+        return False
+    from pydantic import ValidationError
+
+    return isinstance(exc, ValidationError)
+
+
+def _validation(exc: Exception) -> str:
     """A pydantic validation error in one line: each field and what is wrong with it."""
     parts = []
-    for error in exc.errors():
+    for error in getattr(exc, "errors", list)():
         field = ".".join(str(part) for part in error.get("loc", ())) or "value"
         parts.append(f"{field}: {error.get('msg')}")
     return "; ".join(parts) or _one_line(exc)
@@ -95,7 +103,7 @@ def _explain(exc: Exception, debug: bool) -> tuple[str, int]:
         return _one_line(exc), EXIT_STORAGE
     if isinstance(exc, RoutelogError):
         return _one_line(exc), EXIT_USAGE
-    if isinstance(exc, ValidationError):  # a value the user gave (a model spec field, an option)
+    if _is_validation_error(exc):  # a value the user gave (a model spec field, an option)
         return _validation(exc), EXIT_USAGE
     if isinstance(exc, OSError):  # an input or output path of the command
         return _path_error(exc), EXIT_USAGE

@@ -6,7 +6,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, cast
 
-import numpy as np
 import typer
 from rich.table import Table
 from rich.text import Text
@@ -138,6 +137,8 @@ def cat(
     ids = store.step(step).read(sample).expert_ids
     if layer_axis == "full":
         ids = to_full_axis(ids, store.model_spec, fill=-1)
+    import numpy as np
+
     np.save(npy, ids, allow_pickle=False)
     if json_out:
         print_json({"npy": str(npy), "dtype": str(ids.dtype), "shape": list(ids.shape)})

@@ -12,7 +12,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, cast
 
-import numpy as np
 import typer
 
 from routelog.cli.app import (
@@ -31,8 +30,7 @@ from routelog.cli.app import (
     storage_options,
     try_open,
 )
-from routelog.format.spec import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_TOPK
-from routelog.store.steplog import read_seal_marker
+from routelog.format.limits import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_TOPK
 
 FlushBytes = Annotated[
     int | None,
@@ -192,6 +190,8 @@ def synth(
 
 def _annotate_training_logprobs(store: Any, step: int, writer_id: str, config: Any) -> int:
     """What a trainer would report later: ``logprob_train`` for the synthetic records that lack it."""
+    import numpy as np
+
     from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN
     from routelog.synth import synth_records, synth_training_logprobs
 
@@ -398,6 +398,8 @@ def seal(
 ) -> None:
     """Seal a step: no more commits are accepted; readers then open it in a few requests whatever its parts."""
     store = open_url(url, storage_options_)
+    from routelog.store.steplog import read_seal_marker
+
     already = read_seal_marker(store, step)
     record = already or store.seal(step, allow_empty=allow_empty)
     snapshot = store.step(step)  # what readers of the sealed step read: live records (drops, races resolved)

@@ -23,12 +23,10 @@ from routelog.errors import CorruptDataError, FormatVersionError
 from routelog.format import keys
 from routelog.format.codec import TopkOrder, Transform
 from routelog.format.digest import DIGEST_PATTERN, decode_hashes
-from routelog.format.spec import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_TOPK, ModelSpec
+from routelog.format.limits import FORMAT_VERSION, MAX_EXPERTS, MAX_MOE_LAYERS, MAX_TOPK
+from routelog.format.spec import ModelSpec
 from routelog.format.values import VALUES_OBJECT
 from routelog.format.weights import WeightsDtype
-
-FORMAT_VERSION = 4
-"""The format this routelog writes, and the newest it reads (it reads every older one too)."""
 
 CONTEXT_FEATURE = "ranked_context"
 """The feature a commit names when its routing uses the ``ranked_context`` transform (FORMAT.md section 5):

@@ -35,7 +35,6 @@ from routelog.format.documents import (
     CONTEXT_FEATURE,
     CONTEXT_LIST_REFERENCES_FEATURE,
     CONTEXT_REFERENCES_FEATURE,
-    FORMAT_VERSION,
     INDEX_SCHEMA,
     MAX_PART_ROWS,
     MAX_RECORD_TOKENS,
@@ -49,6 +48,7 @@ from routelog.format.documents import (
     ValuesInfo,
     WeightsArrayInfo,
 )
+from routelog.format.limits import FORMAT_VERSION
 from routelog.format.parquet_limits import MAX_STREAMS, BoundedParquet, ParquetLeaf, decoded_budget
 from routelog.format.record import PreparedRecord
 from routelog.format.row_blocks import RowBlocks

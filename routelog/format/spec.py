@@ -12,23 +12,15 @@ import math
 import reprlib
 from collections.abc import Mapping, Sequence, Sized
 from functools import cached_property
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from routelog.errors import ModelSpecError
+from routelog.format.limits import MAX_EXPERTS, MAX_LAYERS, MAX_MOE_LAYERS, MAX_TOPK
 
-# -- limits (FORMAT.md section 9): a spec the format cannot store is refused when it is built ------------------
-MAX_EXPERTS: Final = 65536
-"""Routed experts of a MoE layer, and the universe of a stream: IDs are stored as uint16."""
-MAX_TOPK: Final = 1024
-"""Experts chosen per token per layer (the routing array's last axis), for the decoder and for every stream."""
-MAX_MOE_LAYERS: Final = 4096
-"""MoE layers of a model (the routing array's layer axis), layers of a stream and MTP layers."""
-MAX_LAYERS: Final = 1 << 16
-"""Decoder layers of a model, dense and MoE (``num_layers``): far above any model's depth, and a bound on every
-per-layer list routelog builds from a spec or a config, checked before the list is built."""
+# -- limits (FORMAT.md section 9, in routelog.format.limits): a spec the format cannot store is refused when built
 _LIMITS_FIX = "see the limits in FORMAT.md section 9"
 _HF_FIX = "correct it in the config.json"
 

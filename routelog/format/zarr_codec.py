@@ -19,7 +19,7 @@ from zarr.core.common import JSON, parse_named_configuration
 
 from routelog.errors import CorruptDataError
 from routelog.format import context, ranked
-from routelog.format.spec import MAX_EXPERTS
+from routelog.format.limits import MAX_EXPERTS
 
 if TYPE_CHECKING:
     from typing import Self

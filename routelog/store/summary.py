@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from routelog.format import keys
-from routelog.format.documents import FORMAT_VERSION
+from routelog.format.limits import FORMAT_VERSION
 from routelog.store.reader import StepSnapshot
 from routelog.store.root import StoreRoot
 
