@@ -61,6 +61,10 @@ class AlignmentError(RoutelogError, ValueError):
     """Routing cannot be aligned to the trainer's batch or parallel layout as described."""
 
 
+class SynthConfigError(RoutelogError, ValueError):
+    """Options of synthetic routing out of their range (``routelog synth``); nothing was written."""
+
+
 class ReplayConfigError(RoutelogError, ValueError):
     """A training configuration in which routing replay would be silently bypassed or wrong."""
 

@@ -7,6 +7,7 @@ experts popular per layer) and temporally local (a token often reuses the previo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from routelog.errors import ModelSpecError
+from routelog.errors import ModelSpecError, SynthConfigError
 from routelog.format.documents import Segment
 from routelog.format.limits import MAX_MOE_LAYERS
 from routelog.format.record import Record, token_hash
@@ -53,10 +54,19 @@ class SynthConfig:
     """Store the token ids (the hash is always stored)."""
 
     def __post_init__(self) -> None:
-        if self.records < 0 or self.tokens < 2:
-            raise ValueError("records must be >= 0 and tokens >= 2")
-        if not 0 <= self.locality < 1 or self.skew < 0:
-            raise ValueError("locality must be in [0, 1) and skew >= 0")
+        problems = []
+        if self.records < 0:
+            problems.append(f"records must be >= 0, got {self.records}")
+        if self.tokens < 2:
+            problems.append(f"tokens must be >= 2 (a prompt token and a response token), got {self.tokens}")
+        if not 0 <= self.locality < 1:
+            problems.append(f"locality must be in [0, 1), got {self.locality}")
+        if not 0 <= self.skew < math.inf:
+            problems.append(f"skew must be a number >= 0, got {self.skew}")
+        if self.logprob_noise is not None and not 0 <= self.logprob_noise < math.inf:
+            problems.append(f"logprob_noise must be a number >= 0, got {self.logprob_noise}")
+        if problems:
+            raise SynthConfigError("; ".join(problems))
 
 
 def random_topk(

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -269,3 +270,60 @@ def test_bad_model_specs_reach_no_store(tmp_path: Path) -> None:
     spec.write_text(json.dumps({"num_layers": 2, "moe_layers": [0, 1], "num_experts": 2048, "topk": 2000}))
     _one_line_error(_cli("synth", str(url), "--model-spec", str(spec), "--records", "1"), EXIT_USAGE, "topk", "1024")
     assert not url.exists()
+
+
+def _numeric_options() -> list[tuple[str, Any]]:
+    """Every numeric option of every command (ints, floats and lists of them), from the Typer app itself."""
+    import typer
+
+    from routelog.cli import app
+
+    group = typer.main.get_command(app)
+    found = []
+    for name, command in sorted(group.commands.items()):  # type: ignore[attr-defined]
+        for param in command.params:
+            annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+            if annotation in (int, float, list[int], list[float]):
+                found.append((f"{name} {param.opts[0]}", (command, param, annotation)))
+    return found
+
+
+NUMERIC_OPTIONS = _numeric_options()
+
+
+@pytest.mark.parametrize("option", [o for _, o in NUMERIC_OPTIONS], ids=[n for n, _ in NUMERIC_OPTIONS])
+def test_every_numeric_option_refuses_values_out_of_its_range_before_the_command_runs(option: Any) -> None:
+    """Each command's numeric options declare their range, and a value outside it (or NaN) is refused while the
+    command line is parsed: exit 2 naming the option, before the command writes anything (``synth --skew -5`` once
+    wrote records and then died with "internal error")."""
+    import typer
+
+    command, param, annotation = option
+    assert param.min is not None and param.max is not None, f"{param.opts[0]} declares no range"
+    floats = annotation in (float, list[float])
+    below = param.min - (0.5 if floats else 1)
+    above = param.max + (0.5 if floats else 1)
+    context = command.make_context(command.name, [], resilient_parsing=True)
+    hostile = [str(below), str(above), *(["nan", "inf"] if floats else ["1.5"])]
+    for value in hostile:
+        given = [value] if param.multiple else value
+        with pytest.raises(typer.BadParameter):
+            param.process_value(context, given)
+    given = [str(param.min)] if param.multiple else str(param.min)
+    param.process_value(context, given)  # the bound itself is allowed
+
+
+@pytest.mark.parametrize("option", ["--skew -5", "--locality 1.5", "--logprob-noise -1", "--tokens 1", "--records 0"])
+def test_synth_out_of_range_exits_2_in_one_line_and_writes_nothing(tmp_path: Path, option: str) -> None:
+    url = tmp_path / "store"
+    result = subprocess.run(
+        [sys.executable, "-m", "routelog", "synth", str(url), *option.split(), "--records", "2"]
+        if option != "--records 0"
+        else [sys.executable, "-m", "routelog", "synth", str(url), "--records", "0"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and option.split(maxsplit=1)[0] in result.stderr
+    assert not url.exists(), "nothing is written"

@@ -9,43 +9,58 @@ from typing import Annotated, Any
 import typer
 
 from routelog.cli.app import JsonFlag, StorageOptions, UrlArgument, app, load_spec, open_url, print_json, say
+from routelog.format.limits import MAX_LAYERS, MAX_RECORD_TOKENS, MAX_STEP
 
 
 @app.command()
 def align(
     url: UrlArgument,
-    step: Annotated[int, typer.Option(help="Step to align.")],
+    step: Annotated[int, typer.Option(help="Step to align.", min=0, max=MAX_STEP)],
     micro_batches: Annotated[
         str, typer.Option(help="Sample ids per micro-batch: 'id1,id2|id3', or @FILE holding that text.")
     ],
     out: Annotated[Path, typer.Option(help="Output .npz file.")],
     packing: Annotated[str, typer.Option(help="verl | slime | slime-allgather | nemo | bshd | thd")] = "verl",
     fp8: Annotated[bool, typer.Option(help="FP8 padding (verl, nemo).")] = False,
-    fp8_block: Annotated[int, typer.Option(help="nemo: FP8 block, 16 tensorwise, 32 MXFP8, 128 blockwise.")] = 128,
+    fp8_block: Annotated[
+        int, typer.Option(help="nemo: FP8 block, 16 tensorwise, 32 MXFP8, 128 blockwise.", min=1, max=1 << 20)
+    ] = 128,
     hybrid_ep: Annotated[
         bool, typer.Option(help="nemo: the flex dispatcher's HybridEP backend (total to 128x).")
     ] = False,
     divisible_by: Annotated[
-        int | None, typer.Option(help="nemo: make_sequence_length_divisible_by (default: the minimum factor).")
+        int | None,
+        typer.Option(help="nemo: make_sequence_length_divisible_by (default: the minimum factor).", min=1, max=1 << 20),
     ] = None,
-    slime_pad_multiplier: Annotated[int, typer.Option(help="slime: --data-pad-size-multiplier.")] = 128,
+    slime_pad_multiplier: Annotated[
+        int, typer.Option(help="slime: --data-pad-size-multiplier.", min=1, max=1 << 20)
+    ] = 128,
     pad_to: Annotated[
-        int | None, typer.Option(help="nemo with PP: total every micro-batch is padded to (default: computed).")
+        int | None,
+        typer.Option(
+            help="nemo with PP: total every micro-batch is padded to (default: computed).", min=1, max=1 << 40
+        ),
     ] = None,
-    seq_len: Annotated[int | None, typer.Option(help="bshd: the padded width S (default: computed).")] = None,
+    seq_len: Annotated[
+        int | None, typer.Option(help="bshd: the padded width S (default: computed).", min=1, max=MAX_RECORD_TOKENS)
+    ] = None,
     cu_seqlens: Annotated[
         str | None, typer.Option(help="thd: the trainer's cu_seqlens_padded per micro-batch, '0,16,40|0,8'.")
     ] = None,
     micro_batch_cp: Annotated[
         str | None, typer.Option(help="Dynamic CP: each micro-batch's CP size, '2,4' (default: --cp).")
     ] = None,
-    tp: Annotated[int, typer.Option(help="Tensor parallel size (sequence parallel when > 1).")] = 1,
-    cp: Annotated[int, typer.Option(help="Context parallel size.")] = 1,
+    tp: Annotated[int, typer.Option(help="Tensor parallel size (sequence parallel when > 1).", min=1, max=1 << 16)] = 1,
+    cp: Annotated[int, typer.Option(help="Context parallel size.", min=1, max=1 << 16)] = 1,
     cp_layout: Annotated[str, typer.Option(help="zigzag | contiguous")] = "zigzag",
-    pp: Annotated[int, typer.Option(help="Pipeline parallel size.")] = 1,
-    vpp: Annotated[int, typer.Option(help="Virtual pipeline stages per rank.")] = 1,
-    first_stage_layers: Annotated[int | None, typer.Option(help="Layers in the first pipeline stage.")] = None,
-    last_stage_layers: Annotated[int | None, typer.Option(help="Layers in the last pipeline stage.")] = None,
+    pp: Annotated[int, typer.Option(help="Pipeline parallel size.", min=1, max=1 << 16)] = 1,
+    vpp: Annotated[int, typer.Option(help="Virtual pipeline stages per rank.", min=1, max=1 << 16)] = 1,
+    first_stage_layers: Annotated[
+        int | None, typer.Option(help="Layers in the first pipeline stage.", min=0, max=MAX_LAYERS)
+    ] = None,
+    last_stage_layers: Annotated[
+        int | None, typer.Option(help="Layers in the last pipeline stage.", min=0, max=MAX_LAYERS)
+    ] = None,
     account_for_embedding: Annotated[bool, typer.Option(help="account_for_embedding_in_pipeline_split")] = False,
     account_for_loss: Annotated[bool, typer.Option(help="account_for_loss_in_pipeline_split")] = False,
     stage_layers: Annotated[
@@ -58,7 +73,11 @@ def align(
     ] = "dummy",
     policy_version: Annotated[
         list[int] | None,
-        typer.Option(help="Replay only routing of this policy version (repeatable); other versions: --other-versions."),
+        typer.Option(
+            help="Replay only routing of this policy version (repeatable); other versions: --other-versions.",
+            min=0,
+            max=2**63 - 1,
+        ),
     ] = None,
     other_versions: Annotated[
         str, typer.Option(help="refuse | missing: tokens of another policy version fail, or get the missing rule.")

@@ -19,8 +19,12 @@ from routelog.cli.app import (
     progress_bar,
     storage_options,
 )
+from routelog.format.limits import MAX_STEP
 
-StepsOption = Annotated[list[int] | None, typer.Option("--step", help="Step to include (repeatable; default: all).")]
+StepsOption = Annotated[
+    list[int] | None,
+    typer.Option("--step", help="Step to include (repeatable; default: all).", min=0, max=MAX_STEP),
+]
 FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
 
 
@@ -114,8 +118,10 @@ def stats(
 def diff(
     url_a: Annotated[str, typer.Argument(help="First store URL (e.g. the inference recording).")],
     url_b: Annotated[str, typer.Argument(help="Second store URL (e.g. a training-side recording); may be the same.")],
-    step: Annotated[int, typer.Option(help="Step of the first store.")],
-    step_b: Annotated[int | None, typer.Option(help="Step of the second store (default: --step).")] = None,
+    step: Annotated[int, typer.Option(help="Step of the first store.", min=0, max=MAX_STEP)],
+    step_b: Annotated[
+        int | None, typer.Option(help="Step of the second store (default: --step).", min=0, max=MAX_STEP)
+    ] = None,
     json_out: JsonFlag = False,
     plot: PlotOption = None,
     use_ray: RayFlag = False,

@@ -23,6 +23,7 @@ from routelog.cli.app import (
     print_json,
     say,
 )
+from routelog.format.limits import MAX_RECORD_TOKENS, MAX_STEP
 
 
 def _blank(value: Any) -> str:
@@ -85,7 +86,7 @@ def inspect(url: UrlArgument, json_out: JsonFlag = False, storage_options_: Stor
 @app.command(name="ls")
 def ls_records(
     url: UrlArgument,
-    step: Annotated[int, typer.Option(help="Step to list.")],
+    step: Annotated[int, typer.Option(help="Step to list.", min=0, max=MAX_STEP)],
     as_of: Annotated[
         datetime | None,
         typer.Option("--as-of", help="The step as it was at this UTC time (ISO 8601): commits made by then only."),
@@ -121,7 +122,7 @@ def ls_records(
 @app.command()
 def cat(
     url: UrlArgument,
-    step: Annotated[int, typer.Option(help="Step of the record.")],
+    step: Annotated[int, typer.Option(help="Step of the record.", min=0, max=MAX_STEP)],
     sample: Annotated[str, typer.Option(help="Sample id.")],
     npy: Annotated[Path, typer.Option(help="Output .npy file.")],
     layer_axis: Annotated[str, typer.Option(help="'moe' (MoE layers only) or 'full' (every layer).")] = "moe",
@@ -164,7 +165,7 @@ def convert(
             "--to", help="vllm | vllm-0.21 | sglang | nemo-rl | ms-swift | megatron | verl | slime | full | moe"
         ),
     ],
-    step: Annotated[int, typer.Option(help="Step to export.")],
+    step: Annotated[int, typer.Option(help="Step to export.", min=0, max=MAX_STEP)],
     out: Annotated[
         Path,
         typer.Argument(
@@ -175,9 +176,13 @@ def convert(
             "padded batch for verl."
         ),
     ],
-    prompt_length: Annotated[int | None, typer.Option(help="verl: padded prompt width (max_prompt_length).")] = None,
+    prompt_length: Annotated[
+        int | None,
+        typer.Option(help="verl: padded prompt width (max_prompt_length).", min=0, max=MAX_RECORD_TOKENS),
+    ] = None,
     response_length: Annotated[
-        int | None, typer.Option(help="verl: padded response width (max_response_length).")
+        int | None,
+        typer.Option(help="verl: padded response width (max_response_length).", min=0, max=MAX_RECORD_TOKENS),
     ] = None,
     json_out: JsonFlag = False,
     storage_options_: StorageOptions = None,

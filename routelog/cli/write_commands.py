@@ -30,11 +30,15 @@ from routelog.cli.app import (
     storage_options,
     try_open,
 )
-from routelog.format.limits import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_TOPK
+from routelog.format.limits import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_RECORD_TOKENS, MAX_STEP, MAX_TOPK
 
 FlushBytes = Annotated[
     int | None,
-    typer.Option(help="Raw routing bytes buffered before a part is written (default 64 MiB; smaller: more parts)."),
+    typer.Option(
+        help="Raw routing bytes buffered before a part is written (default 64 MiB; smaller: more parts).",
+        min=1,
+        max=1 << 40,
+    ),
 ]
 OnDuplicate = Annotated[
     str,
@@ -54,7 +58,9 @@ CodecOption = Annotated[
 EncodeThreads = Annotated[
     int | None,
     typer.Option(
-        min=1, help="Threads compressing each part (default: the CPUs this process may run on; 1 leaves cores free)."
+        min=1,
+        max=1024,
+        help="Threads compressing each part (default: the CPUs this process may run on; 1 leaves cores free).",
     ),
 ]
 TopkOrderOption = Annotated[
@@ -76,9 +82,11 @@ def _choice(value: str, option: str, allowed: tuple[str, ...]) -> str:
 @app.command()
 def synth(
     url: UrlArgument,
-    step: Annotated[int, typer.Option(help="RL step to write.")] = 0,
-    records: Annotated[int, typer.Option(help="Records to write.", min=1)] = 16,
-    tokens: Annotated[int, typer.Option(help="Tokens per record (the mean with --ragged).", min=1)] = 512,
+    step: Annotated[int, typer.Option(help="RL step to write.", min=0, max=MAX_STEP)] = 0,
+    records: Annotated[int, typer.Option(help="Records to write.", min=1, max=1 << 40)] = 16,
+    tokens: Annotated[
+        int, typer.Option(help="Tokens per record (the mean with --ragged).", min=2, max=MAX_RECORD_TOKENS // 2)
+    ] = 512,
     layers: Annotated[
         int | None,
         typer.Option(
@@ -94,9 +102,15 @@ def synth(
     model_spec: Annotated[
         Path | None, typer.Option(help="Model spec JSON (or a HF config.json) instead of --layers/--experts/--topk.")
     ] = None,
-    seed: Annotated[int, typer.Option(help="Random seed (mixed with --step: each step draws its own routing).")] = 0,
-    skew: Annotated[float, typer.Option(help="Expert popularity skew (0 = uniform).")] = 0.0,
-    locality: Annotated[float, typer.Option(help="Probability a token reuses the previous token's experts.")] = 0.0,
+    seed: Annotated[
+        int,
+        typer.Option(help="Random seed (mixed with --step: each step draws its own routing).", min=0, max=2**32 - 1),
+    ] = 0,
+    skew: Annotated[float, typer.Option(help="Expert popularity skew (0 = uniform).", min=0.0, max=1e6)] = 0.0,
+    locality: Annotated[
+        float,
+        typer.Option(help="Probability a token reuses the previous token's experts (below 1).", min=0.0, max=0.999999),
+    ] = 0.0,
     ragged: Annotated[bool, typer.Option(help="Ragged lengths around --tokens.")] = False,
     sample_prefix: Annotated[str, typer.Option(help="Prefix of sample ids (lets processes share a step).")] = "",
     writer_id: Annotated[
@@ -106,7 +120,9 @@ def synth(
     topk_order: TopkOrderOption = "sorted",
     logprob_noise: Annotated[
         float | None,
-        typer.Option(help="Attach logprob_infer, then annotate logprob_train with this log-scale noise."),
+        typer.Option(
+            help="Attach logprob_infer, then annotate logprob_train with this log-scale noise.", min=0.0, max=100.0
+        ),
     ] = None,
     on_duplicate: OnDuplicate = "skip",
     flush_bytes: FlushBytes = None,
@@ -231,7 +247,7 @@ def ingest(
     ],
     engine: Annotated[str, typer.Option(help="vllm | sglang | nemo-rl | ms-swift | megatron | verl | slime")],
     to: Annotated[str, typer.Option("--to", help="Store URL.")],
-    step: Annotated[int, typer.Option(help="RL step the records belong to.")],
+    step: Annotated[int, typer.Option(help="RL step the records belong to.", min=0, max=MAX_STEP)],
     model_spec: Annotated[
         Path | None, typer.Option(help="Model spec JSON or HF config.json (default: the existing store's spec).")
     ] = None,
@@ -242,7 +258,9 @@ def ingest(
             "(default: the response id, plus /<choice> with several choices)."
         ),
     ] = None,
-    policy_version: Annotated[int | None, typer.Option(help="Policy (weights) version that generated them.")] = None,
+    policy_version: Annotated[
+        int | None, typer.Option(help="Policy (weights) version that generated them.", min=0, max=2**63 - 1)
+    ] = None,
     engine_version: Annotated[
         str | None,
         typer.Option(help="Engine version, e.g. 0.21.0: decides version-dependent layouts (see the README's table)."),
@@ -349,7 +367,7 @@ def ingest(
 @app.command()
 def drop(
     url: UrlArgument,
-    step: Annotated[int, typer.Option(help="Step to drop records from.")],
+    step: Annotated[int, typer.Option(help="Step to drop records from.", min=0, max=MAX_STEP)],
     sample: Annotated[list[str] | None, typer.Option("--sample", help="Sample id to drop (repeatable).")] = None,
     part: Annotated[list[str] | None, typer.Option("--part", help="Part to drop whole (repeatable).")] = None,
     writer: Annotated[
@@ -389,7 +407,7 @@ def drop(
 @app.command()
 def seal(
     url: UrlArgument,
-    step: Annotated[int, typer.Option(help="Step to seal.")],
+    step: Annotated[int, typer.Option(help="Step to seal.", min=0, max=MAX_STEP)],
     allow_empty: Annotated[
         bool, typer.Option("--allow-empty", help="Seal a step that holds no records (it then stays empty).")
     ] = False,

@@ -27,7 +27,8 @@ import numpy.typing as npt
 
 from routelog.engines.versions import physical_id_note
 from routelog.errors import IngestError
-from routelog.format.documents import MAX_RECORD_TOKENS, IdSpace, Segment
+from routelog.format.documents import IdSpace, Segment
+from routelog.format.limits import MAX_RECORD_TOKENS
 from routelog.format.record import MAX_TOKEN_ID, Record, token_hash
 from routelog.format.spec import ModelSpec
 

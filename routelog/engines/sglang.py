@@ -42,7 +42,7 @@ from routelog.engines.common import (
 )
 from routelog.engines.versions import sglang_honours_start_len
 from routelog.errors import IngestError, RoutingAbsentError
-from routelog.format.documents import MAX_RECORD_TOKENS
+from routelog.format.limits import MAX_RECORD_TOKENS
 from routelog.format.record import Record
 from routelog.format.spec import ModelSpec
 

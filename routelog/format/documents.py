@@ -23,7 +23,7 @@ from routelog.errors import CorruptDataError, FormatVersionError
 from routelog.format import keys
 from routelog.format.codec import TopkOrder, Transform
 from routelog.format.digest import DIGEST_PATTERN, decode_hashes
-from routelog.format.limits import FORMAT_VERSION, MAX_EXPERTS, MAX_MOE_LAYERS, MAX_TOPK
+from routelog.format.limits import FORMAT_VERSION, MAX_EXPERTS, MAX_MOE_LAYERS, MAX_RECORD_TOKENS, MAX_TOPK
 from routelog.format.spec import ModelSpec
 from routelog.format.values import VALUES_OBJECT
 from routelog.format.weights import WeightsDtype
@@ -46,8 +46,6 @@ SUPPORTED_FEATURES: frozenset[str] = frozenset(
 """Optional format features this routelog understands; a document requiring any other is refused."""
 
 # -- limits (FORMAT.md section 9): every size read from storage is bounded before anything is allocated --------
-MAX_RECORD_TOKENS: Final = 1 << 22
-"""Tokens of one record (prompt and response); 4 Mi tokens, far above any context length in use."""
 MAX_CHUNK_BYTES: Final = 64 << 20
 """Decoded size of one inner chunk of a routing array."""
 MAX_CHUNKS: Final = 1 << 24

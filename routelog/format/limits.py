@@ -8,6 +8,10 @@ from typing import Final
 FORMAT_VERSION: Final = 4
 """The format this routelog writes, and the newest it reads (it reads every older one too)."""
 
+MAX_STEP: Final = 10**10 - 1
+"""The highest step a store keeps (step directories are named with ten digits)."""
+MAX_RECORD_TOKENS: Final = 1 << 22
+"""Tokens of one record (prompt and response); 4 Mi tokens, far above any context length in use."""
 MAX_EXPERTS: Final = 65536
 """Routed experts of a MoE layer, and the universe of a stream: IDs are stored as uint16."""
 MAX_TOPK: Final = 1024

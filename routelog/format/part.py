@@ -37,7 +37,6 @@ from routelog.format.documents import (
     CONTEXT_REFERENCES_FEATURE,
     INDEX_SCHEMA,
     MAX_PART_ROWS,
-    MAX_RECORD_TOKENS,
     STREAMS_DIR,
     CommitDigest,
     IndexRow,
@@ -48,7 +47,7 @@ from routelog.format.documents import (
     ValuesInfo,
     WeightsArrayInfo,
 )
-from routelog.format.limits import FORMAT_VERSION
+from routelog.format.limits import FORMAT_VERSION, MAX_RECORD_TOKENS
 from routelog.format.parquet_limits import MAX_STREAMS, BoundedParquet, ParquetLeaf, decoded_budget
 from routelog.format.record import PreparedRecord
 from routelog.format.row_blocks import RowBlocks

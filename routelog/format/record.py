@@ -21,7 +21,8 @@ from routelog.format.codec import (
     sort_by_layer,
     storage_dtype,
 )
-from routelog.format.documents import MAX_NAME_CHARS, MAX_RECORD_TOKENS, IndexRow, Segment, Span, StreamSpans, load_json
+from routelog.format.documents import MAX_NAME_CHARS, IndexRow, Segment, Span, StreamSpans, load_json
+from routelog.format.limits import MAX_RECORD_TOKENS
 from routelog.format.spec import ModelSpec, StreamSpec
 from routelog.format.values import FloatArray, check_token_values
 from routelog.format.weights import WeightsDtype, to_storage

@@ -129,7 +129,8 @@ def values_from_parquet(
     annotation) that lists the object (for an annotation, the tokens of the records it may annotate). None (until
     every caller passes them) means the format's absolute limits: as many records as the footer declares up to
     ``MAX_PART_ROWS``, ``MAX_RECORD_TOKENS`` tokens each."""
-    from routelog.format.documents import MAX_PART_ROWS, MAX_RECORD_TOKENS  # format imports this module
+    from routelog.format.documents import MAX_PART_ROWS  # format imports this module
+    from routelog.format.limits import MAX_RECORD_TOKENS
 
     parquet = BoundedParquet(data, where, max_rows=MAX_PART_ROWS if max_records is None else max_records)
     names = parquet.columns
