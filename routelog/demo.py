@@ -36,6 +36,7 @@ from routelog.format.record import Record
 from routelog.format.spec import ModelSpec
 from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN
 from routelog.loader import ReplayLoader
+from routelog.outputs import written_whole
 from routelog.store.store import create_store
 
 Progress = Callable[[str], None]
@@ -324,7 +325,8 @@ def run_demo(
     metrics["dense"] = dense
     metrics["config"] = {k: getattr(config, k) for k in config.__dataclass_fields__} | {"quick": quick}
     metrics["seconds"] = time.perf_counter() - start
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    with written_whole(out_dir / "metrics.json") as partial:
+        partial.write_text(json.dumps(metrics, indent=1) + "\n")
     say("drawing report.png")
     from routelog.demo_report import demo_report
 

@@ -12,6 +12,7 @@ import numpy.typing as npt
 from routelog.audit.figures import SERIES_STYLES, count_bars, sequence_panel
 from routelog.audit.r3 import RoutingComparison
 from routelog.format.spec import ModelSpec
+from routelog.outputs import written_whole
 
 
 @dataclass
@@ -111,5 +112,6 @@ def demo_report(results: list[ModelResult], dense: dict[str, float], path: Path)
         _kl_panel(row[5], m, dense["kl_k3"])
     fig.suptitle("Rollout Routing Replay on CPU: tiny random MoE models, bf16 inference vs fp32 training", fontsize=14)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    with written_whole(path) as partial:
+        fig.savefig(partial, dpi=90, format=path.suffix.lstrip(".") or None)
     plt.close(fig)

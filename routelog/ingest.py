@@ -27,6 +27,7 @@ from routelog.format.documents import load_json
 from routelog.format.part import PartOptions
 from routelog.format.record import Record, prepare_record
 from routelog.format.spec import ModelSpec
+from routelog.outputs import written_whole
 from routelog.store.reader import StepSnapshot
 from routelog.store.writer import batch_encode_threads
 
@@ -205,6 +206,14 @@ class IngestSource:
                     ]
                 else:
                     units = list(_json_lines(path, on_error))
+                if not units:
+                    empty = IngestError(
+                        f"{path}: holds no records (an empty file, or blank lines only): check the path, or that the "
+                        "engine's log was written"
+                    )
+                    if on_error is None:
+                        raise empty
+                    on_error(empty)
                 for where, line in units:
                     try:
                         yield from _http_records(
@@ -455,13 +464,29 @@ def export_step(
     if out.suffix == ".jsonl":
         if layout not in WIRE_LAYOUTS:
             raise IngestError(f"layout {layout!r} has no wire form; write it as .npz (one of {WIRE_LAYOUTS} as .jsonl)")
-        with out.open("w") as lines:
+        with written_whole(out) as partial, partial.open("w") as lines:
             for start in range(0, len(ids), batch_size):
                 for routing in snapshot.read_many(ids[start : start + batch_size]):
                     lines.write(json.dumps(_wire(routing.to_record(), spec, layout)) + "\n")
         return len(ids)
     if layout not in ARRAY_LAYOUTS:
         raise IngestError(f"layout {layout!r} is a wire form: write it as .jsonl")
+    with written_whole(out) as partial:
+        _export_arrays(snapshot, layout, partial, ids, batch_size, prompt_length, response_length)
+    return len(ids)
+
+
+def _export_arrays(
+    snapshot: StepSnapshot,
+    layout: ExportLayout,
+    out: Path,
+    ids: list[str],
+    batch_size: int,
+    prompt_length: int | None,
+    response_length: int | None,
+) -> None:
+    """The ``.npz`` form of :func:`export_step`."""
+    spec = snapshot.store.model_spec
     writer = NpzWriter(out)
     try:
         if layout == "verl":
@@ -470,7 +495,7 @@ def export_step(
             for key, value in batch.items():
                 writer.add(key, value)
             writer.add("sample_ids", np.asarray(ids, dtype=str))
-            return len(records)
+            return
         for start in range(0, len(ids), batch_size):
             for routing in snapshot.read_many(ids[start : start + batch_size]):
                 sid = routing.sample_id
@@ -487,7 +512,6 @@ def export_step(
                         writer.add(f"{sid}/{field}", value)
     finally:
         writer.close()
-    return len(ids)
 
 
 def _wire(record: Record, spec: ModelSpec, layout: str) -> dict[str, Any]:

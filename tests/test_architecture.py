@@ -12,7 +12,7 @@ ARCHITECTURE = Path(__file__).resolve().parent.parent / "ARCHITECTURE.md"
 LAYERS: dict[str, set[str]] = {
     "format": {"format", "errors", "display"},
     "align": {"align"},
-    "store": {"store"},
+    "store": {"store", "outputs"},
     "engines": {"engines"},
     "replay": {"loader", "megatron", "integrations"},
     "audit": {"audit"},

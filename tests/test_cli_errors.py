@@ -327,3 +327,19 @@ def test_synth_out_of_range_exits_2_in_one_line_and_writes_nothing(tmp_path: Pat
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and option.split(maxsplit=1)[0] in result.stderr
     assert not url.exists(), "nothing is written"
+
+
+def test_a_failed_output_leaves_no_file_and_an_empty_input_is_refused_naming_it(tmp_path: Path) -> None:
+    """Outputs are whole or absent: a convert that fails half-way leaves no file a later command would read as
+    "no records"; and ingesting an input that holds no records is a usage error naming the file, not "0 new"."""
+    url = str(tmp_path / "store")
+    assert _cli("synth", url, *SYNTH).returncode == 0  # records without token ids
+    out = tmp_path / "out.jsonl"
+    _one_line_error(_cli("convert", url, "--to", "vllm", "--step", "0", str(out)), EXIT_USAGE, "token ids")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"], "no output, not even a temporary one"
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    result = _cli("ingest", str(empty), "--engine", "vllm", "--to", url, "--step", "1")
+    _one_line_error(result, EXIT_USAGE, str(empty), "no records")
+    assert json.loads(_cli("inspect", url, "--json").stdout)["steps"] == [0], "nothing was written"

@@ -19,6 +19,7 @@ from routelog.audit.diff import DiffResult
 from routelog.audit.drift import DriftResult
 from routelog.audit.load import StatsResult
 from routelog.audit.mismatch import MismatchResult
+from routelog.outputs import written_whole
 
 
 def _pyplot() -> Any:
@@ -127,7 +128,8 @@ def sequence_panel(ax: Any, series: Mapping[str, np.ndarray], *, title: str, xla
 
 def _save(fig: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with written_whole(path) as partial:
+        fig.savefig(partial, dpi=120, format=path.suffix.lstrip(".") or None)
     _pyplot().close(fig)
 
 

@@ -94,6 +94,7 @@ def align(
     from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords, parse_micro_batches
     from routelog.ingest import NpzWriter
     from routelog.loader import ReplayLoader
+    from routelog.outputs import written_whole
 
     text = Path(micro_batches[1:]).read_text() if micro_batches.startswith("@") else micro_batches
     batches = parse_micro_batches(text)
@@ -141,16 +142,17 @@ def align(
         policy_versions=frozenset(policy_version) if policy_version else None,
         other_versions=other_versions,  # type: ignore[arg-type]
     )
-    writer = NpzWriter(out)
-    try:
-        with ReplayLoader(store, step, plan) as loader:
-            for replay in loader:
-                writer.add(f"mb{replay.index}_positions", replay.positions)
-                for j, router in enumerate(replay.routers):
-                    writer.add(f"mb{replay.index}_layer{router.layer_number}_ids", replay.ids[j])
-                    writer.add(f"mb{replay.index}_layer{router.layer_number}_mask", replay.mask)
-    finally:
-        writer.close()
+    with written_whole(out) as partial:
+        writer = NpzWriter(partial)
+        try:
+            with ReplayLoader(store, step, plan) as loader:
+                for replay in loader:
+                    writer.add(f"mb{replay.index}_positions", replay.positions)
+                    for j, router in enumerate(replay.routers):
+                        writer.add(f"mb{replay.index}_layer{router.layer_number}_ids", replay.ids[j])
+                        writer.add(f"mb{replay.index}_layer{router.layer_number}_mask", replay.mask)
+        finally:
+            writer.close()
     routers = [r.layer_number for r in plan.routers]
     if json_out:
         print_json({"out": str(out), "micro_batches": len(plan.micro_batches), "routers": routers})

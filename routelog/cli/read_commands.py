@@ -140,7 +140,10 @@ def cat(
         ids = to_full_axis(ids, store.model_spec, fill=-1)
     import numpy as np
 
-    np.save(npy, ids, allow_pickle=False)
+    from routelog.outputs import written_whole
+
+    with written_whole(npy) as partial, partial.open("wb") as file:
+        np.save(file, ids, allow_pickle=False)
     if json_out:
         print_json({"npy": str(npy), "dtype": str(ids.dtype), "shape": list(ids.shape)})
     say(f"wrote {npy} {ids.dtype} {list(ids.shape)}")
