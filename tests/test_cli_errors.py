@@ -95,15 +95,20 @@ def test_url_that_is_a_file(tmp_path: Path) -> None:
 
 
 def test_a_url_with_one_slash_is_refused_not_taken_as_a_local_path(tmp_path: Path) -> None:
-    """``s3:/bucket`` (or ``memory:name``) would be a relative local path, a directory named ``s3:`` written beside
+    """``s3:/bucket``, ``s3//bucket`` (or ``memory:name``) would be a relative local path, a directory named ``s3:`` written beside
     the user's work: refused, naming the URL meant. A local name with a colon that is no filesystem's stays a path."""
-    for command in (("inspect", "s3:/bad/store"), ("synth", "memory:store", *SYNTH)):
-        meant = "s3://bad/store" if command[0] == "inspect" else "memory://store"
+    for command, meant in (
+        (("inspect", "s3:/bad/store"), "s3://bad/store"),
+        (("inspect", "s3//bad/store"), "s3://bad/store"),
+        (("synth", "memory:store", *SYNTH), "memory://store"),
+        (("synth", "gcs//bucket/run", *SYNTH), "gcs://bucket/run"),
+    ):
         _one_line_error(_cli(*command, cwd=tmp_path), EXIT_USAGE, "is no URL", meant)
     assert list(tmp_path.iterdir()) == []
-    result = _cli("synth", "run:1", *SYNTH, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert (tmp_path / "run:1" / "routelog.json").exists()
+    for local in ("run:1", "./s3//bucket", "runs//s3"):
+        result = _cli("synth", local, *SYNTH, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert (tmp_path / local / "routelog.json").exists()
 
 
 def test_missing_input_and_output_paths(tmp_path: Path) -> None:

@@ -320,13 +320,22 @@ def _default_connections(options: dict[str, Any]) -> None:
 
 
 def _check_not_a_mistyped_url(url: str) -> None:
-    """Refuse ``s3:/bucket`` or ``memory:name``: a known filesystem's name and a colon without ``//`` would
-    otherwise be a relative local path (a directory named ``s3:`` created beside the user's work)."""
+    """Refuse ``s3:/bucket``, ``memory:name`` or ``s3//bucket``: a known filesystem's name followed by a colon
+    without ``//``, or by ``//`` without the colon, would otherwise be a relative local path (a directory named
+    ``s3:`` or ``s3`` created beside the user's work, or "no store" where the user meant S3)."""
+    if "://" in url:
+        return
     scheme, colon, rest = url.partition(":")
-    if "://" in url or not colon or len(scheme) < 2 or scheme.lower() not in fsspec.available_protocols():
+    if not colon:
+        scheme, slashes, rest = url.partition("//")
+        if not slashes or "/" in scheme:
+            return
+    if len(scheme) < 2 or scheme.lower() not in fsspec.available_protocols():
         return  # a plain path (a one-letter scheme is a Windows drive)
     path = rest if scheme.lower() in ("file", "local") else rest.lstrip("/")
-    raise StoreError(f"{url!r} is no URL: write {scheme}://{path} (a scheme is followed by '://')")
+    raise StoreError(
+        f"{url!r} is no URL: write {scheme}://{path} (a scheme is followed by '://'), or ./{url} for a local path"
+    )
 
 
 class FileSink:
