@@ -26,6 +26,10 @@ import sys
 import tempfile
 import warnings
 
+from routelog.extras import exit_unless_installed
+
+exit_unless_installed("examples/megatron_replay.py", "megatron")
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -41,10 +45,10 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 # megatron-core on CPU: one gloo process, its parallel state, and the two shims its CPU path needs.
 megatron_on_cpu()
 
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
-from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
 
 freq = [0, 1, 1, 1]
 config = TransformerConfig(

@@ -34,6 +34,10 @@ from collections import UserDict
 from collections.abc import Iterator
 from typing import Any
 
+from routelog.extras import exit_unless_installed
+
+exit_unless_installed("examples/nemo_rl_r3.py", "megatron")
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -47,10 +51,10 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 # megatron-core on CPU: one gloo process, its parallel state, and the two shims its CPU path needs.
 megatron_on_cpu()
 
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
-from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
 
 FREQ, E, K, DIVISIBLE_BY = [0, 1, 1, 1], 8, 2, 4
 spec = routelog.ModelSpec.from_megatron(num_layers=4, num_moe_experts=E, moe_router_topk=K, moe_layer_freq=FREQ)

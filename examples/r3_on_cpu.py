@@ -11,6 +11,10 @@ import contextlib
 import sys
 import tempfile
 
+from routelog.extras import exit_unless_installed
+
+exit_unless_installed("examples/r3_on_cpu.py", "hf")
+
 import numpy as np
 import torch
 import transformers

@@ -32,6 +32,10 @@ import tempfile
 from types import SimpleNamespace
 from typing import Any
 
+from routelog.extras import exit_unless_installed
+
+exit_unless_installed("examples/slime_r3.py", "torch")
+
 import numpy as np
 import torch
 

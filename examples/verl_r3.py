@@ -18,6 +18,10 @@ import sys
 import tempfile
 import warnings
 
+from routelog.extras import exit_unless_installed
+
+exit_unless_installed("examples/verl_r3.py", "megatron", "verl")
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -28,21 +32,21 @@ warnings.filterwarnings("ignore")  # veRL and megatron-core warn about every opt
 # megatron-core on CPU: one gloo process, its parallel state, and the two shims its CPU path needs.
 megatron_on_cpu()
 
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
-from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
-from verl import DataProto  # noqa: E402
-from verl.models.mcore.util import preprocess_thd_engine  # noqa: E402
-from verl.utils.megatron.router_replay_patch import RouterReplayAction, apply_router_replay_patch  # noqa: E402
-from verl.utils.megatron.router_replay_utils import set_model_router_replay_action  # noqa: E402
-from verl.utils.model import compute_position_id_with_mask  # noqa: E402
-from verl.utils.seqlen_balancing import rearrange_micro_batches  # noqa: E402
-from verl.workers.engine.megatron import transformer_impl  # noqa: E402
-from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
+from verl import DataProto
+from verl.models.mcore.util import preprocess_thd_engine
+from verl.utils.megatron.router_replay_patch import RouterReplayAction, apply_router_replay_patch
+from verl.utils.megatron.router_replay_utils import set_model_router_replay_action
+from verl.utils.model import compute_position_id_with_mask
+from verl.utils.seqlen_balancing import rearrange_micro_batches
+from verl.workers.engine.megatron import transformer_impl
+from verl.workers.utils.padding import left_right_2_no_padding
 
-import routelog  # noqa: E402
-from routelog.integrations import verl as integration  # noqa: E402
+import routelog
+from routelog.integrations import verl as integration
 
 apply_router_replay_patch()  # what veRL's engine does before building the model: its RouterReplay in every router
 

@@ -69,6 +69,10 @@ class ReplayConfigError(RoutelogError, ValueError):
     """A training configuration in which routing replay would be silently bypassed or wrong."""
 
 
+class MissingExtraError(RoutelogError, ImportError):
+    """An optional part of routelog is used without the packages it needs; the message names the install command."""
+
+
 class FormatVersionError(RoutelogError):
     """A store (or one of its documents) was written by a newer, unknown format version or feature set."""
 

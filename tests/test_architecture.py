@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "routelog"
 ARCHITECTURE = Path(__file__).resolve().parent.parent / "ARCHITECTURE.md"
 
 LAYERS: dict[str, set[str]] = {
-    "format": {"format", "errors", "display"},
+    "format": {"format", "errors", "display", "extras"},
     "align": {"align"},
     "store": {"store", "outputs"},
     "engines": {"engines"},

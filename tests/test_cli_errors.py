@@ -16,6 +16,7 @@ import pytest
 import routelog
 from routelog import __version__
 from routelog.cli.main import EXIT_STORAGE, EXIT_USAGE
+from tests.not_installed import run_without
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -95,8 +96,9 @@ def test_url_that_is_a_file(tmp_path: Path) -> None:
 
 
 def test_a_url_with_one_slash_is_refused_not_taken_as_a_local_path(tmp_path: Path) -> None:
-    """``s3:/bucket``, ``s3//bucket`` (or ``memory:name``) would be a relative local path, a directory named ``s3:`` written beside
-    the user's work: refused, naming the URL meant. A local name with a colon that is no filesystem's stays a path."""
+    """``s3:/bucket``, ``s3//bucket`` (or ``memory:name``) would be a relative local path, a directory named ``s3:``
+    written beside the user's work: refused, naming the URL meant. A local name with a colon or a double slash that is
+    no filesystem's stays a path."""
     for command, meant in (
         (("inspect", "s3:/bad/store"), "s3://bad/store"),
         (("inspect", "s3//bad/store"), "s3://bad/store"),
@@ -348,3 +350,11 @@ def test_a_failed_output_leaves_no_file_and_an_empty_input_is_refused_naming_it(
     result = _cli("ingest", str(empty), "--engine", "vllm", "--to", url, "--step", "1")
     _one_line_error(result, EXIT_USAGE, str(empty), "no records")
     assert json.loads(_cli("inspect", url, "--json").stdout)["steps"] == [0], "nothing was written"
+
+
+def test_a_missing_optional_package_is_a_usage_error_naming_the_install_command(tmp_path: Path) -> None:
+    url = str(tmp_path / "store")
+    assert _cli("synth", url, *SYNTH, "--logprob-noise", "0.1").returncode == 0
+    result = run_without(("matplotlib",), "-m", "routelog", "mismatch", url, "--plot", "m.png", tmp_path=tmp_path)
+    _one_line_error(result, EXIT_USAGE, "matplotlib is not installed", "pip install 'routelog[plot]'")
+    assert not (tmp_path / "m.png").exists()

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from routelog.extras import VERL_INSTALL
+from tests.not_installed import run_without
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -69,3 +72,25 @@ def test_slime_r3(tmp_path: Path) -> None:
 def test_nemo_rl_r3(tmp_path: Path) -> None:
     out = _run("nemo_rl_r3.py", tmp_path).stdout
     assert "routers selected the recorded experts on every replayed row" in out
+
+
+OPTIONAL = ("torch", "megatron", "transformers", "safetensors", "verl", "tensordict", "matplotlib", "ray", "s3fs")
+"""Top-level packages of routelog's extras (routelog.extras.EXTRAS): what a user may not have installed."""
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_every_example_names_the_install_command_of_what_it_lacks(script: str, tmp_path: Path) -> None:
+    """Without the optional packages an example either runs (it needs none) or ends at once with one line naming
+    what is missing and the command installing it; never a ModuleNotFoundError traceback after loading the rest."""
+    result = run_without(OPTIONAL, str(EXAMPLES / script), tmp_path=tmp_path)
+    if result.returncode == 0:
+        return  # the core's examples need nothing optional
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith(f"error: examples/{script} needs ") and "pip install 'routelog[" in lines[0], lines
+
+
+def test_an_example_needing_verl_names_its_install_line(tmp_path: Path) -> None:
+    result = run_without(("verl",), str(EXAMPLES / "verl_r3.py"), tmp_path=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip() == f"error: examples/verl_r3.py needs verl, not installed: {VERL_INSTALL}"

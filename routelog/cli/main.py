@@ -25,6 +25,7 @@ from rich.text import Text
 
 from routelog.cli.app import DEBUG_ENV, app, err_console
 from routelog.errors import RoutelogError, StoreAccessError, StoreUnreachableError, WriteInterruptedError
+from routelog.extras import install_hint
 
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
@@ -105,6 +106,8 @@ def _explain(exc: Exception, debug: bool) -> tuple[str, int]:
         return _one_line(exc), EXIT_USAGE
     if _is_validation_error(exc):  # a value the user gave (a model spec field, an option)
         return _validation(exc), EXIT_USAGE
+    if isinstance(exc, ModuleNotFoundError) and exc.name and (fix := install_hint(exc.name)):
+        return f"{exc.name} is not installed: {fix}", EXIT_USAGE
     if isinstance(exc, OSError):  # an input or output path of the command
         return _path_error(exc), EXIT_USAGE
     hint = "" if debug else f" (run with --debug or {DEBUG_ENV}=1 for the traceback)"
