@@ -13,7 +13,6 @@ from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -22,6 +21,7 @@ from routelog.format.keys import check_writer_id
 from routelog.format.part import PartOptions
 from routelog.format.spec import ModelSpec
 from routelog.format.transport import record_from_payload
+from routelog.ray_session import ray_session
 from routelog.store.store import Store, create_store, open_store
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ def start_committer(
     that many actors and sends each writer to one of them (one takes about 2,000 calls a second: two a part). It
     lives as long as the process that started it (or until :func:`stop_committer`); Ray restarts it if its process
     dies (a new one reads the log again); meanwhile writers commit through their own committers."""
-    import ray
+    ray = ray_session()
 
     name = name or committer_name(url)
     if shards < 1:
@@ -229,7 +229,7 @@ def remote_writer(
     """Start a :class:`RoutingWriter` actor; feed it :func:`routelog.format.transport.record_payload` dicts.
     ``kwargs`` are the actor's (``flush_bytes``, ``topk_order``, ``encode_threads``: reserve ``num_cpus`` for
     them; ``committer``: the name of a committer actor to commit through, :func:`start_committer`)."""
-    import ray
+    ray = ray_session()
 
     actor = ray.remote(num_cpus=num_cpus)(RoutingWriter)
     spec_json = None if model_spec is None else model_spec.model_dump_json()
@@ -283,33 +283,33 @@ def read_index(
     """A Ray dataset with one row per record of the stores (all steps, or ``steps``): the url, the step and the
     index columns (:meth:`routelog.StepSnapshot.to_arrow`; its lists of structs, ``spans`` and ``segments``, as
     plain list columns ``spans_<field>`` and ``segments_<field>``, which Ray never pickles), no routing."""
-    import ray
+    ray = ray_session()
 
     options = json.dumps(dict(storage_options or {}))
     tasks = [{"url": u, "step": s, "options": options} for u in urls for s in (steps if steps is not None else [None])]
     return ray.data.from_items(tasks).map_batches(_index_rows, batch_size=1, batch_format="pyarrow")
 
 
-def _fetch_routing(batch: dict[str, npt.NDArray[Any]], moe_layers: list[int] | None) -> dict[str, Any]:
-    ids: list[npt.NDArray[Any]] = []
-    valid: list[npt.NDArray[np.bool_]] = []
-    keys = list(zip(batch["url"], batch["options"], batch["step"], batch["sample_id"], strict=True))
+def _fetch_routing(batch: pa.Table, moe_layers: list[int] | None) -> pa.Table:
+    from ray.data.extensions import ArrowTensorArray
+
+    n = batch.num_rows
+    keys = list(zip(*(batch.column(c).to_pylist() for c in ("url", "options", "step", "sample_id")), strict=True))
     by_step: dict[tuple[str, str, int], list[str]] = {}
     for url, options, step, sid in keys:
-        by_step.setdefault((str(url), str(options), int(step)), []).append(str(sid))
+        by_step.setdefault((url, options, step), []).append(sid)
     fetched = {}
     for (url, options, step), sids in by_step.items():
         snapshot = _store(url, options).step(step)
         for routing in snapshot.read_many(sids, moe_layers=moe_layers):
             fetched[(url, step, routing.sample_id)] = routing
-    for url, _, step, sid in keys:
-        routing = fetched[(str(url), int(step), str(sid))]
-        ids.append(routing.expert_ids)
-        valid.append(routing.valid)
-    out: dict[str, Any] = dict(batch)
-    out["expert_ids"] = ids
-    out["valid"] = valid
-    return out
+    # Ragged tensors as Ray's Arrow tensor extension (an object array, so Ray does not first try to stack them).
+    ids, valid = np.empty(n, dtype=object), np.empty(n, dtype=object)
+    for i, (url, _, step, sid) in enumerate(keys):
+        routing = fetched[(url, step, sid)]
+        ids[i], valid[i] = routing.expert_ids, routing.valid
+    table = batch.append_column("expert_ids", ArrowTensorArray.from_numpy(ids))
+    return table.append_column("valid", ArrowTensorArray.from_numpy(valid))
 
 
 def read_routing(
@@ -325,5 +325,5 @@ def read_routing(
     return read_index(urls, steps=steps, storage_options=storage_options).map_batches(
         partial(_fetch_routing, moe_layers=None if moe_layers is None else list(moe_layers)),
         batch_size=batch_size,
-        batch_format="numpy",
+        batch_format="pyarrow",
     )

@@ -12,7 +12,7 @@ ARCHITECTURE = Path(__file__).resolve().parent.parent / "ARCHITECTURE.md"
 LAYERS: dict[str, set[str]] = {
     "format": {"format", "errors", "display", "extras"},
     "align": {"align"},
-    "store": {"store", "outputs"},
+    "store": {"store", "outputs", "ray_session"},
     "engines": {"engines"},
     "replay": {"loader", "megatron", "integrations"},
     "audit": {"audit"},

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -94,12 +98,55 @@ def test_ray_data_reads_many_stores(tmp_path: object) -> None:
         assert row["policy_version"] is None or isinstance(row["policy_version"], int)
         assert list(row["spans_token_start"]) == [span.token_start for span in info.spans]
         assert list(row["spans_n_rows"]) == [span.n_rows for span in info.spans]
-    rows = read_routing(urls, steps=[1], moe_layers=[0, 2], batch_size=5).take_all()
+    routing = read_routing(urls, steps=[1], moe_layers=[0, 2], batch_size=5).materialize()
+    for name, kind in zip(*_schema(routing), strict=True):  # Arrow types and Ray's tensor extension, never pickle
+        assert "PythonObject" not in type(kind).__name__, (name, kind)
+    rows = routing.take_all()
     assert len(rows) == 12
     for row in rows:
         direct = routelog.open_store(row["url"]).step(1).read(row["sample_id"], moe_layers=[0, 2])
         np.testing.assert_array_equal(np.asarray(row["expert_ids"]), direct.expert_ids)
         np.testing.assert_array_equal(np.asarray(row["valid"]), direct.valid)
+
+
+def _schema(dataset: Any) -> tuple[list[str], list[Any]]:
+    schema = dataset.schema()
+    return list(schema.names), list(schema.types)
+
+
+RAY_USER = """
+import sys, numpy as np, routelog
+from routelog.format.transport import record_payload
+from routelog.ray import read_index, read_routing, remote_writer
+from tests.records import sample_records
+spec = routelog.ModelSpec(name="ray", num_layers=4, moe_layers=(1, 2, 3), num_experts=32, topk=4)
+actor = remote_writer(sys.argv[1], step=4, writer_id="rollout-1", model_spec=spec)
+records = sample_records(spec, 4, 0, "s", tokens=(5, 40), policy_version=1)
+import ray
+ray.get(actor.append_many.remote([record_payload(r) for r in records]))
+ray.get(actor.close.remote())
+print(read_index([sys.argv[1]]).count(), read_routing([sys.argv[1]], steps=[4]).take(1)[0]["expert_ids"].shape)
+"""
+
+
+def test_a_users_first_ray_session_is_quiet_and_pickles_nothing(tmp_path: Path) -> None:
+    """As the README's Ray snippet runs in a fresh process: Ray started by routelog, no INFO lines from Ray or Ray
+    Data, and no column falls back to pickled Python objects (a warning a worker forwards to the driver)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    result = subprocess.run(
+        [sys.executable, "-c", RAY_USER, str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("4 ("), result.stdout
+    output = result.stdout + result.stderr
+    assert "pickle" not in output, output
+    assert not [line for line in output.splitlines() if " INFO " in line], output
 
 
 def test_concurrent_tasks_get_their_own_writer_ids(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ the same numbers. Partial results travel as ``.npz`` bytes (no pickle in the dat
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,13 +46,11 @@ def run_units(
 def _run_on_ray(
     units: Sequence[WorkUnit], fn: UnitFunction, batch_records: int, finished: Callable[[int], None]
 ) -> list[bytes]:
-    import ray
+    from routelog.ray_session import ray_session
 
-    if not ray.is_initialized():
-        ray.init(logging_level=logging.WARNING, log_to_driver=False)
+    ray = ray_session()
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the caller's progress callback reports
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
     if not units:
         return []
 
