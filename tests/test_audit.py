@@ -249,16 +249,21 @@ def test_figures_handle_zeros_single_steps_and_integer_counts(runs: dict[str, ob
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from routelog.audit.figures import count_bars, zero_safe_log
+    from routelog.audit.figures import count_bars, value_axis
 
-    fig, axes = plt.subplots(1, 4)
-    for ax, values, scale in zip(
-        axes[:3], ([0.0, 1e-3, 0.2], [1e-3, 0.2], [0.0, 0.0]), ("symlog", "log", "linear"), strict=True
-    ):
-        zero_safe_log(ax, np.asarray(values))
+    fig, axes = plt.subplots(1, 6)
+    cases = ([0.0, 1e-3, 0.2], [1e-3, 0.2], [0.0, 0.0], [3.97062e-3, 3.97069e-3], [0.0, 0.1, 0.15])
+    for ax, values, scale in zip(axes[:5], cases, ("symlog", "log", "linear", "linear", "linear"), strict=True):
+        assert value_axis(ax, np.asarray(values)) == scale, values
         assert ax.get_yscale() == scale, values
-    count_bars(axes[3], {"a": np.array([90, 8, 2]), "b": np.array([100])}, title="t", xlabel="x")
-    assert list(axes[3].get_xticks()) == [0, 1, 2], "integer counts get integer ticks"
+        if scale == "linear":  # from 0 (a zero just above the frame), the largest value inside
+            low, high = ax.get_ylim()
+            assert -0.05 * high <= low <= 0 and high > max(values), values
+    axes = axes[5:]
+    count_bars(axes[0], {"a": np.array([90, 8, 2]), "b": np.array([100])}, title="t", xlabel="x")
+    assert list(axes[0].get_xticks()) == [0, 1, 2], "integer counts get integer ticks"
+    assert axes[0].get_yscale() == "log" and "log" in axes[0].get_ylabel(), "a log axis says so"
+    assert sorted(t.get_text() for t in axes[0].texts) == ["100%", "2%", "8%", "90%"], "each share printed"
     plt.close(fig)
     a = str(runs["a"])
     mismatch_figure(audit.mismatch(a, [1]), tmp_path / "one-step-mismatch.png")
@@ -368,6 +373,61 @@ def test_degenerate_figures_do_not_mislead(monkeypatch: pytest.MonkeyPatch, tmp_
     assert ax.get_yscale() == "linear" and ax.get_ylim()[0] == 0, "bars compare as the values do"
     labels = [t.get_text() for t in ax.texts]
     assert any("0.48x" in label for label in labels), labels
+    plt.close(fig)
+
+
+def test_narrow_and_skewed_figures_do_not_mislead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values that barely change (a 0.002 % KL change over three steps, runs within 2x) are drawn on a linear axis
+    from 0 with their spread in the title, not as a cliff across a log axis; values spanning decades keep a log
+    axis; expert load is coloured around uniform (1.0) and imbalance is drawn from 1 = balanced; the demo's dense
+    model is labelled a scale, not a floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from routelog.audit.drift import DriftPair, DriftResult
+    from routelog.audit.load import LayerStats, StatsResult
+    from routelog.audit.mismatch import MismatchResult, StepMismatch
+
+    steps = [
+        StepMismatch(step=s, records=4, tokens=100, kl_k3=kl, extreme={"1.5": 0.1, "2": 0.05, "5": 0.0})
+        for s, kl in enumerate((3.97062e-3, 3.97065e-3, 3.97069e-3))
+    ]
+    kl_ax, f_ax = _rendered(monkeypatch, mismatch_figure, MismatchResult(url="run", steps=steps)).axes  # type: ignore[attr-defined]
+    assert kl_ax.get_yscale() == "linear" and kl_ax.get_ylim()[0] == 0 and kl_ax.get_ylim()[1] > 3.97069e-3
+    assert "within 0.0018 %" in kl_ax.get_title(), kl_ax.get_title()
+    assert f_ax.get_yscale() == "symlog" and f_ax.get_ylabel().endswith("(log scale)"), "F(t) spans decades and zeros"
+
+    def drift(js: list[float]) -> DriftResult:
+        pair = DriftPair(a="run-a step 0", b="run-b step 0", js=js, mean_js=float(np.mean(js)), max_js=max(js))
+        return DriftResult(url="run-a", layers=[1, 2, 3], consecutive=[], other_url="run-b", between_runs=[pair])
+
+    (ax,) = _rendered(monkeypatch, drift_figure, drift([0.010, 0.014, 0.019])).axes  # type: ignore[attr-defined]
+    assert ax.get_yscale() == "linear" and ax.get_ylim()[0] == 0 and "linear from 0" in ax.get_title()
+    (ax,) = _rendered(monkeypatch, drift_figure, drift([1e-4, 1e-3, 0.2])).axes  # type: ignore[attr-defined]
+    assert ax.get_yscale() == "log" and ax.get_ylabel() == "Jensen-Shannon divergence (bits) (log scale)"
+
+    def layer(n: int, load: list[int]) -> LayerStats:
+        mean = float(np.mean(load))
+        return LayerStats(layer=n, load=load, imbalance=max(load) / mean, cv=float(np.std(load)) / mean,
+                          entropy_bits=1.0, entropy_normalized=0.5)  # fmt: skip
+
+    layers = [layer(1, [13, 10, 10, 7]), layer(2, [12, 10, 9, 9])]
+    stats = StatsResult(url="run", steps=[0], records=4, tokens=40, rows=40, stored_bytes=1, bytes_per_token_layer=1.0,
+                        num_experts=4, topk=1, layers=layers)  # fmt: skip
+    fig = _rendered(monkeypatch, stats_figure, stats)
+    heat, lines = fig.axes[0], fig.axes[1]  # type: ignore[attr-defined]
+    norm = heat.images[0].norm
+    assert (norm.vmin, norm.vcenter) == (0.0, 1.0) and norm.vmax >= 2.0, "white is uniform load"
+    assert lines.get_ylim()[0] == 1.0 and "1 = balanced" in lines.get_ylabel()
+
+    from routelog.demo_report import _kl_panel
+
+    fig, ax = plt.subplots()
+    _kl_panel(ax, {"no_replay": {"kl_k3": 4.4e-4}, "replay": {"kl_k3": 1.9e-4}}, 9.0e-4)
+    labels = [t.get_text() for t in ax.get_xticklabels()] + [ax.get_title()]
+    assert not any("floor" in label for label in labels) and any("for scale" in label for label in labels), labels
     plt.close(fig)
 
 

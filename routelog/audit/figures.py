@@ -2,9 +2,9 @@
 the R3 paper uses them.
 
 Conventions shared with the demo's report: series are told apart by colour *and* marker or hatch, side by side
-(never overlaid into a blend the legend lacks); integer quantities get integer ticks; values that may be zero use
-a symmetric-log axis, so a zero is drawn at 0 instead of vanishing from a log axis; a single step is a point with
-its own tick.
+(never overlaid into a blend the legend lacks); integer quantities get integer ticks; values spanning decades get
+a log axis (symmetric-log where some are zero, so a zero is drawn at 0), values within 2x of each other a linear
+axis from 0 with their spread in the title; a log axis says so; a single step is a point with its own tick.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ SERIES_STYLES = (
 )
 FEW_SEQUENCES = 64
 """Up to this many sequences a panel shows each one as a point; beyond, a histogram."""
+FEW_COUNTS = 8
+"""Up to this many count values a bar panel prints each bar's share on it."""
 
 
 def _integer_axis(ax: Any) -> None:
@@ -57,25 +59,52 @@ def step_axis(ax: Any, steps: Sequence[int]) -> None:
         ax.set_xlim(steps[0] - 1, steps[0] + 1)
 
 
-def zero_safe_log(ax: Any, values: np.ndarray, axis: str = "y") -> None:
-    """A log axis that also shows zeros: symmetric-log (linear below the smallest positive decade) when some
-    values are zero, plain log when none is, linear from 0 to 1 when all are."""
-    set_scale = ax.set_yscale if axis == "y" else ax.set_xscale
+NARROW_SPAN = 2.0
+"""Values within this factor of each other are drawn on a linear axis from 0: on a log axis a 0.002 % change fills
+the frame and reads as a cliff."""
+
+
+def value_axis(ax: Any, values: np.ndarray, axis: str = "y") -> str:
+    """The axis for non-negative values that may span decades or barely differ; returns the scale chosen.
+
+    Linear from 0 when every value is zero (0 to 1) or the positive values lie within :data:`NARROW_SPAN` of each
+    other; otherwise log, symmetric-log (linear below the smallest positive decade) when some values are zero so a
+    zero is drawn at 0 instead of vanishing, and the axis label (set before) says "(log scale)"."""
+    set_scale, set_lim = (ax.set_yscale, ax.set_ylim) if axis == "y" else (ax.set_xscale, ax.set_xlim)
     finite = np.asarray(values, np.float64)
     finite = finite[np.isfinite(finite)]
     positive = finite[finite > 0]
     if positive.size == 0:  # every value is 0 (or none): a linear axis from 0, no negative ticks
-        (ax.set_ylim if axis == "y" else ax.set_xlim)(-0.03, 1)  # a zero sits just above the frame
-        return
+        set_lim(-0.03, 1)  # a zero sits just above the frame
+        return "linear"
+    top = float(positive.max())
+    if top < NARROW_SPAN * float(positive.min()):
+        set_lim(-0.03 * top if positive.size < finite.size else 0.0, top * 1.15)
+        return "linear"
+    label = ax.yaxis.label if axis == "y" else ax.xaxis.label
+    label.set_text(f"{label.get_text()} (log scale)".strip())
     if positive.size == finite.size:
         set_scale("log")
-    else:
-        set_scale("symlog", linthresh=float(10 ** np.floor(np.log10(positive.min()))))
+        return "log"
+    set_scale("symlog", linthresh=float(10 ** np.floor(np.log10(positive.min()))))
+    return "symlog"
+
+
+def spread_note(values: np.ndarray) -> str:
+    """How far apart the values are, for a title over a linear axis on which they look alike: ``"within 0.0018 %"``
+    of the largest."""
+    finite = np.asarray(values, np.float64)
+    finite = finite[np.isfinite(finite)]
+    if finite.size < 2 or finite.max() <= 0:
+        return ""
+    if finite.max() == finite.min():
+        return "every value equal"
+    return f"values within {100 * (finite.max() - finite.min()) / finite.max():.2g} % of each other"
 
 
 def count_bars(ax: Any, histograms: Mapping[str, np.ndarray], *, title: str, xlabel: str) -> None:
     """Distributions of an integer count (``histograms[label][c]`` = how often the count was ``c``) as side-by-side
-    bars on a log frequency axis, one colour and hatch per series."""
+    bars on a log axis of shares, one colour and hatch per series; with few counts each bar's share printed on it."""
     counts = {label: np.asarray(h, np.float64) for label, h in histograms.items()}
     top = max((int(np.flatnonzero(h)[-1]) for h in counts.values() if h.any()), default=0)
     width = 0.8 / max(len(counts), 1)
@@ -85,8 +114,13 @@ def count_bars(ax: Any, histograms: Mapping[str, np.ndarray], *, title: str, xla
         freq[: min(top + 1, hist.size)] = hist[: top + 1] / max(hist.sum(), 1)
         x = np.arange(top + 1) + (i - (len(counts) - 1) / 2) * width
         shown = freq > 0
-        ax.bar(x[shown], freq[shown], width, color=style["color"], hatch=style["hatch"], edgecolor="white", label=label)
-    ax.set(yscale="log", title=title, xlabel=xlabel, ylabel="frequency")
+        bars = ax.bar(
+            x[shown], freq[shown], width, color=style["color"], hatch=style["hatch"], edgecolor="white", label=label
+        )
+        if top < FEW_COUNTS:  # on a log axis a 9 % bar looks small beside a 91 % one: print each share
+            ax.bar_label(bars, [f"{100 * f:.3g}%" for f in freq[shown]], fontsize=6, rotation=90, padding=2)
+    ax.set(yscale="log", title=title, xlabel=xlabel, ylabel="share (log scale)")
+    ax.set_ylim(top=8.0)  # room above a share near 1 for its label
     if top < 16:
         ax.set_xticks(range(top + 1))
     else:
@@ -136,13 +170,20 @@ def _save(fig: Any, path: Path) -> None:
 def stats_figure(result: StatsResult, path: Path) -> None:
     """Expert load per layer (share of choices relative to uniform) and per-layer imbalance and entropy."""
     plt = _pyplot()
+    from matplotlib.colors import TwoSlopeNorm
+
     fig, (heat, lines) = plt.subplots(
         1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]}, layout="constrained"
     )
     load = np.asarray([layer.load for layer in result.layers], np.float64)
     share = load / np.maximum(load.sum(axis=1, keepdims=True), 1) * result.num_experts
-    image = heat.imshow(share, aspect="auto", cmap="viridis", interpolation="nearest")
-    fig.colorbar(image, ax=heat, label="load / uniform load")
+    # Diverging around uniform load (white = 1.0), at least as far above 1 as below: an idle expert and one with
+    # twice its share are equally strong colours.
+    highest = max(float(share.max()), 2.0)
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=highest)
+    image = heat.imshow(share, aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest")
+    colorbar = fig.colorbar(image, ax=heat, label="load / uniform load (1 = uniform)")
+    colorbar.set_ticks([0.0, 0.5, *np.round(np.linspace(1.0, highest, 4), 2)])  # each half of the bar evenly
     heat.set(
         xlabel="expert id",
         ylabel="MoE layer (global index)",
@@ -159,6 +200,8 @@ def stats_figure(result: StatsResult, path: Path) -> None:
         layers, [1 + layer.cv for layer in result.layers], "s--", color="tab:orange", label="1 + CV of load"
     )
     lines.set(xlabel="MoE layer (global index)", ylabel="imbalance (1 = balanced)", title="Load imbalance and entropy")
+    worst = max((max(layer.imbalance, 1 + layer.cv) for layer in result.layers), default=1.0)
+    lines.set_ylim(1.0, max(worst * 1.05, 1.1))  # from balanced: distance from 1 is the imbalance
     twin = lines.twinx()
     drawn += twin.plot(
         layers, [layer.entropy_normalized for layer in result.layers], "^:", color="tab:blue", label="entropy / log2 E"
@@ -232,7 +275,8 @@ def _logprob_panels(kl_ax: Any, f_ax: Any, result: MismatchResult) -> None:
     kl = np.asarray([s.kl_k3 for s in result.steps])
     kl_ax.plot(steps, kl, "o-", color="tab:blue")
     kl_ax.set(xlabel="training step", ylabel="KL(pi_infer || pi_train), k3 estimate", title="Mismatch KL")
-    zero_safe_log(kl_ax, kl)
+    if value_axis(kl_ax, kl) == "linear" and (note := spread_note(kl)):
+        kl_ax.set_title(f"Mismatch KL\n(linear from 0: {note})")
     thresholds = list(result.steps[0].extreme) if result.steps else []
     every = []
     for i, t in enumerate(thresholds):
@@ -244,7 +288,7 @@ def _logprob_panels(kl_ax: Any, f_ax: Any, result: MismatchResult) -> None:
         x = np.asarray(steps, np.float64) + dodge
         f_ax.plot(x, shares, "-", marker=style["marker"], color=style["color"], label=f"t = {t}")
     f_ax.set(xlabel="training step", ylabel="F(t): tokens with ratio > t either way", title="Extreme tokens")
-    zero_safe_log(f_ax, np.concatenate(every) if every else np.zeros(0))
+    value_axis(f_ax, np.concatenate(every) if every else np.zeros(0))
     f_ax.legend(fontsize=8)
     step_axis(kl_ax, steps)
     step_axis(f_ax, steps)
@@ -302,12 +346,10 @@ def drift_figure(result: DriftResult, path: Path) -> None:
             every.append(values)
             label = pair.a.rsplit(" ", 2)[-2] + " " + pair.a.rsplit(" ", 1)[-1]
             ax.plot(result.layers, values, "-", marker=style["marker"], color=style["color"], label=label)
-        zero_safe_log(ax, np.concatenate(every))
-        ax.set(
-            xlabel="MoE layer (global index)",
-            ylabel="Jensen-Shannon divergence (bits)",
-            title=f"Between runs (vs {short_name(result.other_url or '')})",
-        )
+        title = f"Between runs (vs {short_name(result.other_url or '')})"
+        ax.set(xlabel="MoE layer (global index)", ylabel="Jensen-Shannon divergence (bits)", title=title)
+        if value_axis(ax, np.concatenate(every)) == "linear" and (note := spread_note(np.concatenate(every))):
+            ax.set_title(f"{title}\n(linear from 0: {note})")
         ax.legend(fontsize=7)
         _integer_axis(ax)
     _save(fig, path)
