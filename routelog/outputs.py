@@ -20,8 +20,10 @@ def written_whole(path: Path) -> Iterator[Path]:
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial{path.suffix}")
     try:
         yield temporary
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as error:
+        with contextlib.suppress(OSError):
             temporary.unlink()
+        if isinstance(error, OSError) and error.filename in (str(temporary), temporary):
+            error.filename = str(path)  # the user chose ``path``: name it, not the temporary beside it
         raise
     os.replace(temporary, path)
