@@ -73,6 +73,12 @@ class MissingExtraError(RoutelogError, ImportError):
     """An optional part of routelog is used without the packages it needs; the message names the install command."""
 
 
+class ForkedWriterError(RoutelogError, RuntimeError):
+    """A writer is used in a process forked from the one that opened it: its background threads, its buffer's
+    owner and its committer live in the parent, so it refuses at once rather than wait for them. Open a writer in
+    the child."""
+
+
 class FormatVersionError(RoutelogError):
     """A store (or one of its documents) was written by a newer, unknown format version or feature set."""
 
@@ -149,3 +155,15 @@ class ReplayFidelityError(RoutelogError):
 class StaleRoutingError(ReplayFidelityError):
     """Routing recorded under another policy version than the one a replay takes (another step's, or tokens of a
     partial rollout generated before a weight update)."""
+
+
+class CredentialsInUrlError(StoreError):
+    """A store URL carries credentials in its userinfo (``s3://KEY:SECRET@bucket/run``): refused when the store is
+    opened or created, as every message, log line and repr naming the store would show them. The message shows the
+    URL redacted and says where credentials go instead (``storage_options``, the ``AWS_*`` environment)."""
+
+
+class EnvironmentVariableError(RoutelogError, ValueError):
+    """A ``ROUTELOG_*`` environment variable holds a value it does not accept (:mod:`routelog.environment`); the
+    message names the variable, the value given and the values it takes. The trainer integrations' variables raise
+    :class:`ReplayConfigError` instead."""

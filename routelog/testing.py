@@ -1,5 +1,6 @@
 """Test helpers shipped with routelog: a fault-injecting filesystem to exercise retries and failure paths, a hook
-that runs another process's operation inside a writer's commit window (:func:`before_first_log_create`), and
+that runs another process's operation inside a writer's commit window (:func:`before_first_log_create`), a clock
+hours off the storage's for the documents this process writes (:func:`skewed_clock`), and
 megatron-core on CPU (:func:`megatron_on_cpu`) for tests and examples, a stand-in for slime's routing preparation
 (:func:`slime_prepare`) where slime is not installed, and a local S3 server (:func:`local_s3_server`) whose
 conditional writes are atomic, as S3's are.
@@ -17,8 +18,10 @@ import errno
 import logging
 import random
 import re
+import sys
 import threading
 from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
 from typing import Any
 
 from fsspec.spec import AbstractFileSystem
@@ -169,6 +172,32 @@ def before_first_log_create(storage: Storage, action: Callable[[], object]) -> C
         storage.create = original  # type: ignore[method-assign]
 
     return remove
+
+
+@contextlib.contextmanager
+def skewed_clock(offset: float | Callable[[], float]) -> Iterator[None]:
+    """Within the block this process writes every document (commits, drops, seals, annotations) with a clock
+    ``offset`` seconds (or ``offset()``, read at each write) off the real one, as a host whose clock drifted would:
+    what the storage orders and times must not move."""
+    from routelog.format import documents
+
+    real = documents.utc_now
+
+    def skewed() -> datetime:
+        return real() + timedelta(seconds=offset() if callable(offset) else offset)
+
+    patched = [
+        module
+        for module in list(sys.modules.values())
+        if module.__name__.startswith("routelog") and getattr(module, "utc_now", None) is real
+    ]
+    for module in patched:
+        module.utc_now = skewed  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module in patched:
+            module.utc_now = real  # type: ignore[attr-defined]
 
 
 def megatron_on_cpu() -> None:

@@ -4,8 +4,9 @@ The model keeps a step's log as a list of entries and evaluates it by the format
 order (position, then slot: the commits of one commit entry share its position); the content is the commits before
 the first seal; a drop removes, among the commits before it, the records it names; of the records
 of one sample id no drop removed, the earliest is live; an annotation gives values to the live record of each
-sample id it names when that record precedes it with the same tokens; a view as of T evaluates the entries
-created by T. ``tests/test_protocol.py`` drives the real store and this model side by side.
+sample id it names when that record precedes it with the same tokens; a view as of T evaluates the log up to the
+last entry the storage stored by T (by the storage's timestamps, whatever the writers' clocks said).
+``tests/test_protocol.py`` drives the real store and this model side by side.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ class Entry:
     """One entry of the model's log. ``kind``: commit, drop, seal or annotation."""
 
     kind: str
-    created_at: datetime | None = None
-    """The real entry's time (read back after each operation)."""
+    stored_at: float | None = None
+    """When the storage stored the real entry's object, by its own clock (read back from the log's listing)."""
     position: int = 0
     """The log position of the real entry (commits of one commit entry share it)."""
     writer_id: str = ""
@@ -131,12 +132,13 @@ class Model:
     entries: list[Entry] = field(default_factory=list)
 
     def view(self, upto: int | None = None, as_of: datetime | None = None) -> View:
-        """The step after its first ``upto`` entries (all by default), counting only those created by ``as_of``."""
-        entries = [
-            (i, e)
-            for i, e in enumerate(self.entries[:upto])
-            if as_of is None or (e.created_at is not None and e.created_at <= as_of)
-        ]
+        """The step after its first ``upto`` entries (all by default); as of ``as_of``, the log up to the last
+        entry the storage stored by then (every earlier position existed before it was created)."""
+        last = max(
+            (e.position for e in self.entries if as_of is None or (e.stored_at or 1e300) <= as_of.timestamp()),
+            default=-1,
+        )
+        entries = [(i, e) for i, e in enumerate(self.entries[:upto]) if e.position <= last]
         seal = next((i for i, e in entries if e.kind == "seal"), None)
         content = [(i, e) for i, e in entries if e.kind == "commit" and (seal is None or i < seal)]
         drops = [(i, e) for i, e in entries if e.kind == "drop"]

@@ -358,3 +358,18 @@ def test_a_missing_optional_package_is_a_usage_error_naming_the_install_command(
     result = run_without(("matplotlib",), "-m", "routelog", "mismatch", url, "--plot", "m.png", tmp_path=tmp_path)
     _one_line_error(result, EXIT_USAGE, "matplotlib is not installed", "pip install 'routelog[plot]'")
     assert not (tmp_path / "m.png").exists()
+
+
+def test_credentials_in_a_url_and_an_unknown_storage_option_are_one_line_usage_errors() -> None:
+    """Both once ended in "internal error" (exit 4), the first quoting botocore's message with the secret in it."""
+    url = "s3://AKIAEXAMPLEKEY:SeCrEtVaLuE123@bucket/run"
+    for args in (("inspect", url), ("ls", url, "--step", "0"), ("inspect", url, "--debug")):
+        result = _cli(*args)
+        if "--debug" not in args:  # (which adds the traceback: it too shows the URL redacted only)
+            _one_line_error(result, EXIT_USAGE, "s3://***@bucket/run", "--storage-options", "AWS_ACCESS_KEY_ID")
+        assert result.returncode == EXIT_USAGE and "s3://***@bucket/run" in result.stderr, result.stderr
+        assert "AKIAEXAMPLEKEY" not in result.stdout + result.stderr, result.stderr
+        assert "SeCrEtVaLuE123" not in result.stdout + result.stderr, result.stderr
+    options = json.dumps({"endpont_url": "http://127.0.0.1:9000"})
+    result = _cli("inspect", "s3://bucket/run", "--storage-options", options)
+    _one_line_error(result, EXIT_USAGE, "'endpont_url'", "did you mean 'endpoint_url'?")

@@ -76,18 +76,38 @@ def _write_together(store: routelog.Store, committer: Any, writers: int, records
     return opened
 
 
-def test_a_shared_committer_commits_many_writers_in_few_entries(store_url: str) -> None:
-    store = routelog.create_store(store_url, SPEC)
+def _slow_committer(store_url: str, committer_id: str) -> Committer:
+    """A committer on a slow storage: the parts that arrive while it creates an entry wait for the next one."""
     committer_store = routelog.open_store(store_url)
     slow = committer_store.storage.create
 
     def create(key: str, data: bytes, **options: bool) -> bool:
-        time.sleep(0.5)  # a slow storage: the parts that arrive meanwhile wait for the next entry
+        time.sleep(0.5)
         return slow(key, data, **options)
 
     committer_store.storage.create = create  # type: ignore[method-assign]
-    committer = Committer(committer_store, committer_id="batcher")
-    writers = _write_together(store, committer, 24)
+    return Committer(committer_store, committer_id=committer_id)
+
+
+def test_a_seal_after_a_drop_of_one_commit_of_an_entry_lists_the_entry_s_commits_in_order(store_url: str) -> None:
+    """The first commit of a commit entry dropped whole and the second live: the seal names both in their order
+    (by slot), reads the live one and never the dropped one."""
+    store = routelog.create_store(store_url, SPEC)
+    _write_together(store, _slow_committer(store_url, "batcher"), 6)
+    grouped = next(e for e in _entries(store) if len(e.commits) >= 2)
+    dropped = grouped.commits[0]
+    store.drop(0, parts=[dropped.part])
+    live = sorted(routelog.open_store(store_url).step(0).sample_ids)
+    seal = store.seal(0)
+    assert seal.consolidated is not None
+    sealed = routelog.open_store(store_url).step(0)
+    assert sealed.sealed and sorted(sealed.sample_ids) == live
+    assert f"w{dropped.writer_id[1:]}/s0" not in live and verify_store(routelog.open_store(store_url)).ok
+
+
+def test_a_shared_committer_commits_many_writers_in_few_entries(store_url: str) -> None:
+    store = routelog.create_store(store_url, SPEC)
+    writers = _write_together(store, _slow_committer(store_url, "batcher"), 24)
     entries = _entries(store)
     assert all(isinstance(e, CommitGroup) and e.committer == "batcher" for e in entries)
     assert len(entries) <= 4, "parts that wait while an entry is created go in the next one together"
@@ -282,10 +302,12 @@ def test_the_log_is_listed_from_the_last_position_read(counted_s3: tuple[Storage
     directory = keys.log_dir(0)
     storage.write_many({f"{directory}/{keys.log_name(p)}": b"{}" for p in range(1005)})
     seen.clear()
+    before = time.time()
     names = storage.list_after(directory, keys.log_name(1001))
-    assert names == [keys.log_name(p) for p in (1002, 1003, 1004)]
+    assert list(names) == [keys.log_name(p) for p in (1002, 1003, 1004)]
     assert len(seen) == 1 and "start-after=" in seen[0].lower(), seen
-    assert storage.list_after(directory, keys.log_name(1004)) == []
+    assert all(abs(stored - before) < 60 for stored in names.values()), "each with the storage's time"
+    assert storage.list_after(directory, keys.log_name(1004)) == {}
 
 
 # -- the backoff of contending writers ------------------------------------------------------------------------------

@@ -448,16 +448,3 @@ def test_the_verl_plugin_installs_replay_by_configuration(tmp_path: Path, config
     else:
         assert not any(owner.startswith("routelog") for owner in owners), result.stdout
         assert owners[2:] == ["builtins"] * 3, result.stdout  # veRL's own functions
-
-
-def test_the_plugins_policy_versions_setting() -> None:
-    from routelog.align.plan import versions_for
-    from routelog.errors import ReplayConfigError
-    from routelog.integrations.verl_plugin import _versions
-
-    assert versions_for(_versions("step"), 7) == frozenset({7})
-    assert versions_for(_versions("any"), 7) is None
-    assert versions_for(_versions("step-2"), 7) == frozenset({5})
-    for bad in ("latest", "step-", "step-x", "step+1"):
-        with pytest.raises(ReplayConfigError, match="ROUTELOG_POLICY_VERSIONS"):
-            _versions(bad)

@@ -63,7 +63,7 @@ from routelog.store.history import read_commit_index
 from routelog.store.process_writer import ProcessWriter
 from routelog.store.verify import verify_store
 from routelog.store.writer import StepWriter, WriterError
-from routelog.testing import before_first_log_create
+from routelog.testing import before_first_log_create, skewed_clock
 from tests.protocol_model import SAMPLES, SPEC, VARIANTS, Entry, Model, ModelRecord, View, prompt_of, record_of
 
 STEP = 0
@@ -147,11 +147,16 @@ class FlakyCommitter:
         self.committer = committer
         self.armed: str | None = None
         self.fired: list[str] = []
+        self.crash_caller = False
+        """The next commit request never leaves its writer: the writer's process dies before sending it."""
 
     def lookup(self, request: LookupRequest) -> LookupReply:
         return self.committer.lookup(request)
 
     def commit(self, request: CommitRequest) -> CommitReply:
+        if self.crash_caller:
+            self.crash_caller = False
+            raise SimulatedCrash
         armed, self.armed = self.armed, None
         if armed == "before":
             self.fired.append(armed)
@@ -213,6 +218,10 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.intent = False
         self.counts: dict[str, int] = {}
         self.processes = 0
+        self.skew = 0.0
+        """Seconds this process's clock is off the storage's (every document's ``created_at``, ``sealed_at``)."""
+        self._clock = contextlib.ExitStack()
+        self._clock.enter_context(skewed_clock(lambda: self.skew))
         committer = Committer(self._open_store(), committer_id="shared", refresh_every=0.0)
         self.committer = FlakyCommitter(committer)
         """The committer writers share (reading the log for every lookup, so that what they decide is exact)."""
@@ -226,10 +235,13 @@ class ProtocolMachine(RuleBasedStateMachine):
         shares=st.booleans(),
         context=st.booleans(),
         threads=st.booleans(),
+        skew=st.sampled_from([-5.0, 0.0, 5.0]),
     )
-    def start(self, variants: list[int], shares: bool, context: bool, threads: bool) -> None:
+    def start(self, variants: list[int], shares: bool, context: bool, threads: bool, skew: float) -> None:
         """Every run starts from a step that holds records (so its operations meet them): one writer has committed a
-        record of each sample id, and stays open. ``shares``, ``context`` and ``threads``: see :meth:`open_writer`."""
+        record of each sample id, and stays open. ``shares``, ``context`` and ``threads``: see :meth:`open_writer`;
+        ``skew``: hours this process's clock is off the storage's (:meth:`skew_the_clock`)."""
+        self.skew = skew * 3600
         self.checkpoints.append(datetime.now(UTC))
         self.writers[WRITER_IDS[0]] = self._open(
             WRITER_IDS[0], in_process=True, shares=shares, context=context, threads=threads
@@ -486,7 +498,6 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.model.entries.append(
             Entry(
                 "commit",
-                doc.created_at,
                 position=position,
                 writer_id=writer_id,
                 part=doc.commits[0].part,
@@ -550,11 +561,14 @@ class ProtocolMachine(RuleBasedStateMachine):
         def crash() -> None:
             raise SimulatedCrash
 
-        before_first_log_create(writer.store.storage, crash)
         expected, _, _ = self._flush_outcome(writer)
         if expected is None:  # nothing to upload: the crash changes nothing
             writer.real.abort()
             return
+        if writer.shared:  # its part is uploaded; its process dies before the commit request leaves it
+            self.committer.crash_caller = True
+        else:
+            before_first_log_create(writer.store.storage, crash)
         with pytest.raises(SimulatedCrash):
             writer.real.flush()
 
@@ -573,14 +587,16 @@ class ProtocolMachine(RuleBasedStateMachine):
         sealed: list[Any] = []
         entry = Entry("seal", position=self.model.next_position)
         self.model.entries.append(entry)
-        remove = before_first_log_create(writer.store.storage, lambda: sealed.append(self.store.seal(STEP)))
+        # The window is between the decision and the create: the shared committer's, for a writer that shares one.
+        shared = isinstance(writer.real, StepWriter) and writer.real.shared_committer
+        storage = self.committer.committer.store.storage if shared else writer.store.storage
+        remove = before_first_log_create(storage, lambda: sealed.append(self.store.seal(STEP)))
         try:
             self._flush(writer_id, close=False)
         finally:
             remove()
         self.intent = True
         assert sealed and sealed[0].position == entry.position
-        entry.created_at = sealed[0].sealed_at
 
     @precondition(lambda self: not self.intent)
     @rule(data=st.data(), count=st.sampled_from([4, 32]))
@@ -659,7 +675,6 @@ class ProtocolMachine(RuleBasedStateMachine):
                 self.model.entries.append(
                     Entry(
                         "commit",
-                        doc.created_at,
                         position=position,
                         writer_id=commit.writer_id,
                         part=commit.part,
@@ -733,7 +748,6 @@ class ProtocolMachine(RuleBasedStateMachine):
         assert (set(drop.sample_ids), set(drop.parts), set(drop.writers)) == (sample_ids, parts, writers)
         entry = Entry(
             "drop",
-            drop.created_at,
             position=self.model.next_position,
             sample_ids=frozenset(sample_ids),
             parts=frozenset(parts),
@@ -757,7 +771,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             assert seal.position == position, "sealing again returns the step's one seal"
             return
         assert seal.position == self.model.next_position
-        self.model.entries.append(Entry("seal", seal.sealed_at, position=seal.position))
+        self.model.entries.append(Entry("seal", position=seal.position))
 
     @rule(samples=st.sets(st.sampled_from(SAMPLES), min_size=1, max_size=3))
     def annotate(self, samples: set[str]) -> None:
@@ -769,18 +783,16 @@ class ProtocolMachine(RuleBasedStateMachine):
             for sid in sorted(samples):
                 annotator.add(sid, {LOGPROB_TRAIN: now.live[sid][1].train_values()})
         position = self.model.next_position
-        doc = self._entry(position)
-        self.model.entries.append(
-            Entry("annotation", doc.created_at, position=position, records={s: now.live[s][1] for s in samples})
-        )
+        self._check_entry_kind(position, "routelog.annotation")
+        self.model.entries.append(Entry("annotation", position=position, records={s: now.live[s][1] for s in samples}))
 
     @rule(hours=st.sampled_from([0.0, 0.5, 2.0]))
     def gc(self, hours: float) -> None:
         """gc with a simulated clock: dead parts are dropped whole (a gc drop), old garbage deleted."""
         self._count("gc")
-        self.clock += hours * 3600
+        now = self._pass_time(hours * 3600)
         before = self.model.view()
-        report = self.store.gc(GRACE, delete=True, now=self.clock)
+        report = self.store.gc(GRACE, delete=True, now=now)
         assert not report.damaged, report.damaged
         dead = {path.rsplit("/", 1)[1] for path in report.dead_parts}
         for part in dead:  # gc may only call dead a part none of whose records is live
@@ -789,14 +801,33 @@ class ProtocolMachine(RuleBasedStateMachine):
             position = self.model.next_position
             drop = self._entry(position)
             assert isinstance(drop, DropRecord) and set(drop.parts) == dead
-            self.model.entries.append(Entry("drop", drop.created_at, position=position, parts=frozenset(dead)))
+            self.model.entries.append(Entry("drop", position=position, parts=frozenset(dead)))
+        self._read_stored_times()
         for i, entry in enumerate(self.model.entries):
-            if entry.kind != "drop" or entry.created_at is None:
+            if entry.kind != "drop" or entry.stored_at is None:
                 continue
-            if self.clock - entry.created_at.timestamp() >= GRACE:
+            # the storage's time of the drop, never its writer's clock
+            if (time.time() if now is None else now) - entry.stored_at >= GRACE:
                 named = {c.part for c in self.model.entries[:i] if c.kind == "commit"}
                 named &= set(entry.parts) | {c.part for c in self.model.commits() if c.writer_id in entry.writers}
                 self.reclaimable |= named
+        committed = {c.part for c in self.model.commits()}
+        deleted = {tree.rsplit("/", 1)[1] for tree in report.trees} & committed
+        assert deleted <= self.reclaimable, f"gc deleted committed parts still in their grace: {deleted}"
+
+    def _pass_time(self, seconds: float) -> float | None:
+        """Let ``seconds`` pass on the storage's clock; returns the ``now`` gc is to take (None: the storage's own).
+        An object store's timestamps cannot be moved: a simulated clock runs ahead of them."""
+        self.clock += seconds
+        return self.clock
+
+    @rule(hours=st.sampled_from([-5.0, 0.0, 5.0]))
+    def skew_the_clock(self, hours: float) -> None:
+        """From now on this process writes every document (commits, drops, seals, annotations) with a clock
+        ``hours`` off the storage's: the order, the as-of views and gc's grace (the storage's times) must not
+        move."""
+        self._count("clock_skew")
+        self.skew = hours * 3600
 
     @precondition(lambda self: not self.faults.armed)  # a second would change nothing
     @rule()
@@ -853,6 +884,12 @@ class ProtocolMachine(RuleBasedStateMachine):
         key = keys.log_key(STEP, position)
         return parse_log_document(self.store.storage.read(key), key)
 
+    def _read_stored_times(self) -> None:
+        """The storage's time of each model entry's object, from the log's listing (as a reader sees it)."""
+        listed = self.store.storage.list_after(keys.log_dir(STEP), None)
+        for entry in self.model.entries:
+            entry.stored_at = listed.get(keys.log_name(entry.position), entry.stored_at)
+
     def _check_entry_kind(self, position: int, kind: str) -> None:
         assert self._entry(position).kind == kind
 
@@ -865,6 +902,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self._count("check")
         if not self.model.entries:
             return
+        self._read_stored_times()
         _check_view(store.step(STEP), self.model.view())
         report = verify_store(store)
         assert report.ok, report.problems
@@ -888,6 +926,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         return [self.checkpoints[i] for i in sorted(chosen)]
 
     def teardown(self) -> None:
+        self._clock.close()
         for writer in self.writers.values():
             if isinstance(writer.real, ProcessWriter):
                 with contextlib.suppress(WriterError):
@@ -1008,6 +1047,16 @@ def local_machine(tmp_path: Path) -> Iterator[type[ProtocolMachine]]:
         url_factory = staticmethod(lambda: f"file://{roots}/{uuid.uuid4().hex}")  # type: ignore[assignment]
         faults_factory = staticmethod(new_faults)  # type: ignore[assignment]
 
+        def _pass_time(self, seconds: float) -> float | None:
+            """Time passes on the storage's own clock: every object and log entry grows ``seconds`` older (its
+            mtime moves back), and gc reads the storage's time now itself. A writer whose clock is off (``skew``)
+            cannot make what it wrote look older than the storage says."""
+            for path in Path(self.url.removeprefix("file://")).rglob("*"):
+                if path.is_file():
+                    stat = path.stat()
+                    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns - int(seconds * 1e9)))
+            return None
+
     try:
         yield LocalMachine
     finally:
@@ -1070,7 +1119,7 @@ def test_many_writers_on_s3_behind_a_fault_proxy(s3_fault_proxy: Any, s3_bucket:
 
     machine = S3Machine()
     try:
-        machine.start(variants=[0, 1, 2, 0], shares=True, context=False, threads=False)
+        machine.start(variants=[0, 1, 2, 0], shares=True, context=False, threads=False, skew=-5.0)  # clocks behind
         machine.views_equal_the_model()
         for fault in ("lost_response", "before", "after"):
             if fault == "lost_response":

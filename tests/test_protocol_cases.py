@@ -25,6 +25,7 @@ import pytest
 
 import routelog
 import routelog.format.documents
+import routelog.store.gc
 import routelog.store.storage
 import routelog.store.writer
 from routelog import Record
@@ -42,7 +43,7 @@ from routelog.store.fidelity import StepFidelity, write_fidelity
 from routelog.store.gc import GcRefusedError
 from routelog.store.verify import verify_store
 from routelog.store.writer import WriterError
-from routelog.testing import before_first_log_create
+from routelog.testing import before_first_log_create, skewed_clock
 from tests.protocol_model import SPEC, record_of
 
 GOLDEN = Path(__file__).parent / "fixtures"
@@ -71,6 +72,16 @@ def _expected(sid: str, variant: int = 0) -> np.ndarray:
 def _reads(url: str, step: int = 0) -> dict[str, np.ndarray]:
     snapshot = routelog.open_store(url).step(step)
     return {r.sample_id: r.expert_ids for r in snapshot.read_many(snapshot.sample_ids)}
+
+
+def _moment() -> datetime:
+    """Now, clear of the storage's timestamp granularity on both sides (a file's mtime comes from a coarse clock,
+    some milliseconds behind the one a process reads): what was stored before is older, what is stored after newer.
+    As-of views go by the storage's timestamps."""
+    time.sleep(0.03)
+    now = datetime.now(UTC)
+    time.sleep(0.03)
+    return now
 
 
 def _race(url: str, record: Record, writer_ids: tuple[str, str]) -> list[routelog.StepWriter]:
@@ -170,7 +181,7 @@ def test_a_sample_id_written_again_after_its_drop_is_live(tmp_path: Path, varian
     writer = _write(store, "a", _records("s0", variant=variant))
     assert writer.appended == 1 and writer.already_present == [], "reported committed"
     np.testing.assert_array_equal(_reads(url)["s0"], _expected("s0", variant)), "and read"
-    assert routelog.open_store(url).step(0, as_of=datetime.now(UTC)).sample_ids == ["s1", "s0"]
+    assert routelog.open_store(url).step(0, as_of=_moment()).sample_ids == ["s1", "s0"]
 
 
 def test_a_dropped_writer_id_used_again_writes_live_records(tmp_path: Path) -> None:
@@ -317,13 +328,13 @@ def test_a_seal_in_the_commit_window_refuses_the_commit(tmp_path: Path) -> None:
 def test_as_of_counts_only_entries_made_by_then_sealed_or_not(tmp_path: Path) -> None:
     url, store = _store(tmp_path)
     _write(store, "a", _records("s0"))
-    before_seal = datetime.now(UTC)
+    before_seal = _moment()
     late = routelog.open_store(url).writer(0, "late", background=False)
     late.append(_records("s1")[0])
     store.seal(0)
     with pytest.raises(WriterError, match="sealed"):
         late.close()
-    after = datetime.now(UTC)
+    after = _moment()
     assert routelog.open_store(url).step(0, as_of=before_seal).sample_ids == ["s0"]
     assert not routelog.open_store(url).step(0, as_of=before_seal).sealed
     at_end = routelog.open_store(url).step(0, as_of=after)
@@ -332,10 +343,70 @@ def test_as_of_counts_only_entries_made_by_then_sealed_or_not(tmp_path: Path) ->
     assert routelog.open_store(url).step(0, as_of=naive).sample_ids == ["s0"], "a naive time is read as UTC"
 
 
+# -- clocks: the storage's orders and ages everything, never a writer's nor gc's host's ---------------------------
+def test_a_writer_whose_clock_runs_hours_behind_cannot_place_its_commit_in_the_past(tmp_path: Path) -> None:
+    url, store = _store(tmp_path)
+    _write(store, "a", _records("s0"))
+    then = _moment()
+    with skewed_clock(-5 * 3600):
+        _write(routelog.open_store(url), "behind", _records("s1"))
+        routelog.open_store(url).drop(0, sample_ids=["s0"])
+    between = _moment()
+    with skewed_clock(5 * 3600):
+        _write(routelog.open_store(url), "ahead", _records("s2"))
+    assert routelog.open_store(url).step(0, as_of=then).sample_ids == ["s0"], "what was stored later is not shown"
+    assert routelog.open_store(url).step(0, as_of=between).sample_ids == ["s1"]
+    assert sorted(routelog.open_store(url).step(0, as_of=_moment()).sample_ids) == ["s1", "s2"]
+
+
+def test_gc_counts_a_dropped_part_s_grace_from_when_the_storage_stored_the_drop(tmp_path: Path) -> None:
+    url, store = _store(tmp_path)
+    _write(store, "a", _records("s0"))
+    part = store.step(0).commits[0].part
+    two_hours_ago = time.time() - 7200  # the part was written long ago: only its drop's grace keeps it
+    for file in Path(url.removeprefix("file://"), keys.part_dir(0, part)).rglob("*"):
+        os.utime(file, (two_hours_ago, two_hours_ago))
+    with skewed_clock(-5 * 3600):  # the dropping host's clock says the drop is five hours old
+        store.drop(0, parts=[part])
+    routelog.open_store(url).gc(3600, delete=True)
+    assert store.storage.find(keys.part_dir(0, part)), "an as-of view may read it for the grace period"
+    routelog.open_store(url).gc(3600, delete=True, now=time.time() + 7200)
+    assert not store.storage.find(keys.part_dir(0, part))
+
+
+def test_gc_on_a_host_whose_clock_runs_hours_ahead_deletes_nothing_young(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gc deletes by the storage's time now (it creates an object and reads its timestamp), so a host clock five
+    hours ahead neither reclaims a part dropped a moment ago nor a part a live writer has yet to commit."""
+    url, store = _store(tmp_path)
+    _write(store, "a", _records("s0"))
+    dropped = store.step(0).commits[0].part
+    store.drop(0, parts=[dropped])
+    writer_store = routelog.open_store(url)
+    writer = writer_store.writer(0, "slow", background=False)
+    writer.append(_records("s1")[0])
+
+    def crash() -> None:
+        raise RuntimeError("the writer's host went away between its upload and its commit")
+
+    before_first_log_create(writer_store.storage, crash)
+    with pytest.raises(Exception, match="went away"):
+        writer.close()
+    uncommitted = set(store.storage.list(keys.parts_dir(0))) - {c.part for c in store.step(0).commits}
+    assert uncommitted
+    real = time.time
+    monkeypatch.setattr(routelog.store.gc.time, "time", lambda: real() + 5 * 3600)
+    report = routelog.open_store(url).gc(3600, delete=True)
+    assert not report.trees and not report.orphans and report.kept_young >= 1
+    assert store.storage.find(keys.part_dir(0, dropped))
+    assert all(store.storage.find(keys.part_dir(0, p)) for p in uncommitted)
+
+
 def test_an_as_of_view_of_reclaimed_history_says_so(tmp_path: Path) -> None:
     url, store = _store(tmp_path)
     _write(store, "a", _records("s1"))
-    then = datetime.now(UTC)
+    then = _moment()
     part = store.step(0).commits[0].part
     store.drop(0, parts=[part])
     assert routelog.open_store(url).step(0, as_of=then).sample_ids == ["s1"], "kept for the grace period"
@@ -354,7 +425,7 @@ def test_an_as_of_view_whose_shared_rows_gc_reclaimed_says_so(tmp_path: Path) ->
     _write(store, "b", _records("s2"))  # s2's prompt rows point into a's part
     part_a = next(c.part for c in store.step(0).commits if c.writer_id == "a")
     store.drop(0, parts=[part_a])
-    then = datetime.now(UTC)
+    then = _moment()
     store.gc(3600, delete=True, now=time.time() + 7200)
     assert store.storage.find(keys.part_dir(0, part_a)), "kept while s2 reads through it"
     store.drop(0, sample_ids=["s2"])
@@ -418,6 +489,49 @@ def test_a_forked_child_commits_on_fsync_threads_of_its_own(tmp_path: Path) -> N
         pytest.fail("the forked child's commit did not finish in 60 s")
     assert os.waitstatus_to_exitcode(finished[1]) == 0
     assert sorted(routelog.open_store(url).step(0).sample_ids) == ["c0", "p0"]
+
+
+@pytest.mark.parametrize("operation", ["append", "flush", "close", "abort", "process writer"])
+def test_a_writer_inherited_by_a_forked_child_refuses_at_once(tmp_path: Path, operation: str) -> None:
+    """A child forked while the parent's writer is open has none of its threads: whatever it calls on that writer
+    raises ForkedWriterError at once (naming both processes), never waits; the parent's writer goes on."""
+    url, store = _store(tmp_path)
+    if operation == "process writer":
+        writer: Any = routelog.ProcessWriter(url, 0, writer_id="parent")
+    else:
+        writer = store.writer(0, "parent")
+    writer.append(_records("p0")[0])
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child reports through the pipe)
+        outcome = "no error"
+        try:
+            started = time.monotonic()
+            try:
+                if operation == "append":
+                    writer.append(_records("c0")[0])
+                else:
+                    getattr(writer, "flush" if operation == "process writer" else operation)()
+            except Exception as error:  # reported to the parent, which asserts on it
+                outcome = f"{type(error).__name__} {time.monotonic() - started:.3f} {error}"
+        finally:
+            os.write(write, outcome.encode())
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 60
+    while (finished := os.waitpid(pid, os.WNOHANG)[0]) == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if finished == 0:  # the child waits on threads it does not have: the failure this test is about
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    with os.fdopen(read) as pipe:
+        outcome = pipe.read()
+    name, seconds, message = outcome.split(" ", 2)
+    assert name == "ForkedWriterError" and float(seconds) < 1.0, outcome
+    assert f"opened by process {os.getpid()}, and this is process {pid}" in message
+    writer.append(_records("p1")[0])
+    writer.close()
+    assert sorted(routelog.open_store(url).step(0).sample_ids) == ["p0", "p1"]
 
 
 # -- ambiguous and unanswered creates --------------------------------------------------------------------------------
@@ -552,7 +666,7 @@ def test_timestamps_without_an_offset_are_read_as_utc(tmp_path: Path) -> None:
         store.storage.write(key, json.dumps(doc).encode())
     reopened = routelog.open_store(url)
     assert reopened.step(0).sample_ids == ["s0"]
-    assert reopened.step(0, as_of=datetime.now(UTC)).sample_ids == ["s0"]
+    assert reopened.step(0, as_of=_moment()).sample_ids == ["s0"]
     assert reopened.step(0, as_of=datetime(2000, 1, 1, tzinfo=UTC)).sample_ids == []
     assert not reopened.gc(3600, delete=True, now=time.time() + 86400).damaged
     assert verify_store(reopened).ok

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import time
+from datetime import UTC, datetime
 
 import numpy as np
 import pyarrow as pa
@@ -153,14 +155,16 @@ def test_a_column_given_twice_is_an_error_not_a_silent_choice(memory_url: str, s
             writer.append(record)
     n = written[1].n_tokens
     annotate(store, 0, "t1", {"s1": {LOGPROB_TRAIN: np.zeros(n)}})
+    time.sleep(0.03)
+    between = datetime.now(UTC)  # as-of views go by the storage's times of the entries
+    time.sleep(0.03)
     annotate(store, 0, "t2", {"s1": {LOGPROB_TRAIN: np.ones(n) * -1}})
     with pytest.raises(DuplicateSampleError, match="given twice"):
         store.step(0).token_values(["s1"], [LOGPROB_TRAIN])
     assert not verify_store(store).ok
     # ...but reading other columns, and reading as of before the second annotation, still works.
     assert LOGPROB_INFER in store.step(0).token_values(["s1"], [LOGPROB_INFER])["s1"]
-    first = store.step(0).annotations[0].created_at
-    assert store.step(0, as_of=first).token_values(["s1"], [LOGPROB_TRAIN])["s1"][LOGPROB_TRAIN].tolist() == [0.0] * n
+    assert store.step(0, as_of=between).token_values(["s1"], [LOGPROB_TRAIN])["s1"][LOGPROB_TRAIN].tolist() == [0.0] * n
 
 
 def test_orphaned_annotation_data_is_collected(memory_url: str, small_spec: ModelSpec) -> None:

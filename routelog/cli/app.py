@@ -16,6 +16,8 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from routelog import environment
+
 if TYPE_CHECKING:  # the command line imports what a command needs when it runs (--help and --version: nothing)
     from rich.progress import Progress
 
@@ -35,7 +37,7 @@ _WIDE = None if sys.stdout.isatty() else 160  # redirected output: do not cut ta
 console = Console(width=_WIDE, markup=False)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160, markup=False)
 
-DEBUG_ENV = "ROUTELOG_DEBUG"
+DEBUG_ENV = environment.DEBUG.name
 """Set to 1 to see the traceback of any error (the same as ``--debug``)."""
 
 

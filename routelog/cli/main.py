@@ -23,6 +23,7 @@ import traceback
 import typer
 from rich.text import Text
 
+from routelog import environment
 from routelog.cli.app import DEBUG_ENV, app, err_console
 from routelog.errors import RoutelogError, StoreAccessError, StoreUnreachableError, WriteInterruptedError
 from routelog.extras import install_hint
@@ -118,10 +119,11 @@ def main() -> None:
     """Run the command line. ``--debug`` may come anywhere on it (before or after the command): it prints the
     traceback of an error, which still ends in the same one line and exit code."""
     arguments = sys.argv[1:]
-    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") or "--debug" in arguments
-    if debug:
-        os.environ[DEBUG_ENV] = "1"
+    debug = "--debug" in arguments
     try:
+        debug = environment.debug() or debug  # checked even with --debug: a bad value is refused, not ignored
+        if debug:
+            os.environ[DEBUG_ENV] = "1"
         code = app(args=[a for a in arguments if a != "--debug"], standalone_mode=False)
     except Exception as exc:  # typer.Abort (Ctrl-C outside a writer) is one too
         if debug and not isinstance(exc, (_ClickException, typer.Abort, WriteInterruptedError)):

@@ -89,7 +89,10 @@ def ls_records(
     step: Annotated[int, typer.Option(help="Step to list.", min=0, max=MAX_STEP)],
     as_of: Annotated[
         datetime | None,
-        typer.Option("--as-of", help="The step as it was at this UTC time (ISO 8601): commits made by then only."),
+        typer.Option(
+            "--as-of",
+            help="The step as it was at this UTC time (ISO 8601): the entries the storage held then (by its clock).",
+        ),
     ] = None,
     json_out: JsonFlag = False,
     storage_options_: StorageOptions = None,

@@ -89,6 +89,7 @@ import numpy.typing as npt
 
 from routelog.format import context_python, ranked, zstd_frames
 from routelog.format.kernels import compiled_module
+from routelog.format.limits import MAX_ZSTD_EXPANSION, check_count, most_decisions
 
 MAX_TOKEN_CANDIDATES = context_python.MAX_TOKEN_CANDIDATES
 """Candidates a token may have in one layer's model (readers refuse more)."""
@@ -670,10 +671,19 @@ def decode_chunk(
         if data.size < head:
             raise ContextFormatError("a short chunk")
         most = int.from_bytes(data[1:5].tobytes(), "little")
+        if most > n:  # compared here first: this runs once a chunk
+            check_count(
+                most,
+                name="U (escaped rows a layer)",
+                at_most=n,
+                where="the chunk",
+                expected=f"the chunk's {n} rows",
+                error=ContextFormatError,
+            )
         sizes = np.frombuffer(data[5:head].tobytes(), "<u4").astype(np.int64)
         ends = head + np.cumsum(sizes)
         streams_end = int(ends[-1]) if layers else head
-        if most > n or streams_end > data.size or (most and streams_end == data.size):
+        if streams_end > data.size or (most and streams_end == data.size):
             raise ContextFormatError("the chunk's streams and escapes do not add up to its bytes")
     else:
         raise ContextFormatError(f"unknown chunk version {version}")
@@ -868,42 +878,44 @@ def decode_section(
     version: int = MODEL_VERSION,
 ) -> LayerModel:
     """One layer's model from its section's bytes (checksum included) in a model of ``version``, checked before
-    use: at most ``rows`` sets and token keys (the array's rows: a set is listed for two rows at least), valid sets,
-    ascending keys, counts within the limits, candidates inside the list. ``below_sets``: the layer below's list
-    size where the layer has one in its chunk, else None."""
+    use: at most ``rows`` sets and token keys (the array's rows: a set is listed for two rows at least), and no more
+    than the section's bytes can code (:func:`_check_section_counts`), valid sets, ascending keys, counts within the
+    limits, candidates inside the list. ``below_sets``: the layer below's list size where the layer has one in its
+    chunk, else None."""
     section = np.frombuffer(data, np.uint8)
     where = f"layer {layer}'s model"
     if section.size < 24 or google_crc32c.value(section[:-4].tobytes()) != int.from_bytes(
         section[-4:].tobytes(), "little"
     ):
         raise ContextFormatError(f"{where} fails its checksum")
-    n_sets, n_keys, n_below, sets_nbytes = np.frombuffer(section[:16].tobytes(), "<u4").astype(np.int64)
-    if n_sets > rows or n_keys > rows or n_below > (below_sets or 0):
-        raise ContextFormatError(f"{where} claims {n_sets} sets, {n_keys} token keys, {n_below} keys below")
-    at = 16 + int(sets_nbytes)
+    n_sets, n_keys, n_below, sets_nbytes = (int(n) for n in np.frombuffer(section[:16].tobytes(), "<u4"))
+    at = 16 + sets_nbytes
     if at + 4 > section.size - 4:
         raise ContextFormatError(f"{where}: its sections pass its end")
+    frame_nbytes = int.from_bytes(section[at : at + 4].tobytes(), "little")
+    if at + 4 + frame_nbytes != section.size - 4:
+        raise ContextFormatError(f"{where}: its sections do not add up to its bytes")
+    _check_section_counts(
+        (n_sets, n_keys, n_below), rows, below_sets, (sets_nbytes, frame_nbytes), topk * dtype.itemsize, version, where
+    )
     sets = np.zeros((0, topk), dtype)
     if n_sets and version == MODEL_VERSION_CODED_LISTS:  # any stream decodes to valid sets
-        sets = np.empty((int(n_sets), topk), dtype)
+        sets = np.empty((n_sets, topk), dtype)
         _decode_escapes(section[16:at], sets, _id_order(num_experts), num_experts)
     elif n_sets and version in (MODEL_VERSION_REFERENCED_LISTS, MODEL_VERSION_CODED_TABLES):
-        sets = np.empty((int(n_sets), topk), dtype)
+        sets = np.empty((n_sets, topk), dtype)
         stopped = _decode_list(section[16:at], sets, num_experts)
         if stopped >= 0:
             raise ContextFormatError(f"{where}'s list: set {stopped} refers to a set before the list's start")
     elif n_sets:
         try:
-            sets = ranked.decode(section[16:at], (1, int(n_sets), topk), dtype, num_experts, accept="sets")[0]
+            sets = ranked.decode(section[16:at], (1, n_sets, topk), dtype, num_experts, accept="sets")[0]
         except ranked.RankedFormatError as exc:
             raise ContextFormatError(f"{where}'s list: {exc}") from exc
-    frame_nbytes = int.from_bytes(section[at : at + 4].tobytes(), "little")
-    if at + 4 + frame_nbytes != section.size - 4:
-        raise ContextFormatError(f"{where}: its sections do not add up to its bytes")
     frame = section[at + 4 : at + 4 + frame_nbytes]
     if version == MODEL_VERSION_CODED_TABLES:
-        return _decode_tables(frame, sets, int(n_keys), int(n_below), below_sets, where)
-    bound = int(n_keys) * (5 + 4 * MAX_TOKEN_CANDIDATES) + int(n_below) * (5 + 4 * MAX_BELOW_CANDIDATES)
+        return _decode_tables(frame, sets, n_keys, n_below, below_sets, where)
+    bound = n_keys * (5 + 4 * MAX_TOKEN_CANDIDATES) + n_below * (5 + 4 * MAX_BELOW_CANDIDATES)
     integers = np.zeros(0, np.uint8)
     if frame_nbytes:
         try:
@@ -911,11 +923,11 @@ def decode_section(
         except zstd_frames.FrameError as exc:
             raise ContextFormatError(f"{where}: {exc}") from exc
     reader = _Integers(integers, where)
-    keys = np.cumsum(reader.planes(int(n_keys)))
-    counts = reader.bytes(int(n_keys))
+    keys = np.cumsum(reader.planes(n_keys))
+    counts = reader.bytes(n_keys)
     candidates = reader.planes(int(counts.sum()))
-    below_keys = np.cumsum(reader.planes(int(n_below)))
-    below_counts = reader.bytes(int(n_below))
+    below_keys = np.cumsum(reader.planes(n_below))
+    below_counts = reader.bytes(n_below)
     below_candidates = reader.planes(int(below_counts.sum()))
     reader.done()
     if (
@@ -942,6 +954,56 @@ def decode_section(
         below_offsets,
         below_candidates.astype(np.uint32),
     )
+
+
+_TABLE_ENTRY_NBYTES = 9
+"""The least a token key (or a key below) takes among a zstd-coded section's integers: its delta (4 bytes), its count
+(1) and one candidate (4)."""
+
+
+def _check_section_counts(
+    counts: tuple[int, int, int],
+    rows: int,
+    below_sets: int | None,
+    nbytes: tuple[int, int],
+    set_nbytes: int,
+    version: int,
+    where: str,
+) -> None:
+    """A section's head, checked before anything is allocated or decoded for it: its sets ``S``, token keys ``T``
+    and keys below ``B`` (``counts``) within the array's ``rows`` (a set is listed for two rows at least; a key is a
+    row's token), the layer below's list, and what the list's and the tables' bytes (``nbytes``) can code
+    (:func:`~routelog.format.limits.most_decisions`): a listed set, distinct from the others, decodes to
+    ``set_nbytes`` (``K`` IDs) from a zstd frame (model version 1), or codes a 1 in a range-coded list (all but one:
+    only one set codes as 0s alone); a key decodes to :data:`_TABLE_ENTRY_NBYTES` from a zstd frame (versions 1 to
+    3), or codes a decision in a range-coded table (version 4; keys at the end of the tables, each one past the key
+    before with the first listed set as its only candidate, code only 0s: the bound allows 6400 of them)."""
+    n_sets, n_keys, n_below = counts
+    list_nbytes, tables_nbytes = nbytes
+    if version == MODEL_VERSION:
+        most_sets = list_nbytes * MAX_ZSTD_EXPANSION // set_nbytes
+        sets_coded = f"a zstd-coded list of {list_nbytes} bytes, {set_nbytes} bytes a set"
+    else:
+        most_sets = 1 + most_decisions(list_nbytes)
+        sets_coded = f"a range-coded list of {list_nbytes} bytes, a decision a set"
+    if version == MODEL_VERSION_CODED_TABLES:
+        most_keys = most_decisions(tables_nbytes)
+        keys_coded = f"range-coded tables of {tables_nbytes} bytes, a decision a key"
+    else:
+        most_keys = tables_nbytes * MAX_ZSTD_EXPANSION // _TABLE_ENTRY_NBYTES
+        keys_coded = f"zstd-coded tables of {tables_nbytes} bytes, {_TABLE_ENTRY_NBYTES} bytes a key"
+    fields = [
+        ("S (sets listed)", n_sets, min(rows, most_sets), f"the array's {rows} rows, and {sets_coded}"),
+        ("T (token keys)", n_keys, min(rows, most_keys), f"the array's {rows} rows, and {keys_coded}"),
+        (
+            "B (keys below)",
+            n_below,
+            min(below_sets or 0, most_keys),
+            f"the {below_sets or 0} sets below, and {keys_coded}",
+        ),
+    ]
+    for name, value, at_most, expected in fields:
+        check_count(value, name=name, at_most=at_most, where=where, expected=expected, error=ContextFormatError)
 
 
 def _encode_tables(model: LayerModel) -> bytes:

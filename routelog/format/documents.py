@@ -23,7 +23,14 @@ from routelog.errors import CorruptDataError, FormatVersionError
 from routelog.format import keys
 from routelog.format.codec import TopkOrder, Transform
 from routelog.format.digest import DIGEST_PATTERN, decode_hashes
-from routelog.format.limits import FORMAT_VERSION, MAX_EXPERTS, MAX_MOE_LAYERS, MAX_RECORD_TOKENS, MAX_TOPK
+from routelog.format.limits import (
+    FORMAT_VERSION,
+    MAX_EXPERTS,
+    MAX_MOE_LAYERS,
+    MAX_RECORD_TOKENS,
+    MAX_TOPK,
+    check_count,
+)
 from routelog.format.spec import ModelSpec
 from routelog.format.values import VALUES_OBJECT
 from routelog.format.weights import WeightsDtype
@@ -339,8 +346,15 @@ class _CommitBase(_Document):
     @model_validator(mode="after")
     def _consistent(self) -> _CommitBase:
         tokens = getattr(self, "n_tokens", None)
-        if tokens is not None and tokens > self.n_records * MAX_RECORD_TOKENS:
-            raise ValueError(f"{tokens} tokens in {self.n_records} records: more than {MAX_RECORD_TOKENS} a record")
+        if tokens is not None:  # what bounds reading its index (or values)
+            check_count(
+                tokens,
+                name="n_tokens",
+                at_most=self.n_records * MAX_RECORD_TOKENS,
+                where=f"part {self.part}",
+                expected=f"its n_records = {self.n_records}, {MAX_RECORD_TOKENS} tokens a record at the most",
+                error=ValueError,
+            )
         # A damaged or forged ``part`` cannot point at another writer's data.
         if not self.part.startswith(keys.part_prefix(self.writer_id, self.seq)):
             raise ValueError(f"part {self.part!r} does not belong to commit {self.writer_id}.{self.seq:08d}")
@@ -406,6 +420,15 @@ class CommitRecord(_CommitBase):
         for name, array in self.streams.items():
             if array.path != f"{STREAMS_DIR}/{name}":
                 raise ValueError(f"stream {name!r} must be stored under {STREAMS_DIR}/{name}, not {array.path!r}")
+        for field, array in [("routing", self.routing), *((f"streams.{n}", a) for n, a in self.streams.items())]:
+            check_count(  # readers size per-row tables by it (the tokens of a context-coded array's rows)
+                array.n_rows,
+                name=f"{field}.n_rows",
+                at_most=self.n_tokens,
+                where=f"part {self.part}",
+                expected=f"its records' n_tokens = {self.n_tokens}: a stored row is a token of one of them",
+                error=ValueError,
+            )
         weights, routing = self.weights, self.routing
         if weights is not None and (weights.n_rows, weights.num_moe_layers, weights.topk) != (
             routing.n_rows,

@@ -20,7 +20,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from routelog.errors import CorruptDataError
-from routelog.format import context
 from routelog.format.arrow import to_numpy
 from routelog.format.documents import IndexRow
 
@@ -172,17 +171,55 @@ def _record_spans(table: pa.Table, min_tokens: int, where: str) -> list[RecordSp
     ]
 
 
-def part_row_tokens(table: pa.Table, n_rows: int) -> npt.NDArray[np.int64]:
-    """The token id of each row of a part's routing array ``[n_rows]`` from the part's index (every record it
-    stored, dropped and shadowed ones too): :func:`routelog.format.context.row_tokens`, with the token ids taken
-    from the column as arrays."""
+@dataclass(frozen=True)
+class RowTokens:
+    """The token id of each row of a part's routing array (context-coded chunks decode with them), made a window of
+    rows at a time from the spans and token ids of the part's index: the array's ``n_rows`` is only a claim of its
+    commit, and no table is sized by it (a part claiming 2**31 rows held 16 GiB of them). A row takes the token of
+    the records whose spans in their own part cover it, -1 where none has token ids: what
+    :func:`routelog.format.context.row_tokens` gives the writer for the whole array."""
+
+    n_rows: int
+    rows: npt.NDArray[np.int64]
+    """Each span with token ids (every record's own spans, in index order): its first row, ..."""
+    counts: npt.NDArray[np.int64]
+    """... its rows, ..."""
+    sources: npt.NDArray[np.int64]
+    """... and where its first token lies in :attr:`values`."""
+    values: npt.NDArray[Any]
+    """The index's token ids, every record's one after another."""
+
+    def window(self, start: int, stop: int) -> npt.NDArray[np.int64]:
+        """The tokens of rows ``[start, stop)`` (clipped to the array's rows)."""
+        stop = max(start, min(stop, self.n_rows))
+        out = np.full(stop - start, -1, np.int64)
+        for i in np.flatnonzero((self.rows < stop) & (self.rows + self.counts > start)).tolist():
+            first, end = max(int(self.rows[i]), start), min(int(self.rows[i] + self.counts[i]), stop)
+            source = int(self.sources[i]) + first - int(self.rows[i])
+            out[first - start : end - start] = self.values[source : source + end - first]  # in order, as the writer's
+        return out
+
+
+def part_row_tokens(table: pa.Table, n_rows: int) -> RowTokens:
+    """The token id of each row of a part's routing array ``[n_rows]``, from the part's index (every record it
+    stored, dropped and shadowed ones too): the spans in their own part of the records with token ids, each
+    inside the array and inside its record's ids (as :func:`routelog.format.context.row_tokens` takes them)."""
     tokens = _TokenLists.of(table.column("token_ids"))
-    spans = table.column("spans").to_pylist()
-    records = (
-        (
-            tokens.values[tokens.offsets[i] : tokens.offsets[i + 1]] if tokens.present[i] else None,
-            [(s["token_start"], s["n_rows"], s["row"], s["part"]) for s in spans[i] or ()],
-        )
-        for i in range(table.num_rows)
+    spans = table.column("spans").combine_chunks()
+    flat = pc.list_flatten(spans)
+    owner = np.repeat(np.arange(table.num_rows), to_numpy(pc.list_value_length(spans), fill=0))
+    starts, counts, rows = (
+        to_numpy(flat.field(name), fill=-1).astype(np.int64) for name in ("token_start", "n_rows", "row")
     )
-    return context.row_tokens(records, n_rows)
+    offsets = tokens.offsets.astype(np.int64)
+    lengths = np.diff(offsets)[owner]
+    kept = (
+        to_numpy(pc.is_null(flat.field("part")))
+        & tokens.present[owner]
+        & (starts >= 0)
+        & (counts >= 0)
+        & (rows >= 0)
+        & (rows + counts <= n_rows)
+        & (starts + counts <= lengths)
+    )
+    return RowTokens(n_rows, rows[kept], counts[kept], offsets[owner[kept]] + starts[kept], tokens.values)

@@ -17,12 +17,13 @@ bounds. Nor does it return a row that is no top-k set (:data:`INVALID_ROW`; :dat
 from __future__ import annotations
 
 import importlib
-import os
 from types import ModuleType
 from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
+
+from routelog import environment
 
 RANK_BELOW: Final = 0.99
 """A layer is considered for relabelling only when the entropy of its expert load (on a sample of at most
@@ -99,7 +100,7 @@ ACCEPT: Final = {"any": ANY_ROWS, "sets": SETS, "sets_or_fill": SETS_OR_FILL}
 def compiled_module(name: str) -> ModuleType | None:
     """The compiled extension ``name`` (``routelog.format._ckernels``, ``routelog.audit._ckernels``), or None where
     it was not built or ``ROUTELOG_KERNELS=numpy`` asks for the numpy kernels."""
-    if os.environ.get("ROUTELOG_KERNELS", "").lower() == "numpy":
+    if environment.kernels() == "numpy":
         return None
     try:
         return importlib.import_module(name)

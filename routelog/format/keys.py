@@ -22,6 +22,9 @@ SEAL = "_SEALED.json"
 SEALING = "_SEALING.json"
 SEALED_DIR = "_sealed"
 LOG = "log"
+CLOCK_DIR = "_clock"
+"""Where a process reads the storage's clock (:meth:`routelog.store.storage.Storage.clock`): an empty object created,
+read back and deleted at once. Readers ignore it."""
 LEGACY_MARKER = "_log.00000000.json"
 """Created in the ``commits/`` directory of a step of a format-1/2 store before its first log entry: a document of
 format version 3 that every format-1/2 reader parses (the name matches their commit pattern) and refuses with its

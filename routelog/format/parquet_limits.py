@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 
 from routelog.errors import CorruptDataError
 from routelog.format.kernels import compiled_module
+from routelog.format.limits import MIN_RECORD_BITS, check_count, most_items
 
 # -- budgets ----------------------------------------------------------------------------------------------------------
 RECORD_BYTES: Final = 64 << 10
@@ -94,6 +95,17 @@ _LENGTH: Final = struct.Struct("<I")
 
 # Thrift compact protocol types
 _STOP, _TRUE, _FALSE, _BYTE, _I16, _I32, _I64, _DOUBLE_T, _BINARY, _LIST, _SET, _MAP, _STRUCT = range(13)
+
+
+def most_records(nbytes: int, declared: int | None, where: str, *, fallback: int) -> int:
+    """The rows an object of ``nbytes`` may hold: ``declared``, the ``n_records`` of what vouches for it (its
+    commit, annotation or seal), once checked against its bytes; without one, the most its bytes can hold, at most
+    ``fallback``."""
+    most = most_items(nbytes, bits_each=MIN_RECORD_BITS)
+    if declared is None:
+        return min(most, fallback)
+    expected = f"the records an object of {nbytes} bytes holds, {MIN_RECORD_BITS} bit each at the least"
+    return check_count(declared, name="n_records", at_most=most, where=where, expected=expected)
 
 
 def decoded_budget(records: int, tokens: int, *, token_bytes: int = TOKEN_BYTES) -> int:

@@ -48,7 +48,7 @@ from routelog.format.documents import (
     WeightsArrayInfo,
 )
 from routelog.format.limits import FORMAT_VERSION, MAX_RECORD_TOKENS
-from routelog.format.parquet_limits import MAX_STREAMS, BoundedParquet, ParquetLeaf, decoded_budget
+from routelog.format.parquet_limits import MAX_STREAMS, BoundedParquet, ParquetLeaf, decoded_budget, most_records
 from routelog.format.record import PreparedRecord
 from routelog.format.row_blocks import RowBlocks
 from routelog.format.shard import (
@@ -509,11 +509,12 @@ def index_from_parquet(
     otherwise.
 
     Pass the commit's ``n_records`` and ``n_tokens`` (the seal's for a consolidated index) and the number of
-    streams the commit holds. None (until every caller passes them) means the format's absolute limits: as many
-    records as the footer declares up to ``MAX_PART_ROWS``, ``MAX_RECORD_TOKENS`` tokens each, :data:`MAX_STREAMS`
-    streams.
+    streams the commit holds; ``n_records`` is checked against the object's bytes first
+    (:func:`~routelog.format.parquet_limits.most_records`). None (until every caller passes them) means the format's
+    absolute limits: as many records as the footer declares up to ``MAX_PART_ROWS`` (and its bytes can hold),
+    ``MAX_RECORD_TOKENS`` tokens each, :data:`MAX_STREAMS` streams.
     """
-    parquet = BoundedParquet(data, where, max_rows=MAX_PART_ROWS if max_records is None else max_records)
+    parquet = BoundedParquet(data, where, max_rows=most_records(len(data), max_records, where, fallback=MAX_PART_ROWS))
     records = parquet.num_rows  # at most max_records: checked
     tokens = records * MAX_RECORD_TOKENS if max_tokens is None else min(max(max_tokens, 0), records * MAX_RECORD_TOKENS)
     streams = MAX_STREAMS if max_streams is None else max_streams

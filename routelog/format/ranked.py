@@ -62,6 +62,7 @@ import numpy as np
 import numpy.typing as npt
 
 from routelog.format import kernels, zstd_frames
+from routelog.format.limits import check_count
 
 RANKED_CODEC = "routelog.ranked_gaps"
 """The codec's name in ``zarr.json`` and its ``zarr.codecs`` entry point."""
@@ -231,8 +232,15 @@ def decode(
     if rest.size < layers + 9 or not 1 <= version <= VERSION:
         raise RankedFormatError(f"unknown chunk payload version {version}")
     total = int.from_bytes(rest[-9:-5], "little")
-    if total > layers * rows:
-        raise RankedFormatError(f"{total} unique rows in a chunk of {layers} x {rows}")
+    if total > layers * rows:  # compared here first: this runs once a chunk
+        check_count(
+            total,
+            name="the trailer's unique rows",
+            at_most=layers * rows,
+            where="the chunk",
+            expected=f"the unique rows in a chunk of {layers} x {rows}",
+            error=RankedFormatError,
+        )
     gaps = _decompress(stored[4 : 4 + first], total * k * dtype.itemsize, "gaps", exact=True)
     rule = kernels.ACCEPT[accept or ("sets_or_fill" if window is None else "sets")]
     status, detail = kernels.decode_chunk(gaps, rest, num_experts, layers, rows, target, l0, r0, rule, fill_value)

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from routelog.errors import CorruptDataError, InvalidRecordError
-from routelog.format.parquet_limits import VALUE_BYTES, BoundedParquet, decoded_budget
+from routelog.format.parquet_limits import VALUE_BYTES, BoundedParquet, decoded_budget, most_records
 
 LOGPROB_INFER: Final = "logprob_infer"
 """Log-probability of token ``t`` under the inference engine's sampling policy (NaN on prompt tokens)."""
@@ -124,15 +124,16 @@ def values_from_parquet(
     its commit declares (a renamed or dropped declaration is damage, not a missing column).
 
     Nothing is decoded before the object's footer and the pages of the columns read are checked
-    (:mod:`routelog.format.parquet_limits`): at most ``max_records`` rows, each column's lists holding at most
-    ``max_tokens`` values in all, and a decoded size linear in those. Pass the records and tokens of the commit (or
-    annotation) that lists the object (for an annotation, the tokens of the records it may annotate). None (until
-    every caller passes them) means the format's absolute limits: as many records as the footer declares up to
-    ``MAX_PART_ROWS``, ``MAX_RECORD_TOKENS`` tokens each."""
+    (:mod:`routelog.format.parquet_limits`): at most ``max_records`` rows (itself checked against the object's
+    bytes), each column's lists holding at most ``max_tokens`` values in all, and a decoded size linear in those.
+    Pass the records and tokens of the commit (or annotation) that lists the object (for an annotation, the tokens
+    of the records it may annotate). None (until every caller passes them) means the format's absolute limits: as
+    many records as the footer declares up to ``MAX_PART_ROWS`` (and its bytes can hold), ``MAX_RECORD_TOKENS``
+    tokens each."""
     from routelog.format.documents import MAX_PART_ROWS  # format imports this module
     from routelog.format.limits import MAX_RECORD_TOKENS
 
-    parquet = BoundedParquet(data, where, max_rows=MAX_PART_ROWS if max_records is None else max_records)
+    parquet = BoundedParquet(data, where, max_rows=most_records(len(data), max_records, where, fallback=MAX_PART_ROWS))
     names = parquet.columns
     if declared is not None and sorted(set(names) - _RESERVED) != sorted(declared):
         raise CorruptDataError(

@@ -7,8 +7,9 @@ is about a fifth of the decode). python-zstandard's contexts are reused here, on
 context must not serve two threads at once (readers and writers run chunks on several).
 
 Decompression is bounded before it starts: a frame that declares more than its caller allows in its header is
-refused without allocating it (routelog's writers always declare the size, as do numcodecs and zarr), and a frame
-that declares none is decoded into at most that many bytes.
+refused without allocating it (routelog's writers always declare the size, as do numcodecs and zarr), as is one
+declaring more than its own bytes can expand to; a frame that declares none is decoded into at most that many
+bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import zstandard
+
+from routelog.format.limits import MAX_ZSTD_EXPANSION, check_count
 
 
 class FrameError(ValueError):
@@ -93,6 +96,15 @@ def decompress(
         raise FrameError(f"the {what} frame declares {size} bytes; a chunk holds {_allowed(limit, exact)}")
     elif size == 0:
         return np.empty(0, dtype=np.uint8)
+    elif size > len(frame) * MAX_ZSTD_EXPANSION:  # zstandard would allocate it before finding the blocks short
+        check_count(  # raises (compared here first: this runs twice a chunk)
+            size,
+            name="its content size",
+            at_most=len(frame) * MAX_ZSTD_EXPANSION,
+            where=f"the {what} frame of {len(frame)} bytes",
+            expected=f"zstd expands a byte {MAX_ZSTD_EXPANSION} times at most",
+            error=FrameError,
+        )
     try:  # positional: (data, max_output_size, read_across_frames, allow_extra_data)
         data = _CONTEXTS.decompressor.decompress(frame, limit if size < 0 else 0, False, False)
     except zstandard.ZstdError as exc:

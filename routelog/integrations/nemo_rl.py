@@ -61,7 +61,6 @@ The fixtures the tests compare with (``tests/fixtures/nemo_rl/``) were captured 
 from __future__ import annotations
 
 import inspect
-import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
@@ -72,6 +71,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from routelog import environment
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
 from routelog.align.plan import MicroBatchReplay, OtherVersions, PolicyVersions, gather, versions_for
 from routelog.align.positions import PAD
@@ -96,7 +96,7 @@ STEP_KEY = "routelog_step"
 """``train_data`` / ``logprob_data`` column: the store step holding each sample's routing (a list of int)."""
 ROUTES_KEY = "routed_experts"
 """NeMo-RL's dense routing column, which :func:`carry_sample_ids` removes."""
-URL_ENV = "ROUTELOG_URL"
+URL_ENV = environment.URL.name
 """The store URL :func:`install` uses when given none (NeMo-RL's ``init_ray`` passes the driver's environment
 to every worker)."""
 MISSING = -1
@@ -933,8 +933,8 @@ def install(
     if "worker" in _INSTALLED:
         return _INSTALLED["worker"]
     if store is None:
-        url = os.environ.get(URL_ENV)
-        if not url:
+        url = environment.store_url()
+        if url is None:
             raise ReplayConfigError(
                 f"no routelog store given: pass install(url) or set {URL_ENV} in the driver's environment before "
                 "NeMo-RL starts Ray (it forwards the environment to its workers)"

@@ -54,6 +54,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from routelog import environment
 from routelog.align import AlignmentPlan, LocalRouter, MicroBatch, Packing, ParallelLayout, RankCoords
 from routelog.align.plan import OtherVersions, PolicyVersions, replayable_rows, versions_for
 from routelog.engines.slime import record_from_sample
@@ -75,9 +76,9 @@ from routelog.store.fidelity import FidelityGate, ReplayFidelityError, StepFidel
 from routelog.store.reader import StepSnapshot
 from routelog.store.store import Store, create_store, open_store
 
-URL_ENV = "ROUTELOG_URL"
+URL_ENV = environment.URL.name
 """Environment variable naming the store for :func:`generate_rollout` and :func:`install`."""
-ROLLOUT_FUNCTION_ENV = "ROUTELOG_SLIME_ROLLOUT_FUNCTION"
+ROLLOUT_FUNCTION_ENV = environment.SLIME_ROLLOUT_FUNCTION.name
 """Environment variable naming the rollout function :func:`generate_rollout` wraps (``module.function``)."""
 DEFAULT_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
 SAMPLE_ID_KEY = "routelog_sample_id"
@@ -277,14 +278,13 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     """``--rollout-function-path routelog.integrations.slime.generate_rollout``: slime's SGLang rollout (or the
     function ``$ROUTELOG_SLIME_ROLLOUT_FUNCTION`` names) with its routing written to the store at ``$ROUTELOG_URL``
     and stripped from the samples."""
-    inner = _load_function(os.environ.get(ROLLOUT_FUNCTION_ENV) or DEFAULT_ROLLOUT_FUNCTION)
+    inner = _load_function(environment.slime_rollout_function() or DEFAULT_ROLLOUT_FUNCTION)
     return wrap_rollout_function(inner, _url_from_env(args))(args, rollout_id, data_source, evaluation=evaluation)
 
 
 def _load_function(path: str) -> Any:
+    """The function at ``path``, a dotted path :func:`routelog.environment.slime_rollout_function` checked."""
     module, _, name = path.rpartition(".")
-    if not module:
-        raise ReplayConfigError(f"{path!r} is not a function path (expected 'package.module.function')")
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
@@ -292,7 +292,7 @@ def _load_function(path: str) -> Any:
 
 
 def _url_from_env(args: Any = None) -> str:
-    url = getattr(args, "routelog_url", None) or os.environ.get(URL_ENV)
+    url = getattr(args, "routelog_url", None) or environment.store_url()
     if not url:
         raise ReplayConfigError(
             f"no routelog store: set {URL_ENV} in the Ray job's runtime environment (env_vars), or call "
@@ -1020,6 +1020,7 @@ def install(
     ``$ROUTELOG_URL``). ``options`` are :class:`SlimeReplay`'s (``storage_options``, ``layout``, ``rank``,
     ``prefetch``, ``check_tokens``, ``spec``). With an init hook of your own, call ``install(args, url=...)``
     from it."""
+    environment.slime_rollout_function()  # the runtime env reaches the rollout too: a bad value stops start-up
     replay = SlimeReplay(url or _url_from_env(args), **options)
     if actor_class is None:
         module, _, name = _ACTOR_CLASS.rpartition(".")

@@ -20,22 +20,25 @@ import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # the plugin loads at every ``import verl``: nothing of routelog until it is configured
+# The plugin loads at every ``import verl``: nothing of routelog but its environment until it is configured.
+from routelog import environment
+
+if TYPE_CHECKING:
     from routelog.align.plan import PolicyVersions
 
-URL_ENV = "ROUTELOG_URL"
+URL_ENV = environment.URL.name
 """The store's URL: set, the plugin installs routelog's replay in the process."""
-FIDELITY_ENV = "ROUTELOG_FIDELITY_WRITER"
+FIDELITY_ENV = environment.FIDELITY_WRITER.name
 """Optional: the writer id the router diff is published under."""
-GATE_ENV = "ROUTELOG_MAX_ROUTER_DIFF"
+GATE_ENV = environment.MAX_ROUTER_DIFF.name
 """Optional: a :class:`~routelog.store.fidelity.FidelityGate`'s ``max_router_diff``."""
-VERSIONS_ENV = "ROUTELOG_POLICY_VERSIONS"
+VERSIONS_ENV = environment.POLICY_VERSIONS.name
 """Optional: ``step`` (the default: only routing of the step's own policy version), ``any`` (not checked), or
 ``step-N`` (routing of version ``step - N``: N-step off-policy training)."""
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
@@ -43,18 +46,35 @@ AGENT_LOOP_MODULES = ("verl.experimental.agent_loop.agent_loop", "verl.trainer.p
 """The legacy and the V1 agent-loop workers' modules: patched to write each trajectory's routing to the store."""
 
 
+@dataclass(frozen=True)
+class _Settings:
+    url: str
+    fidelity_writer: str | None
+    max_router_diff: float | None
+    policy_versions: PolicyVersions
+
+
+def _settings() -> _Settings:
+    """Every variable of the plugin, checked whichever module is being patched: a bad value stops the first patched
+    import (the driver's agent loop as the workers' engine) with a :class:`~routelog.errors.ReplayConfigError`."""
+    url = environment.store_url()
+    if url is None:
+        raise environment.URL.error(f"{URL_ENV} was unset after veRL's plugin found it set; set it again")
+    return _Settings(url, environment.fidelity_writer(), environment.max_router_diff(), environment.policy_versions())
+
+
 def _install_engine(module: ModuleType) -> None:
     from routelog.integrations import verl
     from routelog.store.fidelity import FidelityGate
 
     del module  # verl.install patches the module it imports (this one, already in sys.modules)
-    limit = os.environ.get(GATE_ENV)
-    gate = FidelityGate(max_router_diff=float(limit)) if limit else None
+    settings = _settings()
+    limit = settings.max_router_diff
     verl.install(
-        os.environ[URL_ENV],
-        gate=gate,
-        fidelity_writer=os.environ.get(FIDELITY_ENV) or None,
-        policy_versions=_versions(os.environ.get(VERSIONS_ENV) or "step"),
+        settings.url,
+        gate=None if limit is None else FidelityGate(max_router_diff=limit),
+        fidelity_writer=settings.fidelity_writer,
+        policy_versions=settings.policy_versions,
     )
 
 
@@ -63,24 +83,13 @@ def _routing() -> Any:
     """This process's agent-loop routing writer (one, however many agent-loop modules are imported)."""
     from routelog.integrations import verl_agent_loop
 
-    return verl_agent_loop.AgentLoopRouting(os.environ[URL_ENV])
+    return verl_agent_loop.AgentLoopRouting(_settings().url)
 
 
 def _install_agent_loop(module: ModuleType) -> None:
     from routelog.integrations import verl_agent_loop
 
     verl_agent_loop.patch_module(module, _routing())
-
-
-def _versions(text: str) -> PolicyVersions:
-    from routelog.errors import ReplayConfigError
-
-    if text in ("step", "any"):
-        return text  # type: ignore[return-value]
-    lag = text.removeprefix("step-")
-    if lag != text and lag.isdigit():
-        return lambda step: {step - int(lag)}
-    raise ReplayConfigError(f"{VERSIONS_ENV}={text!r}: expected 'step', 'any' or 'step-N' (N-step off-policy)")
 
 
 _INSTALLERS: dict[str, Callable[[ModuleType], None]] = {
@@ -90,47 +99,62 @@ _INSTALLERS: dict[str, Callable[[ModuleType], None]] = {
 
 
 class _Patching(importlib.abc.Loader):
-    """Runs a module's own loader, then installs routelog's patches into it."""
+    """Runs a module's own loader (once), then installs routelog's patches into it."""
 
-    def __init__(self, loader: importlib.abc.Loader, install: Callable[[ModuleType], None]) -> None:
+    def __init__(self, loader: importlib.abc.Loader, finder: _AfterImport, name: str) -> None:
         self.loader = loader
-        self.install = install
+        self.finder = finder
+        self.name = name
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.loader.create_module(spec)
+        # after a failed install the module whose code ran is taken again: veRL's engine registry refuses to see
+        # the engine module's classes registered twice
+        return self.finder.unpatched.get(self.name) or self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        self.install(module)
+        if self.finder.unpatched.get(self.name) is not module:
+            self.loader.exec_module(module)
+            self.finder.unpatched[self.name] = module
+        _INSTALLERS[self.name](module)
+        self.finder.patched(self.name)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds each of veRL's patched modules once, through the other finders, and patches it as it loads."""
+    """Finds each of veRL's patched modules through the other finders and patches it as it loads, until it is
+    patched: an install that raises fails that import (Python forgets the module), and each later import installs
+    into the same module again, raising while the cause stays. The module is never handed out unpatched."""
 
     def __init__(self) -> None:
         self.pending = {name for name in _INSTALLERS if name not in sys.modules}
+        self.unpatched: dict[str, ModuleType] = {}
+        """Modules whose code ran but whose install failed."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in self.pending:
             return None
-        self.pending.discard(fullname)  # once: later imports find the patched module in sys.modules
         sys.meta_path.remove(self)  # the module itself is found by the other finders
         try:
             spec = importlib.util.find_spec(fullname)
         finally:
-            if self.pending:
-                sys.meta_path.insert(0, self)
+            sys.meta_path.insert(0, self)
         if spec is not None and spec.loader is not None:
-            spec.loader = _Patching(spec.loader, _INSTALLERS[fullname])
+            spec.loader = _Patching(spec.loader, self, fullname)
         return spec
+
+    def patched(self, fullname: str) -> None:
+        """``fullname`` is patched: later imports find it in ``sys.modules``."""
+        self.pending.discard(fullname)
+        self.unpatched.pop(fullname, None)
+        if not self.pending and self in sys.meta_path:
+            sys.meta_path.remove(self)
 
 
 def activate() -> None:
     """Install routelog's replay and rollout recording in this process when :data:`URL_ENV` is set (the entry
     point's work): modules already imported are patched now, the others as they are imported."""
-    if not os.environ.get(URL_ENV):
+    if not environment.URL.is_set():  # a bad value is refused by the patched imports (veRL hides a plugin's errors)
         return
     for name, install in _INSTALLERS.items():
         if name in sys.modules:

@@ -20,6 +20,7 @@ from routelog.errors import CorruptDataError
 from routelog.format import context
 from routelog.format.codec import TopkOrder, decode_rows, invalid_row
 from routelog.format.documents import CommitRecord, RoutingArrayInfo, WeightsArrayInfo
+from routelog.format.index_rows import RowTokens
 from routelog.format.part import shard_layout
 from routelog.format.shard import (
     ChunkContext,
@@ -281,7 +282,7 @@ def fetch_blocks(
     cache: ReadCache | None = None,
     max_gap: int = MAX_GAP,
     into: Sequence[Sequence[Destination] | None] | None = None,
-    row_tokens: Callable[[str], npt.NDArray[np.int64]] | None = None,
+    row_tokens: Callable[[str], RowTokens] | None = None,
 ) -> list[np.ndarray[Any, Any]]:
     """Decoded expert IDs (or stored weights) for each request, layer-major ``[layers, rows, topk]`` in the
     storage dtype; where ``into`` lists a request's destinations, written to them instead (rows between them are
@@ -347,7 +348,7 @@ def fetch_blocks(
                 if ids is None and layout_.context:
                     if row_tokens is None:
                         raise ValueError("fetch_blocks: context-coded parts decode only with their rows' token ids")
-                    tokens = row_tokens(request.part_key)[cr0 : cr0 + real_rows]
+                    tokens = row_tokens(request.part_key).window(cr0, cr0 + real_rows)
                     layers = [models[(request.model_key, layer)] for layer in range(cl0, cl0 + real_layers)]
                     coded_with = ChunkContext(tokens, layers)
                 if ids is None and checked:

@@ -7,8 +7,9 @@ document of the store fails to parse or names data that is not there, gc reports
 
 The grace period covers a live writer: its part is uncommitted only between its upload and its commit, and a writer
 never creates a commit later than :data:`routelog.store.writer.MAX_COMMIT_DELAY` after its upload started, so a grace of
-at least :data:`MIN_GRACE` (which also absorbs clock skew between gc's host and the storage service) cannot collect
-a part that is about to be committed. Shorter grace periods need ``force`` (no writer may be running).
+at least :data:`MIN_GRACE` cannot collect a part that is about to be committed. Every age is measured on the
+storage's clock (its objects' and log entries' timestamps, and its time now), never a writer's nor gc's own.
+Shorter grace periods need ``force`` (no writer may be running).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 
 from routelog.errors import GcRefusedError, RoutelogError, UnsafeKeyError
 from routelog.format import keys
@@ -31,7 +31,7 @@ from routelog.store.writer import MAX_COMMIT_DELAY
 
 MIN_GRACE = 3600.0
 """The shortest grace period gc accepts without ``force``: :data:`~routelog.store.writer.MAX_COMMIT_DELAY` plus
-margin for retries and for clock skew between this host and the storage service."""
+margin for retries."""
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -78,9 +78,9 @@ class _StepSurvey:
     """``<writer>.<seq>.`` prefixes of format-1/2 commits a seal names whose documents are missing."""
     consolidated: set[str] = field(default_factory=set)
     """Consolidated objects the seal names (relative to the step directory)."""
-    reclaimable: dict[str, datetime] = field(default_factory=dict)
-    """Parts no reader can ever need again, with the time from which the grace period counts: dropped whole (the
-    earliest drop naming them) or committed after the seal."""
+    reclaimable: dict[str, float] = field(default_factory=dict)
+    """Parts no reader can ever need again, with the time from which the grace period counts (the storage's time of
+    the entry: the earliest drop naming them, or their commit after the seal; never a writer's clock)."""
     dead: list[str] = field(default_factory=list)
     """Parts of the step's content none of whose records is live or read through a shared prefix."""
     present: list[CommitRecord] = field(default_factory=list)
@@ -92,9 +92,12 @@ def collect_garbage(
 ) -> GcReport:
     """Find (and with ``delete``, remove) unreferenced part and seal objects older than ``older_than`` seconds.
 
-    Raises :class:`GcRefusedError` for a grace period under :data:`MIN_GRACE` without ``force``, and, when
-    ``delete`` is asked, if any document is damaged (:attr:`GcReport.damaged` lists them in a dry run). ``now``
-    (seconds since the epoch) replaces the clock, for tests and reproducible runs.
+    Ages are the storage's: each object's and log entry's time as the storage stored it (S3 ``LastModified``, a
+    file's mtime) against the storage's time now, read by creating an object (:meth:`Storage.clock`) when
+    deleting, so neither a writer's nor this host's clock decides what is deleted; a dry run, which writes
+    nothing, takes this host's clock for now. ``now`` (seconds since the epoch) replaces both, for tests and
+    reproducible runs. Raises :class:`GcRefusedError` for a grace period under :data:`MIN_GRACE` without ``force``,
+    and, when ``delete`` is asked, if any document is damaged (:attr:`GcReport.damaged` lists them in a dry run).
     """
     if older_than < MIN_GRACE and not force:
         raise GcRefusedError(
@@ -103,7 +106,8 @@ def collect_garbage(
             "or pass force (--force) when no writer is running"
         )
     storage = store.storage
-    now = time.time() if now is None else now
+    if now is None:  # what is compared with the storage's times of its objects: its own clock, when deleting
+        now = storage.clock() if delete else time.time()
     report = GcReport()
     dead: dict[int, tuple[StepLog, list[str]]] = {}
     for step in store.steps():
@@ -113,7 +117,7 @@ def collect_garbage(
             continue
         log, found_survey = survey
         for part, since in found_survey.reclaimable.items():  # once no reader can still be reading them
-            if now - since.timestamp() >= older_than:
+            if now - since >= older_than:
                 found_survey.claimed.discard(part)
         dead[step] = (log, found_survey.dead)
         report.dead_parts += [keys.part_dir(step, p) for p in found_survey.dead]
@@ -190,10 +194,10 @@ def _survey(store: StoreRoot, step: int, damaged: list[str]) -> tuple[StepLog, _
         commit = _commit(entry)
         if commit.part in referenced:
             continue  # a live record reads through it
-        naming = [_drop(d) for d in drops if d.position > entry.position and dropped_whole(commit, [_drop(d)])]
-        survey.reclaimable[commit.part] = min(d.created_at for d in naming)
+        naming = [d for d in drops if d.position > entry.position and dropped_whole(commit, [_drop(d)])]
+        survey.reclaimable[commit.part] = min(_stored_at(d) for d in naming)
     for entry in view.refused:
-        survey.reclaimable[_commit(entry).part] = _commit(entry).created_at
+        survey.reclaimable[_commit(entry).part] = _stored_at(entry)
     survey.present = [_commit(e) for e in view.commits]
     survey.dead = sorted(c.part for c in survey.present if c.part not in referenced)
     seal = view.seal.doc if view.seal is not None else None
@@ -204,6 +208,15 @@ def _survey(store: StoreRoot, step: int, damaged: list[str]) -> tuple[StepLog, _
         if seal.consolidated is not None:
             survey.consolidated = {seal.consolidated.commits.key, seal.consolidated.index.key}
     return history.log, survey
+
+
+def _stored_at(entry: Entry) -> float:
+    """When the storage stored ``entry`` (format-1/2 documents, which have no log object listed with its time:
+    their writer's ``created_at``)."""
+    if entry.stored_at is not None:
+        return entry.stored_at
+    doc = entry.doc
+    return (doc.sealed_at if isinstance(doc, SealRecord) else doc.created_at).timestamp()
 
 
 def _commit(entry: Entry) -> CommitRecord:

@@ -123,7 +123,7 @@ class StepHistory:
     def read(
         cls, store: StoreRoot, step: int, *, as_of: datetime | None = None, columns: Sequence[str] | None = None
     ) -> StepHistory:
-        """The step's history now, or as it was at ``as_of`` (entries created by then)."""
+        """The step's history now, or as it was at ``as_of`` (the entries the storage held then)."""
         history = cls(StepLog(store, step), None if as_of is None else as_utc(as_of), columns=columns)
         history.refresh()
         return history
@@ -149,10 +149,21 @@ class StepHistory:
         return new, read
 
     def _entries(self) -> list[Entry]:
-        """The entries that count: all of them, or those created by :attr:`as_of`."""
+        """The entries that count: all of them, or those the storage held at :attr:`as_of`.
+
+        As of T the log is its prefix up to the last entry the storage stored by T, by the storage's own timestamps:
+        an entry is created only after every earlier position exists, so positions order them and a writer whose
+        clock runs hours behind cannot place its entry in the past (an entry whose time is unknown, a file lost
+        after the seal whose copy stands in, counts when a later one does). Documents of formats 1 and 2 have no
+        position: their writers' times decide."""
         if self.as_of is None:
             return self.log.entries
-        return [e for e in self.log.entries if _created_at(e) <= self.as_of]
+        when = self.as_of.timestamp()
+        last = max(
+            (e.position for e in self.log.entries if e.stored_at is not None and e.stored_at <= when), default=-1
+        )
+        kept = [e for e in self.log.entries if e.position >= 0 and e.position <= last]
+        return [e for e in self.log.entries if e.position < 0 and _created_at(e) <= self.as_of] + kept
 
     def view(self) -> StepView:
         """Evaluate the entries (see the module docs)."""
@@ -226,9 +237,9 @@ class StepHistory:
         seal = parse_seal_marker(marker, self.step, storage.url_of(keys.seal_key(self.step)))
         if seal.position is None or seal.consolidated is None:
             return {}, {}
-        if self.as_of is not None and seal.sealed_at > self.as_of:
-            return {}, {}
         seal_key = keys.log_key(self.step, seal.position)
+        if self.as_of is not None and storage.modified(seal_key) > self.as_of.timestamp():
+            return {}, {}  # the seal came later: the view is read entry by entry
         commits, index, entry = read_consolidated(self.store, self.step, seal, seal.consolidated, seal_key)
         if entry != marker:
             raise CorruptDataError(

@@ -23,7 +23,7 @@ from routelog.format.codec import IdArray
 from routelog.format.dedup import PrefixIndex, WeightRows
 from routelog.format.digest import MIN_SHARED_TOKENS
 from routelog.format.documents import CommitRecord
-from routelog.format.index_rows import RecordSpans, part_row_tokens, record_spans
+from routelog.format.index_rows import RecordSpans, RowTokens, part_row_tokens, record_spans
 from routelog.format.row_blocks import consecutive
 from routelog.store.blocks import BlockRequest, ReadCache, fetch_blocks
 from routelog.store.history import read_indexes
@@ -37,9 +37,7 @@ _CACHED_RANGES = 4
 class StoredPart:
     """A committed part's routing rows, fetched by ranged reads when a comparison needs them."""
 
-    def __init__(
-        self, store: StoreRoot, part_key: str, commit: CommitRecord, tokens: npt.NDArray[np.int64] | None = None
-    ) -> None:
+    def __init__(self, store: StoreRoot, part_key: str, commit: CommitRecord, tokens: RowTokens | None = None) -> None:
         """``tokens``: the token id of each of its rows, where its routing is context-coded (decoding needs them)."""
         self.store, self.part_key, self.commit = store, part_key, commit
         self._tokens = tokens
@@ -68,7 +66,7 @@ class StoredPart:
         at = consecutive(rows - cached[0])
         return ids[:, at], None if weights is None else weights[:, at]
 
-    def _row_tokens(self, part_key: str) -> npt.NDArray[np.int64]:
+    def _row_tokens(self, part_key: str) -> RowTokens:
         if self._tokens is None:
             raise RoutelogError(f"{part_key}: its context-coded routing needs its rows' token ids")
         return self._tokens
@@ -122,7 +120,7 @@ class PeerParts:
         self._gone.update(forgotten)
         self.prefixes.forget(keys.part_dir(self.step, part) for part in forgotten)
 
-    def _list(self, commit: CommitRecord, records: list[RecordSpans], row_tokens: npt.NDArray[np.int64] | None) -> None:
+    def _list(self, commit: CommitRecord, records: list[RecordSpans], row_tokens: RowTokens | None) -> None:
         """``records``: the part's records with token ids enough to share; ``row_tokens``: the token id of each of
         the part's rows, where its routing is context-coded."""
         own_key = keys.part_dir(self.step, commit.part)

@@ -57,7 +57,8 @@ from routelog.format.record import Record
 from routelog.format.spec import ModelSpec
 from routelog.format.transport import META, record_from_payload, record_payload
 from routelog.store.committer import CommitService, CommitterUnavailableError, JsonClient, JsonCommitter
-from routelog.store.writer import DEFAULT_FLUSH_SECONDS, WriterError, check_encode_threads
+from routelog.store.storage import check_no_credentials
+from routelog.store.writer import DEFAULT_FLUSH_SECONDS, WriterError, check_encode_threads, refuse_if_forked
 
 SEGMENT_BYTES = 8 << 20
 """Default size of a shared-memory segment (one 4096-token, 48-layer, top-8 record is 1.5 MB of IDs)."""
@@ -154,6 +155,7 @@ class ProcessWriter:
                 raise ValueError(
                     f"cpus={sorted(cpus)}: give one or more of this machine's CPUs, {known.start}..{known.stop - 1}"
                 )
+        check_no_credentials(url)  # the URL is shown in every message and repr of this writer
         if encode_threads is None:  # the writer process's own cores, where it has some
             encode_threads = 1 if cpus is None else len(set(cpus))
         config = {
@@ -170,6 +172,7 @@ class ProcessWriter:
             "committer": committer is not None,
         }
         self.step = step
+        self._opened_by = os.getpid()
         self.url = url
         self.close_timeout = close_timeout
         self.appended = 0
@@ -347,6 +350,7 @@ class ProcessWriter:
         return segment
 
     def _check_usable(self) -> None:
+        refuse_if_forked(self._opened_by, f"the ProcessWriter of step {self.step}")
         if self._failure is not None:
             raise self._failure
         if self._closed:
@@ -422,6 +426,7 @@ class ProcessWriter:
         Waits at most ``close_timeout`` seconds for the commit, then kills the writer process and raises
         :class:`WriterProcessError` naming what was not acknowledged. A death already reported by an earlier call
         is not raised again; calling ``close`` again does nothing."""
+        refuse_if_forked(self._opened_by, f"the ProcessWriter of step {self.step}")
         if self._closed:
             return
         self._closed = True

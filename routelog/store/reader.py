@@ -35,7 +35,7 @@ from routelog.format.documents import (
     Span,
     ValuesInfo,
 )
-from routelog.format.index_rows import IndexRows, part_row_tokens
+from routelog.format.index_rows import IndexRows, RowTokens, part_row_tokens
 from routelog.format.routing import ROUTING_TABLE_SCHEMA, RecordRouting
 from routelog.format.values import FloatArray, values_from_parquet
 from routelog.format.weights import from_storage
@@ -115,7 +115,7 @@ class StepSnapshot:
     _n_tokens: npt.NDArray[np.int32] = field(init=False, repr=False)
     _own: dict[str, tuple[int, CommitRecord]] = field(init=False, repr=False)
     _index_cache: ReadCache = field(default_factory=ReadCache, init=False, repr=False)
-    _row_tokens: dict[str, npt.NDArray[np.int64]] = field(default_factory=dict, init=False, repr=False)
+    _row_tokens: dict[str, RowTokens] = field(default_factory=dict, init=False, repr=False)
     _values_cache: OrderedDict[tuple[str, tuple[str, ...]], dict[str, tuple[str | None, dict[str, FloatArray]]]] = (
         field(default_factory=OrderedDict, init=False, repr=False)
     )
@@ -133,8 +133,8 @@ class StepSnapshot:
     # -- loading -------------------------------------------------------------------------------------------------
     @classmethod
     def load(cls, store: StoreRoot, step: int, *, as_of: datetime | None = None) -> StepSnapshot:
-        """The step's committed records; with ``as_of``, the step as it was then (only entries created by then
-        count; naive times are read as UTC).
+        """The step's committed records; with ``as_of``, the step as it was then (the log's entries the storage
+        held then, by its own timestamps; naive times are read as UTC).
 
         Everything used is checked before use: each entry against its name, its step and the run's model spec, each
         index against the SHA-256 its commit (or the seal) lists, and the rows against the commit's counts.
@@ -571,7 +571,7 @@ class StepSnapshot:
     def _commit_for(self, part_key: str) -> CommitRecord:
         return self._own[part_key][1]
 
-    def _tokens_of(self, part_key: str) -> npt.NDArray[np.int64]:
+    def _tokens_of(self, part_key: str) -> RowTokens:
         """The token id of each row of a part's routing array (context-coded chunks decode with them), from every
         record its index holds; a part dropped whole has its index read for them."""
         found = self._row_tokens.get(part_key)

@@ -97,7 +97,9 @@ def _attempt(
     """Consolidate what ``view`` holds and create the seal right after it; None when another entry took the
     position (the consolidated objects are deleted again)."""
     storage, step = history.store.storage, history.step
-    content = sorted([*view.commits, *view.whole_dropped], key=lambda e: e.position)
+    # In the order of their names, which the seal lists sorted (a commit entry's commits by slot: the view lists
+    # them by what they became, dropped whole or not, so two of one entry may come in either order).
+    content = sorted([*view.commits, *view.whole_dropped], key=lambda e: e.name)
     if after_listing is not None:
         after_listing([e.name for e in content])
     objects = _consolidate(content, view.commits, view.stored)
@@ -129,8 +131,8 @@ def _attempt(
 
 
 def _consolidate(content: Sequence[Entry], kept: Sequence[Entry], stored: pa.Table) -> dict[str, bytes]:
-    """The consolidated commit list (every commit of the content, in log order) and index (the rows of the commits
-    not dropped whole, ``_commit`` renumbered to that list), under a fresh nonce."""
+    """The consolidated commit list (every commit of the content, in the order the seal names them) and index (the
+    rows of the commits not dropped whole, ``_commit`` renumbered to that list), under a fresh nonce."""
     order = {e.name: i for i, e in enumerate(content)}
     renumber = np.array([order[e.name] for e in kept], dtype=np.int32)
     commit_of = stored.column(COMMIT_COLUMN).to_numpy(zero_copy_only=False)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from routelog.errors import CommitConflictError, CommitUndecidedError, CorruptDataError, StoreError
@@ -66,6 +66,9 @@ class Entry:
     """The key of the object holding the document (shared by the commits of one commit entry)."""
     doc: LogDocument
     slot: int | None = None
+    stored_at: float | None = field(default=None, compare=False)
+    """When the storage stored the entry's object (seconds since the epoch, by the storage's clock, from the log's
+    listing); None for an entry this process appended and has not listed since, and for formats 1 and 2."""
 
     @property
     def name(self) -> str:
@@ -177,11 +180,11 @@ def _check_entry(doc: StoredEntry, name: str, step: int, spec: ModelSpec, where:
         raise CorruptDataError(f"{where}: the document is {doc.name} of step {doc.step}")
 
 
-def expand(position: int, key: str, doc: StoredEntry) -> list[Entry]:
+def expand(position: int, key: str, doc: StoredEntry, stored_at: float | None = None) -> list[Entry]:
     """The entries an object of the log stands for: each commit of a format-4 commit entry, else the document."""
     if isinstance(doc, CommitGroup):
-        return [Entry(position, key, commit, commit.slot) for commit in doc.commits]
-    return [Entry(position, key, doc)]
+        return [Entry(position, key, commit, commit.slot, stored_at) for commit in doc.commits]
+    return [Entry(position, key, doc, stored_at=stored_at)]
 
 
 class StepLog:
@@ -215,9 +218,8 @@ class StepLog:
                 new += self._read_legacy()
         storage = self.store.storage
         preloaded = preloaded or {}
-        listed = set(self.list_positions(after=self.next_position - 1)) | set(
-            preloaded
-        )  # copies stand in for lost files
+        stored = self.list_positions(after=self.next_position - 1)
+        listed = set(stored) | set(preloaded)  # copies stand in for lost files
         positions = sorted(p for p in listed if p >= self.next_position)
         expected = list(range(self.next_position, self.next_position + len(positions)))
         if positions != expected:
@@ -233,19 +235,22 @@ class StepLog:
             key = keys.log_key(self.step, position)
             where = storage.url_of(key)
             if position in preloaded:
-                new += [Entry(position, key, doc, getattr(doc, "slot", None)) for doc in preloaded[position]]
+                slots = [(doc, getattr(doc, "slot", None)) for doc in preloaded[position]]
+                new += [Entry(position, key, doc, slot, stored.get(position)) for doc, slot in slots]
                 continue
             doc = parse_log_document(raw[key], where)
             _check_entry(doc, keys.log_name(position), self.step, self.store.model_spec, where)
-            new += expand(position, key, doc)
+            new += expand(position, key, doc, stored.get(position))
         self.entries += new
         self.next_position += len(positions)
         return new
 
-    def list_positions(self, after: int = -1) -> list[int]:
-        """Positions of the log's entries after ``after`` (every one by default)."""
+    def list_positions(self, after: int = -1) -> dict[int, float]:
+        """Positions of the log's entries after ``after`` (every one by default), ascending, each with the time the
+        storage stored it."""
         names = self.store.storage.list_after(keys.log_dir(self.step), keys.log_name(after) if after >= 0 else None)
-        return sorted(p for p in (keys.parse_log_name(n) for n in names) if p is not None)
+        found = {keys.parse_log_name(name): stored for name, stored in names.items()}
+        return {p: found[p] for p in sorted(p for p in found if p is not None)}
 
     def _read_legacy(self) -> list[Entry]:
         """The documents of formats 1 and 2, as the log's prefix (see the module docs)."""

@@ -15,18 +15,22 @@ commit acknowledged before a power loss is still there after it, with every obje
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import errno
 import functools
 import hashlib
+import inspect
 import io
 import json
 import os
 import posixpath
 import random
+import shutil
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -38,10 +42,18 @@ import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
-from routelog.errors import CorruptDataError, StoreAccessError, StoreError, StoreUnreachableError, UnsafeKeyError
+from routelog.errors import (
+    CorruptDataError,
+    CredentialsInUrlError,
+    StoreAccessError,
+    StoreError,
+    StoreUnreachableError,
+    UnsafeKeyError,
+)
 from routelog.format import mapped
-from routelog.format.keys import check_key
+from routelog.format.keys import CLOCK_DIR, check_key
 from routelog.format.shard import WrittenFile
+from routelog.urls import has_userinfo, redact_url
 
 if TYPE_CHECKING:  # zarr loads on the first zarr store (a fifth of ``import routelog`` otherwise)
     from zarr.storage import FsspecStore
@@ -119,7 +131,9 @@ def check_reachable(endpoint: str, timeout: float = 5.0) -> None:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        raise StoreUnreachableError(f"cannot reach the S3 endpoint {endpoint} ({reason}): {_ENDPOINT_HINT}") from exc
+        raise StoreUnreachableError(
+            f"cannot reach the S3 endpoint {redact_url(endpoint)} ({reason}): {_ENDPOINT_HINT}"
+        ) from exc
     _REACHABLE.add((host, port))
 
 
@@ -308,6 +322,12 @@ def _modified(info: Mapping[str, Any]) -> float:
     return 0.0
 
 
+GLOB_CHARACTERS = frozenset("*?[]")
+"""Characters fsspec reads as glob patterns in a path (``fsspec.utils.has_magic`` and ``glob``'s classes)."""
+
+S3_DELETE_BATCH = 1000
+"""Keys one S3 ``DeleteObjects`` request may name."""
+
 S3_CONNECTIONS = 64
 """Connections one process keeps to S3 (botocore's default is 10): a reader opening a step fetches every commit's
 index at once, 1,000 GETs in 0.5 s at 30 ms rather than 3 s. A ``config_kwargs`` the caller gives is left as is."""
@@ -317,6 +337,88 @@ def _default_connections(options: dict[str, Any]) -> None:
     config = dict(options.get("config_kwargs") or {})
     config.setdefault("max_pool_connections", S3_CONNECTIONS)
     options["config_kwargs"] = config
+
+
+def check_no_credentials(url: str) -> None:
+    """Refuse credentials in ``url``'s userinfo (:class:`~routelog.errors.CredentialsInUrlError`): the URL is what
+    every message, log line and repr naming the store shows. :meth:`Storage.open` calls it; so should whatever keeps
+    a URL before a store is opened."""
+    if has_userinfo(url):
+        raise CredentialsInUrlError(
+            f"{redact_url(url)}: a store URL must not carry credentials (every message naming the store would show "
+            "them): remove the part before '@' and pass them in storage_options (--storage-options "
+            '\'{"key": "...", "secret": "..."}\' on the command line) or in the AWS_* environment (AWS_ACCESS_KEY_ID '
+            "and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
+        )
+
+
+_OPTIONS_PASSED_TO_BASE = frozenset(
+    {
+        "fsspec.implementations.local.LocalFileSystem",
+        "fsspec.implementations.memory.MemoryFileSystem",
+        "fsspec.asyn.AsyncFileSystem",
+    }
+)
+"""Filesystem classes whose ``**kwargs`` all go to their base class's constructor."""
+
+
+def _keyword_parameters(function: Callable[..., Any]) -> tuple[set[str], bool]:
+    """The names ``function`` takes by keyword, and whether it takes ``**kwargs`` as well."""
+    parameters = list(inspect.signature(function).parameters.values())[1:]  # after self
+    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named, any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _accepted_options(fs_class: type) -> set[str] | None:
+    """The storage options ``fs_class`` accepts, from its constructors' signatures along its bases; None where a
+    constructor hands ``**kwargs`` to something not known here (those are left to the filesystem to check)."""
+    from fsspec.dircache import DirCache
+
+    cache_options = _keyword_parameters(DirCache.__init__)[0]
+    accepted = {"skip_instance_cache"}  # taken by fsspec's instance cache before any constructor runs
+    for klass in fs_class.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        named, rest = _keyword_parameters(vars(klass)["__init__"])
+        accepted |= named
+        name = f"{klass.__module__}.{klass.__qualname__}"
+        if not rest:
+            return accepted
+        if klass is AbstractFileSystem:  # the rest configures its listings cache
+            return accepted | cache_options
+        if name == "s3fs.core.S3FileSystem":
+            # s3fs passes the listings cache's options on and the rest to aiobotocore's session, which fails on
+            # an unknown one only at the first request
+            from aiobotocore.session import AioSession  # type: ignore[import-untyped]
+
+            return accepted | cache_options | _keyword_parameters(AioSession.__init__)[0]
+        if name not in _OPTIONS_PASSED_TO_BASE:
+            return None
+    return None
+
+
+def _check_storage_options(url: str, protocol: str, options: Mapping[str, Any]) -> None:
+    """Refuse a storage option the URL's filesystem does not take, naming it: s3fs would fail at the first request
+    (a ``TypeError`` deep in botocore), the local filesystem would ignore it (a mistyped option doing nothing)."""
+    try:
+        fs_class = fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError):  # reported by the opening itself, with what to install
+        return
+    accepted = _accepted_options(fs_class)
+    if accepted is None:
+        return
+    unknown = sorted(set(options) - accepted)
+    if not unknown:
+        return
+    meant = "".join(
+        f" ({name!r}: did you mean {close[0]!r}?)"
+        for name in unknown
+        if (close := difflib.get_close_matches(name, accepted, n=1))
+    )
+    raise StoreError(
+        f"unknown storage option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for "
+        f"{redact_url(url)}{meant}: {fs_class.__name__} takes {', '.join(sorted(accepted))}"
+    )
 
 
 def _check_not_a_mistyped_url(url: str) -> None:
@@ -448,6 +550,9 @@ class Storage:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     sleep: Callable[[float], None] = time.sleep
 
+    def __repr__(self) -> str:  # never the storage options: they may hold credentials
+        return f"Storage({redact_url(self.url)!r})"
+
     def _call(self, operation: str, key: str, fn: Callable[[], T]) -> T:
         """Run one storage operation, retrying transient errors; a final failure names the operation and key."""
         start = time.monotonic()
@@ -462,7 +567,7 @@ class Storage:
                         raise
                     raise explained from exc
                 if last:
-                    hint = f" (endpoint {self.endpoint}: {_ENDPOINT_HINT})" if self.endpoint else ""
+                    hint = f" (endpoint {redact_url(self.endpoint)}: {_ENDPOINT_HINT})" if self.endpoint else ""
                     raise StoreError(
                         f"{operation} {self.url_of(key)} failed after {attempt + 1} attempts: {exc!r}{hint}"
                     ) from exc
@@ -472,8 +577,11 @@ class Storage:
     @classmethod
     def open(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
         options = dict(storage_options or {})
+        check_no_credentials(url)
         _check_not_a_mistyped_url(url)
         protocol = url.split("://", 1)[0] if "://" in url else "file"
+        if "::" not in url:  # a chained URL's options are nested per filesystem
+            _check_storage_options(url, protocol, options)
         if protocol in ("file", "local"):
             options.setdefault("auto_mkdir", True)
         if protocol in ("s3", "s3a"):
@@ -495,6 +603,30 @@ class Storage:
         if storage.endpoint:
             check_reachable(storage.endpoint)
         return storage
+
+    def check_path_round_trips(self) -> None:
+        """Refuse, before anything is written, a store path that the filesystem layer would not read back as written:
+        ``*``, ``?``, ``[`` and ``]`` (fsspec expands them as glob patterns in some of its calls, so a store there
+        could commit what no reader finds, or match other stores' objects), and on a local filesystem a path
+        component longer than the filesystem allows."""
+        magic = sorted({c for c in self.root if c in GLOB_CHARACTERS})
+        if magic:
+            raise StoreError(
+                f"{self.url!r}: {' '.join(repr(c) for c in magic)} in a store's path would be read as a glob pattern: "
+                "choose a path without * ? [ ]"
+            )
+        if not self.local:
+            return
+        existing = self.root
+        while existing and not os.path.isdir(existing):
+            existing = os.path.dirname(existing)
+        limit = os.pathconf(existing or "/", "PC_NAME_MAX")
+        for component in self.root.split("/"):
+            if len(os.fsencode(component)) > limit:
+                raise StoreError(
+                    f"{self.url!r}: the path component {component[:24]!r}... is {len(os.fsencode(component))} bytes, "
+                    f"longer than this filesystem's {limit}: choose a shorter directory name"
+                )
 
     def check_not_an_object(self) -> None:
         """Raise unless the root is a prefix: an object store lets keys live under an object's own name, so a URL
@@ -527,8 +659,9 @@ class Storage:
             return StoreAccessError(f"{where}: access denied ({exc}); check the credentials: {_CREDENTIALS_HINT}")
         if isinstance(exc, FileNotFoundError) and "bucket does not exist" in str(exc).lower():
             bucket = self.root.split("/", 1)[0]
+            endpoint = redact_url(self.endpoint or "")
             return StoreError(
-                f"{where}: the bucket {bucket!r} does not exist at {self.endpoint}: create it, or fix the URL or "
+                f"{where}: the bucket {bucket!r} does not exist at {endpoint}: create it, or fix the URL or "
                 "the endpoint"
             )
         if isinstance(exc, NotADirectoryError):
@@ -592,18 +725,33 @@ class Storage:
         paths = [self.path(k) for k in keys]
 
         def fetch() -> dict[str, bytes]:
-            found = self.fs.cat(paths, on_error="return", **self._whole_object_kwargs)
             out: dict[str, bytes] = {}
-            for key, path in zip(keys, paths, strict=True):
-                value = found.get(path) if isinstance(found, dict) else found
+            for key, value in zip(keys, self._cat_files(paths), strict=True):
                 if isinstance(value, BaseException):
                     raise value
-                if value is None:
-                    raise FileNotFoundError(path)
                 out[key] = bytes(value)
             return out
 
         return self._call("read", keys[0], fetch)
+
+    def _cat_files(self, paths: list[str]) -> list[bytes | BaseException]:
+        """Each whole object, or the error reading it, concurrently where the filesystem is asynchronous. Never
+        through ``fs.cat`` of a list, which expands ``*``, ``?`` and ``[...]`` in the paths as glob patterns."""
+        options = self._whole_object_kwargs
+        if not getattr(self.fs, "async_impl", False):
+            return [_outcome(functools.partial(self.fs.cat_file, path, **options)) for path in paths]
+        batch = getattr(self.fs, "batch_size", None) or fsspec.asyn._get_batch_size(nofiles=True)
+        coroutines = [self.fs._cat_file(path, **options) for path in paths]
+        return list(
+            fsspec.asyn.sync(
+                self.fs.loop,
+                fsspec.asyn._run_coros_in_chunks,
+                coroutines,
+                batch_size=batch,
+                nofiles=True,
+                return_exceptions=True,
+            )
+        )
 
     @overload
     def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes]: ...
@@ -726,28 +874,59 @@ class Storage:
             return False
         return True
 
-    def list_after(self, prefix: str, after: str | None) -> list[str]:
-        """Names directly under ``prefix`` that sort after ``after`` (all when None), ascending: one request for up to
-        1000 new names on S3 (``StartAfter``), however many came before. What a process that has read a log up to
-        ``after`` needs to see what was appended since."""
+    def list_after(self, prefix: str, after: str | None) -> dict[str, float]:
+        """Names directly under ``prefix`` that sort after ``after`` (all when None), ascending, each with the time
+        the storage stored it (S3 ``LastModified``, a file's mtime: the storage's clock, never a writer's): one
+        request for up to 1000 new names on S3 (``StartAfter``), however many came before. What a process that has
+        read a log up to ``after`` needs to see what was appended since, and when it was."""
         if not hasattr(self.fs, "_call_s3") or after is None:  # other filesystems list a directory whole
-            return [n for n in self.list(prefix) if after is None or n > after]
+            return {n: t for n, t in self._list_times(prefix).items() if after is None or n > after}
         bucket, key, _ = self.fs.split_path(self.path(prefix))
         base = key.rstrip("/") + "/"
 
-        async def pages() -> list[str]:
-            names: list[str] = []
+        async def pages() -> dict[str, float]:
+            names: dict[str, float] = {}
             options = {"Bucket": bucket, "Prefix": base, "Delimiter": "/", "StartAfter": base + after}
             while True:
                 page = await self.fs._call_s3("list_objects_v2", **options, **self.fs.req_kw)
-                names += [item["Key"][len(base) :] for item in page.get("Contents", [])]
-                names += [item["Prefix"][len(base) :].rstrip("/") for item in page.get("CommonPrefixes", [])]
+                names.update((item["Key"][len(base) :], _modified(item)) for item in page.get("Contents", []))
+                names.update((item["Prefix"][len(base) :].rstrip("/"), 0.0) for item in page.get("CommonPrefixes", []))
                 if not page.get("IsTruncated"):
                     return names
                 options["ContinuationToken"] = page["NextContinuationToken"]
 
         found = self._call("list", prefix, lambda: fsspec.asyn.sync(self.fs.loop, pages))
-        return sorted(n for n in found if n and not n.startswith(".") and n > after)
+        return {n: found[n] for n in sorted(found) if n and not n.startswith(".") and n > after}
+
+    def _list_times(self, prefix: str) -> dict[str, float]:
+        """:meth:`list` with each name's modification time (0 for a directory)."""
+        try:
+            entries = self._call("list", prefix, lambda: self.fs.ls(self.path(prefix), detail=True, refresh=True))
+        except FileNotFoundError:
+            return {}
+        base = self.path(prefix).rstrip("/")
+        found = {}
+        for entry in entries:
+            name = str(entry["name"]).rstrip("/")
+            name = name[len(base) + 1 :] if name.startswith(base + "/") else name
+            if name and "/" not in name and not name.startswith("."):
+                found[name] = _modified(entry) if entry.get("type", "file") != "directory" else 0.0
+        return dict(sorted(found.items()))
+
+    def modified(self, key: str) -> float:
+        """When the storage stored the object ``key`` (seconds since the epoch, by the storage's clock)."""
+        return _modified(self._call("stat", key, lambda: self.fs.info(self.path(key))))
+
+    def clock(self) -> float:
+        """The storage's own time now: an object created and read back under :data:`~routelog.format.keys.CLOCK_DIR`
+        (then deleted), so that what is compared with the times the storage gave its objects is never this
+        host's clock."""
+        key = f"{CLOCK_DIR}/{uuid.uuid4().hex}"
+        self.write(key, b"")
+        try:
+            return self.modified(key)
+        finally:
+            self.delete([key])
 
     def list(self, prefix: str) -> list[str]:
         """Names directly under ``prefix`` (one level, no recursion); empty when the prefix is absent."""
@@ -806,18 +985,59 @@ class Storage:
         return int(self._call("stat", key, lambda: self.fs.size(self.path(key))))
 
     def delete(self, keys: Iterable[str]) -> None:
+        """These objects (absent ones are no error). Never through ``fs.rm``, which expands glob patterns in the
+        paths: a key is deleted by its exact name, or nothing is."""
         keys = list(keys)
-        paths = [self.path(k) for k in keys]
         for key in keys:
             self.refuse_links(key)
-        if paths:
-            self._call("delete", keys[0], lambda: self.fs.rm(paths))
+        if keys:
+            self._call("delete", keys[0], lambda: self._delete_exactly([self.path(k) for k in keys]))
+
+    def _delete_exactly(self, paths: Sequence[str]) -> None:
+        if self.s3:  # one request for up to 1,000 keys, as s3fs's own bulk delete makes
+            for first in range(0, len(paths), S3_DELETE_BATCH):
+                self._delete_s3_batch(paths[first : first + S3_DELETE_BATCH])
+            return
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(path)
+
+    def _delete_s3_batch(self, paths: Sequence[str]) -> None:
+        located = [self.fs.split_path(path) for path in paths]
+        bucket = located[0][0]
+        if any(other != bucket for other, _, _ in located):  # pragma: no cover - a store is one bucket's prefix
+            raise ValueError("objects of one delete live in one bucket")
+        objects = [{"Key": key} for _, key, _ in located]
+
+        async def delete() -> Any:
+            return await self.fs._call_s3(
+                "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}, **self.fs.req_kw
+            )
+
+        reply = fsspec.asyn.sync(self.fs.loop, delete)
+        for path in paths:
+            self.fs.invalidate_cache(path)
+        failed = reply.get("Errors") or []
+        if failed:
+            first = failed[0]
+            raise OSError(f"could not delete {first.get('Key')}: {first.get('Code')} {first.get('Message')}")
 
     def delete_tree(self, prefix: str) -> None:
         """Every object below ``prefix``, and the directory itself on filesystems that have directories (never
-        through a symbolic link)."""
+        through a symbolic link, and never by a glob pattern: the objects are listed, then deleted by name)."""
         self.refuse_links(prefix)
-        self._call("delete", prefix, lambda: self.fs.rm(self.path(prefix), recursive=True))
+        if self.local:
+            self._call("delete", prefix, lambda: _remove_tree(self.path(prefix)))
+            return
+        self.delete(list(self.find(prefix)))
+        if not self.s3:  # filesystems with directories (memory://) keep them empty: remove them, deepest first
+            base = self.path(prefix).rstrip("/")
+            directories = self._call("list", prefix, lambda: self.fs.find(base, withdirs=True, detail=True))
+            for directory in sorted((p for p, i in directories.items() if i.get("type") == "directory"), key=len)[::-1]:
+                with contextlib.suppress(OSError):
+                    self.fs.rmdir(directory)
+            with contextlib.suppress(OSError):
+                self.fs.rmdir(base)
 
     def invalidate(self) -> None:
         """Drop cached listings so the next listing sees other writers' objects."""
@@ -829,6 +1049,18 @@ class Storage:
 
         options = {k: v for k, v in self.storage_options.items() if k != "auto_mkdir"}
         return FsspecStore.from_url(self.url_of(key), storage_options=options, read_only=True)
+
+
+def _outcome(read: Callable[[], bytes]) -> bytes | BaseException:
+    try:
+        return read()
+    except Exception as exc:  # returned to the caller, which raises it with its key
+        return exc
+
+
+def _remove_tree(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(path)
 
 
 def _pread_ranges(ranges: list[tuple[str, int, int]], buffer: memoryview) -> list[memoryview]:

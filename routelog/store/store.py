@@ -60,8 +60,9 @@ class Store(StoreRoot):
 
     def step(self, step: int, *, as_of: datetime | None = None) -> StepSnapshot:
         """The committed records of ``step`` now (exactly the sealed set, once sealed), or as they were at
-        ``as_of`` (commits created by then, by the writers' clocks). A step the store does not have is refused with
-        :class:`~routelog.errors.RecordNotFoundError` listing the steps it has."""
+        ``as_of`` (the log entries the storage held then, by its own timestamps, never a writer's clock). A step
+        the store does not have is refused with :class:`~routelog.errors.RecordNotFoundError` listing the steps it
+        has."""
         snapshot = StepSnapshot.load(self, step, as_of=as_of)
         if not snapshot.commits and not snapshot.sealed and step not in (steps := self.steps()):
             raise RecordNotFoundError(
@@ -137,6 +138,7 @@ def create_store(
     whose model spec differs from ``model_spec`` raises :class:`ModelSpecError`.
     """
     storage = Storage.open(url, storage_options)
+    storage.check_path_round_trips()
     storage.check_not_an_object()
     doc = RunDocument(
         run_id=run_id or uuid.uuid4().hex,

@@ -61,7 +61,14 @@ from typing import Literal, TypedDict, TypeVar
 
 import numpy as np
 
-from routelog.errors import DuplicateSampleError, InvalidRecordError, RoutelogError, StepSealedError, StoreError
+from routelog.errors import (
+    DuplicateSampleError,
+    ForkedWriterError,
+    InvalidRecordError,
+    RoutelogError,
+    StepSealedError,
+    StoreError,
+)
 from routelog.format import keys
 from routelog.format.dedup import PrefixIndex
 from routelog.format.digest import probe_hash
@@ -116,6 +123,16 @@ whose minimum is well above this (see :data:`routelog.store.gc.MIN_GRACE`)."""
 
 def default_writer_id() -> str:
     return f"w{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def refuse_if_forked(opened_by: int, what: str) -> None:
+    """A forked child inherits a writer without its threads (and a writer process without its reader): raise
+    :class:`ForkedWriterError` at once rather than wait on them."""
+    if os.getpid() != opened_by:
+        raise ForkedWriterError(
+            f"{what} was opened by process {opened_by}, and this is process {os.getpid()}, forked from it: open a "
+            "writer in this process (store.writer(...) or routelog.ProcessWriter)"
+        )
 
 
 class WriterError(StoreError):
@@ -238,6 +255,8 @@ class StepWriter:
         self.store = store
         self.step = keys.check_step(step)
         self.writer_id = keys.check_writer_id(writer_id or default_writer_id())
+        self._opened_by = os.getpid()
+        """The process whose threads and committer this writer uses (see :meth:`_check_process`)."""
         self.options = options or PartOptions()
         self.flush_bytes = flush_bytes or DEFAULT_FLUSH_BYTES
         self.flush_seconds = flush_seconds
@@ -794,6 +813,7 @@ class StepWriter:
 
     def abort(self) -> None:
         """Drop the buffered and queued records (what is committed stays) and stop."""
+        self._check_process()
         with self._lock:
             self._buffer, self._buffered_bytes, self._buffer_since = [], 0, None
             self._aborted = True
@@ -801,6 +821,7 @@ class StepWriter:
 
     def close(self) -> list[CommitRecord]:
         """Commit what is buffered, wait for the last commit and stop; returns every commit of this writer."""
+        self._check_process()
         if not self._closed:
             try:
                 if not self._aborted:
@@ -822,7 +843,11 @@ class StepWriter:
         if self._encode_pool is not None:
             self._encode_pool.shutdown()
 
+    def _check_process(self) -> None:
+        refuse_if_forked(self._opened_by, f"writer {self.writer_id!r} of step {self.step}")
+
     def _check_usable(self) -> None:
+        self._check_process()
         if self._closed:
             raise ValueError(f"writer {self.writer_id!r} of step {self.step} is closed")
         self._raise_error()
