@@ -22,6 +22,7 @@ setup(
             "routelog.format._ckernels",
             "routelog.format._ccontext",
             "routelog.format._cthrift",
+            "routelog.format._cpositions",
             "routelog.audit._ckernels",
         )
     ]

@@ -9,6 +9,11 @@
 3. Router-, token- and sequence-level routing differences (paper Fig. 3), the k3 KL between inference and training
    token probabilities (eq. 2) and F(t=2) (eq. 3), with and without replay, in ``metrics.json`` and ``report.png``.
 
+The DeepSeek-V3.2-style model also has a sparse-attention indexer in every layer: its selections (the key positions
+each query attends to) are recorded in generation, stored beside the routing, and replayed from the store in the R3
+forward; the indexer diff (share of selected positions the training forward picks differently) goes with the router
+diff.
+
 Each model's store keeps what the audits need afterwards: step 0 holds the inference routing with the engine's
 log-probs (``logprob_infer``) and the trainer's without replay (``logprob_train``, an annotation); a second store
 ``<store>-train`` holds the training forward's own routing (no replay), so ``routelog diff``, ``mismatch`` and
@@ -17,6 +22,7 @@ log-probs (``logprob_infer``) and the trainer's without replay (``logprob_train`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -29,15 +35,16 @@ import numpy as np
 import numpy.typing as npt
 
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
-from routelog.audit.r3 import compare_routings, extreme_fraction, k3_kl
+from routelog.audit.r3 import compare_routings, extreme_fraction, indexer_diff_rate, k3_kl
 from routelog.demo_report import ModelResult
+from routelog.engines import hf_indexer
 from routelog.engines.hf import RoutingRecorder, replay
 from routelog.format.record import Record
 from routelog.format.spec import ModelSpec
 from routelog.format.values import LOGPROB_INFER, LOGPROB_TRAIN
 from routelog.loader import ReplayLoader
 from routelog.outputs import written_whole
-from routelog.store.store import create_store
+from routelog.store.store import create_store, open_store
 
 Progress = Callable[[str], None]
 
@@ -46,7 +53,7 @@ DEMO_THREADS = 1
 threads fighting other processes for the cores cost a lot (2-core development machine, ``--quick``: 8.3 s with
 torch's default of 2 threads and 7.9-8.1 s with one, idle; with six busy processes beside it, 58 s and 29 s)."""
 STAGES_PER_MODEL = 4
-MOE_MODELS = ("qwen3_moe", "deepseek_v3")
+MOE_MODELS = ("qwen3_moe", "deepseek_v3", "deepseek_v32")
 STAGES = STAGES_PER_MODEL * len(MOE_MODELS) + 2
 """Calls of ``progress`` in one run: four per MoE model, the dense baseline, the report."""
 
@@ -62,11 +69,13 @@ class DemoConfig:
     layers: int = 8
     experts: int = 64
     topk: int = 8
+    index_topk: int = 16
+    """Key positions the DeepSeek-V3.2-style model's indexer selects: small enough to bind on most tokens."""
     seed: int = 0
 
     @classmethod
     def quick(cls) -> DemoConfig:
-        return cls(batch=4, prompt_len=16, new_tokens=40, hidden=128, layers=6, experts=32, topk=4)
+        return cls(batch=4, prompt_len=16, new_tokens=40, hidden=128, layers=6, experts=32, topk=4, index_topk=8)
 
 
 def _common(config: DemoConfig) -> dict[str, Any]:
@@ -83,7 +92,8 @@ def _common(config: DemoConfig) -> dict[str, Any]:
 
 
 def build_models(config: DemoConfig) -> dict[str, Any]:
-    """Tiny random models: Qwen3-MoE style, DeepSeek-V3 style, and a dense Qwen3 baseline of the same size.
+    """Tiny random models: Qwen3-MoE style, DeepSeek-V3 style, a dense Qwen3 baseline of the same size, and
+    DeepSeek-V3.2 style (V3 with a sparse-attention indexer; built last, so the others' weights stay as they were).
 
     Weights use ``initializer_range=0.1`` so router margins are realistic; with the HF default of 0.02 nearly all
     logits are ties and routing is close to random.
@@ -120,9 +130,15 @@ def build_models(config: DemoConfig) -> dict[str, Any]:
         v_head_dim=32,
         routed_scaling_factor=1.0,
     )
+    sparse = transformers.DeepseekV32Config(  # DeepSeek-V3.2: V3's routing plus a sparse-attention indexer
+        **{**deepseek.to_dict(), "model_type": "deepseek_v32"},
+        index_topk=config.index_topk,
+        index_head_dim=32,
+        index_n_heads=4,
+    )
     dense = transformers.Qwen3Config(**common, intermediate_size=moe_ffn * config.topk)
     models = {}
-    for name, cfg in (("qwen3_moe", qwen), ("deepseek_v3", deepseek), ("dense", dense)):
+    for name, cfg in (("qwen3_moe", qwen), ("deepseek_v3", deepseek), ("dense", dense), ("deepseek_v32", sparse)):
         model = transformers.AutoModelForCausalLM.from_config(cfg).eval()  # type: ignore[no-untyped-call]
         for module in model.modules():  # DeepSeek-V3's selection bias: small and random, as after training
             if hasattr(module, "e_score_correction_bias"):
@@ -198,12 +214,13 @@ def run_moe_model(
     spec = ModelSpec.from_hf_config(model.config.to_dict(), name=f"demo/{name}")
     result = ModelResult(name, spec)
     progress(f"{name}: generating (bf16, KV cache, sampling)")
-    with RoutingRecorder(model, spec) as recorder:
+    full = torch.ones_like(prompts)
+    with RoutingRecorder(model, spec) as recorder, _indexers(model, spec) as indexers:
         gen = generate(model, prompts, config, recorder)
         sample_ids = [f"{name}-{b}" for b in range(prompts.shape[0])]
-        records = recorder.records(
-            prompts, torch.ones_like(prompts), gen.sequences, sample_ids=sample_ids, policy_version=0
-        )
+        records = recorder.records(prompts, full, gen.sequences, sample_ids=sample_ids, policy_version=0)
+    if indexers is not None:
+        records = indexers.attach(records, full)
     for record, logp in zip(records, gen.logp_infer, strict=True):
         record.token_values = {LOGPROB_INFER: _per_token(logp, record.prompt_len)}
     progress(f"{name}: writing {len(records)} records to the store")
@@ -218,9 +235,11 @@ def run_moe_model(
     valid = [np.asarray(r.valid) for r in records]
 
     progress(f"{name}: training forward without replay (fp32)")
-    with RoutingRecorder(model, spec) as recorder:
+    fed = torch.ones_like(gen.sequences)
+    with RoutingRecorder(model, spec) as recorder, _indexers(model, spec) as indexers:
         logp_plain = train_forward(model, gen.sequences, gen.prompt_len)
         plain = _routing(recorder, spec, batch, length)
+    plain_indexer = None if indexers is None else indexers.attach(records, fed)
     _store_training_side(store, f"{store_url}-train", records, plain, logp_plain)
 
     progress(f"{name}: training forward with R3 (routing from the store, through the loader)")
@@ -234,9 +253,17 @@ def run_moe_model(
     }
     mask = torch.from_numpy(mb.mask.reshape(length, batch).T.reshape(-1))
     model.zero_grad(set_to_none=True)
-    with replay(model, spec, by_batch, mask=mask), RoutingRecorder(model, spec) as recorder:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(replay(model, spec, by_batch, mask=mask))
+        stored = _stored_indexer(store_url, records) if spec.indexer is not None else None
+        if stored is not None:  # the indexers' selections from the store, installed before the recorder sees them
+            rows = hf_indexer.replay_rows(stored, fed, spec)
+            stack.enter_context(hf_indexer.replay(model, spec, rows, gen.sequences, stored))
+        recorder = stack.enter_context(RoutingRecorder(model, spec))
+        indexers = stack.enter_context(_indexers(model, spec))
         logp_replay = train_forward(model, gen.sequences, gen.prompt_len, grad=True)
         replayed = _routing(recorder, spec, batch, length)
+    replayed_indexer = None if indexers is None else indexers.attach(records, fed)
     router_grad = sum(
         float(m.weight.grad.norm()) for m in RoutingRecorder(model, spec).routers.values() if m.weight.grad is not None
     )
@@ -256,12 +283,27 @@ def run_moe_model(
             "kl_k3": k3_kl(result.logp[mode], infer),
             "f_t2": extreme_fraction(result.logp[mode], infer, 2.0),
         }
+    for mode, trained in (("no_replay", plain_indexer), ("replay", replayed_indexer)):
+        if trained is not None:
+            pairs = [(np.asarray(r.indexer), np.asarray(t.indexer)) for r, t in zip(records, trained, strict=True)]
+            result.metrics[mode]["indexer_diff_rate"] = indexer_diff_rate(pairs)
     result.metrics["router_grad_norm_with_replay"] = router_grad
     result.metrics["tokens"] = int(infer.size)
     result.metrics["moe_layers"] = list(spec.moe_layers)
     result.metrics["store"] = store_url
     result.metrics["train_store"] = f"{store_url}-train"
     return result
+
+
+def _indexers(model: Any, spec: ModelSpec) -> contextlib.AbstractContextManager[hf_indexer.IndexerRecorder | None]:
+    """A recorder of the model's sparse-attention indexers, or nothing for a model without them."""
+    return hf_indexer.IndexerRecorder(model, spec) if spec.indexer is not None else contextlib.nullcontext()
+
+
+def _stored_indexer(store_url: str, records: list[Record]) -> list[Record]:
+    """The records with the indexer rows read back from the store (what a trainer replays)."""
+    snapshot = open_store(store_url).step(0)
+    return [dataclasses.replace(r, indexer=snapshot.read_indexer(r.sample_id)) for r in records]
 
 
 def _per_token(logp: npt.NDArray[np.float64], prompt_len: int) -> npt.NDArray[np.float32]:
@@ -280,7 +322,7 @@ def _store_training_side(
     train = create_store(train_url, store.model_spec, config={"demo": "training forward without replay"})
     with train.writer(0, "demo-trainer") as writer:
         for record, ids in zip(records, routing, strict=True):
-            writer.append(dataclasses.replace(record, expert_ids=ids, token_values=None))
+            writer.append(dataclasses.replace(record, expert_ids=ids, token_values=None, indexer=None))
 
 
 def run_dense(model: Any, prompts: Any, config: DemoConfig, progress: Progress) -> dict[str, float]:

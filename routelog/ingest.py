@@ -11,7 +11,7 @@ import hashlib
 import json
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,7 +20,13 @@ import numpy.typing as npt
 
 from routelog.engines import megatron_server, ms_swift, nemo_rl, sglang, slime, verl, vllm
 from routelog.engines.common import list_field, load_npy, malformed, npy_header_nbytes, to_full_axis
-from routelog.errors import IngestError, InvalidRecordError, RoutingAbsentError, WriteInterruptedError
+from routelog.errors import (
+    IngestError,
+    InvalidRecordError,
+    RoutingAbsentError,
+    ValuesNotFoundError,
+    WriteInterruptedError,
+)
 from routelog.format import keys
 from routelog.format.codec import TopkOrder
 from routelog.format.documents import load_json
@@ -467,13 +473,24 @@ def export_step(
         with written_whole(out) as partial, partial.open("w") as lines:
             for start in range(0, len(ids), batch_size):
                 for routing in snapshot.read_many(ids[start : start + batch_size]):
-                    lines.write(json.dumps(_wire(routing.to_record(), spec, layout)) + "\n")
+                    record = routing.to_record()
+                    if layout == "sglang" and spec.indexer is not None:  # SGLang also returns the indexer's rows
+                        record = _with_stored_indexer(snapshot, record)
+                    lines.write(json.dumps(_wire(record, spec, layout)) + "\n")
         return len(ids)
     if layout not in ARRAY_LAYOUTS:
         raise IngestError(f"layout {layout!r} is a wire form: write it as .jsonl")
     with written_whole(out) as partial:
         _export_arrays(snapshot, layout, partial, ids, batch_size, prompt_length, response_length)
     return len(ids)
+
+
+def _with_stored_indexer(snapshot: StepSnapshot, record: Record) -> Record:
+    """``record`` with its stored indexer rows (as it is when it was stored without them)."""
+    try:
+        return replace(record, indexer=snapshot.read_indexer(record.sample_id))
+    except ValuesNotFoundError:
+        return record
 
 
 def _export_arrays(
@@ -539,6 +556,10 @@ def _wire(record: Record, spec: ModelSpec, layout: str) -> dict[str, Any]:
             "completion_tokens": len(output),
             "routed_experts": sglang.to_meta_info(record, spec),
         }
+        indexer = sglang.to_indexer_meta_info(record, spec)
+        if indexer is not None:
+            request["return_indexer_topk"] = True
+            meta["indexer_topk"] = indexer
         response = {"output_ids": output, "meta_info": meta}
         return {"sample_id": record.sample_id, "request": request, "response": response}
     choice: dict[str, Any] = {"index": 0, "prompt_token_ids": prompt, "token_ids": output}

@@ -58,7 +58,7 @@ def test_demo_shows_replay_working_and_the_readme_table(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     metrics = json.loads((out / "metrics.json").read_text())
-    for name in ("qwen3_moe", "deepseek_v3"):
+    for name in MODEL_LABELS:
         m = metrics[name]
         for mode in ("no_replay", "replay"):
             assert set(m[mode]) >= {"router_diff_rate", "token_diff_rate", "kl_k3", "f_t2"}
@@ -67,6 +67,9 @@ def test_demo_shows_replay_working_and_the_readme_table(tmp_path: Path) -> None:
         assert m["no_replay"]["router_diff_rate"] > 0.0, "bf16 inference vs fp32 training must disagree somewhere"
         assert m["replay"]["kl_k3"] < m["no_replay"]["kl_k3"]
         assert m["router_grad_norm_with_replay"] > 0, "replay keeps the router's gradient"
+        if name == "deepseek_v32":  # its sparse-attention indexers are recorded, stored and replayed too
+            assert m["replay"]["indexer_diff_rate"] == 0.0, "replayed indexers must select the recorded keys"
+            assert m["no_replay"]["indexer_diff_rate"] > 0.0
         assert "dense_kl_k3" in m
         store = routelog.open_store(m["store"])
         assert len(store.step(0)) == metrics["config"]["batch"]
@@ -76,8 +79,12 @@ def test_demo_shows_replay_working_and_the_readme_table(tmp_path: Path) -> None:
     readme = _readme_table()
     assert set(readme) == {*MODEL_LABELS.values(), DENSE_LABEL}
     for name, label in MODEL_LABELS.items():
-        m, (router, token, kl) = metrics[name], readme[label]
+        m, (router, token, indexer, kl) = metrics[name], readme[label]
         (router_off, router_on), (token_off, token_on) = _pair(router), _pair(token)
+        if indexer:
+            indexer_off, indexer_on = _pair(indexer)
+            assert indexer_on == 0.0
+            assert abs(m["no_replay"]["indexer_diff_rate"] - indexer_off) <= TOLERANCE["router"], (label, indexer)
         kl_off, kl_on = _pair(kl)
         assert router_on == token_on == 0.0
         assert abs(m["no_replay"]["router_diff_rate"] - router_off) <= TOLERANCE["router"], (label, router)

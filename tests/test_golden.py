@@ -51,6 +51,8 @@ def test_golden_stores_read_exactly(golden: Path, tmp_path: Path) -> None:
                     assert sorted(values) == columns, (got.sample_id, sorted(values))
                 for column in columns:
                     np.testing.assert_array_equal(values[column], expected[f"{key}/{column}"])
+                if f"{key}/indexer" in expected:  # revision 4.1
+                    np.testing.assert_array_equal(snapshot.read_indexer(got.sample_id), expected[f"{key}/indexer"])
                 checked += 1
         assert checked == sum(1 for k in expected if k.startswith(f"{name}/") and k.endswith("/ids"))
         assert verify_store(store).ok
@@ -169,3 +171,19 @@ def test_golden_v2_holds_chunks_with_dictionaries(name: str) -> None:
         assert {
             version for version, _ in _chunk_trailers(routelog.open_store(str(FIXTURES / "golden-v2" / older)))
         } == {1}
+
+
+def test_golden_v4_holds_indexer_rows_of_revision_4_1() -> None:
+    """The `indexer` store: parts naming the feature `indexer_positions`, a shared layer stored through its
+    source, records across keyframes (700 tokens), and a record without indexer rows beside them."""
+    with np.load(FIXTURES / "golden-v4" / "expected.npz", allow_pickle=False) as expected:
+        rows = {k.split("/")[1]: expected[k] for k in expected.files if k.startswith("indexer/") and "/indexer" in k}
+    assert sorted(rows) == ["p0-r0", "p0-r1", "p0-r2", "p1-r0"] and rows["p1-r0"].shape == (700, 3, 12)
+    snapshot = routelog.open_store(str(FIXTURES / "golden-v4" / "indexer")).step(0)
+    assert snapshot.sealed and all(c.features == ["indexer_positions"] for c in snapshot.commits)
+    assert snapshot.store.model_spec.indexer is not None and snapshot.store.model_spec.indexer.shared == (2,)
+    np.testing.assert_array_equal(
+        snapshot.read_indexer("p1-r0", layers=[2], tokens=(500, 700)), rows["p1-r0"][500:, [2]]
+    )
+    with pytest.raises(routelog.errors.ValuesNotFoundError):
+        snapshot.read_indexer("p0-plain")

@@ -549,3 +549,26 @@ def test_sim_commits_models_every_path_and_validates_against_a_benchmark_report(
     rows = json.loads(result.stdout)
     assert rows[0]["what"] == "own (bench)" and 0.5 < rows[0]["requests_per_commit_ratio"] < 2
     assert any(r["what"].startswith("before") for r in rows), "the old protocol's measurements beside its model"
+
+
+def test_bench_indexer_reports_its_goals_against_the_bound_and_zstd() -> None:
+    """tools/bench_indexer.py --quick: the positions codec on the synthetic generator (95 % adjacent overlap) and on
+    rows recorded from a tiny DeepSeek-V3.2-style model, each against the entropy bound and zstd-19 baselines of the
+    same rows, measured in the same run."""
+    done = _tool(str(TOOLS / "bench_indexer.py"), "--quick", "--traces", "--json", "--repeats", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    for part in (report, report["traces"]):
+        assert part["encoded_bytes"] > 0 and part["bound_bytes"] > 0
+        assert set(part["baselines"]) >= {"zstd-19 raw int32"}, part["baselines"].keys()
+        assert part["ratios"]["size / bound"] == part["encoded_bytes"] / part["bound_bytes"]
+    assert report["ratios"]["size / bound"] <= 1.1, "the codec is within 10 % of the generator's entropy"
+    assert report["traces"]["model"]["lengths"] == [512, 1024]
+
+
+def test_the_positions_fuzzer_builds_a_sanitized_coder_and_finds_nothing() -> None:
+    """tools/fuzz_positions.py: the indexer positions coder built with AddressSanitizer and UndefinedBehaviorSanitizer
+    round-trips random blocks and takes damaged ones without a report (a few seconds here)."""
+    done = _tool(str(TOOLS / "fuzz_positions.py"), "--seconds", "4", "--seed", "7")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "no sanitizer report" in done.stdout and " 0 blocks round-tripped" not in done.stdout, done.stdout

@@ -465,6 +465,42 @@ def render_sim(r: Report) -> list[str]:
     )
 
 
+def render_indexer(r: Report) -> list[str]:
+    def row(part: Report, label: str) -> tuple[str, ...]:
+        ratios, speeds = part["ratios"], part["speeds_mpos_s"].get("compiled", {})
+        return (
+            label,
+            f"{num(ratios['size / bound'])} x ({part['bound_kind']})",
+            f"{num(100 * ratios['size / raw'])} %",
+            " / ".join(f"{num(b['vs_codec'])} x" for b in part["baselines"].values()),
+            f"{num(speeds.get('encode_mpos_s'))} / {num(speeds.get('decode_mpos_s'))}",
+        )
+
+    g = r["generator"]
+    rows = [row(r, f"synthetic, k = {g['k']} over {g['tokens']:,} tokens, {100 * g['overlap']:.0f} % adjacent overlap")]
+    if "traces" in r:
+        m = r["traces"]["model"]
+        lengths = ", ".join(str(n) for n in m["lengths"])
+        rows.append(
+            row(
+                r["traces"],
+                f"tiny random DeepSeek-V3.2-style model, prefills of {lengths} tokens, index_topk {m['index_topk']}",
+            )
+        )
+    goals = (
+        "Goals: size <= 1.1 x the bound and <= 2.5 % of the raw int32 rows; encode >= 50, decode >= 200 M positions/s"
+        " a core."
+    )
+    header = (
+        "rows",
+        "size / bound",
+        "size / raw int32",
+        "zstd-19 of raw / row XOR / row gaps, vs routelog",
+        "encode / decode, M positions/s",
+    )
+    return [goals, "", *table(header, rows)]
+
+
 # -- running a tool ------------------------------------------------------------------------------------------------
 def machine() -> dict[str, Any]:
     """The CPU model (/proc/cpuinfo) and the cores this process may run on."""
@@ -551,6 +587,7 @@ TOOLS: dict[str, Tool] = {
         Tool("bench_audit", ("--json",), render_audit),
         Tool("bench_commits", ("--json",), render_commits),
         Tool("sim_commits", ("--json",), render_sim),
+        Tool("bench_indexer", ("--json", "--traces"), render_indexer),
     )
 }
 """Every tool the page has a block for, with the command its JSON comes from, in the page's order."""

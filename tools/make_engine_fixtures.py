@@ -11,7 +11,8 @@ occurs in that version's file and records its line number. Each fixture director
   the request matters, ``request.json``;
 * ``expected.npz``: per sample ``<i>_expert_ids`` (int64 ``[n_tokens, num_moe_layers, K]``, logical IDs on the
   MoE-only axis, zeros where not valid), ``<i>_valid`` (bool ``[n_tokens]``: rows the engine computed and returned),
-  ``<i>_token_ids`` (int64) and ``sample_ids`` (unicode array);
+  ``<i>_token_ids`` (int64), ``sample_ids`` (unicode array) and, for a DSA model's indexer top-k, ``<i>_indexer``
+  (int32 ``[n_tokens, computing layers, index_topk]``: routelog's rows, ascending, -1 last, the final token -1);
 * ``model_spec.json`` (routelog ``ModelSpec`` JSON), ``SOURCE.json`` (engine, version, wheel, sha256 of each source
   file used, the names taken from it, the lines asserted, a description) and ``notes.json`` where a sample needs one.
 
@@ -38,6 +39,7 @@ import argparse
 import ast
 import base64
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -73,19 +75,22 @@ class Spec:
     num_experts: int
     topk: int
     hf_config: dict[str, Any]
+    indexer: dict[str, Any] | None = None
+    """routelog ``IndexerSpec`` JSON of a DSA model (``index_topk``, computing ``layers``, ``shared`` layers)."""
 
     @property
     def n_moe(self) -> int:
         return len(self.moe_layers)
 
     def model_spec_json(self) -> dict[str, Any]:
-        return {
+        spec = {
             "name": self.name,
             "num_layers": self.num_layers,
             "moe_layers": list(self.moe_layers),
             "num_experts": self.num_experts,
             "topk": self.topk,
         }
+        return spec if self.indexer is None else {**spec, "indexer": self.indexer}
 
 
 DEEPSEEK = Spec(
@@ -124,6 +129,42 @@ WIDE = Spec(
         "n_routed_experts": 300,
         "num_experts_per_tok": 4,
     },
+)
+GLM_DSA = Spec(  # GLM-5-like: layers 2 and 4 reuse the indexer selection of layers 1 and 3 (index_topk_freq 2)
+    "tiny-glm-moe-dsa",
+    6,
+    (1, 2, 3, 4, 5),
+    16,
+    2,
+    {
+        "model_type": "glm_moe_dsa",
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "num_hidden_layers": 6,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 2,
+        "index_topk": 4,
+        "index_topk_freq": 2,
+        "index_skip_topk_offset": 2,
+    },
+    {"index_topk": 4, "layers": [0, 1, 3, 5], "shared": [2, 4]},
+)
+V32 = Spec(  # DeepSeek-V3.2-like: every layer computes its own selection
+    "tiny-deepseek-v32",
+    4,
+    (1, 2, 3),
+    16,
+    2,
+    {
+        "model_type": "deepseek_v32",
+        "architectures": ["DeepseekV32ForCausalLM"],
+        "num_hidden_layers": 4,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 2,
+        "index_topk": 4,
+    },
+    {"index_topk": 4, "layers": [0, 1, 2, 3], "shared": []},
 )
 
 
@@ -363,6 +404,7 @@ class Sample:
     expert_ids: IntArray  # [n_tokens, n_moe, K] logical, zeros where not valid
     valid: npt.NDArray[np.bool_]
     token_ids: IntArray
+    indexer: npt.NDArray[np.int32] | None = None  # [n_tokens, computing layers, index_topk] canonical rows
 
 
 @dataclass
@@ -425,9 +467,16 @@ class Fixture:
         """Random source seeded by the fixture name: every run draws the same tokens and routes."""
         return np.random.default_rng(zlib.crc32(self.name.encode()))
 
-    def add(self, sample_id: str, ids_moe: IntArray, valid: npt.NDArray[np.bool_], tokens: IntArray) -> None:
+    def add(
+        self,
+        sample_id: str,
+        ids_moe: IntArray,
+        valid: npt.NDArray[np.bool_],
+        tokens: IntArray,
+        indexer: npt.NDArray[np.int32] | None = None,
+    ) -> None:
         ids = np.where(valid[:, None, None], ids_moe, 0).astype(np.int64)
-        self.samples.append(Sample(sample_id, ids, valid.astype(bool), np.asarray(tokens, dtype=np.int64)))
+        self.samples.append(Sample(sample_id, ids, valid.astype(bool), np.asarray(tokens, dtype=np.int64), indexer))
 
     def write(self, out: Path) -> None:
         folder = out / self.name
@@ -451,6 +500,8 @@ class Fixture:
             arrays[f"{i}_expert_ids"] = sample.expert_ids
             arrays[f"{i}_valid"] = sample.valid
             arrays[f"{i}_token_ids"] = sample.token_ids
+            if sample.indexer is not None:
+                arrays[f"{i}_indexer"] = sample.indexer
         np.savez_compressed(folder / "expected.npz", **arrays)
         (folder / "model_spec.json").write_text(json.dumps(self.spec.model_spec_json(), indent=1) + "\n")
         if self.notes:
@@ -1728,7 +1779,9 @@ class _SGLang(_Sources):
             return dict(self.finish["FINISH_MATCHED_TOKEN"](value).to_json())
         return dict(self.finish["FINISH_ABORT"]().to_json())
 
-    def meta(self, rid: str, finish: dict[str, Any], p: int, r: int, cached: int, routed: Any) -> dict[str, Any]:
+    def meta(
+        self, rid: str, finish: dict[str, Any], p: int, r: int, cached: int, routed: Any, indexer: Any = None
+    ) -> dict[str, Any]:
         """meta_info in the key order TokenizerManager builds it (metrics off)."""
         meta: dict[str, Any] = {
             "id": rid,
@@ -1741,15 +1794,26 @@ class _SGLang(_Sources):
         }
         if routed is not None:
             meta["routed_experts"] = routed
+        if indexer is not None:
+            meta["indexer_topk"] = indexer
         meta["e2e_latency"] = 0.5
         return meta
 
     def routed_meta(
-        self, rid: str, finish: dict[str, Any], ids: IntArray, p: int, cached: int, start: int = 0
+        self,
+        rid: str,
+        finish: dict[str, Any],
+        ids: IntArray,
+        p: int,
+        cached: int,
+        start: int = 0,
+        indexer: npt.NDArray[np.int32] | None = None,
     ) -> dict[str, Any]:
-        """meta_info of a finished request of ``len(ids)`` tokens (prompt ``p``) with rows [start, n - 1)."""
+        """meta_info of a finished request of ``len(ids)`` tokens (prompt ``p``) with rows [start, n - 1), and
+        ``indexer`` (SGLang's indexer-topk rows) encoded as ``indexer_topk`` when given."""
         rows = captured_rows(ids, self.fx.spec, np.int32, start)
-        return self.meta(rid, finish, p, ids.shape[0] - p, cached, self.encode(rows))
+        encoded = None if indexer is None else self.encode(indexer)
+        return self.meta(rid, finish, p, ids.shape[0] - p, cached, self.encode(rows), encoded)
 
     def generated(self, text: str, toks: IntArray, p: int, meta: dict[str, Any]) -> dict[str, Any]:
         """One /generate response object."""
@@ -2008,6 +2072,283 @@ def sglang_0523_abort(ctx: Ctx, fx: Fixture) -> None:
     fx.payload["responses.json"] = [running, queued]
     fx.notes = {"1": {"routing_absent": True, "why": "aborted before scheduling"}}
     fx.files = {"responses.json": "[0] running abort, [1] queued abort (/generate response objects)"}
+
+
+# ---- SGLang: the DSA indexer's top-k (0.5.23, `--enable-return-indexer-topk`) ----
+SGL_KV_SLOTS = 64
+"""KV-pool slots of the simulated server: a request's tokens get scattered slots, read back by slot."""
+
+
+class _HostTensor(np.ndarray):  # type: ignore[type-arg]
+    """A numpy array answering the torch calls SGLang's capturer makes on CPU tensors (``.cpu()``, ``.clone()``)."""
+
+    def cpu(self) -> _HostTensor:
+        return self
+
+    def clone(self) -> _HostTensor:
+        return self.copy()
+
+
+class _SGLangIndexer:
+    """SGLang's indexer-topk capture executed from its source against numpy buffers: the layer slots and which layers
+    reuse the previous layer's selection (``configs/model_config.py``), each layer's capture into the device buffer,
+    a reusing layer mirroring the previous layer's indices (``maybe_capture_indexer_topk``,
+    ``BaseDeviceCache.capture``), the copy into the zeroed int32 host buffer by KV slot after each forward
+    (``BaseTopkCapturer.on_forward_end``) and a finished request's read-back (``BaseTopkCapturer.get_topk``)."""
+
+    def __init__(self, sg: _SGLang) -> None:
+        fx, wheel, spec = sg.fx, sg.wheel, sg.fx.spec
+        assert spec.indexer is not None
+        config_src = wheel.read("sglang/srt/configs/model_config.py")
+        names = ["_hf_arch", "_hf_attr", "is_deepseek_dsa", "is_deepseek_v4", "dsa_layer_skips_topk"]
+        ns = namespace(Optional=Any, PretrainedConfig=Any)
+        for name in [*names, "get_num_indexer_layers"]:
+            run_source(config_src.definition(name), ns, f"<sglang {fx.version} {name}>")
+        config = types.SimpleNamespace(**spec.hf_config)
+        self.slots: int = ns["get_num_indexer_layers"](config)
+        self.skips = [bool(ns["dsa_layer_skips_topk"](config, i)) for i in range(spec.num_layers)]
+        shared = [i for i, skip in enumerate(self.skips) if skip]
+        if self.slots != spec.num_layers or shared != spec.indexer["shared"]:
+            raise SystemExit(f"{fx.name}: SGLang gives {self.slots} slots, shared layers {shared}; the spec disagrees")
+        fx.cite(
+            config_src,
+            [*names, "get_num_indexer_layers"],
+            "Executed: slots and reusing layers of the fixture's HF config.",
+            {
+                "num_hidden_layers": config_src.line(
+                    "return config.num_hidden_layers", after="def get_num_indexer_layers"
+                ),
+                "dsa_layer_skips_topk": config_src.line("def dsa_layer_skips_topk"),
+            },
+            "`get_num_indexer_layers`: a DSA model (V3.2, GLM) gets one indexer-topk slot per decoder layer "
+            "(num_hidden_layers), layers that reuse the previous layer's top-k included (`dsa_layer_skips_topk`: "
+            "indexer_types, cli_factor, index_topk_pattern, index_topk_freq / index_skip_topk_offset)",
+        )
+        mla = wheel.read("sglang/srt/models/deepseek_common/attention_forward_methods/forward_mla.py")
+        fx.cite(
+            mla,
+            None,
+            "A layer that skips top-k mirrors prev_topk_indices into its own slot.",
+            {"mirror": mla.line("self.layer_id, prev_topk_indices")},
+            "a layer reusing the previous layer's top-k captures `prev_topk_indices` into its own slot "
+            "(`maybe_capture_indexer_topk(self.layer_id, prev_topk_indices)`): the payload is dense over all layers",
+        )
+        self.k = int(spec.indexer["index_topk"])
+        base = wheel.read("sglang/srt/state_capturer/base.py")
+        capture = load_def(base, "BaseDeviceCache.capture")
+        local_slice = load_def(base, "BaseTopkCapturer._get_local_slice")
+        self._on_forward_end = load_def(base, "BaseTopkCapturer.on_forward_end")
+        self._get_topk = load_def(base, "BaseTopkCapturer.get_topk")
+        fx.cite(
+            base,
+            [
+                "BaseDeviceCache.capture",
+                "BaseTopkCapturer._get_local_slice",
+                "BaseTopkCapturer.on_forward_end",
+                "BaseTopkCapturer.get_topk",
+                "BaseHostCache",
+            ],
+            "Executed: capture into the device buffer, host copy by KV slot, read-back of rows [0, seqlen - 1).",
+            {
+                "get_topk": base.line("req_to_token_pool.req_to_token[req_pool_idx][start_len : seqlen - 1]"),
+                "host_copy": base.line("self.host_cache.buffer[out_cache_loc_cpu] = slice_gpu.cpu()"),
+                "host_zeroed": base.line("self.buffer.zero_()"),
+            },
+            "int32 host buffer indexed by KV slot (zeroed at start: a slot never written reads as zeros); "
+            "`get_topk` reads `req_to_token[req][start_len : seqlen - 1]`: rows [0, n - 1), radix-cache hits filled",
+        )
+        self.device = types.SimpleNamespace(buffer=np.zeros((SGL_KV_SLOTS, self.slots, self.k), np.int32))
+        self.host = np.zeros((SGL_KV_SLOTS, self.slots, self.k), np.int32)
+        self.device.buffer = self.device.buffer.view(_HostTensor)
+        self.capturer = types.SimpleNamespace(
+            device_cache=self.device, topk_size=self.k, host_cache=types.SimpleNamespace(buffer=self.host)
+        )
+        self.capturer._get_local_slice = functools.partial(local_slice, self.capturer)
+        sink = types.SimpleNamespace(
+            capture=lambda layer_id, topk_indices: capture(self.device, layer_id, topk_indices)
+        )
+        topk_src = wheel.read("sglang/srt/state_capturer/indexer_topk.py")
+        self._maybe_capture = load_def(topk_src, "maybe_capture_indexer_topk", get_global_indexer_capturer=lambda: sink)
+        fx.cite(
+            topk_src,
+            ["maybe_capture_indexer_topk", "extract_indexer_topk_from_meta_info"],
+            "Executed: maybe_capture_indexer_topk; the decoder's shape.",
+            {"reshape": topk_src.line("Caller reshapes to (seqlen-1, num_indexer_layers,")},
+            '`meta_info["indexer_topk"]`: base64 of raw int32, no header, shape (seqlen - 1, num_indexer_layers, '
+            "index_topk)",
+        )
+        processor = wheel.read("sglang/srt/managers/scheduler_components/batch_result_processor.py")
+        collect = processor.definition("SchedulerBatchResultProcessor._maybe_collect_indexer_topk")
+        if "start_len" in collect:
+            raise SystemExit(f"{fx.name}: _maybe_collect_indexer_topk now passes a start")
+        fx.cite(
+            processor,
+            ["SchedulerBatchResultProcessor._maybe_collect_indexer_topk"],
+            "get_topk without start_len.",
+            {"collect": processor.line("def _maybe_collect_indexer_topk")},
+            "indexer rows are always [0, seqlen - 1): `get_topk` is called without `start_len` "
+            "(`routed_experts_start_len` shapes the routing only)",
+        )
+        fx.cite(
+            sg.tm,
+            None,
+            "meta_info key.",
+            {"meta_info.indexer_topk": sg.tm.line('meta_info["indexer_topk"] = val')},
+            '`meta_info["indexer_topk"]` set after `routed_experts`, encoded like it (`_b64_encode_per_request`)',
+        )
+        fx.cite(
+            sg.io,
+            ["GenerateReqInput"],
+            "request field.",
+            {"return_indexer_topk": sg.io.line("return_indexer_topk: bool = False")},
+            "`GenerateReqInput.return_indexer_topk` (server `--enable-return-indexer-topk`); the OpenAI protocol "
+            "has no such field",
+        )
+        dsa = wheel.read("sglang/srt/layers/attention/dsa/dsa_indexer.py")
+        backend = wheel.read("sglang/srt/layers/attention/dsa/dsa_topk_backend.py")
+        environ = wheel.read("sglang/srt/environ.py")
+        fx.cite(
+            dsa,
+            None,
+            "What the captured top-k holds.",
+            {
+                "logical": dsa.line("expects logical positions"),
+                "fast_path": dsa.line(
+                    "When length <= 2048, naive_topk_cuda directly generates [0,1,...,length-1,-1,...]"
+                ),
+            },
+            "the capture sites take the indexer's output after `metadata.topk_transform`: with the top-k unfused "
+            "(SGLANG_DSA_FUSE_TOPK=0) these are positions within the request ([0..t, -1, ...] while t + 1 <= "
+            "index_topk, else index_topk positions in the kernel's order); fused (the default) they are KV-pool slots "
+            "(decode) or offsets into the batch's ragged KV (prefill). The fixture holds positions",
+        )
+        fx.use(
+            backend,
+            ["DSATopKBackend.topk_transform"],
+            "unfused top-k when SGLANG_DSA_FUSE_TOPK is off.",
+            {"unfused": backend.line("if not envs.SGLANG_DSA_FUSE_TOPK.get() or force_unfused_topk:")},
+        )
+        fx.use(
+            environ,
+            [],
+            "default of SGLANG_DSA_FUSE_TOPK.",
+            {"default": environ.line("SGLANG_DSA_FUSE_TOPK = EnvBool(True)")},
+        )
+
+    def forward(self, kv_slots: IntArray, picks: npt.NDArray[np.int32]) -> None:
+        """One forward of tokens at ``kv_slots``; ``picks`` ``[tokens, computing layers, k]`` their indexer top-k."""
+        computing = iter(range(picks.shape[1]))
+        prev = None
+        for layer, skip in enumerate(self.skips):
+            prev = self._maybe_capture(layer, prev if skip else picks[:, next(computing)])
+        batch = types.SimpleNamespace(out_cache_loc=np.asarray(kv_slots).view(_HostTensor), out_cache_loc_virtual=None)
+        self._on_forward_end(self.capturer, batch, False, None)
+
+    def rows(self, kv_slots: IntArray, seqlen: int) -> npt.NDArray[np.int32]:
+        """What ``get_topk`` returns for a finished request whose tokens sit at ``kv_slots``."""
+        pool = types.SimpleNamespace(req_to_token=np.asarray(kv_slots)[None].view(_HostTensor))
+        return np.asarray(self._get_topk(self.capturer, req_pool_idx=0, seqlen=seqlen, req_to_token_pool=pool))
+
+
+def indexer_picks(rng: np.random.Generator, first: int, stop: int, layers: int, k: int) -> npt.NDArray[np.int32]:
+    """``[stop - first, layers, k]``: the indexer's top-k of the queries at positions ``first..stop-1`` as positions
+    (unfused): ``[0..t, -1, ...]`` while ``t + 1 <= k``, else ``k`` distinct positions of ``[0, t]`` in score order."""
+    out = np.full((stop - first, layers, k), -1, np.int32)
+    for i, t in enumerate(range(first, stop)):
+        for j in range(layers):
+            out[i, j, : min(k, t + 1)] = np.arange(t + 1) if t + 1 <= k else np.argsort(-rng.random(t + 1))[:k]
+    return out
+
+
+def canonical_indexer(picks: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
+    """routelog's rows of ``picks`` (the forwarded tokens): each ascending, -1 last, then a -1 row for the final
+    token, never forwarded."""
+    rows = np.sort(picks.view(np.uint32), axis=-1).view(np.int32)  # -1 = 0xFFFFFFFF sorts last
+    return np.concatenate([rows, np.full((1, *rows.shape[1:]), -1, np.int32)])
+
+
+def _sglang_indexer(ctx: Ctx, fx: Fixture, *, multiturn: bool) -> None:
+    """Requests run through the executed capture; each reuses ``cached`` KV slots of the request before it."""
+    spec = fx.spec
+    assert spec.indexer is not None
+    sg = _SGLang(ctx, fx)
+    dsa = _SGLangIndexer(sg)
+    rng = fx.rng()
+    if multiturn:  # turn 1 resends turn 0's tokens + 5 user tokens, routed_experts_start_len = len(turn 0) - 1
+        t1 = 12
+        toks, ids = draw(rng, spec, t1 + 5 + 4)
+        plan = [(toks[:t1], ids[:t1], 8, 0, 0), (toks, ids, t1 + 5, t1 - 1, t1 - 1)]
+    else:  # request 1 shares a 6-token radix-cache prefix with request 0
+        toks0, ids0 = draw(rng, spec, 15)
+        toks1, ids1 = draw(rng, spec, 8, after=(toks0[:6], ids0[:6]))
+        plan = [(toks0, ids0, 9, 0, 0), (toks1, ids1, 10, 6, 0)]
+    free = iter(rng.permutation(SGL_KV_SLOTS).tolist())
+    slots: IntArray = np.zeros(0, np.int64)
+    picks = np.zeros((0, len(spec.indexer["layers"]), dsa.k), np.int32)
+    requests, responses = [], []
+    for i, (tk, route, p, cached, start) in enumerate(plan):
+        n = tk.shape[0]
+        slots = np.concatenate([slots[:cached], [next(free) for _ in range(n - cached)]]).astype(np.int64)
+        picks = np.concatenate([picks[:cached], indexer_picks(rng, cached, n - 1, picks.shape[1], dsa.k)])
+        dsa.forward(slots[cached:p], picks[cached:p])  # prefill of the prompt past the cached prefix
+        for t in range(p, n - 1):  # a decode step per generated token but the last
+            dsa.forward(slots[t : t + 1], picks[t : t + 1])
+        rows = dsa.rows(slots, n)
+        layers = spec.indexer["layers"]
+        assert np.array_equal(rows[:, layers], picks)
+        rid = f"sgl-dsa-{i}"
+        meta = sg.routed_meta(rid, sg.finish_json("length", n - p), route, p, cached, start, indexer=rows)
+        responses.append(sg.generated("<detokenized>", tk, p, meta))
+        request: dict[str, Any] = {
+            "input_ids": tk[:p].tolist(),
+            "sampling_params": {"max_new_tokens": n - p},
+            "return_routed_experts": True,
+            "return_indexer_topk": True,
+        }
+        if start:
+            request["routed_experts_start_len"] = start
+        requests.append(request)
+        fx.add(rid, route, returned(n, start), tk, canonical_indexer(picks))
+    if multiturn:
+        fx.payload["requests.json"] = requests
+        fx.files = {
+            "requests.json": "two turns of one session (turn 1: routed_experts_start_len = len(turn 0) - 1)",
+            "responses.json": "the two /generate responses (indexer_topk rows [0, n - 1) in both)",
+        }
+    else:
+        fx.payload["request.json"] = {**requests[0], "input_ids": [r["input_ids"] for r in requests]}
+        fx.files = {"request.json": "batched /generate request", "responses.json": "the list /generate returns"}
+    fx.payload["responses.json"] = responses
+    fx.notes = {
+        "indexer": "expected.npz <i>_indexer: routelog's rows [n, computing layers, index_topk] (sorted, -1 last, "
+        "final row -1); the payload holds every decoder layer, reusing layers a copy, rows in the kernel's order",
+        "coordinates": "positions within the request: SGLang 0.5.23 with SGLANG_DSA_FUSE_TOPK=0 (the default fused "
+        "transform returns KV-pool slots)",
+    }
+
+
+variants(
+    _sglang_indexer,
+    "sglang",
+    (
+        "sglang-0.5.23-generate-indexer-glm-dsa",
+        "0.5.23",
+        GLM_DSA,
+        "SGLang 0.5.23 batched /generate of a GLM-5-like DSA model (layers 2 and 4 reuse layers 1 and 3's indexer "
+        "top-k) with return_indexer_topk: meta_info.indexer_topk = base64 raw int32 [n - 1, num_hidden_layers, "
+        "index_topk], reusing layers a copy of their source, rows in the kernel's order, -1 padded; request 1 hits "
+        "request 0's 6-token radix-cache prefix (its rows read back by KV slot).",
+        {"multiturn": False},
+    ),
+    (
+        "sglang-0.5.23-generate-indexer-v32",
+        "0.5.23",
+        V32,
+        "SGLang 0.5.23 two-turn /generate of a DeepSeek-V3.2-like model with return_indexer_topk: turn 1 sends "
+        "routed_experts_start_len, which shapes routed_experts only; indexer_topk holds rows [0, n - 1) in both turns.",
+        {"multiturn": True},
+    ),
+)
 
 
 # ---- trainer-side layouts and forks ----

@@ -556,6 +556,55 @@ def write_committers(root: Path, expected: dict[str, np.ndarray]) -> None:
         expected[f"{name}/{r.sample_id}/tokens"] = np.asarray(r.token_ids)
 
 
+def write_indexer(root: Path, expected: dict[str, np.ndarray]) -> None:
+    """Revision 4.1: sparse-attention indexer rows (feature ``indexer_positions``). A GLM-5-style spec (a shared
+    layer, stored through its source), records of several lengths across keyframes, a missing row, a record
+    without indexer rows in the same part, and a second part; one step, sealed."""
+    from routelog.format.spec import IndexerSpec
+
+    spec = ModelSpec(
+        name="golden/indexer",
+        num_layers=4,
+        moe_layers=(1, 2, 3),
+        num_experts=16,
+        topk=2,
+        indexer=IndexerSpec(index_topk=12, layers=(0, 1, 3), shared=(2,)),
+    )
+    rng = np.random.default_rng(41)
+    name = "indexer"
+    store = routelog.create_store(str(root / name), spec, run_id="golden-indexer")
+
+    def selections(n: int) -> np.ndarray:
+        rows = np.full((n, 12), -1, np.int32)
+        kept: set[int] = set()
+        for p in range(n):
+            if p + 1 <= 12:
+                kept = set(range(p + 1))
+            else:
+                kept |= {p}
+                while len(kept) > 12:
+                    kept.discard(int(rng.choice(sorted(kept))))
+            rows[p, : len(kept)] = sorted(kept)
+        return rows
+
+    for part, lengths in enumerate(((9, 40, 300), (700,))):
+        with store.writer(0, f"w{part}") as writer:
+            for i, n in enumerate(lengths):
+                ids = _routing(rng, n, 3, 16, 2)
+                indexer = np.stack([selections(n) for _ in range(3)], axis=1)
+                indexer[-1] = -1  # the last sampled token: never fed
+                sid = f"p{part}-r{i}"
+                r = _last_missing(sid, ids, 4, rng.integers(0, 1000, n), indexer=indexer)
+                writer.append(r)
+                _expect_sorted(expected, name, r)
+                expected[f"{name}/{sid}/indexer"] = indexer
+            if part == 0:
+                plain = _last_missing("p0-plain", _routing(rng, 20, 3, 16, 2), 4, rng.integers(0, 1000, 20))
+                writer.append(plain)
+                _expect_sorted(expected, name, plain)
+    store.seal(0)
+
+
 def _close(writer: routelog.StepWriter) -> None:
     """Close a writer whose commit is refused (its records are not part of the step)."""
     with contextlib.suppress(routelog.StoreError):
@@ -582,11 +631,12 @@ WRITERS: dict[str, Callable[[Path, dict[str, np.ndarray]], None]] = {
     "references-64-8,references-300-6": write_context_references,
     "list-references-64-8,list-references-300-6": write_context_list_references,
     "committers": write_committers,
+    "indexer": write_indexer,
 }
 """Fixture stores by name, in the order they were added."""
 WRITTEN_IN: dict[int, tuple[str, ...]] = {
-    3: tuple(name for name in WRITERS if name != "committers"),
-    4: ("history", "grpo-96,grpo-384", "committers"),
+    3: tuple(name for name in WRITERS if name not in ("committers", "indexer")),
+    4: ("history", "grpo-96,grpo-384", "committers", "indexer"),
 }
 """The stores each format version's fixtures hold: a version whose parts are unchanged writes again only what its
 documents change (format 4: the log, its commit entries and digests)."""

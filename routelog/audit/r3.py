@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,3 +94,23 @@ def compare_routings(pairs: list[tuple[npt.ArrayLike, npt.ArrayLike, npt.ArrayLi
         token_counts=np.concatenate(token) if token else empty,
         sequence_means=np.asarray(means, np.float64),
     )
+
+
+def indexer_diff_rate(pairs: Sequence[tuple[npt.ArrayLike, npt.ArrayLike]]) -> float:
+    """The sparse-attention indexer's counterpart of the router diff: over the rows (token, indexer layer) where
+    both selections are known and the indexer had a choice (``p + 1 > index_topk``: a full row), the share of the
+    selected key positions of the first that the second did not select. Rows are canonical
+    (:mod:`routelog.format.positions`): ascending positions, then -1."""
+    differing = total = 0
+    for a, b in pairs:
+        first, second = np.asarray(a), np.asarray(b)
+        k = first.shape[-1]
+        full = (first[..., -1] >= 0) & (second[..., -1] >= 0)  # a full row has no -1 padding
+        if not full.any():
+            continue
+        x, y = first[full], second[full]  # [rows, k]
+        both = np.sort(np.concatenate([x, y], axis=1), axis=1)
+        shared = (both[:, 1:] == both[:, :-1]).sum(axis=1)  # a position both select appears twice, side by side
+        differing += int((k - shared).sum())
+        total += int(x.size)
+    return differing / total if total else 0.0

@@ -27,6 +27,7 @@ def _interrupted(out: Path, stores: list[str]) -> None:
 MODEL_LABELS = {
     "qwen3_moe": "Qwen3-MoE style (7 MoE layers, top-8 of 64)",
     "deepseek_v3": "DeepSeek-V3 style (sigmoid, group-limited, bias)",
+    "deepseek_v32": "DeepSeek-V3.2 style (V3 + sparse-attention indexer, top-16 keys)",
 }
 DENSE_LABEL = "dense baseline (no router: bf16 vs fp32 only)"
 
@@ -43,16 +44,22 @@ def _percent(value: float, digits: int) -> str:
 
 def readme_table(metrics: dict[str, Any]) -> Table:
     """The demo's results in the README's table: per model, without R3 -> with R3."""
-    table = Table("model", "router diff (no R3 -> R3)", "token diff", "KL k3 (no R3 -> R3)")
+    table = Table("model", "router diff (no R3 -> R3)", "token diff", "indexer diff", "KL k3 (no R3 -> R3)")
     for name, label in MODEL_LABELS.items():
         off, on = metrics[name]["no_replay"], metrics[name]["replay"]
+        indexer = (
+            f"{_percent(off['indexer_diff_rate'], 1)} -> {_percent(on['indexer_diff_rate'], 1)}"
+            if "indexer_diff_rate" in off
+            else ""
+        )
         table.add_row(
             label,
             f"{_percent(off['router_diff_rate'], 1)} -> {_percent(on['router_diff_rate'], 1)}",
             f"{_percent(off['token_diff_rate'], 0)} -> {_percent(on['token_diff_rate'], 0)}",
+            indexer,
             f"{_short_e(off['kl_k3'])} -> {_short_e(on['kl_k3'])}",
         )
-    table.add_row(DENSE_LABEL, "", "", _short_e(metrics["dense"]["kl_k3"]))
+    table.add_row(DENSE_LABEL, "", "", "", _short_e(metrics["dense"]["kl_k3"]))
     return table
 
 
@@ -79,7 +86,7 @@ def demo(
         from routelog.store.storage import check_no_credentials
 
         check_no_credentials(store)
-    say("routelog demo: loading torch and transformers, then two tiny MoE models and a dense one on CPU")
+    say("routelog demo: loading torch and transformers, then three tiny MoE models and a dense one on CPU")
     from routelog.demo import STAGES, run_demo
 
     with progress_bar() as progress:
@@ -118,7 +125,7 @@ def _summarize(metrics: dict[str, Any], out: Path, seconds: float, json_out: boo
     infer, train = metrics["qwen3_moe"]["store"], metrics["qwen3_moe"]["train_store"]
     console.print(
         f"wrote {out / 'metrics.json'} and {out / 'report.png'} in {seconds:.0f} s (wall clock, imports included)\n"
-        f"stores: {', '.join(metrics[n]['store'] for n in ('qwen3_moe', 'deepseek_v3'))}\n"
+        f"stores: {', '.join(metrics[n]['store'] for n in MODEL_LABELS)}\n"
         "  each with a <store>-train twin: the training forward's own routing, no replay\n"
         "next, on the qwen3_moe stores:\n"
         f"  routelog inspect {infer}\n"

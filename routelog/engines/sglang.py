@@ -12,6 +12,10 @@ Facts by version, as read from each version's own code (``tests/fixtures/engines
   on the choice (``response_token_ids`` from 0.5.18).
 * An abort while running returns the rows computed so far; an abort in the waiting queue has no routing at all.
 * With pipeline parallelism SGLang returns only one stage's layers (the others all zero): refused.
+* 0.5.23 ``/generate`` with ``return_indexer_topk`` (server ``--enable-return-indexer-topk``): a DSA model's indexer
+  selections in ``meta_info.indexer_topk``, the same raw int32 base64, ``[n - 1, num_hidden_layers, index_topk]``:
+  every decoder layer has a slot, a layer reusing an earlier layer's selection holds a copy of it, -1 pads; rows
+  ``[0, n - 1)`` whatever ``routed_experts_start_len`` says (:func:`indexer_rows`).
 
 Multi-turn sessions request only new rows with ``routed_experts_start_len`` and are stitched with
 :class:`routelog.engines.common.TurnStitcher`.
@@ -20,6 +24,7 @@ Multi-turn sessions request only new rows with ``routed_experts_start_len`` and 
 from __future__ import annotations
 
 import base64
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -41,19 +46,20 @@ from routelog.engines.common import (
     weight_version_spans,
 )
 from routelog.engines.versions import sglang_honours_start_len
-from routelog.errors import IngestError, RoutingAbsentError
+from routelog.errors import IngestError, InvalidRecordError, RoutingAbsentError
 from routelog.format.limits import MAX_RECORD_TOKENS
+from routelog.format.positions import check_position_rows
 from routelog.format.record import Record
 from routelog.format.spec import ModelSpec
 
 ENGINE = "sglang"
 
 
-def decode_int32_base64(text: str, where: str) -> npt.NDArray[np.int32]:
+def decode_int32_base64(text: str, where: str, name: str = "routed_experts") -> npt.NDArray[np.int32]:
     """The flat int32 values of SGLang's encoding (base64 of raw little-endian int32, no header)."""
-    raw = decode_base64(text, where, "routed_experts")
+    raw = decode_base64(text, where, name)
     if len(raw) % 4:
-        raise IngestError(f"{where}: routed_experts has {len(raw)} bytes, not a whole number of int32 values")
+        raise IngestError(f"{where}: {name} has {len(raw)} bytes, not a whole number of int32 values")
     values: npt.NDArray[np.int32] = np.frombuffer(raw, dtype="<i4").astype(np.int32)
     return values
 
@@ -89,6 +95,80 @@ def _rows_for(
         f"{where}: {n_rows} routing rows, expected {n_tokens - 1 - starts[0]} for {n_tokens} tokens from position "
         f"{starts[0]}{ignored}; check the request's routed_experts_start_len and the model spec"
     )
+
+
+_NOT_POSITIONS = (
+    "these are not key positions within the request; they look like KV-cache slots. SGLang 0.5.23 captures the "
+    "indexer's output after its fused top-k transform (the default, SGLANG_DSA_FUSE_TOPK=1), which turns positions "
+    "into KV-pool slots (decode) or offsets into the batch's ragged KV (prefill); with SGLANG_DSA_FUSE_TOPK=0 in the "
+    "server's environment the indexer returns positions within the request, which is what routelog stores"
+)
+
+
+def _b64_nbytes(text: str) -> int:
+    """Bytes a padded base64 string decodes to, from its length alone (-1: not a whole number of quads)."""
+    if len(text) % 4:
+        return -1
+    return len(text) // 4 * 3 - (2 if text.endswith("==") else 1 if text.endswith("=") else 0)
+
+
+def indexer_rows(
+    meta: Mapping[str, Any], spec: ModelSpec, n_rows: int, n_tokens: int, where: str
+) -> npt.NDArray[np.int32] | None:
+    """``Record.indexer`` from ``meta["indexer_topk"]`` (None when the payload has none): ``n_rows`` SGLang rows (the
+    tokens ``[0, n_rows)`` it forwarded) on its every-decoder-layer axis, reduced to the spec's computing layers,
+    each row sorted (top-k order is the kernel's), the tokens after them (the last sampled one) missing (-1)."""
+    text = meta.get("indexer_topk")
+    if text is None:
+        return None
+    indexer = spec.indexer
+    if indexer is None:
+        raise IngestError(
+            f"{where}: meta_info carries indexer_topk (sparse-attention indexer selections), but model "
+            f"{spec.name!r} declares no indexer: declare ModelSpec.indexer (ModelSpec.from_hf_config derives it for "
+            "deepseek_v32 and glm_moe_dsa), or stop sending return_indexer_topk"
+        )
+    if not isinstance(text, str):
+        raise IngestError(f"{where}: indexer_topk must be a base64 string, got {type(text).__name__}")
+    k = indexer.index_topk
+    expected = n_rows * spec.num_layers * k * 4
+    size = _b64_nbytes(text)  # checked before anything is decoded or allocated
+    if size != expected:
+        held = "a base64 string of no whole number of bytes" if size < 0 else f"{size} bytes"
+        raise IngestError(
+            f"{where}: indexer_topk holds {held}, expected {expected}: {n_rows} rows (the tokens SGLang forwarded) x "
+            f"{spec.num_layers} decoder layers (SGLang gives every layer a slot) x index_topk {k} x 4 (int32); check "
+            "the model spec's num_layers and indexer.index_topk"
+        )
+    values = decode_int32_base64(text, where, "indexer_topk").reshape(n_rows, spec.num_layers, k)
+    for layer in indexer.shared:  # SGLang mirrors the source's selection into a shared layer's slot
+        source = indexer.layers[indexer.source_of(layer)]
+        differs = np.any(values[:, layer] != values[:, source], axis=1)
+        if differs.any():
+            raise IngestError(
+                f"{where}: indexer_topk of layer {layer}, which the model spec declares as reusing layer {source}'s "
+                f"selection, differs from it at token {int(np.argmax(differs))}: the server's model computes its own "
+                "selection there; check the spec's indexer.layers / shared (indexer_types, index_topk_pattern, "
+                "index_topk_freq, index_skip_topk_offset of the model's config)"
+            )
+    rows = np.full((n_tokens, indexer.num_layers, k), -1, np.int32)
+    forwarded = rows[:n_rows]
+    forwarded[...] = values[:, list(indexer.layers)]
+    if k > 1:  # a row of zeros was never written (SGLang's host buffer starts zeroed): not run, as in the routing
+        forwarded[~forwarded.any(axis=(1, 2))] = -1
+    forwarded.view(np.uint32).sort(axis=-1)  # ascending, -1 (0xFFFFFFFF) last: the kernels' top-k is unordered
+    for j, layer in enumerate(indexer.layers):
+        try:
+            check_position_rows(rows[:, j, :], 0)
+        except InvalidRecordError as exc:
+            raise IngestError(f"{where}: indexer_topk of layer {layer}, {exc.problem}: {_NOT_POSITIONS}") from None
+    return rows
+
+
+def _with_indexer(record: Record, meta: Mapping[str, Any], spec: ModelSpec, n_rows: int, where: str) -> Record:
+    """``record`` with the indexer rows of ``meta`` (itself when it has none)."""
+    rows = indexer_rows(meta, spec, n_rows, record.n_tokens, f"{where} (sample {record.sample_id!r})")
+    return record if rows is None else dataclasses.replace(record, indexer=rows)
 
 
 def _absent(finish: Any, where: str, *, first_choice_only: bool = False) -> RoutingAbsentError:
@@ -171,7 +251,7 @@ def _record_from_generate(
     requested = int_field(request.get("routed_experts_start_len"), where, "routed_experts_start_len", default=0)
     n_tokens = prompt_len + output_ids.shape[0]
     rows, start = _rows_for(routed, n_tokens, requested, spec, options.engine_version, where)
-    return payload_to_record(
+    record = payload_to_record(
         Payload(request_id, rows, start),
         spec,
         sample_id=sample_id or request_id,
@@ -185,6 +265,7 @@ def _record_from_generate(
         physical_to_logical=eplb_table(ENGINE, options, False, where),
         weight_versions=_weight_versions(meta, output_ids.shape[0], where),
     )
+    return _with_indexer(record, meta, spec, start + rows.shape[0], where)  # indexer rows ignore the start
 
 
 def records_from_http(
@@ -294,22 +375,21 @@ def _records_from_openai(
             n_tokens = prompt.shape[0] + output.shape[0]
         rows, start = _rows_for(routed, n_tokens, requested, spec, options.engine_version, here)
         sid = sample_ids[position] if sample_ids else (f"{response_id}/{index}" if len(choices) > 1 else response_id)
-        records.append(
-            payload_to_record(
-                Payload(here.removeprefix("request "), rows, start),
-                spec,
-                sample_id=sid,
-                prompt_len=prompt.shape[0],
-                response_len=n_tokens - prompt.shape[0],
-                token_ids=None if output is None else np.concatenate([prompt, output]),
-                group_id=options.group_id or response_id,
-                policy_version=options.policy_version,
-                engine=ENGINE,
-                engine_version=options.engine_version,
-                physical_to_logical=eplb_table(ENGINE, options, False, here),
-                weight_versions=_weight_versions(meta, n_tokens - prompt.shape[0], here),
-            )
+        record = payload_to_record(
+            Payload(here.removeprefix("request "), rows, start),
+            spec,
+            sample_id=sid,
+            prompt_len=prompt.shape[0],
+            response_len=n_tokens - prompt.shape[0],
+            token_ids=None if output is None else np.concatenate([prompt, output]),
+            group_id=options.group_id or response_id,
+            policy_version=options.policy_version,
+            engine=ENGINE,
+            engine_version=options.engine_version,
+            physical_to_logical=eplb_table(ENGINE, options, False, here),
+            weight_versions=_weight_versions(meta, n_tokens - prompt.shape[0], here),
         )
+        records.append(_with_indexer(record, meta, spec, start + rows.shape[0], here))
     return records
 
 
@@ -327,3 +407,19 @@ def to_array(record: Record, spec: ModelSpec, *, start_len: int | None = None) -
 def to_meta_info(record: Record, spec: ModelSpec, *, start_len: int | None = None) -> str:
     """``meta_info["routed_experts"]`` as SGLang sends it: :func:`to_array` as flat base64 int32, no header."""
     return encode_int32_base64(to_array(record, spec, start_len=start_len))
+
+
+def to_indexer_meta_info(record: Record, spec: ModelSpec) -> str | None:
+    """``meta_info["indexer_topk"]`` as SGLang 0.5.23 sends it for ``record`` (None when it has no indexer rows):
+    rows ``[0, n - 1)``, a slot per decoder layer, each shared layer a copy of its source's, 0 in a layer without
+    an indexer (SGLang's zeroed buffer), -1 padding; :func:`indexer_rows` reads it back to the same rows."""
+    if record.indexer is None:
+        return None
+    indexer = spec.indexer
+    if indexer is None:
+        raise IngestError(f"sample {record.sample_id!r} has indexer rows, but model {spec.name!r} declares no indexer")
+    rows = np.asarray(record.indexer)[: record.n_tokens - 1]
+    out = np.zeros((rows.shape[0], spec.num_layers, indexer.index_topk), np.int32)
+    slots = sorted((*indexer.layers, *indexer.shared))
+    out[:, slots] = rows[:, [indexer.source_of(layer) for layer in slots]]
+    return encode_int32_base64(out)

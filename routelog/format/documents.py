@@ -26,6 +26,8 @@ from routelog.format.digest import DIGEST_PATTERN, decode_hashes
 from routelog.format.limits import (
     FORMAT_VERSION,
     MAX_EXPERTS,
+    MAX_INDEX_TOPK,
+    MAX_LAYERS,
     MAX_MOE_LAYERS,
     MAX_RECORD_TOKENS,
     MAX_TOPK,
@@ -47,8 +49,17 @@ candidates (FORMAT.md section 5.1)."""
 CONTEXT_LIST_REFERENCES_FEATURE = "context_list_references"
 """Revision 3.4: ``ranked_context`` chunks of version 4, an escaped row its candidates do not reference may take any
 listed set as its reference (FORMAT.md section 5.1)."""
+INDEXER_FEATURE = "indexer_positions"
+"""Revision 4.1: the part holds its records' sparse-attention indexer rows (``indexer.bin``, FORMAT.md section
+15); a reader that predates it refuses the commit rather than drop what it does not know."""
 SUPPORTED_FEATURES: frozenset[str] = frozenset(
-    {CONTEXT_FEATURE, CONTEXT_ESCAPES_FEATURE, CONTEXT_REFERENCES_FEATURE, CONTEXT_LIST_REFERENCES_FEATURE}
+    {
+        CONTEXT_FEATURE,
+        CONTEXT_ESCAPES_FEATURE,
+        CONTEXT_REFERENCES_FEATURE,
+        CONTEXT_LIST_REFERENCES_FEATURE,
+        INDEXER_FEATURE,
+    }
 )
 """Optional format features this routelog understands; a document requiring any other is refused."""
 
@@ -322,6 +333,21 @@ class ValuesInfo(_Document):
     columns: list[ValueColumn] = Field(min_length=1)
 
 
+class IndexerInfo(_Document):
+    """The part's sparse-attention indexer object (FORMAT.md section 15): one positions block per record and
+    indexer layer, found through a table of the records' sample-id hashes at its head."""
+
+    key: Literal["indexer.bin"] = "indexer.bin"
+    """Path relative to the part directory; also listed in ``objects``."""
+    n_records: int = Field(ge=1)
+    """Records holding indexer rows (at most the commit's ``n_records``)."""
+    num_layers: int = Field(ge=1, le=MAX_LAYERS)
+    """Indexer layers of each record (the model spec's ``indexer.layers``)."""
+    index_topk: int = Field(ge=1, le=MAX_INDEX_TOPK)
+    table_crc32c: int = Field(ge=0, lt=1 << 32)
+    """crc32c of the object's head and table (a ranged read checks them before it trusts an offset)."""
+
+
 class _CommitBase(_Document):
     """What a commit and an annotation commit share: the document named ``<writer_id>.<seq:08d>.json`` that makes
     the data under ``part`` visible."""
@@ -407,6 +433,9 @@ class CommitRecord(_CommitBase):
     format-3 commit, which is an entry of its own."""
     digest: CommitDigest | None = None
     """Format 4: hashes of the records' sample ids and first tokens (FORMAT.md section 3.3)."""
+    indexer: IndexerInfo | None = None
+    """The sparse-attention indexer rows of the part's records, when any carried them (feature
+    ``indexer_positions``)."""
 
     @property
     def name(self) -> str:
@@ -438,6 +467,19 @@ class CommitRecord(_CommitBase):
             raise ValueError("the weights array must have the routing array's rows, layers and top-k")
         if self.slot is not None and self.position is None:
             raise ValueError("a commit with a slot has a log position")
+        if (self.indexer is not None) != (INDEXER_FEATURE in self.features):
+            raise ValueError(f"the feature {INDEXER_FEATURE!r} goes with an indexer object, and only with it")
+        if self.indexer is not None:
+            if self.indexer.key not in {o.key for o in self.objects}:
+                raise ValueError(f"indexer object {self.indexer.key!r} is not listed in objects")
+            check_count(
+                self.indexer.n_records,
+                name="indexer.n_records",
+                at_most=self.n_records,
+                where=f"part {self.part}",
+                expected=f"its n_records = {self.n_records}",
+                error=ValueError,
+            )
         if self.digest is not None:
             try:  # bounded by the records the commit vouches for, before anything else reads them
                 self.sample_id_hashes("digest")

@@ -20,6 +20,8 @@ MAX_RECORD_TOKENS: Final = 1 << 22
 MAX_EXPERTS: Final = 65536
 """Routed experts of a MoE layer, and the universe of a stream: IDs are stored as uint16."""
 MAX_TOPK: Final = 1024
+MAX_INDEX_TOPK: Final = 1 << 16
+"""Key positions a sparse-attention indexer selects per token and layer (``index_topk``; 2048 in DeepSeek-V3.2)."""
 """Experts chosen per token per layer (the routing array's last axis), for the decoder and for every stream."""
 MAX_MOE_LAYERS: Final = 4096
 """MoE layers of a model (the routing array's layer axis), layers of a stream and MTP layers."""

@@ -21,7 +21,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from routelog.format import context, keys, mapped
+from routelog.format import context, indexer_object, keys, mapped
 from routelog.format.codec import (
     TopkOrder,
     Transform,
@@ -36,9 +36,11 @@ from routelog.format.documents import (
     CONTEXT_LIST_REFERENCES_FEATURE,
     CONTEXT_REFERENCES_FEATURE,
     INDEX_SCHEMA,
+    INDEXER_FEATURE,
     MAX_PART_ROWS,
     STREAMS_DIR,
     CommitDigest,
+    IndexerInfo,
     IndexRow,
     ObjectInfo,
     RoutingArrayInfo,
@@ -132,16 +134,25 @@ class BuiltPart:
     prefix_part: int | None = None
     """The part's id in the :class:`~routelog.format.dedup.PrefixIndex` it was placed with: tell the index whether it
     was committed (``committed``) or not (``abandon``)."""
+    indexer: IndexerInfo | None = None
+    """The part's indexer object, when any of its records carried indexer rows."""
 
     @property
     def features(self) -> list[str]:
         """The optional format features its commit must name (FORMAT.md section 1): readers without them refuse it."""
+        extra = [INDEXER_FEATURE] if self.indexer is not None else []
         if self.routing.transform != "ranked_context":
-            return []
+            return extra
         coded = context.codes_escapes(self.routing.num_experts)
         if not coded:
-            return [CONTEXT_FEATURE]
-        return [CONTEXT_FEATURE, CONTEXT_ESCAPES_FEATURE, CONTEXT_REFERENCES_FEATURE, CONTEXT_LIST_REFERENCES_FEATURE]
+            return [CONTEXT_FEATURE, *extra]
+        return [
+            CONTEXT_FEATURE,
+            CONTEXT_ESCAPES_FEATURE,
+            CONTEXT_REFERENCES_FEATURE,
+            CONTEXT_LIST_REFERENCES_FEATURE,
+            *extra,
+        ]
 
     def object_infos(self) -> list[ObjectInfo]:
         return [ObjectInfo(key=key, size=len(data), sha256=_sha256(data)) for key, data in sorted(self.objects.items())]
@@ -316,6 +327,24 @@ def _build(
         streams=streams_info,
         weights=weights,
         prefix_part=part_id if options.dedup == "step" else None,
+        indexer=_build_indexer(records, spec, objects),
+    )
+
+
+def _build_indexer(
+    records: Sequence[PreparedRecord], spec: ModelSpec, objects: dict[str, bytes | mapped.Bytes | WrittenFile]
+) -> IndexerInfo | None:
+    """The indexer object of the records that carry indexer rows (added to ``objects``), or None."""
+    carrying = [(r.row.sample_id, r.indexer) for r in records if r.indexer]
+    if not carrying:
+        return None
+    declared = spec.indexer
+    if declared is None:  # pragma: no cover - prepare_record refuses indexer rows the spec does not declare
+        raise ValueError("indexer rows for a model spec without an indexer")
+    data, crc = indexer_object.build(carrying, declared.num_layers)
+    objects[indexer_object.KEY] = data
+    return IndexerInfo(
+        n_records=len(carrying), num_layers=declared.num_layers, index_topk=declared.index_topk, table_crc32c=crc
     )
 
 

@@ -23,6 +23,7 @@ from routelog.format.codec import (
 )
 from routelog.format.documents import MAX_NAME_CHARS, IndexRow, Segment, Span, StreamSpans, load_json
 from routelog.format.limits import MAX_RECORD_TOKENS
+from routelog.format.positions import encode_positions
 from routelog.format.spec import ModelSpec, StreamSpec
 from routelog.format.values import FloatArray, check_token_values
 from routelog.format.weights import WeightsDtype, to_storage
@@ -83,6 +84,11 @@ class Record:
     """Optional routing weights ``[n_tokens, n_moe_layers, topk]`` (float; pass ``tensor.float().numpy()`` for a
     bf16 tensor): slot ``j`` weighs expert ``expert_ids[..., j]``. Stored in the part's ``weights_dtype`` beside
     the IDs (see :mod:`routelog.format.weights`); rows not in ``valid`` are ignored."""
+    indexer: npt.ArrayLike | None = None
+    """A DSA model's indexer selections ``[n_tokens, indexer layers, index_topk]`` (integers; the model spec's
+    ``indexer``): row ``t`` of a layer holds the ``min(index_topk, t + 1)`` key positions the query at position
+    ``t`` attends to, ascending, then -1; a token the engine did not run is a row of -1 (see
+    :mod:`routelog.format.positions`)."""
 
     @property
     def n_tokens(self) -> int:
@@ -104,6 +110,8 @@ class PreparedRecord:
     """Size of the valid rows at one byte/two bytes per ID, the 'raw-equivalent' measure of throughput."""
     weights: npt.NDArray[Any] | None = None
     """Stored-form routing weights ``[n_moe_layers, n_valid_rows, topk]`` aligned with :attr:`rows`, or None."""
+    indexer: list[bytes] = field(default_factory=list)
+    """The record's indexer rows coded, one positions block per indexer layer (empty without them)."""
     released: bool = False
     """Its routing rows were handed to a part being built and are no longer held here (:meth:`release_routing`)."""
 
@@ -120,6 +128,7 @@ class PreparedRecord:
         self.weights = None
         self.streams = {}
         self.values = {}
+        self.indexer = []
 
 
 def prepare_record(
@@ -190,8 +199,42 @@ def prepare_record(
         streams=stream_spans or None,
         payload_start=_check_payload_start(record, n),
     )
+    indexer = _indexer_blocks(record, spec, n)
     raw = stored.nbytes + sum(rows.nbytes for rows in streams.values())
-    return PreparedRecord(row=row, rows=stored, values=values, streams=streams, raw_nbytes=raw, weights=weights)
+    return PreparedRecord(
+        row=row, rows=stored, values=values, streams=streams, raw_nbytes=raw, weights=weights, indexer=indexer
+    )
+
+
+def _indexer_blocks(record: Record, spec: ModelSpec, n: int) -> list[bytes]:
+    """The record's indexer rows checked against the spec's indexer and coded, a block per layer."""
+    if record.indexer is None:
+        return []
+    sid, declared = record.sample_id, spec.indexer
+    if declared is None:
+        raise InvalidRecordError(
+            sid,
+            "indexer",
+            f"model {spec.name!r} declares no sparse-attention indexer",
+            "declare it in the model spec (ModelSpec.indexer; from_hf_config does for deepseek_v32 and glm_moe_dsa)",
+        )
+    rows = np.asarray(record.indexer)
+    shape = (n, declared.num_layers, declared.index_topk)
+    if rows.shape != shape or not np.issubdtype(rows.dtype, np.integer):
+        raise InvalidRecordError(
+            sid,
+            "indexer",
+            f"is {rows.dtype} of shape {rows.shape}, expected integers of shape {shape} "
+            "[n_tokens, indexer layers, index_topk]",
+            "pass the selected key positions of every token and indexer layer, -1 padded",
+        )
+    blocks = []
+    for j, layer in enumerate(declared.layers):
+        try:
+            blocks.append(encode_positions(np.ascontiguousarray(rows[:, j, :]), 0))
+        except InvalidRecordError as exc:
+            raise InvalidRecordError(sid, f"indexer[:, {j}] (layer {layer})", exc.problem, exc.fix) from None
+    return blocks
 
 
 @dataclass(frozen=True)

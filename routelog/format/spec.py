@@ -18,7 +18,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from routelog.errors import ModelSpecError
-from routelog.format.limits import MAX_EXPERTS, MAX_LAYERS, MAX_MOE_LAYERS, MAX_TOPK
+from routelog.format.limits import MAX_EXPERTS, MAX_INDEX_TOPK, MAX_LAYERS, MAX_MOE_LAYERS, MAX_TOPK
 
 # -- limits (FORMAT.md section 9, in routelog.format.limits): a spec the format cannot store is refused when built
 _LIMITS_FIX = "see the limits in FORMAT.md section 9"
@@ -136,6 +136,90 @@ class StreamSpec(BaseModel):
 MTP_STREAM = "mtp"
 
 
+class IndexerSpec(BaseModel):
+    """A sparse-attention indexer (DeepSeek Sparse Attention: DeepSeek-V3.2, GLM-5): in each layer that has one,
+    every query token at position ``p`` attends only to the ``index_topk`` key positions among ``0..p`` its
+    indexer scores highest. The second discrete per-token decision of these models besides the router; its rows
+    are stored per record and indexer layer (:mod:`routelog.format.positions`)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
+
+    index_topk: int = Field(ge=1)  # at most MAX_INDEX_TOPK (checked in _bounds)
+    """Key positions selected per query token (``min(index_topk, p + 1)`` at position ``p``)."""
+    layers: tuple[int, ...]
+    """Global 0-based decoder layers that compute their own selection, ascending: the stored layer axis."""
+    shared: tuple[int, ...] = ()
+    """Decoder layers that reuse the selection of the nearest layer of :attr:`layers` before them (GLM-5's
+    ``index_topk_freq``): never stored, replayed from that layer's rows."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounds(cls, data: Any) -> Any:
+        data = _check_counts(data, "indexer: ", {"index_topk": (1, MAX_INDEX_TOPK, True)})
+        for field in ("layers", "shared"):
+            value = data.get(field) if isinstance(data, Mapping) else None
+            if isinstance(value, Sized) and len(value) > MAX_LAYERS:
+                raise ModelSpecError(f"indexer: {field} has {len(value)} entries; at most {MAX_LAYERS}: {_LIMITS_FIX}")
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> IndexerSpec:
+        for field, layers in (("layers", self.layers), ("shared", self.shared)):
+            if list(layers) != sorted(set(layers)) or (layers and layers[0] < 0):
+                raise ModelSpecError(f"indexer: {field} must be ascending, unique and >= 0, got {list(layers)}")
+        if not self.layers:
+            raise ModelSpecError("indexer: layers is empty; at least one layer computes its own selection")
+        both = sorted(set(self.layers) & set(self.shared))
+        if both:
+            raise ModelSpecError(f"indexer: layers {both} are listed both as computing and as shared")
+        if self.shared and self.shared[0] < self.layers[0]:
+            raise ModelSpecError(
+                f"indexer: shared layer {self.shared[0]} comes before the first computing layer {self.layers[0]}; "
+                "a shared layer reuses the selection of a computing layer before it"
+            )
+        return self
+
+    @property
+    def num_layers(self) -> int:
+        """Length of the stored (computing) layer axis."""
+        return len(self.layers)
+
+    def source_of(self, layer: int) -> int:
+        """Position on the stored axis of the selection decoder layer ``layer`` uses (its own, or for a shared
+        layer the nearest computing layer's before it)."""
+        if layer in self.layers:
+            return self.layers.index(layer)
+        if layer in self.shared:
+            return max(i for i, computing in enumerate(self.layers) if computing < layer)
+        raise ModelSpecError(
+            f"indexer: decoder layer {layer} has no indexer (computing {list(self.layers)}, shared {list(self.shared)})"
+        )
+
+
+def hf_indexer_layers(config: Mapping[str, Any], model_type: str, num_layers: int) -> tuple[list[int], list[int]]:
+    """The computing and the shared indexer layers of a HF DSA config (``deepseek_v32``: every layer computes;
+    ``glm_moe_dsa``: ``indexer_types``, else ``index_topk_pattern`` ("F"/"S" per layer), else layer ``i`` computes
+    iff ``max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0``, as transformers 5.23 and SGLang derive
+    it)."""
+    if model_type != "glm_moe_dsa":
+        return list(range(num_layers)), []
+    kinds = config.get("indexer_types")
+    pattern = config.get("index_topk_pattern")
+    if isinstance(kinds, Sequence) and not isinstance(kinds, str):
+        full = [str(kind) == "full" for kind in kinds]
+    elif isinstance(pattern, str):
+        full = [c.upper() == "F" for c in pattern]
+    else:
+        freq = _hf_int(config, "index_topk_freq", 1, MAX_LAYERS, 1)
+        offset = _hf_int(config, "index_skip_topk_offset", 0, MAX_LAYERS, 2)
+        full = [max(i - offset + 1, 0) % freq == 0 for i in range(num_layers)]
+    if len(full) != num_layers:
+        raise ModelSpecError(
+            f"HF config of model_type {model_type!r} gives {len(full)} indexer kinds for {num_layers} layers: {_HF_FIX}"
+        )
+    return [i for i, f in enumerate(full) if f], [i for i, f in enumerate(full) if not f]
+
+
 class ModelSpec(BaseModel):
     """The layer map and routing shape of the model that produced the routing."""
 
@@ -165,6 +249,8 @@ class ModelSpec(BaseModel):
     recorded, is the ``mtp`` stream)."""
     streams: tuple[StreamSpec, ...] = ()
     """Extra routing streams records may carry (format 1.2), e.g. ``mtp``."""
+    indexer: IndexerSpec | None = None
+    """The sparse-attention indexer of a DSA model, whose per-token key positions records may carry."""
 
     @model_validator(mode="before")
     @classmethod
@@ -209,6 +295,12 @@ class ModelSpec(BaseModel):
         if mtp is not None and mtp.num_layers != self.mtp_layers:
             raise ModelSpecError(
                 f"model {self.name!r}: the mtp stream has {mtp.num_layers} layers, mtp_layers is {self.mtp_layers}"
+            )
+        indexer = self.indexer
+        if indexer is not None and max(indexer.layers[-1], *indexer.shared, 0) >= self.num_layers:
+            raise ModelSpecError(
+                f"model {self.name!r}: indexer layers {list(indexer.layers)} / shared {list(indexer.shared)} fall "
+                f"outside [0, num_layers={self.num_layers})"
             )
         groups = self.router.n_group
         if groups is not None and groups > 1 and self.num_experts % groups:
@@ -271,7 +363,8 @@ class ModelSpec(BaseModel):
         """Derive the spec from a HF ``config.json`` dict (multimodal configs: their ``text_config``).
 
         Supported ``model_type``: qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_moe, mixtral, olmoe, deepseek_v2,
-        deepseek_v3, kimi_k2, glm4_moe, gpt_oss, minimax_m2, llama4_text, ernie4_5_moe.
+        deepseek_v3, deepseek_v32 and glm_moe_dsa (with their sparse-attention indexer), kimi_k2, glm4_moe, gpt_oss,
+        minimax_m2, llama4_text, ernie4_5_moe.
         """
         return _from_hf(config, name)
 
@@ -413,7 +506,7 @@ def _from_hf(raw: Mapping[str, Any], name: str | None) -> ModelSpec:
             router = RouterSpec(topk_before_softmax=True, norm_topk_prob=True)
         elif family == "minimax_m2":
             router = RouterSpec(score_function="sigmoid", norm_topk_prob=True, expert_bias=True)
-    elif family in ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe"):
+    elif family in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_k2", "glm4_moe"):
         # The original DeepSeek code (SGLang, vLLM, remote code) also honours moe_layer_freq; HF v5 ignores it.
         first_dense = _hf_int(config, "first_k_dense_replace", 0, num_layers, 0)
         freq = _hf_int(config, "moe_layer_freq", 1, MAX_LAYERS, 1)
@@ -455,6 +548,11 @@ def _from_hf(raw: Mapping[str, Any], name: str | None) -> ModelSpec:
             f"HF config of model_type {model_type!r} describes {len(moe)} MoE layers; the format stores at most "
             f"{MAX_MOE_LAYERS}: {_LIMITS_FIX}"
         )
+    indexer = None
+    if family in ("deepseek_v32", "glm_moe_dsa"):
+        computing, shared = hf_indexer_layers(config, family, num_layers)
+        index_topk = _require(config, model_type, ("index_topk",), 1, MAX_INDEX_TOPK)
+        indexer = IndexerSpec(index_topk=index_topk, layers=tuple(computing), shared=tuple(shared))
     return ModelSpec(
         name=name or str(raw.get("_name_or_path") or config.get("_name_or_path") or model_type),
         architecture=model_type,
@@ -464,6 +562,7 @@ def _from_hf(raw: Mapping[str, Any], name: str | None) -> ModelSpec:
         topk=topk,
         router=router,
         mtp_layers=_hf_int(config, "num_nextn_predict_layers", 0, MAX_MOE_LAYERS, 0),
+        indexer=indexer,
     ).with_mtp_stream()
 
 

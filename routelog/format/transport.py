@@ -33,7 +33,7 @@ def record_payload(record: Record) -> dict[str, Any]:
         "payload_start": record.payload_start,
     }
     payload: dict[str, Any] = {META: json.dumps(meta), "expert_ids": np.asarray(record.expert_ids)}
-    for name in ("valid", "token_ids", "weights"):
+    for name in ("valid", "token_ids", "weights", "indexer"):
         value = getattr(record, name)
         if value is not None:
             payload[name] = np.asarray(value)
@@ -73,4 +73,5 @@ def record_from_payload(payload: Mapping[str, Any]) -> Record:
         streams=streams or None,
         payload_start=meta.get("payload_start"),
         weights=arrays.get("weights"),
+        indexer=arrays.get("indexer"),
     )

@@ -21,8 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from routelog.display import html_card
-from routelog.errors import CorruptDataError, DuplicateSampleError, RecordNotFoundError
-from routelog.format import keys
+from routelog.errors import CorruptDataError, DuplicateSampleError, RecordNotFoundError, ValuesNotFoundError
+from routelog.format import indexer_object, keys
 from routelog.format.arrow import numeric_array, string_array, to_numpy
 from routelog.format.codec import storage_dtype
 from routelog.format.context import MODEL_KEY
@@ -36,6 +36,8 @@ from routelog.format.documents import (
     ValuesInfo,
 )
 from routelog.format.index_rows import IndexRows, RowTokens, part_row_tokens
+from routelog.format.limits import check_count
+from routelog.format.positions import decode_positions, positions_header
 from routelog.format.routing import ROUTING_TABLE_SCHEMA, RecordRouting
 from routelog.format.values import FloatArray, values_from_parquet
 from routelog.format.weights import from_storage
@@ -258,6 +260,54 @@ class StepSnapshot:
                 f"{self._rows.fields(position).get('sample_id')!r} breaks "
                 f"the format ({exc})"
             ) from None
+
+    # -- the sparse-attention indexer ----------------------------------------------------------------------------
+    def read_indexer(
+        self, sample_id: str, *, layers: Sequence[int] | None = None, tokens: tuple[int, int] | None = None
+    ) -> npt.NDArray[np.int32]:
+        """The indexer rows of one record, int32 ``[tokens, layers, index_topk]`` as :attr:`Record.indexer` holds
+        them: ``layers`` are positions on the stored indexer axis (the model spec's ``indexer.layers``; default all),
+        ``tokens`` a ``(start, stop)`` range of the record's positions (default all). Two requests: the head of the
+        part's indexer object, then the blocks of those layers, each decoded from the keyframe before ``start``.
+        Raises :class:`~routelog.errors.ValuesNotFoundError` for a record stored without indexer rows."""
+        position = self._position(sample_id)
+        n_tokens = int(self._n_tokens[position])
+        commit = self.commits[self._commit_of(position)]
+        part_key = keys.part_dir(self.step, commit.part)
+        info = commit.indexer
+        if info is None:
+            raise ValuesNotFoundError(
+                f"sample {sample_id!r} of step {self.step} of {self.store.url} was stored without indexer rows"
+            )
+        chosen = list(range(info.num_layers)) if layers is None else [int(j) for j in layers]
+        if any(not 0 <= j < info.num_layers for j in chosen):
+            raise IndexError(f"indexer layers {chosen}: the stored axis has positions 0..{info.num_layers - 1}")
+        start, stop = (0, n_tokens) if tokens is None else (int(tokens[0]), int(tokens[1]))
+        if not 0 <= start <= stop <= n_tokens:
+            raise IndexError(f"tokens [{start}, {stop}): sample {sample_id!r} has positions 0..{n_tokens - 1}")
+        where = f"step {self.step} of {self.store.url}, part {commit.part!r}, {info.key}"
+        key, size = f"{part_key}/{info.key}", object_info(commit, info.key, where).size
+        storage = self.store.storage
+        head_and_table = indexer_object.table_bytes(info.n_records, info.num_layers)
+        check_count(head_and_table, name="table bytes", at_most=size, where=where, expected="its size")
+        (table,) = storage.read_ranges([(key, 0, head_and_table)])
+        indexer_object.read_head(table, size, (info.n_records, info.num_layers), where)
+        blocks = indexer_object.find(bytes(table), info.num_layers, sample_id, size, info.table_crc32c, where)
+        if not blocks:
+            raise ValuesNotFoundError(f"sample {sample_id!r}: {where} holds no indexer rows of it")
+        wanted = [blocks[j] for j in chosen]
+        out = np.empty((stop - start, len(chosen), info.index_topk), np.int32)
+        for j, (block, data) in enumerate(
+            zip(wanted, storage.read_ranges([(key, b.offset, b.offset + b.length) for b in wanted]), strict=True)
+        ):
+            indexer_object.check_block(data, block, where)
+            if positions_header(data) != (n_tokens, info.index_topk, 0):
+                raise CorruptDataError(
+                    f"{where}: the block of {sample_id!r} at layer {chosen[j]} holds (rows, k, first position) "
+                    f"{positions_header(data)}, not ({n_tokens}, {info.index_topk}, 0)"
+                )
+            out[:, j, :] = decode_positions(data, start=start, stop=stop)
+        return out
 
     # -- routing -----------------------------------------------------------------------------------------------------
     def read(self, sample_id: str, *, moe_layers: Sequence[int] | None = None) -> RecordRouting:

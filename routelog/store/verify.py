@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from routelog.errors import CorruptDataError, RoutelogError
-from routelog.format import keys
+from routelog.format import indexer_object, keys
+from routelog.format.digest import sample_id_hash
 from routelog.format.documents import (
     AnnotationCommit,
     CommitRecord,
@@ -28,6 +29,7 @@ from routelog.format.documents import (
 )
 from routelog.format.index_rows import IndexRows
 from routelog.format.part import commit_digest, shard_layout
+from routelog.format.positions import decode_positions, positions_header
 from routelog.format.routing import RecordRouting
 from routelog.store.history import StepHistory, StepView, parquet_index
 from routelog.store.reader import StepSnapshot
@@ -141,7 +143,36 @@ def _verify_part(store: StoreRoot, step: int, commit: CommitRecord, report: Veri
         return None
     report.records += len(rows)
     _verify_digest(where, commit, rows, report)
+    _verify_indexer(where, commit, blobs.get(commit.indexer.key) if commit.indexer else None, rows, report)
     return rows
+
+
+def _verify_indexer(
+    where: str, commit: CommitRecord, data: bytes | None, rows: list[IndexRow], report: VerifyReport
+) -> None:
+    """Every block of the part's indexer object belongs to one of its records and decodes to that record's tokens
+    of canonical rows (FORMAT.md section 15)."""
+    info = commit.indexer
+    if info is None or data is None:
+        return
+    where = f"{where}/{info.key}"
+    try:
+        indexer_object.read_head(data[: indexer_object.HEAD_BYTES], len(data), (info.n_records, info.num_layers), where)
+        table = data[: indexer_object.table_bytes(info.n_records, info.num_layers)]
+        found = indexer_object.entries(table, info.num_layers, len(data), info.table_crc32c, where)
+        tokens = {sample_id_hash(row.sample_id): (row.sample_id, row.n_tokens) for row in rows}
+        for hashed, blocks in found.items():
+            if hashed not in tokens:
+                raise CorruptDataError(f"{where}: the table lists a record the part's index does not hold")
+            sample_id, n_tokens = tokens[hashed]
+            for j, block in enumerate(blocks):
+                piece = data[block.offset : block.offset + block.length]
+                indexer_object.check_block(piece, block, where)
+                if positions_header(piece) != (n_tokens, info.index_topk, 0):
+                    raise CorruptDataError(f"{where}: {sample_id!r} layer {j}: the block's header disagrees")
+                decode_positions(piece)  # every row checked canonical as it decodes
+    except RoutelogError as exc:
+        report.problems.append(str(exc))
 
 
 def _verify_digest(where: str, commit: CommitRecord, rows: list[IndexRow], report: VerifyReport) -> None:

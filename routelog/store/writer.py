@@ -927,6 +927,7 @@ def part_commit(
         streams=built.streams,
         weights=built.weights,
         digest=built.digest,
+        indexer=built.indexer,
     )
 
 
