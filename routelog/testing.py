@@ -1,9 +1,9 @@
 """Test helpers shipped with routelog: a fault-injecting filesystem to exercise retries and failure paths, a hook
 that runs another process's operation inside a writer's commit window (:func:`before_first_log_create`), a clock
 hours off the storage's for the documents this process writes (:func:`skewed_clock`), and
-megatron-core on CPU (:func:`megatron_on_cpu`) for tests and examples, a stand-in for slime's routing preparation
-(:func:`slime_prepare`) where slime is not installed, and a local S3 server (:func:`local_s3_server`) whose
-conditional writes are atomic, as S3's are.
+megatron-core on CPU (:func:`megatron_on_cpu`; its sparse attention: :func:`dsa_on_cpu`) for tests and examples, a
+stand-in for slime's routing preparation (:func:`slime_prepare`) where slime is not installed, and a local S3 server
+(:func:`local_s3_server`) whose conditional writes are atomic, as S3's are.
 
 ``FaultyFileSystem`` wraps any fsspec filesystem and makes a seeded fraction of calls fail the way object stores
 fail: timeouts, dropped connections, throttling (``SlowDown``) and 500s, either before the operation or after it
@@ -220,6 +220,86 @@ def megatron_on_cpu() -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
+
+
+def dsa_on_cpu() -> None:
+    """Make megatron-core 0.16.1's DeepSeek Sparse Attention (``DSAIndexer``, ``DSAttention`` inside
+    ``MLASelfAttention``) run on CPU in this process, for tests and examples: :func:`megatron_on_cpu`, and two
+    patches of megatron-core. Idempotent. Each is exact for what the tests check (the indices attention uses):
+
+    - ``dsa.rotate_activation`` becomes the identity. megatron-core rotates the indexer's q and k by a Hadamard
+      transform (``fast_hadamard_transform``, a CUDA extension, bf16 only). Scaled by ``d^-1/2`` it is orthogonal,
+      and the rotated q and k are only used in the scores' dot products ``q . k``, which an orthogonal rotation of
+      both leaves unchanged in exact arithmetic: only rounding differs, so the indexer's own top-k can differ near
+      ties from a GPU's, never the replayed indices the tests check attention receives.
+    - ``multi_latent_attention.HAVE_TE`` becomes False. Without Transformer Engine, megatron-core's TE module puts a
+      ``MagicMock`` in place of ``transformer_engine``, so MLA's import of ``TELinear`` succeeds and its
+      ``isinstance(self.linear_proj, TELinear)`` raises a ``TypeError``; False is the no-TE path that check guards
+      (an FP8 memory saving of TE linears).
+
+    ``torch.cuda.current_device`` answering ``"cpu"`` (:func:`megatron_on_cpu`) also places the indexer's
+    ``RotaryEmbedding`` (built without ``use_cpu_initialization``; ``get_emb`` moves its frequencies to
+    ``torch.cuda.current_device()``) on the CPU. Build the layers with :func:`dsa_layer_spec`."""
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    megatron_on_cpu()
+    dsa.rotate_activation = _identity_rotation
+    mla.HAVE_TE = False
+
+
+def _identity_rotation(x: Any) -> Any:
+    return x
+
+
+def _cpu_linear_class() -> type:
+    """A linear layer megatron-core builds as ``backend.linear()``, which its ``LocalSpecProvider`` lacks: the
+    indexer's projections (``linear_wq_b``, ``linear_wk``, ``linear_weights_proj``) are ``TELinear`` with
+    ``parallel_mode="duplicated"`` on GPU, the same full weight on every TP rank; this is ``torch.nn.Linear`` taking
+    megatron's constructor arguments and returning ``(output, None)`` as megatron's linears do."""
+    import torch
+
+    class DuplicatedLinear(torch.nn.Module):
+        def __init__(self, input_size: int, output_size: int, *, bias: bool = False, **_megatron: Any) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(input_size, output_size, bias=bias)
+
+        def forward(self, x: Any) -> tuple[Any, None]:
+            return self.linear(x), None
+
+    return DuplicatedLinear
+
+
+def dsa_layer_spec() -> Any:
+    """megatron-core 0.16.1's local (no Transformer Engine) GPT layer spec with multi-latent attention whose core
+    attention is ``DSAttention`` and its ``DSAIndexer``, as ``get_dsa_module_spec_for_backend`` builds it for TE
+    (which fails with the local backend: ``LocalSpecProvider`` has no ``linear()``). Call :func:`dsa_on_cpu` first.
+    The config must be an ``MLATransformerConfig`` with ``experimental_attention_variant="dsa"``."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexer,
+        DSAIndexerSubmodules,
+        DSAttention,
+        DSAttentionSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    linear = _cpu_linear_class()
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True)
+    indexer = ModuleSpec(
+        module=DSAIndexer,
+        submodules=DSAIndexerSubmodules(
+            linear_wq_b=linear,
+            linear_wk=linear,
+            k_norm=LocalSpecProvider().layer_norm(rms_norm=False, for_qk=True),
+            linear_weights_proj=linear,
+        ),
+    )
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=DSAttention, submodules=DSAttentionSubmodules(indexer=indexer)
+    )
+    return spec
 
 
 _S3_CONDITIONAL_LOCK = threading.Lock()

@@ -14,7 +14,7 @@ LAYERS: dict[str, set[str]] = {
     "align": {"align"},
     "store": {"store", "outputs", "ray_session"},
     "engines": {"engines"},
-    "replay": {"loader", "megatron", "integrations"},
+    "replay": {"loader", "megatron", "megatron_indexer", "integrations"},
     "audit": {"audit"},
     "applications": {
         "ingest", "synth", "demo", "demo_report", "ray", "cli", "testing", "fault_proxy", "__main__", "__init__",

@@ -181,16 +181,25 @@ class LocalRouter:
         return self.layer + 1
 
 
+def rank_layers(layout: ParallelLayout, num_layers: int, pp_rank: int) -> list[tuple[int, int]]:
+    """``(vp_stage, layer)`` of every decoder layer a pipeline rank builds, model chunk by model chunk (VPP order):
+    what both the routers and the sparse-attention indexers of the rank are picked from."""
+    built = []
+    for vp_stage in range(layout.virtual_stages):
+        for layer in chunk_layers(layout, num_layers, pp_rank, vp_stage):
+            if not 0 <= layer < num_layers:
+                raise AlignmentError(f"pipeline layout places layer {layer} outside the model's {num_layers}")
+            built.append((vp_stage, layer))
+    return built
+
+
 def local_routers(layout: ParallelLayout, spec: ModelSpec, pp_rank: int) -> list[LocalRouter]:
     """The MoE routers a pipeline rank builds, model chunk by model chunk (VPP order), dense layers skipped."""
-    routers = []
-    for vp_stage in range(layout.virtual_stages):
-        for layer in chunk_layers(layout, spec.num_layers, pp_rank, vp_stage):
-            if not 0 <= layer < spec.num_layers:
-                raise AlignmentError(f"pipeline layout places layer {layer} outside the model's {spec.num_layers}")
-            if spec.is_moe(layer):
-                routers.append(LocalRouter(vp_stage, layer, spec.moe_index(layer)))
-    return routers
+    return [
+        LocalRouter(vp_stage, layer, spec.moe_index(layer))
+        for vp_stage, layer in rank_layers(layout, spec.num_layers, pp_rank)
+        if spec.is_moe(layer)
+    ]
 
 
 def all_chunks(layout: ParallelLayout, num_layers: int) -> Sequence[tuple[int, int, range]]:

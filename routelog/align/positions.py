@@ -38,13 +38,16 @@ def rank_positions(
     tp_rank: int,
     cp_rank: int,
     cp: int | None = None,
+    split_sequence_parallel: bool = True,
 ) -> npt.NDArray[np.int64]:
-    """``[T_local, 2]``: (sequence index in the micro-batch, token position) of each local row; ``-1`` marks padding."""
+    """``[T_local, 2]``: (sequence index in the micro-batch, token position) of each local row; ``-1`` marks padding.
+    ``split_sequence_parallel=False`` keeps the CP-local rows of every TP rank (what a module that all-gathers the
+    sequence-parallel shards sees, such as a sparse-attention indexer)."""
     cp = layout.cp if cp is None else cp
     if not 0 <= cp_rank < cp:
         raise AlignmentError(f"cp rank {cp_rank} outside [0, {cp})")
     rows = _bshd(packed, layout, cp, cp_rank) if packed.bshd else _thd(packed, layout, cp, cp_rank)
-    if layout.sp and layout.tp > 1:
+    if layout.sp and layout.tp > 1 and split_sequence_parallel:
         if rows.shape[0] % layout.tp:
             raise AlignmentError(
                 f"{rows.shape[0]} local rows do not split over TP = {layout.tp} for sequence parallelism; the packing "
