@@ -76,7 +76,7 @@ def demo(
         ),
     ] = None,
     quick: Annotated[
-        bool, typer.Option(help="Smaller models and batch (about 8 s instead of 11 s on 2 idle cores).")
+        bool, typer.Option(help="Smaller models and batch (about 7 s instead of 15 s on 2 idle cores).")
     ] = False,
     json_out: JsonFlag = False,
 ) -> None:
