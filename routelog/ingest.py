@@ -18,6 +18,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from routelog import interrupts
 from routelog.engines import megatron_server, ms_swift, nemo_rl, sglang, slime, verl, vllm
 from routelog.engines.common import list_field, load_npy, malformed, npy_header_nbytes, to_full_axis
 from routelog.errors import (
@@ -388,8 +389,9 @@ def ingest(
         encode_threads=threads,
     )
     try:
-        with writer:
+        with interrupts.deferred() as interrupt, writer:
             for record in source.records(spec, on_absent=on_absent, on_error=lambda exc: None):
+                interrupt.check()  # Ctrl-C lands here, between records, never inside the writer's locks
                 if record.sample_id in refused:
                     continue
                 writer.append(record)

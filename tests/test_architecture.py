@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "routelog"
 ARCHITECTURE = Path(__file__).resolve().parent.parent / "ARCHITECTURE.md"
 
 LAYERS: dict[str, set[str]] = {
-    "format": {"format", "errors", "display", "extras", "environment", "urls"},
+    "format": {"format", "errors", "display", "extras", "environment", "urls", "interrupts"},
     "align": {"align"},
     "store": {"store", "outputs", "ray_session"},
     "engines": {"engines"},

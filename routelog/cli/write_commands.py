@@ -14,6 +14,7 @@ from typing import Annotated, Any, cast
 
 import typer
 
+from routelog import interrupts
 from routelog.cli.app import (
     JsonFlag,
     StorageOptions,
@@ -179,9 +180,10 @@ def synth(
         encode_threads=batch_encode_threads(encode_threads),
     )
     try:
-        with progress_bar() as progress, writer:
+        with interrupts.deferred() as interrupt, progress_bar() as progress, writer:
             task = progress.add_task(f"synth step {step}", total=records)
             for record in synth_records(store.model_spec, config):
+                interrupt.check()  # Ctrl-C lands here, between records, never inside the writer's locks
                 writer.append(record)
                 progress.advance(task)
     except KeyboardInterrupt:
