@@ -21,6 +21,12 @@ It fails closed, as :class:`~routelog.megatron.MegatronReplay` does for routers:
   for, and :meth:`~MegatronIndexerReplay.check` (before the optimizer step) raises when they differ, when a check
   could not run, or when a layer was handed selections that no forward took (an inert replay).
 
+With ``measure=True`` (or a ``gate``) each layer also counts the replayed rows whose indexer's own top-k set (it
+computes its scores anyway) differs from the replayed selection: the indexer diff, the counterpart of the router
+diff, returned by :meth:`~MegatronIndexerReplay.check` and :meth:`~MegatronIndexerReplay.end_step` and judged by the
+gate's ``max_indexer_diff``. :class:`IndexerReplayLoader` reads each micro-batch's rows beside its routing, in the
+routing loader's background thread.
+
 >>> replay = MegatronIndexerReplay(model_chunks, plan, config=model_config)                  # doctest: +SKIP
 >>> for m in range(len(plan.micro_batches)):                                                # doctest: +SKIP
 ...     with replay.forward(load_indexer(snapshot, plan, m)):
@@ -53,10 +59,12 @@ from routelog.align.indexer import (
     local_indexers,
     stored_indexer_layers,
 )
-from routelog.align.plan import AlignmentPlan
+from routelog.align.plan import AlignmentPlan, MicroBatchReplay
 from routelog.errors import AlignmentError, ReplayConfigError, ReplayFidelityError
 from routelog.format.spec import ModelSpec
-from routelog.megatron import TokenCheck, language_model
+from routelog.loader import ReplayLoader
+from routelog.megatron import _STRICT, TokenCheck, language_model
+from routelog.store.fidelity import FidelityGate, StepFidelity
 from routelog.store.reader import StepSnapshot
 
 
@@ -70,6 +78,35 @@ def load_indexer(
         for sid in plan.micro_batches[m].sample_ids
     }
     return gather_indexer(plan, m, records, sequence_parallel=sequence_parallel)
+
+
+class IndexerReplayLoader(ReplayLoader):
+    """A :class:`~routelog.loader.ReplayLoader` that also reads each micro-batch's indexer rows
+    (:func:`load_indexer`) in its :meth:`load`, so they are prefetched in the same background thread and as far
+    ahead as the routing; :meth:`take_indexer` hands them over once (the loader then holds none of them)."""
+
+    def __init__(self, *args: Any, sequence_parallel: IndexerQueryRows = "gathered", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sequence_parallel: IndexerQueryRows = sequence_parallel
+        self._indexer: dict[int, MicroBatchIndexer] = {}
+
+    def load(self, m: int) -> MicroBatchReplay:
+        replay = super().load(m)
+        # Set before the routing is returned: whoever holds micro-batch m's routing finds its indexer rows here.
+        self._indexer[m] = load_indexer(self.snapshot, self.plan, m, sequence_parallel=self.sequence_parallel)
+        return replay
+
+    def take_indexer(self, m: int) -> MicroBatchIndexer:
+        """Micro-batch ``m``'s indexer rows: the prefetched ones, or read now when they were taken already (a rerun
+        of the step from its first micro-batch)."""
+        rows = self._indexer.pop(m, None)
+        if rows is None:
+            rows = load_indexer(self.snapshot, self.plan, m, sequence_parallel=self.sequence_parallel)
+        return rows
+
+    def close(self) -> None:
+        super().close()
+        self._indexer.clear()
 
 
 @dataclass(frozen=True)
@@ -130,16 +167,43 @@ def megatron_targets(mb: MicroBatchIndexer, stored: int) -> tuple[npt.NDArray[np
     return target, mask
 
 
+def selection_differs(index_scores: Any, native: Any, replayed: Any) -> Any:
+    """``[b, sq]``: whether the indexer's own top-k (``native``) selects another set of keys than ``replayed``
+    (megatron's convention: a slot past the query's keys holds the query's own position). The indexer's slots past
+    the query's keys are masked keys (score -inf), read as the query's own position too, so a query with fewer keys
+    than ``index_topk`` agrees whenever both attend to all of them."""
+    import torch
+
+    own = torch.arange(native.shape[1], device=native.device).view(1, -1, 1)
+    chosen = torch.where(torch.isfinite(index_scores.gather(-1, native)), native, own)
+    return (chosen.sort(dim=-1).values != replayed.sort(dim=-1).values).any(dim=-1)
+
+
+@dataclass(frozen=True)
+class _Installed:
+    """One micro-batch's selections for a DSA layer, on the host or the device."""
+
+    target: Any
+    """int64 ``[b, sq, topk]`` in megatron-core's convention."""
+    own_choice: Any
+    """``[b, sq]`` rows taking the indexer's own choice (``missing="router"``), or None."""
+    replayed: Any
+    """``[b, sq]`` rows replaying a recorded selection, where the indexer diff is measured; else None."""
+
+
 @dataclass
 class _LayerReplay:
     """One DSA layer's replayed selections: the forward's, and a FIFO activation recomputation pops (in the
     backward, micro-batches come in the order of their forwards), as megatron-core's ``RouterReplay`` keeps them."""
 
-    forward: tuple[Any, Any] | None = None
-    """(target ``[b, sq, topk]``, rows taking the indexer's own choice or None) while a forward runs."""
-    recompute: list[tuple[Any, Any]] = field(default_factory=list)
+    forward: _Installed | None = None
+    """The selections of the forward running now."""
+    recompute: list[_Installed] = field(default_factory=list)
     handed: int = 0
     taken: int = 0
+    tally: Any = None
+    """On the indexer's device, the step's forwards' (replayed rows, of those the rows whose own top-k set
+    differs): added to without reading the device."""
 
 
 class MegatronIndexerReplay:
@@ -154,7 +218,11 @@ class MegatronIndexerReplay:
         config: Any = None,
         vp_stages: Sequence[int] | None = None,
         check_tokens: TokenCheck = "rows",
+        measure: bool = False,
+        gate: FidelityGate | None = None,
     ) -> None:
+        """``measure`` (implied by a ``gate``): count the indexer diff. ``gate`` judges it (``max_indexer_diff``)
+        and the tokens fed (``on_token_mismatch``); without one, tokens fed that are not the recorded ones raise."""
         if config is not None:
             check_dsa_config(config, plan.spec)
         if check_tokens not in ("rows", "off"):
@@ -165,6 +233,8 @@ class MegatronIndexerReplay:
             )
         self.plan = plan
         self.check_tokens = check_tokens
+        self.gate = gate
+        self.measure = measure or gate is not None
         self.layers = find_dsa_indexers(model_chunks, vp_stages)
         found = [(i.vp_stage, i.layer_number) for i in self.layers]
         expected = [
@@ -201,12 +271,16 @@ class MegatronIndexerReplay:
 
     def _reset_step(self) -> None:
         for state in self._state.values():
-            state.forward, state.handed, state.taken = None, 0, 0
+            state.forward, state.handed, state.taken, state.tally = None, 0, 0, None
             state.recompute.clear()
         self._owed: dict[int, MicroBatchIndexer] = {}
         self._fed: list[tuple[MicroBatchIndexer, Any, Any]] = []
         self._unchecked: list[str] = []
         self._judged = False
+        self._judged_at: dict[int, int] = {}
+        """Per layer number, the forwards taken when the step was judged."""
+        self._read: StepFidelity | None = None
+        """The counts the judgement read."""
 
     def _replaying(self, layer: ChunkIndexer, original: Callable[..., Any]) -> Callable[..., Any]:
         import torch
@@ -215,25 +289,32 @@ class MegatronIndexerReplay:
 
         def forward_with_scores(x: Any, qr: Any, mask: Any = None, packed_seq_params: Any = None) -> Any:
             index_scores, native = original(x, qr, mask, packed_seq_params)
-            if layer.layer_number in self._in_forward and state.forward is not None:
-                target, own_choice = state.forward
+            installed = state.forward if layer.layer_number in self._in_forward else None
+            forward = installed is not None
+            if installed is not None:
                 state.taken += 1
             elif layer.layer_number not in self._in_forward and state.recompute:
-                target, own_choice = state.recompute.pop(0)
+                installed = state.recompute.pop(0)
             else:
                 raise ReplayFidelityError(
                     f"layer {layer.layer_number}: the DSA indexer ran with no replayed selection installed; run each "
                     "forward inside MegatronIndexerReplay.forward(micro_batch) (a recomputation in the backward "
                     "takes the selections installed, oldest first, and there are none left)"
                 )
-            if tuple(target.shape) != tuple(native.shape):
+            if tuple(installed.target.shape) != tuple(native.shape):
                 raise AlignmentError(
                     f"layer {layer.layer_number}: the indexer selects {tuple(native.shape)} [b, sq, topk], the replay "
-                    f"holds {tuple(target.shape)}; the packing or the micro-batch differs from the plan"
+                    f"holds {tuple(installed.target.shape)}; the packing or the micro-batch differs from the plan"
                 )
-            indices = target.to(native.device)
-            if own_choice is not None:
-                indices = torch.where(own_choice.to(native.device)[..., None], native, indices)
+            indices = installed.target.to(native.device)
+            if forward and installed.replayed is not None:  # counted once per micro-batch: not in recomputation
+                with torch.no_grad():
+                    replayed = installed.replayed.to(native.device)
+                    differs = selection_differs(index_scores, native, indices)
+                    counts = torch.stack([replayed.sum(), (replayed & differs).sum()])
+                state.tally = counts if state.tally is None else state.tally + counts
+            if installed.own_choice is not None:
+                indices = torch.where(installed.own_choice.to(native.device)[..., None], native, indices)
             return index_scores, indices
 
         return forward_with_scores
@@ -306,19 +387,22 @@ class MegatronIndexerReplay:
         if fed_rows is not None and self.check_tokens == "rows":
             why = _token_mismatch(mb, np.asarray(fed_rows, np.int64))
             if why is not None:
-                raise ReplayFidelityError(why)
+                (self.gate or _STRICT).token_mismatch(why)
         chosen = [layer for layer in self.layers if vp_stage is None or layer.vp_stage == vp_stage]
-        prepared: dict[int, tuple[Any, Any]] = {}
+        prepared: dict[int, _Installed] = {}
         for layer in chosen:  # every row checked before any layer is handed one: a refusal installs nothing
             stored = mb.stored_of(layer.layer_number)
             if stored not in prepared:  # a shared layer replays its source's rows: checked and moved once
                 check_indexer_rows(mb, stored, layer.layer_number)
                 target, replayed = megatron_targets(mb, stored)
-                own_choice = torch.from_numpy(~replayed) if self.plan.missing == "router" else None
-                tensors = (torch.from_numpy(target), own_choice)
+                tensors = [
+                    torch.from_numpy(target),
+                    torch.from_numpy(~replayed) if self.plan.missing == "router" else None,
+                    torch.from_numpy(replayed) if self.measure else None,
+                ]
                 if device is not None:
-                    tensors = (tensors[0].to(device), None if own_choice is None else own_choice.to(device))
-                prepared[stored] = tensors
+                    tensors = [None if t is None else t.to(device) for t in tensors]
+                prepared[stored] = _Installed(*tensors)
         for stage in self._embedded if fed_rows is None else ():
             if vp_stage is None or vp_stage == stage:
                 missed = self._owed.get(stage)
@@ -331,11 +415,26 @@ class MegatronIndexerReplay:
             state.recompute.append(state.forward)
             state.handed += 1
 
-    def check(self) -> None:
+    def _counts(self) -> StepFidelity:
+        """The step's indexer diff so far, per global layer index (empty unless measured): one read of the device."""
+        counts = StepFidelity()
+        tallies = {n: state.tally for n, state in self._state.items() if state.tally is not None}
+        if tallies:
+            import torch
+
+            values = torch.stack([t.to("cpu", non_blocking=True) for t in tallies.values()]).tolist()
+            for number, (replayed, differing) in zip(tallies, values, strict=True):
+                counts.add_indexer(number - 1, int(replayed), int(differing))
+        return counts
+
+    def check(self) -> StepFidelity:
         """Judge the step so far, before the optimizer step: raises
         :class:`~routelog.store.fidelity.ReplayFidelityError` when a row was fed another token than its selection
-        was recorded for, a token check could not run, or a DSA layer was handed selections no forward took."""
+        was recorded for, a token check could not run, a DSA layer was handed selections no forward took, or the
+        ``gate`` finds the indexer diff too high. Returns the step's indexer diff so far."""
         self._judged = True
+        self._judged_at = {number: state.taken for number, state in self._state.items()}
+        self._read = counts = self._counts()
         # An inert replay first: it also leaves the tokens unchecked, and is the cause to name.
         inert = [number for number, state in sorted(self._state.items()) if state.handed and not state.taken]
         if inert:
@@ -359,13 +458,21 @@ class MegatronIndexerReplay:
                 for mb, rows, _ in self._fed:
                     why = _token_mismatch(mb, rows.cpu().numpy().astype(np.int64))
                     if why is not None:
-                        raise ReplayFidelityError(why)
+                        (self.gate or _STRICT).token_mismatch(why)
+                        break
+        if self.gate is not None:
+            self.gate.check(counts, "indexer replay")
+        return counts
 
-    def end_step(self) -> None:
-        """Judge the step (unless :meth:`check` did) and clear every selection, after the optimizer step."""
+    def end_step(self) -> StepFidelity:
+        """Judge the step (unless :meth:`check` did) and clear every selection, after the optimizer step; returns
+        the step's indexer diff (per global layer index; empty unless measured)."""
         try:
             if not self._judged:
-                self.check()
+                return self.check()
+            if self._read is not None and self._judged_at == {n: s.taken for n, s in self._state.items()}:
+                return self._read  # no forward since the judgement: its read is the step's
+            return self._counts()
         finally:
             self._reset_step()
 

@@ -559,8 +559,9 @@ class FidelityRecord(_Document):
     """Created exclusively under ``steps/<step>/fidelity/<writer>.<seq>.json`` (format 2, optional): how faithfully
     one training rank replayed the step's routing. While replaying, each router still computes its own top-k;
     per MoE layer the rank counts the rows it replayed and, of those, the rows whose own top-k set differs from the
-    replayed one (the R3 paper's router diff, measured in the trainer). Counts are summed on the rank and
-    published once per step, so a step of any size costs one small document per rank."""
+    replayed one (the R3 paper's router diff, measured in the trainer); optionally the same per sparse-attention
+    indexer layer (the indexer diff). Counts are summed on the rank and published once per step, so a step of any
+    size costs one small document per rank."""
 
     format_version: int = FORMAT_VERSION
     kind: Literal["routelog.fidelity"] = FIDELITY_KIND
@@ -585,6 +586,13 @@ class FidelityRecord(_Document):
     """Records installed by the rank in the step."""
     token_mismatches: int = Field(0, ge=0)
     """Records whose fed tokens hashed differently from the recorded ones (a gate in ``warn`` mode let them through)."""
+    indexer_layers: list[int] = Field([], max_length=MAX_LAYERS)
+    """Global layer indices (0-based decoder layers) of the sparse-attention indexer counts below; empty when the
+    rank replayed no indexer selections (older documents have none)."""
+    indexer_replayed_rows: list[int] = []
+    """Query rows whose recorded indexer selection the rank replayed."""
+    indexer_differing_rows: list[int] = []
+    """Replayed query rows whose indexer's own top-k set differs from the replayed selection (the indexer diff)."""
 
     @model_validator(mode="after")
     def _aligned(self) -> FidelityRecord:
@@ -593,6 +601,11 @@ class FidelityRecord(_Document):
             raise ValueError("replayed_rows, differing_rows and fallback_rows must have one count per layer")
         if any(d < 0 or d > r for d, r in zip(self.differing_rows, self.replayed_rows, strict=True)):
             raise ValueError("every layer's differing_rows must lie in [0, replayed_rows]")
+        m = len(self.indexer_layers)
+        if len(self.indexer_replayed_rows) != m or len(self.indexer_differing_rows) != m:
+            raise ValueError("indexer_replayed_rows and indexer_differing_rows must have one count per indexer layer")
+        if any(d < 0 or d > r for d, r in zip(self.indexer_differing_rows, self.indexer_replayed_rows, strict=True)):
+            raise ValueError("every indexer layer's indexer_differing_rows must lie in [0, indexer_replayed_rows]")
         return self
 
     @property

@@ -19,6 +19,12 @@ With Megatron-LM's own training loop, one line wires all of it into ``train_step
 (:meth:`ReplayHook.train_step`)::
 
     training.train_step = hook.train_step(training.train_step, micro_batches=lambda iteration: my_micro_batches)
+
+A model with DeepSeek Sparse Attention also gets its indexer selections replayed (``indexer="auto"``: when the model
+spec declares an indexer and the chunks hold DSA layers; ``"required"`` refuses to run without both, ``"off"`` never
+replays them): each micro-batch's rows are read beside its routing, in the loader's background thread, installed
+around the same forward (:class:`~routelog.megatron_indexer.MegatronIndexerReplay`), judged with the routing, and
+their indexer diff is returned and published beside the router diff.
 """
 
 from __future__ import annotations
@@ -26,23 +32,28 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
+from routelog.align.indexer import MicroBatchIndexer
 from routelog.align.layout import CpLayout
 from routelog.align.plan import MicroBatchReplay, MissingPolicy, OtherVersions, PolicyVersions, versions_for
-from routelog.errors import AlignmentError, RoutelogError
+from routelog.errors import AlignmentError, ReplayConfigError, RoutelogError
 from routelog.format.spec import ModelSpec
 from routelog.format.values import LOGPROB_TRAIN
 from routelog.loader import ReplayLoader
 from routelog.megatron import MegatronReplay, TokenCheck
+from routelog.megatron_indexer import IndexerReplayLoader, MegatronIndexerReplay, find_dsa_indexers
 from routelog.store.fidelity import FidelityGate, StepFidelity, write_fidelity
 from routelog.store.store import Store, open_store
 
 TokensOf = Callable[[MicroBatchReplay], Sequence[npt.ArrayLike]]
+IndexerReplay = Literal["auto", "off", "required"]
+"""Whether the hook replays sparse-attention indexer selections: ``auto`` when the model spec declares an indexer
+and the model chunks hold DSA layers, ``required`` refuses to run without both, ``off`` never."""
 
 
 class ReplayHook:
@@ -67,6 +78,7 @@ class ReplayHook:
         check_tokens: TokenCheck = "rows",
         policy_versions: PolicyVersions = "step",
         other_versions: OtherVersions = "refuse",
+        indexer: IndexerReplay = "auto",
     ) -> None:
         self.store = store if isinstance(store, Store) else open_store(store, storage_options=storage_options)
         self.spec = spec or self.store.model_spec
@@ -76,11 +88,23 @@ class ReplayHook:
         self.model_chunks = list(model_chunks)
         self.fidelity_writer = fidelity_writer
         self.prefetch = prefetch
+        replays_indexer = self._replays_indexer(indexer)  # refused before anything is installed on the model
         if gate is None and fidelity_writer is not None:
             gate = _MEASURE_ONLY  # measure the router diff to publish it, judge nothing
         self.replay = MegatronReplay(
             self.model_chunks, self._plan((), 0), config=config, gate=gate, check_tokens=check_tokens
         )
+        self.indexer_replay: MegatronIndexerReplay | None = None
+        if replays_indexer:
+            try:
+                self.indexer_replay = MegatronIndexerReplay(
+                    self.model_chunks, self._plan((), 0), config=config, gate=gate, check_tokens=check_tokens
+                )
+            except BaseException:
+                self.replay.remove()
+                raise
+        self._indexer_rows: dict[int, tuple[MicroBatchIndexer, int]] = {}
+        """Micro-batch -> (its indexer rows, the model chunks yet to install them): dropped once all have."""
         self.step: int | None = None
         self._logprobs: dict[str, npt.NDArray[Any]] = {}
         self._loader: ReplayLoader | None = None
@@ -88,6 +112,24 @@ class ReplayHook:
         self._iterator: Any = None
         self._cursor: dict[int, int] = {}
         self._micro_batches = self._forwards = 0
+
+    def _replays_indexer(self, indexer: IndexerReplay) -> bool:
+        if indexer not in ("auto", "off", "required"):
+            raise ValueError(f"indexer must be 'auto', 'off' or 'required', got {indexer!r}")
+        if indexer == "off" or (indexer == "auto" and self.spec.indexer is None):
+            return False  # a model without an indexer in its spec is not walked (nor DSA imported)
+        try:
+            in_model = bool(find_dsa_indexers(self.model_chunks))
+        except ImportError:  # a megatron-core without DeepSeek Sparse Attention
+            in_model = False
+        if indexer == "auto":
+            return in_model
+        missing = [] if self.spec.indexer is not None else [f"the model spec {self.spec.name!r} declares no indexer"]
+        if not in_model:
+            missing.append("the model chunks hold no DSA layers (megatron-core's DSAttention)")
+        if missing:
+            raise ReplayConfigError(f"indexer='required', but {' and '.join(missing)}: there is no indexer to replay")
+        return True
 
     def _plan(self, micro_batches: Sequence[MicroBatch], step: int) -> AlignmentPlan:
         return AlignmentPlan(
@@ -107,9 +149,11 @@ class ReplayHook:
             raise AlignmentError(f"step {self.step} was begun and not ended: call end_step() after the optimizer step")
         batches = [b if isinstance(b, MicroBatch) else MicroBatch(tuple(b)) for b in micro_batches]
         self.step = step
-        self._loader = ReplayLoader(self.store, step, self._plan(batches, step), prefetch=self.prefetch)
+        loader = ReplayLoader if self.indexer_replay is None else IndexerReplayLoader
+        self._loader = loader(self.store, step, self._plan(batches, step), prefetch=self.prefetch)
         self._iterator = iter(self._loader)
         self._loaded = []
+        self._indexer_rows = {}
         self._cursor = {}
         self._micro_batches, self._forwards = len(batches), 0
 
@@ -138,14 +182,34 @@ class ReplayHook:
             self._cursor[chunk] = m + 1
             mb = self.micro_batch(m)
             tokens = tokens_of(mb) if tokens_of is not None else None
-            with self.replay.forward(mb, vp_stage=chunk, tokens=tokens):
+            with self.replay.forward(mb, vp_stage=chunk, tokens=tokens), self._indexer_forward(m, chunk):
                 out = forward_step(data_iterator, model, *args, **kwargs)
             self._forwards += 1
             if self._forwards == self._micro_batches * len(self.model_chunks):
-                self.replay.check()  # the step's last forward: judged before its backward and the optimizer step
+                # The step's last forward: judged before its backward and the optimizer step.
+                self.replay.check()
+                if self.indexer_replay is not None:
+                    self.indexer_replay.check()
             return out
 
         return forward_step_with_replay
+
+    def _indexer_forward(self, m: int, chunk: int) -> contextlib.AbstractContextManager[None]:
+        """Micro-batch ``m``'s indexer selections installed on ``chunk``'s DSA layers around its forward; its rows
+        are held only until every chunk has installed them (a rerun reads them again)."""
+        if self.indexer_replay is None:
+            return contextlib.nullcontext()
+        held = self._indexer_rows.get(m)
+        if held is None:
+            if not isinstance(self._loader, IndexerReplayLoader):
+                raise AlignmentError("no step begun: call begin_step(step, micro_batches) before the forward passes")
+            held = (self._loader.take_indexer(m), len(self.model_chunks))
+        rows, pending = held
+        if pending > 1:
+            self._indexer_rows[m] = (rows, pending - 1)
+        else:
+            self._indexer_rows.pop(m, None)
+        return self.indexer_replay.forward(rows, vp_stage=chunk)
 
     def train_step(
         self,
@@ -213,14 +277,20 @@ class ReplayHook:
 
     def _rewind(self) -> None:
         self._cursor = {}
+        self._indexer_rows = {}
         self._forwards = 0
 
     def _abandon_step(self) -> None:
-        """Clear a step that failed: routes and loader, nothing published."""
+        """Clear a step that failed: routes, selections and loader, nothing published."""
         if self._loader is not None:
             self._loader.close()
         self.step, self._loader, self._iterator, self._loaded, self._logprobs = None, None, None, [], {}
-        self.replay.end_step()
+        self._indexer_rows = {}
+        try:
+            self.replay.end_step()
+        finally:
+            if self.indexer_replay is not None:
+                self.indexer_replay.end_step()
 
     def _chunk_of(self, model: Any) -> int:
         for i, chunk in enumerate(self.model_chunks):
@@ -237,15 +307,23 @@ class ReplayHook:
         self._logprobs[sample_id] = np.asarray(logprobs, dtype=np.float32)
 
     def end_step(self, *, trainer_step: int | None = None, phase: str | None = None) -> StepFidelity:
-        """Clear the routes after the optimizer step, check and publish the step's router diff (and the log-probs
-        recorded for it); returns the router diff counts."""
+        """Clear the routes (and indexer selections) after the optimizer step, check and publish the step's router
+        diff and indexer diff (and the log-probs recorded for it); returns their counts."""
         if self._loader is not None:
             self._loader.close()
         step, self.step, self._loader, self._iterator, self._loaded = self.step, None, None, None, []
-        logprobs, self._logprobs = self._logprobs, {}
-        counts = self.replay.end_step()
+        logprobs, self._logprobs, self._indexer_rows = self._logprobs, {}, {}
+        try:
+            counts = self.replay.end_step()
+        except BaseException:
+            if self.indexer_replay is not None:
+                with contextlib.suppress(RoutelogError):  # cleared; the routing's failure is the one raised
+                    self.indexer_replay.end_step()
+            raise
+        if self.indexer_replay is not None:
+            counts = counts.merge(self.indexer_replay.end_step())
         writer = self.fidelity_writer
-        if writer is not None and step is not None and counts.replayed:
+        if writer is not None and step is not None and (counts.replayed or counts.indexer_replayed):
             write_fidelity(self.store, step, writer, counts, trainer_step=trainer_step, phase=phase)
         if logprobs and step is not None:
             with self.store.annotate(step, writer or "trainer") as annotator:
@@ -256,6 +334,8 @@ class ReplayHook:
     def remove(self) -> None:
         """Undo every hook and wrapper installed on the model."""
         self.replay.remove()
+        if self.indexer_replay is not None:
+            self.indexer_replay.remove()
 
 
 def layout_from_config(config: Any, *, cp: int | None = None, cp_layout: CpLayout = "zigzag") -> ParallelLayout:

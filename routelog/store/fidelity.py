@@ -4,7 +4,9 @@ While routing is replayed, each router still computes its own top-k (:class:`rou
 the rows whose own set differs from the installed one). That is the R3 paper's "router diff" where it matters: in
 the trainer, on the trainer's weights. A rank sums its counts over the step and publishes them as one small
 :class:`~routelog.format.documents.FidelityRecord`; ``routelog fidelity`` (and ``routelog drift --fidelity``) show them
-per layer over training: how far the trainer's routing has drifted from the engine's.
+per layer over training: how far the trainer's routing has drifted from the engine's. A replay of sparse-attention
+indexer selections counts the same per DSA layer (the indexer diff: rows whose indexer's own top-k set differs from
+the replayed selection), published beside it.
 
 A :class:`FidelityGate` fails closed: it raises :class:`ReplayFidelityError` (or warns) when a layer's router diff
 exceeds a threshold, or when a rank was about to install routing recorded for other tokens.
@@ -34,15 +36,27 @@ class StepFidelity:
     fallback: dict[int, int] = field(default_factory=dict)
     samples: int = 0
     token_mismatches: int = 0
+    indexer_replayed: dict[int, int] = field(default_factory=dict)
+    """Per DSA layer: query rows whose recorded indexer selection was replayed."""
+    indexer_differing: dict[int, int] = field(default_factory=dict)
+    """Per DSA layer: of those, rows whose indexer's own top-k set differs from the replayed selection."""
 
     def add(self, layer: int, replayed: int, differing: int, fallback: int = 0) -> None:
         self.replayed[layer] = self.replayed.get(layer, 0) + replayed
         self.differing[layer] = self.differing.get(layer, 0) + differing
         self.fallback[layer] = self.fallback.get(layer, 0) + fallback
 
+    def add_indexer(self, layer: int, replayed: int, differing: int) -> None:
+        self.indexer_replayed[layer] = self.indexer_replayed.get(layer, 0) + replayed
+        self.indexer_differing[layer] = self.indexer_differing.get(layer, 0) + differing
+
     def router_diff(self) -> dict[int, float]:
         """Per layer, the fraction of replayed rows whose router would have chosen another set."""
-        return {layer: self.differing[layer] / rows for layer, rows in sorted(self.replayed.items()) if rows}
+        return _ratios(self.differing, self.replayed)
+
+    def indexer_diff(self) -> dict[int, float]:
+        """Per DSA layer, the fraction of replayed rows whose indexer would have selected other keys."""
+        return _ratios(self.indexer_differing, self.indexer_replayed)
 
     def merge(self, other: StepFidelity) -> StepFidelity:
         out = StepFidelity(samples=self.samples + other.samples, token_mismatches=self.token_mismatches)
@@ -50,6 +64,8 @@ class StepFidelity:
         for source in (self, other):
             for layer, rows in source.replayed.items():
                 out.add(layer, rows, source.differing.get(layer, 0), source.fallback.get(layer, 0))
+            for layer, rows in source.indexer_replayed.items():
+                out.add_indexer(layer, rows, source.indexer_differing.get(layer, 0))
         return out
 
     @classmethod
@@ -60,13 +76,22 @@ class StepFidelity:
             record.layers, record.replayed_rows, record.differing_rows, fallback, strict=True
         ):
             out.add(layer, rows, differing, missing)
+        for layer, rows, differing in zip(
+            record.indexer_layers, record.indexer_replayed_rows, record.indexer_differing_rows, strict=True
+        ):
+            out.add_indexer(layer, rows, differing)
         return out
+
+
+def _ratios(differing: Mapping[int, int], replayed: Mapping[int, int]) -> dict[int, float]:
+    return {layer: differing[layer] / rows for layer, rows in sorted(replayed.items()) if rows}
 
 
 def wilson_lower_bound(successes: int, trials: int, z: float) -> float:
     """The lower end of the Wilson score interval of a binomial proportion, ``z`` standard deviations wide: the
-    smallest rate the counts are consistent with (0 without trials)."""
-    if trials <= 0:
+    smallest rate the counts are consistent with (0 without trials or successes: exactly, where the formula's
+    rounding leaves a few 1e-17 that a gate of 0 would take for a disagreement)."""
+    if trials <= 0 or successes <= 0:
         return 0.0
     p = successes / trials
     z2 = z * z
@@ -77,8 +102,9 @@ def wilson_lower_bound(successes: int, trials: int, z: float) -> float:
 
 @dataclass(frozen=True)
 class FidelityGate:
-    """When to stop training: a layer whose router diff is above ``max_router_diff`` beyond doubt, or routing
-    recorded for other tokens. ``"warn"`` reports instead of raising.
+    """When to stop training: a layer whose router diff is above ``max_router_diff`` beyond doubt (a DSA layer
+    whose indexer diff is above ``max_indexer_diff``, when given), or routing recorded for other tokens. ``"warn"``
+    reports instead of raising.
 
     A layer fails when even the lower end of its router diff's Wilson score interval (``z`` standard deviations)
     is above the threshold: a few rows that happen to differ cannot trip the gate, and a disagreement far above it
@@ -88,10 +114,12 @@ class FidelityGate:
     z: float = 3.0
     on_exceed: Literal["raise", "warn"] = "raise"
     on_token_mismatch: Literal["raise", "warn"] = "raise"
+    max_indexer_diff: float | None = None
 
     def __post_init__(self) -> None:
-        if self.max_router_diff is not None and not 0.0 <= self.max_router_diff <= 1.0:
-            raise ValueError(f"max_router_diff must lie in [0, 1], got {self.max_router_diff}")
+        for name, limit in (("max_router_diff", self.max_router_diff), ("max_indexer_diff", self.max_indexer_diff)):
+            if limit is not None and not 0.0 <= limit <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {limit}")
         if not 0.0 <= self.z <= 10.0:
             raise ValueError(f"z must lie in [0, 10] standard deviations, got {self.z}")
         if self.on_exceed not in ("raise", "warn") or self.on_token_mismatch not in ("raise", "warn"):
@@ -99,16 +127,23 @@ class FidelityGate:
 
     def exceeded(self, counts: StepFidelity) -> dict[int, float]:
         """Per layer over the gate beyond doubt, its router diff."""
-        if self.max_router_diff is None:
+        return self._over(self.max_router_diff, counts.differing, counts.replayed)
+
+    def indexer_exceeded(self, counts: StepFidelity) -> dict[int, float]:
+        """Per DSA layer over ``max_indexer_diff`` beyond doubt, its indexer diff."""
+        return self._over(self.max_indexer_diff, counts.indexer_differing, counts.indexer_replayed)
+
+    def _over(self, limit: float | None, differing: Mapping[int, int], replayed: Mapping[int, int]) -> dict[int, float]:
+        if limit is None:
             return {}
         return {
             layer: diff
-            for layer, diff in counts.router_diff().items()
-            if wilson_lower_bound(counts.differing[layer], counts.replayed[layer], self.z) > self.max_router_diff
+            for layer, diff in _ratios(differing, replayed).items()
+            if wilson_lower_bound(differing[layer], replayed[layer], self.z) > limit
         }
 
     def check(self, counts: StepFidelity, where: str) -> None:
-        """Raise (or warn) when a layer's router diff is above the threshold beyond doubt."""
+        """Raise (or warn) when a layer's router diff (or indexer diff) is above the threshold beyond doubt."""
         over = self.exceeded(counts)
         if over and self.max_router_diff is not None:
             worst = max(over, key=over.__getitem__)
@@ -119,6 +154,17 @@ class FidelityGate:
                 "over it). The trainer's "
                 "weights or numerics have drifted far from the engine's, or the routing belongs to other tokens: "
                 "check the policy version of the rollout, the model spec and the alignment",
+            )
+        over = self.indexer_exceeded(counts)
+        if over and self.max_indexer_diff is not None:
+            worst = max(over, key=over.__getitem__)
+            self._act(
+                self.on_exceed,
+                f"{where}: the trainer's sparse-attention indexer disagrees with the replayed selections on "
+                f"{over[worst]:.1%} of layer {worst}'s {counts.indexer_replayed[worst]} rows (gate: "
+                f"{self.max_indexer_diff:.1%}; {len(over)} layers over it). The trainer's weights or numerics have "
+                "drifted far from the engine's, or the selections belong to other tokens: check the policy version "
+                "of the rollout, the model spec and the alignment",
             )
 
     def token_mismatch(self, message: str) -> None:
@@ -141,7 +187,7 @@ def write_fidelity(
     phase: str | None = None,
 ) -> FidelityRecord:
     """Publish one rank's counts for ``step`` (the writer's next fidelity document, created exclusively)."""
-    layers = sorted(counts.replayed)
+    layers, indexer_layers = sorted(counts.replayed), sorted(counts.indexer_replayed)
     return create_numbered(
         store.storage,
         keys.fidelity_dir(keys.check_step(step)),
@@ -159,6 +205,9 @@ def write_fidelity(
             fallback_rows=[counts.fallback.get(n, 0) for n in layers],
             samples=counts.samples,
             token_mismatches=counts.token_mismatches,
+            indexer_layers=indexer_layers,
+            indexer_replayed_rows=[counts.indexer_replayed[n] for n in indexer_layers],
+            indexer_differing_rows=[counts.indexer_differing[n] for n in indexer_layers],
         ),
     )
 
