@@ -9,6 +9,7 @@ concurrently across parts.
 from __future__ import annotations
 
 import functools
+import threading
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -89,6 +90,9 @@ class StepSnapshot:
     same sample id was committed earlier in the step's log (two writers raced on it), and readers read the
     earliest, so every reader reads the same record forever; ``routelog verify`` reports the shadowed copies and
     ``routelog gc`` reclaims them.
+
+    A snapshot may be shared by threads (a data loader's workers): its caches (decoded chunks, each part's row
+    tokens, decoded values objects) are looked up and changed under locks, and every read returns arrays of its own.
     """
 
     store: StoreRoot
@@ -121,6 +125,8 @@ class StepSnapshot:
     _values_cache: OrderedDict[tuple[str, tuple[str, ...]], dict[str, tuple[str | None, dict[str, FloatArray]]]] = (
         field(default_factory=OrderedDict, init=False, repr=False)
     )
+    _cache_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    """Held for every look-up and change of the caches above (never across I/O): a snapshot is shared by threads."""
 
     def __post_init__(self) -> None:
         self._commit_column = to_numpy(self.index.column(COMMIT_COLUMN))
@@ -564,9 +570,11 @@ class StepSnapshot:
         a small LRU so streaming over a part reads its object once."""
         key = f"{base}/{declared.key}"
         cache_key = (key, columns)
-        if cache_key in self._values_cache:
-            self._values_cache.move_to_end(cache_key)
-            return self._values_cache[cache_key]
+        with self._cache_lock:  # another thread may evict it between a look-up and its use
+            cached = self._values_cache.get(cache_key)
+            if cached is not None:
+                self._values_cache.move_to_end(cache_key)
+                return cached
         storage = self.store.storage
         where = storage.url_of(key)
         info = object_info(holder, declared.key, where)
@@ -592,9 +600,10 @@ class StepSnapshot:
             if changed is not None:
                 raise CorruptDataError(f"{where}: values of sample {changed!r} were computed on other tokens")
         rows = {sid: (digest, contents.values.get(sid, {})) for sid, digest in contents.token_hashes.items()}
-        self._values_cache[cache_key] = rows
-        while len(self._values_cache) > _VALUES_CACHE:
-            self._values_cache.popitem(last=False)
+        with self._cache_lock:
+            self._values_cache[cache_key] = rows
+            while len(self._values_cache) > _VALUES_CACHE:
+                self._values_cache.popitem(last=False)
         return rows
 
     def _part_records(self, commit: CommitRecord) -> dict[str, str | None]:
@@ -624,8 +633,9 @@ class StepSnapshot:
     def _tokens_of(self, part_key: str) -> RowTokens:
         """The token id of each row of a part's routing array (context-coded chunks decode with them), from every
         record its index holds; a part dropped whole has its index read for them."""
-        found = self._row_tokens.get(part_key)
-        if found is None:
+        with self._cache_lock:
+            found = self._row_tokens.get(part_key)
+        if found is None:  # two threads may both compute it: the same value, kept once
             commit = self._commit_for(part_key)
             stored = self.stored if self.stored is not None else self.index
             position = next((i for i, c in enumerate(self.commits) if c.part == commit.part), None)
@@ -633,7 +643,9 @@ class StepSnapshot:
                 table = read_commit_index(self.store, self.step, commit)
             else:
                 table = stored.filter(pc.equal(stored.column(COMMIT_COLUMN), position))
-            found = self._row_tokens[part_key] = part_row_tokens(table, commit.routing.n_rows)
+            found = part_row_tokens(table, commit.routing.n_rows)
+            with self._cache_lock:
+                found = self._row_tokens.setdefault(part_key, found)
         return found
 
     def _check_references(self, sample_id: str, spans: Iterable[Span]) -> None:
