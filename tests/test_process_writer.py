@@ -253,6 +253,38 @@ def test_close_kills_a_writer_process_that_does_not_answer(tmp_path: Path) -> No
     writer.close()
 
 
+@pytest.mark.parametrize("call", ["flush", "append"])
+def test_a_stopped_writer_process_fails_a_flush_or_an_append_within_its_bound(tmp_path: Path, call: str) -> None:
+    """A writer process that stops answering (SIGSTOP, a host under memory pressure): a flush, or an append that
+    needs a segment the process holds, waits at most ``answer_timeout``, then kills the process by its PID and raises
+    naming the records not acknowledged, which a new writer re-sends."""
+    url, spec = str(tmp_path / "store"), synthetic_spec(2, 16, 2)
+    writer = ProcessWriter(url, 0, model_spec=spec, answer_timeout=1, segments=2)
+    writer.append(_small("a"))
+    writer.flush()
+    writer.append(_small("b"))
+    pid = writer.pid
+    _stop(pid)
+    started = time.monotonic()
+
+    def waits() -> None:
+        if call == "flush":
+            writer.flush()
+        for sid in ("c", "d", "e"):  # two segments: the third append waits for one the process never frees
+            writer.append(_small(sid))
+
+    with pytest.raises(WriterProcessError, match=r"within 1 s \(answer_timeout\) and was killed") as caught:
+        waits()
+    assert time.monotonic() - started < 10
+    assert "b" in caught.value.sample_ids and "a" not in caught.value.sample_ids
+    assert caught.value.returncode == -signal.SIGKILL
+    writer.close()
+    with ProcessWriter(url, 0, model_spec=spec) as again:
+        for sid in caught.value.sample_ids:
+            again.append(_small(sid))
+    assert sorted(routelog.open_store(url).step(0).sample_ids) == sorted({"a", *caught.value.sample_ids})
+
+
 def test_a_writer_process_that_cannot_start_says_why(tmp_path: Path) -> None:
     spec = synthetic_spec(2, 16, 2)
     with pytest.raises(StoreError, match=r"(?s)did not start: it exited with code 1.*StoreNotFoundError: no routelog"):

@@ -70,6 +70,10 @@ _CHILD = (  # replies go to a copy of stdout; the child's fd 1 becomes its stder
     "replies = os.fdopen(os.dup(1), 'wb'); os.dup2(2, 1); serve(os.fdopen(os.dup(0), 'rb', buffering=0), replies)"
 )
 DEFAULT_CLOSE_TIMEOUT = 900.0
+DEFAULT_ANSWER_TIMEOUT = 900.0
+"""Seconds a flush waits for the writer process's answer, and an append for a shared-memory segment it frees (the
+process may be uploading a large part to slow storage); past it the process is taken as stopped (SIGSTOP, a host
+under memory pressure), killed by its PID, and the call raises naming the records not acknowledged."""
 """Seconds ``close`` waits for the writer process to commit what it holds before killing it."""
 _EXIT_WAIT = 30.0
 """Seconds a writer process that answered ``close`` (or lost its input) gets to exit before it is killed."""
@@ -146,6 +150,7 @@ class ProcessWriter:
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
         encode_threads: int | None = None,
         committer: CommitService | None = None,
+        answer_timeout: float = DEFAULT_ANSWER_TIMEOUT,
     ) -> None:
         if cpus is not None:
             if not hasattr(os, "sched_setaffinity"):
@@ -175,6 +180,8 @@ class ProcessWriter:
         self._opened_by = os.getpid()
         self.url = url
         self.close_timeout = close_timeout
+        self.answer_timeout = answer_timeout
+        """Bound on every other wait for the writer process: a flush's answer, a free shared-memory segment."""
         self.appended = 0
         """Records the writer process accepted as new, as of its last flush or close (as ``StepWriter.appended``)."""
         self.already_present: list[str] = []
@@ -325,6 +332,7 @@ class ProcessWriter:
 
     def _segment(self, needed: int, sample_id: str) -> shared_memory.SharedMemory:
         replaced: str | None = None
+        deadline, waited_out = time.monotonic() + self.answer_timeout, False
         with self._cond:
             while True:
                 fitting = [name for name in self._free if self._segments[name].size >= needed]
@@ -339,7 +347,13 @@ class ProcessWriter:
                     break
                 if self._gone():
                     break
+                if time.monotonic() >= deadline:  # the process holds every segment and answers nothing
+                    waited_out = True
+                    break
                 self._cond.wait(timeout=0.5)
+        if waited_out:  # failed outside the lock: stopping the process joins the thread that reads its answers
+            stuck = f"freed no shared-memory segment within {self.answer_timeout:g} s (answer_timeout)"
+            raise self._fail("while this append waited", also=[sample_id], cause=f"{stuck} and was killed")
         if replaced is not None:
             self._post({"op": "forget", "segment": replaced}, "append", also=[sample_id])
         elif len(self._segments) >= self._limit:
@@ -384,13 +398,13 @@ class ProcessWriter:
         except (OSError, ValueError) as exc:  # a broken pipe: the child is gone
             raise self._fail(f"when {doing!r} was sent to it", also=also) from exc
 
-    def _request(self, op: str, timeout: float | None = None) -> list[str]:
-        """Send ``op`` and wait for its answer (at most ``timeout`` seconds, then the child is killed); returns the
-        records it acknowledged (every record sent before it)."""
+    def _request(self, op: str, timeout: float, option: str) -> list[str]:
+        """Send ``op`` and wait for its answer (at most ``timeout`` seconds, the writer's ``option``, then the child
+        is killed); returns the records it acknowledged (every record sent before it)."""
         with self._cond:
             covered = len(self._unacked)
         self._post({"op": op}, op)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = time.monotonic() + timeout
         exited: float | None = None
         with self._cond:
             while not self._replies:
@@ -401,7 +415,7 @@ class ProcessWriter:
                     exited = exited or now
                     if now - exited > _JOIN_WAIT:
                         break
-                if deadline is not None and now >= deadline:
+                if now >= deadline:
                     break
                 self._cond.wait(timeout=0.2)
             if self._replies:
@@ -410,14 +424,15 @@ class ProcessWriter:
                 self.already_present = list(reply.get("already_present", self.already_present))
                 acknowledged, self._unacked = self._unacked[:covered], self._unacked[covered:]
                 return acknowledged
-        if self._child.poll() is None and deadline is not None and time.monotonic() >= deadline:
-            raise self._fail("", cause=f"did not answer {op!r} within {timeout:g} s (close_timeout) and was killed")
+        if self._child.poll() is None and time.monotonic() >= deadline:
+            raise self._fail("", cause=f"did not answer {op!r} within {timeout:g} s ({option}) and was killed")
         raise self._fail(f"before answering {op!r}")
 
     def flush(self) -> None:
-        """Commit everything appended so far and wait for it."""
+        """Commit everything appended so far and wait for it: at most ``answer_timeout`` seconds, then the writer
+        process is killed and :class:`WriterProcessError` names the records it did not acknowledge (re-send them)."""
         self._check_usable()
-        acknowledged = self._request("flush")
+        acknowledged = self._request("flush", self.answer_timeout, "answer_timeout")
         self._raise_errors(acknowledged)
 
     def close(self) -> None:
@@ -433,7 +448,7 @@ class ProcessWriter:
         if self._failure is not None:
             return  # reported when it happened; everything is freed
         try:
-            acknowledged = self._request("close", timeout=self.close_timeout)
+            acknowledged = self._request("close", self.close_timeout, "close_timeout")
         finally:
             self._stop(grace=_EXIT_WAIT)
         self._raise_errors(acknowledged)
