@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from routelog import interrupts
 from routelog.align import AlignmentPlan, MicroBatch, Packing, ParallelLayout, RankCoords
 from routelog.audit.r3 import compare_routings, extreme_fraction, indexer_diff_rate, k3_kl
 from routelog.demo_report import ModelResult
@@ -225,8 +226,9 @@ def run_moe_model(
         record.token_values = {LOGPROB_INFER: _per_token(logp, record.prompt_len)}
     progress(f"{name}: writing {len(records)} records to the store")
     store = create_store(store_url, spec, config={"demo": name, "seed": config.seed})
-    with store.writer(0, "demo-inference") as writer:
+    with interrupts.deferred() as interrupt, store.writer(0, "demo-inference") as writer:
         for record in records:
+            interrupt.check()  # Ctrl-C between records, never inside the writer's locks
             writer.append(record)
 
     length = gen.sequences.shape[1]
@@ -320,8 +322,9 @@ def _store_training_side(
         for record, values in zip(records, logp, strict=True):
             annotator.add(record.sample_id, {LOGPROB_TRAIN: _per_token(values, record.prompt_len)})
     train = create_store(train_url, store.model_spec, config={"demo": "training forward without replay"})
-    with train.writer(0, "demo-trainer") as writer:
+    with interrupts.deferred() as interrupt, train.writer(0, "demo-trainer") as writer:
         for record, ids in zip(records, routing, strict=True):
+            interrupt.check()
             writer.append(dataclasses.replace(record, expert_ids=ids, token_values=None, indexer=None))
 
 
