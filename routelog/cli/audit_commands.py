@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from routelog.cli.app import (
     JsonFlag,
@@ -16,10 +17,15 @@ from routelog.cli.app import (
     UrlArgument,
     app,
     console,
+    labeled,
+    plural,
     progress_bar,
     storage_options,
 )
 from routelog.format.limits import MAX_STEP
+
+if TYPE_CHECKING:
+    from routelog.audit.check import CheckResult
 
 StepsOption = Annotated[
     list[int] | None,
@@ -192,3 +198,67 @@ def drift(
     lines = [f"{p.a} -> {p.b}: mean JS {p.mean_js:.3e}, max {p.max_js:.3e} bits" for p in result.consecutive]
     lines += [f"{p.a} vs {p.b}: mean JS {p.mean_js:.3e}, max {p.max_js:.3e} bits" for p in result.between_runs]
     _report(result, json_out, plot, drift_figure, lines)
+
+
+MaxFindings = Annotated[
+    int,
+    typer.Option(help="Findings listed per step and detector (every one is counted).", min=1, max=1_000_000),
+]
+
+
+@app.command()
+def check(
+    url: UrlArgument,
+    step: StepsOption = None,
+    max_findings: MaxFindings = 20,
+    json_out: JsonFlag = False,
+    use_ray: RayFlag = False,
+    storage_options_: StorageOptions = None,
+) -> None:
+    """Capture health: routing captured wrong without an error (missing, stale, constant or duplicated rows and
+    layers, a layer axis shifted between steps, physical EPLB IDs, MTP rows of a decoder layer); exit 1 on an
+    error-level finding."""
+    from routelog.audit.check import Thresholds
+    from routelog.audit.check import check as run_check
+
+    thresholds = Thresholds(max_findings=max_findings)
+    result = _run(run_check, url, step, use_ray=use_ray, storage_options_=storage_options_, thresholds=thresholds)
+    report_check(result, json_out)
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+def report_check(result: CheckResult, json_out: bool) -> None:
+    """A check's findings (stdout, one line each) and its verdict, or its JSON."""
+    if json_out:
+        typer.echo(result.model_dump_json(indent=1))
+        return
+    for f in result.findings:
+        where = [f"step {f.step}", f.detector]
+        if f.sample_id is not None:
+            where.append(f"sample {f.sample_id}")
+        if f.layer is not None:
+            where.append(f"layer {f.layer}")
+        elif f.detector == "stale_rows":
+            where.append("every MoE layer")
+        if f.tokens is not None:
+            where.append(f"tokens [{f.tokens[0]}, {f.tokens[1]})")
+        style = "bold red" if f.severity == "error" else "yellow"
+        labeled(f.severity, style, f"{', '.join(where)}: {f.message}", stderr=False)
+    for health in result.steps:
+        for note in health.notes:
+            labeled("note", "yellow", f"step {health.step}: {note}")
+    records = sum(s.records for s in result.steps)
+    rows = sum(s.rows for s in result.steps)
+    more = f" ({result.left_out:,} not listed: raise --max-findings)" if result.left_out else ""
+    verdict = ("healthy", "green") if not result.errors and not result.warnings else ("", "")
+    console.print(
+        Text.assemble(
+            f"{result.url}: {plural(len(result.steps), 'step')}, {plural(records, 'record')}, "
+            f"{plural(rows, 'routed row')} checked: {plural(result.errors, 'error')}, "
+            f"{plural(result.warnings, 'warning')}{more} ",
+            verdict,
+        ),
+        highlight=False,
+        soft_wrap=True,
+    )

@@ -305,6 +305,13 @@ def ingest(
     on_duplicate: OnDuplicate = "skip",
     flush_bytes: FlushBytes = None,
     encode_threads: EncodeThreads = None,
+    check_health: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help="Then check the step's capture health (routelog check) and exit 1 on an error-level finding.",
+        ),
+    ] = False,
     json_out: JsonFlag = False,
     storage_options_: StorageOptions = None,
 ) -> None:
@@ -349,8 +356,13 @@ def ingest(
             progress=lambda done: progress.update(task, completed=done),
             encode_threads=encode_threads,
         )
+    health = None
+    if check_health and report.new + report.already_present:  # no record written: no step to check
+        from routelog.audit.check import check as run_check
+
+        health = run_check(to, [step], storage_options=storage_options(storage_options_))
     if json_out:
-        print_json(asdict(report))
+        print_json(asdict(report) | ({} if health is None else {"check": health.model_dump(mode="json")}))
     for problem in report.invalid[:20]:
         labeled("invalid", "yellow", problem)
     if len(report.invalid) > 20:
@@ -361,7 +373,13 @@ def ingest(
         f"ingest: {report.new} new, {report.already_present} already present in step {step} of {report.url} "
         f"({plural(report.parts, 'part')}, writer {report.writer_id}){absent}{invalid}"
     )
+    if health is not None and not json_out:
+        from routelog.cli.audit_commands import report_check
+
+        report_check(health, json_out=False)
     if report.invalid:  # --partial wrote the valid records: exit 1 says some input was not (exit codes: main.py)
+        raise typer.Exit(1)
+    if health is not None and not health.ok:
         raise typer.Exit(1)
 
 
