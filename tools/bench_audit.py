@@ -9,7 +9,11 @@ every record's routing with no computation: the audit's cost above the data path
 Goals (issue #32, :data:`GOALS`): the plain read >= 1 M tokens/s on one core; ``stats`` >= 0.8 x and ``diff``
 >= 0.5 x of the plain read's tokens/s (``diff`` reads two steps, so 0.5 x is what reading them costs alone).
 
-    python tools/bench_audit.py [--json] [--quick] [--records N --tokens T --layers L]
+    python tools/bench_audit.py [--json] [--quick] [--archived] [--records N --tokens T --layers L]
+
+``--archived`` also writes the same records with the archive codec (``ranked_context``) and measures the plain read,
+``stats`` and ``diff`` on them beside format 2's (issue 55's goals: the archived plain read >= 1 M tokens/s,
+``stats`` >= 0.8 x and ``diff`` >= 0.5 x of it).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ POOL = 16
 GOALS = {"read_only_M_tokens_per_s": 1.0, "stats_vs_read_only": 0.8, "diff_vs_read_only": 0.5}
 
 
-def prepare(url: str, records: int, tokens: int, layers: int) -> None:
+def prepare(url: str, records: int, tokens: int, layers: int, transform: str = "ranked_gaps") -> None:
     spec = synthetic_spec(layers, 128, 8)
     rng = np.random.default_rng(0)
     pool = [synth_routing(rng, tokens, spec, None, 0.0) for _ in range(POOL)]
@@ -51,7 +55,7 @@ def prepare(url: str, records: int, tokens: int, layers: int) -> None:
         changed.append(other)
     store = routelog.create_store(url, spec)
     for step, arrays in ((0, pool), (1, changed)):
-        with store.writer(step, "bench") as writer:
+        with store.writer(step, "bench", options=routelog.PartOptions(transform=transform)) as writer:  # type: ignore[arg-type]
             for i in range(records):
                 writer.append(
                     Record(
@@ -103,6 +107,11 @@ def main() -> int:
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray measurements")
+    parser.add_argument(
+        "--archived",
+        action="store_true",
+        help="also the same store written with the archive codec (ranked_context), measured beside format 2's",
+    )
     parser.add_argument("--child", choices=["read", "stats", "diff"], help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--ray", action="store_true", help=argparse.SUPPRESS)
@@ -134,6 +143,18 @@ def main() -> int:
         if not args.no_ray:
             results["stats_ray2"] = measure(url, "stats", True)
             results["diff_ray2"] = measure(url, "diff", True)
+        if args.archived:  # the same records in the archive codec, measured in the same run
+            archived_url = str(Path(root) / "archived")
+            prepare(archived_url, records, tokens, args.layers, "ranked_context")
+            archived = {kind: measure(archived_url, kind, False) for kind in ("read", "stats", "diff")}
+            plain = archived["read"]["tokens_per_s"]
+            results["archived"] = archived | {
+                "ratios": {
+                    "read_vs_format2_read": plain / results["read_only"]["tokens_per_s"],
+                    "stats_vs_read_only": archived["stats"]["tokens_per_s"] / plain,
+                    "diff_vs_read_only": archived["diff"]["tokens_per_s"] / plain,
+                }
+            }
     read = results["read_only"]["tokens_per_s"]
     ratios = {
         "stats_vs_read_only": results["stats"]["tokens_per_s"] / read,
@@ -160,6 +181,13 @@ def main() -> int:
             )
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")
+    if "archived" in results:
+        archived = results["archived"]
+        for name in ("read", "stats", "diff"):
+            r = archived[name]
+            print(f"{'archived ' + name:>14}: {r['tokens_per_s'] / 1e6:7.2f} M tokens/s  {r['seconds']:7.1f} s")
+        for name, value in archived["ratios"].items():
+            print(f"archived {name}: {value:.2f}x")
     for name, goal in results["goals"].items():
         print(f"goal {name}: {goal['measured']:.2f} (>= {goal['goal']}) {'met' if goal['met'] else 'NOT met'}")
     return 0
