@@ -82,7 +82,7 @@ def _slow_committer(store_url: str, committer_id: str) -> Committer:
     slow = committer_store.storage.create
 
     def create(key: str, data: bytes, **options: bool) -> bool:
-        time.sleep(0.5)
+        time.sleep(1.0)
         return slow(key, data, **options)
 
     committer_store.storage.create = create  # type: ignore[method-assign]
@@ -110,7 +110,9 @@ def test_a_shared_committer_commits_many_writers_in_few_entries(store_url: str) 
     writers = _write_together(store, _slow_committer(store_url, "batcher"), 24)
     entries = _entries(store)
     assert all(isinstance(e, CommitGroup) and e.committer == "batcher" for e in entries)
-    assert len(entries) <= 4, "parts that wait while an entry is created go in the next one together"
+    # Parts that wait while an entry is created go in the next one together: 24 writers whose parts are ready
+    # within a few seconds of each other (more on a loaded machine) take a handful of 1-second creates.
+    assert len(entries) <= 6 and max(len(e.commits) for e in entries) >= 8, [len(e.commits) for e in entries]
     commits = [c for e in entries for c in e.commits]
     assert sorted(c.writer_id for c in commits) == sorted(f"w{i}" for i in range(24))
     assert [c.slot for e in entries for c in e.commits] == [s for e in entries for s in range(len(e.commits))]
