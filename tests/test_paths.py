@@ -82,22 +82,7 @@ def test_a_path_with_glob_characters_is_refused_at_creation_with_nothing_written
         with pytest.raises(StoreError, match=r"glob pattern: choose a path without \* \? \[ \]"):
             routelog.create_store(url, SPEC)
     assert not (tmp_path / name).exists()
-    result = _cli(
-        "synth",
-        f"{tmp_path}/{name}",
-        "--step",
-        "0",
-        "--records",
-        "2",
-        "--tokens",
-        "6",
-        "--layers",
-        "3",
-        "--experts",
-        "16",
-        "--topk",
-        "2",
-    )
+    result = _synth(f"{tmp_path}/{name}")
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and "glob pattern" in lines[0], result.stderr
     assert not (tmp_path / name).exists()
@@ -129,9 +114,17 @@ def test_a_path_component_longer_than_the_filesystem_allows_is_a_typed_error(tmp
     long = "x" * 300
     with pytest.raises(StoreError, match="300 bytes, longer than this filesystem's 255: choose a shorter"):
         routelog.create_store(f"{tmp_path}/{long}/run", SPEC)
-    result = _cli(
+    result = _synth(f"{tmp_path}/{long}")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and "choose a shorter directory name" in lines[0], result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def _synth(url: str) -> subprocess.CompletedProcess[str]:
+    """``routelog synth`` of a tiny step into ``url``."""
+    return _cli(
         "synth",
-        f"{tmp_path}/{long}",
+        url,
         "--step",
         "0",
         "--records",
@@ -145,9 +138,6 @@ def test_a_path_component_longer_than_the_filesystem_allows_is_a_typed_error(tmp
         "--topk",
         "2",
     )
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2 and len(lines) == 1 and "choose a shorter directory name" in lines[0], result.stderr
-    assert list(tmp_path.iterdir()) == []
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

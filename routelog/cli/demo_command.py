@@ -83,9 +83,9 @@ def demo(
     """Record -> store -> load aligned -> replay on tiny CPU MoE models, with the R3 paper's metrics."""
     started = time.perf_counter()
     if store is not None:  # refused at once, not once the models have run
-        from routelog.store.storage import check_no_credentials
+        from routelog.store.storage import check_url
 
-        check_no_credentials(store)
+        check_url(store)
     say("routelog demo: loading torch and transformers, then three tiny MoE models and a dense one on CPU")
     from routelog.demo import STAGES, run_demo
 

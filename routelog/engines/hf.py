@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import numpy.typing as npt
@@ -40,7 +40,28 @@ def find_routers(model: Any, spec: ModelSpec) -> dict[int, Any]:
     return routers
 
 
-class RoutingRecorder:
+class ForwardHooks:
+    """A forward hook on each of ``modules`` (by layer) while the ``with`` block runs, made by :meth:`_hook`."""
+
+    def __init__(self, modules: Mapping[int, Any]) -> None:
+        self._hooked = dict(modules)
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> Self:
+        for layer, module in self._hooked.items():
+            self._handles.append(module.register_forward_hook(self._hook(layer)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, layer: int) -> Any:
+        raise NotImplementedError
+
+
+class RoutingRecorder(ForwardHooks):
     """Context manager recording every router call of a HF MoE model.
 
     >>> with RoutingRecorder(model, spec) as recorder:                                          # doctest: +SKIP
@@ -52,21 +73,11 @@ class RoutingRecorder:
         self.model = model
         self.spec = spec
         self.routers = find_routers(model, spec)
+        super().__init__(self.routers)
         self.record_weights = record_weights
         """Also record the routers' weights of the chosen experts (``Record.weights``)."""
         self.calls: dict[int, list[npt.NDArray[np.int64]]] = {layer: [] for layer in self.routers}
         self.weight_calls: dict[int, list[npt.NDArray[np.float32]]] = {layer: [] for layer in self.routers}
-        self._handles: list[Any] = []
-
-    def __enter__(self) -> RoutingRecorder:
-        for layer, router in self.routers.items():
-            self._handles.append(router.register_forward_hook(self._hook(layer)))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     def _hook(self, layer: int) -> Any:
         def record(module: Any, inputs: Any, output: Any) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from routelog.engines.hf import ForwardHooks
 from routelog.errors import InvalidRecordError, ReplayConfigError
 from routelog.format.positions import check_position_rows
 from routelog.format.record import Record
@@ -51,7 +52,7 @@ def find_indexers(model: Any, spec: ModelSpec) -> dict[int, Any]:
     return found
 
 
-class IndexerRecorder:
+class IndexerRecorder(ForwardHooks):
     """Context manager recording every indexer call of a HF DSA model; :meth:`attach` adds the rows to records.
 
     >>> with RoutingRecorder(model, spec) as routing, IndexerRecorder(model, spec) as indexer:      # doctest: +SKIP
@@ -62,18 +63,8 @@ class IndexerRecorder:
     def __init__(self, model: Any, spec: ModelSpec) -> None:
         self.spec = spec
         self.indexers = find_indexers(model, spec)
+        super().__init__(self.indexers)
         self.calls: dict[int, list[npt.NDArray[np.int64]]] = {layer: [] for layer in self.indexers}
-        self._handles: list[Any] = []
-
-    def __enter__(self) -> IndexerRecorder:
-        for layer, module in self.indexers.items():
-            self._handles.append(module.register_forward_hook(self._hook(layer)))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     def _hook(self, layer: int) -> Any:
         def record(module: Any, inputs: Any, output: Any) -> None:

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import google_crc32c
-import numpy as np
 
 from routelog.errors import CorruptDataError
 from routelog.format.digest import sample_id_hash
@@ -95,48 +94,25 @@ def read_head(head: bytes, object_size: int, declared: tuple[int, int], where: s
 
 
 def entries(table: bytes, num_layers: int, object_size: int, crc32c: int, where: str) -> dict[int, list[Block]]:
-    """Every record's blocks by sample-id hash, checked as :func:`find` checks one record's."""
+    """Every record's blocks by the sample id's hash (:func:`routelog.format.digest.sample_id_hash`), from the head and
+    table ``table`` whose crc32c the commit gives; each block checked to lie within the object."""
     if google_crc32c.value(table) != crc32c:
         raise CorruptDataError(f"{where}: the head and table fail their crc32c")
     size = entry_bytes(num_layers)
     out: dict[int, list[Block]] = {}
+    previous = -1
     for i in range((len(table) - HEAD_BYTES) // size):
         base = HEAD_BYTES + i * size
         (hashed,) = struct.unpack_from("<Q", table, base)
-        if out and hashed <= max(out):
+        if hashed <= previous:
             raise CorruptDataError(f"{where}: the table's hashes are not strictly ascending")
+        previous = hashed
         blocks = [Block(*struct.unpack_from("<QII", table, base + 8 + 16 * j)) for j in range(num_layers)]
         for j, block in enumerate(blocks):
             if block.offset < len(table) or block.offset + block.length > object_size:
                 raise CorruptDataError(f"{where}: entry {i}'s block of layer {j} lies outside the object's blocks")
         out[hashed] = blocks
     return out
-
-
-def find(table: bytes, num_layers: int, sample_id: str, object_size: int, crc32c: int, where: str) -> list[Block]:
-    """The blocks of ``sample_id`` (one per layer; empty when the object has no rows of it), from the head and
-    table ``table`` whose crc32c the commit gives."""
-    if google_crc32c.value(table) != crc32c:
-        raise CorruptDataError(f"{where}: the head and table fail their crc32c")
-    size = entry_bytes(num_layers)
-    n = (len(table) - HEAD_BYTES) // size
-    entries = np.frombuffer(table, dtype=np.uint8, count=n * size, offset=HEAD_BYTES).reshape(n, size)
-    hashes = entries[:, :8].copy().view("<u8").ravel()
-    wanted = sample_id_hash(sample_id)
-    if n > 1 and not bool(np.all(hashes[1:] > hashes[:-1])):
-        raise CorruptDataError(f"{where}: the table's hashes are not strictly ascending")
-    i = int(np.searchsorted(hashes, np.uint64(wanted)))
-    if i == n or int(hashes[i]) != wanted:
-        return []
-    base = HEAD_BYTES + i * size + 8
-    blocks = [Block(*struct.unpack_from("<QII", table, base + 16 * j)) for j in range(num_layers)]
-    for j, block in enumerate(blocks):
-        if block.offset < len(table) or block.offset + block.length > object_size:
-            raise CorruptDataError(
-                f"{where}: layer {j}'s block of {sample_id!r} at [{block.offset}, {block.offset + block.length}) lies "
-                f"outside the object's blocks [{len(table)}, {object_size})"
-            )
-    return blocks
 
 
 def check_block(data: bytes | memoryview, block: Block, where: str) -> None:

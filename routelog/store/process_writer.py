@@ -57,7 +57,7 @@ from routelog.format.record import Record
 from routelog.format.spec import ModelSpec
 from routelog.format.transport import META, record_from_payload, record_payload
 from routelog.store.committer import CommitService, CommitterUnavailableError, JsonClient, JsonCommitter
-from routelog.store.storage import check_no_credentials
+from routelog.store.storage import check_url
 from routelog.store.writer import DEFAULT_FLUSH_SECONDS, WriterError, check_encode_threads, refuse_if_forked
 
 SEGMENT_BYTES = 8 << 20
@@ -160,7 +160,7 @@ class ProcessWriter:
                 raise ValueError(
                     f"cpus={sorted(cpus)}: give one or more of this machine's CPUs, {known.start}..{known.stop - 1}"
                 )
-        check_no_credentials(url)  # the URL is shown in every message and repr of this writer
+        check_url(url)  # before the process starts: the URL is shown in every message and repr of this writer
         if encode_threads is None:  # the writer process's own cores, where it has some
             encode_threads = 1 if cpus is None else len(set(cpus))
         config = {

@@ -27,10 +27,12 @@ from routelog.format import indexer_object, keys
 from routelog.format.arrow import numeric_array, string_array, to_numpy
 from routelog.format.codec import storage_dtype
 from routelog.format.context import MODEL_KEY
+from routelog.format.digest import sample_id_hash
 from routelog.format.documents import (
     AnnotationCommit,
     CommitRecord,
     DropRecord,
+    IndexerInfo,
     IndexRow,
     RoutingArrayInfo,
     Span,
@@ -124,6 +126,9 @@ class StepSnapshot:
     _row_tokens: dict[str, RowTokens] = field(default_factory=dict, init=False, repr=False)
     _values_cache: OrderedDict[tuple[str, tuple[str, ...]], dict[str, tuple[str | None, dict[str, FloatArray]]]] = (
         field(default_factory=OrderedDict, init=False, repr=False)
+    )
+    _indexer_tables: dict[str, dict[int, list[indexer_object.Block]]] = field(
+        default_factory=dict, init=False, repr=False
     )
     _cache_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     """Held for every look-up and change of the caches above (never across I/O): a snapshot is shared by threads."""
@@ -273,9 +278,10 @@ class StepSnapshot:
     ) -> npt.NDArray[np.int32]:
         """The indexer rows of one record, int32 ``[tokens, layers, index_topk]`` as :attr:`Record.indexer` holds
         them: ``layers`` are positions on the stored indexer axis (the model spec's ``indexer.layers``; default all),
-        ``tokens`` a ``(start, stop)`` range of the record's positions (default all). Two requests: the head of the
-        part's indexer object, then the blocks of those layers, each decoded from the keyframe before ``start``.
-        Raises :class:`~routelog.errors.ValuesNotFoundError` for a record stored without indexer rows."""
+        ``tokens`` a ``(start, stop)`` range of the record's positions (default all). At most two requests: the head
+        of the part's indexer object (once per snapshot), then the blocks of those layers, each decoded from the
+        keyframe before ``start``. Raises :class:`~routelog.errors.ValuesNotFoundError` for a record stored without
+        indexer rows."""
         position = self._position(sample_id)
         n_tokens = int(self._n_tokens[position])
         commit = self.commits[self._commit_of(position)]
@@ -294,11 +300,7 @@ class StepSnapshot:
         where = f"step {self.step} of {self.store.url}, part {commit.part!r}, {info.key}"
         key, size = f"{part_key}/{info.key}", object_info(commit, info.key, where).size
         storage = self.store.storage
-        head_and_table = indexer_object.table_bytes(info.n_records, info.num_layers)
-        check_count(head_and_table, name="table bytes", at_most=size, where=where, expected="its size")
-        (table,) = storage.read_ranges([(key, 0, head_and_table)])
-        indexer_object.read_head(table, size, (info.n_records, info.num_layers), where)
-        blocks = indexer_object.find(bytes(table), info.num_layers, sample_id, size, info.table_crc32c, where)
+        blocks = self._indexer_table(key, size, info, where).get(sample_id_hash(sample_id))
         if not blocks:
             raise ValuesNotFoundError(f"sample {sample_id!r}: {where} holds no indexer rows of it")
         wanted = [blocks[j] for j in chosen]
@@ -314,6 +316,22 @@ class StepSnapshot:
                 )
             out[:, j, :] = decode_positions(data, start=start, stop=stop)
         return out
+
+    def _indexer_table(
+        self, key: str, size: int, info: IndexerInfo, where: str
+    ) -> dict[int, list[indexer_object.Block]]:
+        """A part's indexer object's table, read (one request) and checked once per snapshot."""
+        with self._cache_lock:
+            found = self._indexer_tables.get(key)
+        if found is None:
+            head_and_table = indexer_object.table_bytes(info.n_records, info.num_layers)
+            check_count(head_and_table, name="table bytes", at_most=size, where=where, expected="its size")
+            (table,) = self.store.storage.read_ranges([(key, 0, head_and_table)])
+            indexer_object.read_head(table, size, (info.n_records, info.num_layers), where)
+            found = indexer_object.entries(bytes(table), info.num_layers, size, info.table_crc32c, where)
+            with self._cache_lock:
+                found = self._indexer_tables.setdefault(key, found)
+        return found
 
     # -- routing -----------------------------------------------------------------------------------------------------
     def read(self, sample_id: str, *, moe_layers: Sequence[int] | None = None) -> RecordRouting:

@@ -339,6 +339,13 @@ def _default_connections(options: dict[str, Any]) -> None:
     options["config_kwargs"] = config
 
 
+def check_url(url: str) -> None:
+    """What can be refused of a store URL before anything is opened: credentials in it, and a mistyped scheme
+    (:meth:`Storage.open` calls it; so should whatever keeps a URL to open later)."""
+    check_no_credentials(url)
+    _check_not_a_mistyped_url(url)
+
+
 def check_no_credentials(url: str) -> None:
     """Refuse credentials in ``url``'s userinfo (:class:`~routelog.errors.CredentialsInUrlError`): the URL is what
     every message, log line and repr naming the store shows. :meth:`Storage.open` calls it; so should whatever keeps
@@ -577,8 +584,7 @@ class Storage:
     @classmethod
     def open(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
         options = dict(storage_options or {})
-        check_no_credentials(url)
-        _check_not_a_mistyped_url(url)
+        check_url(url)
         protocol = url.split("://", 1)[0] if "://" in url else "file"
         if "::" not in url:  # a chained URL's options are nested per filesystem
             _check_storage_options(url, protocol, options)
