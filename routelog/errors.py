@@ -131,6 +131,10 @@ class StepSealedError(StoreError):
     records that are not part of the step; append them to the next step."""
 
 
+class StepNotSealedError(StoreError):
+    """An operation that needs a sealed step (archive) was asked of one that is not."""
+
+
 class CommitUndecidedError(StoreError):
     """The storage never confirmed a commit's create (every attempt failed, the last without an answer), and the
     commit is not there when read back: its records may still appear if a delayed request lands. They are not

@@ -91,7 +91,8 @@ def _routes(rng: np.random.Generator, tokens: int) -> np.ndarray:
 
 @dataclass
 class Entry:
-    """One entry of the model's log. ``kind``: commit, drop, seal or annotation."""
+    """One entry of the model's log. ``kind``: commit, drop, seal, annotation or archive (its ``parts`` are the
+    archive parts; it changes no record, only where readers find them)."""
 
     kind: str
     stored_at: float | None = None
@@ -175,6 +176,14 @@ class Model:
 
     def commits(self) -> list[Entry]:
         return [e for e in self.entries if e.kind == "commit"]
+
+    def archive(self, as_of: datetime | None = None) -> Entry | None:
+        """The archive entry a view (as of ``as_of``) reads through, if any."""
+        last = max(
+            (e.position for e in self.entries if as_of is None or (e.stored_at or 1e300) <= as_of.timestamp()),
+            default=-1,
+        )
+        return next((e for e in reversed(self.entries) if e.kind == "archive" and e.position <= last), None)
 
     @property
     def next_position(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -187,3 +188,22 @@ def test_golden_v4_holds_indexer_rows_of_revision_4_1() -> None:
     )
     with pytest.raises(routelog.errors.ValuesNotFoundError):
         snapshot.read_indexer("p0-plain")
+
+
+def test_golden_v4_holds_a_step_archived_in_revision_4_2(tmp_path: Path) -> None:
+    """The `archived` store: the `history` step archived after its seal (its shadowed copy in an archive part of
+    its own), its original parts and the seal's consolidated copies reclaimed, then a drop by an original part's
+    name: read through the archive parts, as of before the archive refused as reclaimed."""
+    copy = tmp_path / "archived"
+    shutil.copytree(FIXTURES / "golden-v4" / "archived", copy)
+    store = routelog.open_store(str(copy))
+    snapshot = store.step(0)
+    assert {c.writer_id for c in snapshot.parts} == {"archive"} and len(snapshot.parts) == 2
+    assert {c.routing.transform for c in snapshot.parts} == {"ranked_context"}
+    kinds = [json.loads(p.read_text())["kind"] for p in sorted((copy / "steps/0000000000/log").iterdir())]
+    assert kinds.count("routelog.archive") == 1 and kinds[-1] == "routelog.drop"
+    archived_at = kinds.index("routelog.archive")
+    stored = os.stat(copy / "steps/0000000000/log" / keys.log_name(archived_at - 1)).st_mtime
+    with pytest.raises(routelog.errors.HistoryReclaimedError):
+        store.step(0, as_of=datetime.fromtimestamp(stored, UTC))
+    assert verify_store(store).ok

@@ -39,12 +39,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import routelog
+import routelog.store.archive
 import routelog.store.storage
 from routelog import PartOptions
 from routelog.errors import (
     DuplicateSampleError,
     HistoryReclaimedError,
     RecordNotFoundError,
+    StepNotSealedError,
     StepSealedError,
 )
 from routelog.format import keys
@@ -773,6 +775,57 @@ class ProtocolMachine(RuleBasedStateMachine):
         assert seal.position == self.model.next_position
         self.model.entries.append(Entry("seal", position=seal.position))
 
+    @rule(crash=st.sampled_from(["none", "while_recoding", "before_entry"]))
+    def archive(self, crash: str) -> None:
+        """Archive the step: its records re-coded into archive parts by one log entry. A crash while re-coding or
+        after the upload, before the entry, leaves the step as it was (the views are checked against the model,
+        which has no archive then); archiving an archived step does nothing."""
+        self._count(f"archive_{crash}")
+        now = self.model.view()
+        if not now.sealed:
+            with pytest.raises(StepNotSealedError):
+                self.store.archive(STEP)
+            return
+        archived = self.model.archive() is not None
+        if crash != "none" and not archived and now.live:
+            self._crash_archive(crash)
+            return
+        outcome = self.store.archive(STEP)
+        if archived or outcome.entry is None:
+            assert outcome.entry is None and (archived or not now.parts or all(now.parts.values())), outcome
+            return
+        assert outcome.entry.position == self.model.next_position
+        self._check_entry_kind(outcome.entry.position, "routelog.archive")
+        self._count("archive_appended")
+        parts = frozenset(p.commit.part for p in outcome.entry.parts)
+        self.model.entries.append(Entry("archive", position=outcome.entry.position, parts=parts))
+
+    def _crash_archive(self, when: str) -> None:
+        names = self.store.storage.list(keys.log_dir(STEP))
+        if when == "while_recoding":
+            seen: list[int] = []
+
+            def check() -> None:
+                seen.append(1)
+                if len(seen) > 1:
+                    raise SimulatedCrash
+
+            with pytest.raises(SimulatedCrash):
+                self.store.archive(STEP, check=check)
+        else:
+            original = routelog.store.archive._append
+
+            def crash(*args: Any, **kwargs: Any) -> Any:
+                raise SimulatedCrash
+
+            routelog.store.archive._append = crash  # type: ignore[assignment]
+            try:
+                with pytest.raises(SimulatedCrash):
+                    self.store.archive(STEP)
+            finally:
+                routelog.store.archive._append = original  # type: ignore[assignment]
+        assert self.store.storage.list(keys.log_dir(STEP)) == names, "a crashed archive appended nothing"
+
     @rule(samples=st.sets(st.sampled_from(SAMPLES), min_size=1, max_size=3))
     def annotate(self, samples: set[str]) -> None:
         self._count("annotate")
@@ -805,6 +858,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         self._read_stored_times()
         for i, entry in enumerate(self.model.entries):
             if entry.kind != "drop" or entry.stored_at is None:
+                old = entry.stored_at is not None and (time.time() if now is None else now) - entry.stored_at >= GRACE
+                if entry.kind == "archive" and old:  # the original parts it replaced
+                    self.reclaimable |= {c.part for c in self.model.entries[:i] if c.kind == "commit"}
                 continue
             # the storage's time of the drop, never its writer's clock
             if (time.time() if now is None else now) - entry.stored_at >= GRACE:
@@ -812,6 +868,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                 named &= set(entry.parts) | {c.part for c in self.model.commits() if c.writer_id in entry.writers}
                 self.reclaimable |= named
         committed = {c.part for c in self.model.commits()}
+        committed |= {p for e in self.model.entries if e.kind == "archive" for p in e.parts}
         deleted = {tree.rsplit("/", 1)[1] for tree in report.trees} & committed
         assert deleted <= self.reclaimable, f"gc deleted committed parts still in their grace: {deleted}"
 
@@ -912,6 +969,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                 snapshot = store.step(STEP, as_of=moment)
             except HistoryReclaimedError:
                 assert _read_parts(self.model, moment) & self.reclaimable, "history reported reclaimed that gc kept"
+                self._count("as_of_reclaimed")
                 continue
             except RecordNotFoundError:
                 assert not expected.live
@@ -968,6 +1026,9 @@ def _read_parts(model: Model, moment: datetime) -> set[str]:
     """Parts an as-of view may read: its content's parts not dropped whole at that time, and the earlier parts its
     live records' shared prompts may point at (every part holding a record of the same prompt)."""
     view = model.view(as_of=moment)
+    archive = model.archive(as_of=moment)
+    if archive is not None:  # read through the archive parts, which gc keeps
+        return set(archive.parts)
     parts = {p for p, whole in view.parts.items() if not whole}
     for position, record in view.live.values():
         prompt = prompt_of(record.sample_id)
@@ -1135,6 +1196,87 @@ def test_many_writers_on_s3_behind_a_fault_proxy(s3_fault_proxy: Any, s3_bucket:
         machine.views_equal_the_model()
         assert machine.faults.fired.get("lost_response") == 1 and s3_fault_proxy.counts["lost_response"] == 1
         assert sorted(machine.committer.fired) == ["after", "before"]
+    finally:
+        machine.teardown()
+        s3_fault_proxy.clear()
+
+
+def _archive_scenario(machine: ProtocolMachine) -> None:
+    """A step written by two writers (prompts shared across their parts), sealed, archived with the answer of the
+    archive entry's create lost, then dropped from by sample, part and writer, annotated, gc'd past the grace and
+    archived again; after every operation every view, as of every earlier moment too, must be the model's."""
+    machine.start(variants=[0, 1, 2, 0], shares=False, context=False, threads=False, skew=5.0)
+    machine.views_equal_the_model()
+    machine.writers[WRITER_IDS[1]] = machine._open(WRITER_IDS[1], in_process=True, shares=False)
+    machine._append(machine.writers[WRITER_IDS[1]], "s1", 1)
+    machine._flush(WRITER_IDS[1], close=False)
+    machine.seal()
+    machine.views_equal_the_model()
+    time.sleep(1.1)  # S3 stores times to the second: the archive's comes after the sealed step's moments
+    machine.archive("while_recoding")
+    machine.views_equal_the_model()
+    machine.archive("before_entry")
+    machine.views_equal_the_model()
+    machine.lose_a_create_response()
+    machine.archive("none")
+    assert machine.counts.get("archive_appended") == 1 and machine.faults.fired.get("lost_response") == 1
+    machine.views_equal_the_model()
+    machine.annotate({"s0", "s2"})
+    machine.views_equal_the_model()
+    machine._record_drop(machine.store.drop(STEP, sample_ids=["s3"]).drop, sample_ids={"s3"})
+    machine.views_equal_the_model()
+    machine.drop_writer(1)
+    machine.views_equal_the_model()
+    machine.archive("none")  # archived already: nothing appended
+    assert machine.counts.get("archive_appended") == 1
+    machine.gc(0.0)
+    machine.views_equal_the_model()
+    machine.gc(2.0)  # past the grace since the archive: the original parts go, as-of views before it say so
+    machine._moments = lambda: [  # type: ignore[method-assign]
+        *machine.checkpoints,  # and the storage's time of each entry (local disk: the files' mtimes moved back)
+        *(datetime.fromtimestamp(e.stored_at, UTC) for e in machine.model.entries if e.stored_at is not None),
+    ]
+    machine.views_equal_the_model()
+    committed = {c.part for c in machine.model.commits()}
+    for part in committed:
+        assert not machine.store.storage.exists(f"{keys.part_dir(STEP, part)}/{keys.INDEX}"), part
+    assert machine.counts.get("as_of_reclaimed", 0) >= 1
+    machine.drop_part(_Data(sorted(committed)[0]))  # type: ignore[arg-type]
+    machine.views_equal_the_model()
+
+
+class _Data:
+    """A stand-in for hypothesis' ``data`` that draws the given value (a scenario chooses what it drops)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def draw(self, strategy: Any) -> Any:
+        return self.value
+
+
+def test_archive_on_local_disk(local_machine: type[ProtocolMachine]) -> None:
+    machine = local_machine()
+    try:
+        _archive_scenario(machine)
+    finally:
+        machine.teardown()
+
+
+def test_archive_on_s3_behind_a_fault_proxy(s3_fault_proxy: Any, s3_bucket: str) -> None:
+    options = {"endpoint_url": s3_fault_proxy.endpoint, "skip_instance_cache": True}
+
+    class S3Machine(ProtocolMachine):
+        process_writers = False
+        backend = "moto S3 behind the fault proxy"
+        storage_options = options
+        url_factory = staticmethod(lambda: f"s3://{s3_bucket}/{uuid.uuid4().hex[:12]}")  # type: ignore[assignment]
+        faults_factory = staticmethod(lambda: Faults(proxy=s3_fault_proxy))  # type: ignore[assignment]
+
+    machine = S3Machine()
+    try:
+        _archive_scenario(machine)
+        assert s3_fault_proxy.counts["lost_response"] == 1
     finally:
         machine.teardown()
         s3_fault_proxy.clear()

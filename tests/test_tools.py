@@ -572,3 +572,26 @@ def test_the_positions_fuzzer_builds_a_sanitized_coder_and_finds_nothing() -> No
     done = _tool(str(TOOLS / "fuzz_positions.py"), "--seconds", "4", "--seed", "7")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "no sanitizer report" in done.stdout and " 0 blocks round-tripped" not in done.stdout, done.stdout
+
+
+def test_bench_archive_archives_a_format_2_run_and_compares_with_zstd_19() -> None:
+    ran = _tool(
+        str(TOOLS / "bench_archive.py"),
+        "--json",
+        "--corpus",
+        str(Path(__file__).parent / "fixtures" / "corpus" / "qwen3moe"),
+        "--writers",
+        "2",
+        "--raw-mb",
+        "4",
+    )
+    assert ran.returncode == 0, ran.stderr
+    result = json.loads(ran.stdout)
+    [size] = result["sizes"].values()
+    assert size["verify_ok"] and size["records"] == 325
+    assert size["archived_bytes"] < size["format2_bytes"] and size["reclaimed_bytes"] > 0
+    assert size["every_byte_vs_zstd19"] == size["archived_bytes"] / size["zstd19_routing_and_tokens_bytes"]
+    assert result["time"]["archive_s"] > 0 and 3.5 < result["time"]["raw_mb"] < 4.5
+    assert [row["met"] for row in result["verdict"]] == [
+        row["value"] <= row["limit"] for row in result["verdict"]
+    ]  # judged on the figures printed beside them

@@ -145,6 +145,24 @@ def routed_rows(records: list[Any]) -> np.ndarray:
     )
 
 
+def zstd19_baseline(records: list[Any], spec: Any) -> dict[str, int]:
+    """The simplest archive a user would make of ``records``: every routed row in record order (uint8 or uint16, as
+    the model's experts need) in one zstd-19 frame, and the int32 token ids in another; bytes of each, and the
+    routed token-layers they hold."""
+    import zstandard
+
+    routed = routed_rows(records)
+    raw = np.ascontiguousarray(routed, dtype=spec.id_dtype).tobytes()
+    with_tokens = [r for r in records if r.token_ids is not None]
+    tokens = np.concatenate([np.asarray(r.token_ids, dtype="<i4") for r in with_tokens]) if with_tokens else None
+    compressor = zstandard.ZstdCompressor(level=19)
+    return {
+        "token_layers": int(routed.shape[0] * routed.shape[1]),
+        "zstd19_routing_bytes": len(compressor.compress(raw)),
+        "zstd19_token_ids_bytes": 0 if tokens is None else len(compressor.compress(tokens.tobytes())),
+    }
+
+
 def build_sanitized(source: Path, target: Path) -> None:
     """Compile the C extension ``source`` into ``target`` with AddressSanitizer and UndefinedBehaviorSanitizer (the
     fuzzers' build: no recovery from undefined behaviour, no contracted floating point, as pip builds it)."""

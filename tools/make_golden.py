@@ -288,7 +288,7 @@ def write_dictionaries(root: Path, expected: dict[str, np.ndarray]) -> None:
                 _expect_sorted(expected, name, record)
 
 
-def write_history(root: Path, expected: dict[str, np.ndarray]) -> None:
+def write_history(root: Path, expected: dict[str, np.ndarray], name: str = "history") -> None:
     """Format 3: a step's log with every kind of entry. Two writers' parts sharing a prompt; a race on one sample
     id (the later copy shadowed); drops by sample, by part and by writer, each followed by the same id written again
     (live: a drop removes only what precedes it); per-token values in parts and an annotation; the seal, a drop
@@ -297,9 +297,8 @@ def write_history(root: Path, expected: dict[str, np.ndarray]) -> None:
 
     spec = ModelSpec(name="golden/history", num_layers=4, moe_layers=(1, 2, 3), num_experts=48, topk=4)
     rng = np.random.default_rng(48)
-    name = "history"
     url = str(root / name)
-    store = routelog.create_store(url, spec, run_id="golden-history")
+    store = routelog.create_store(url, spec, run_id=f"golden-{name}")
     prompt = rng.integers(0, 1000, 24)
     prompt_routing = _routing(rng, 24, 3, 48, 4)
 
@@ -380,6 +379,25 @@ def write_history(root: Path, expected: dict[str, np.ndarray]) -> None:
         expected[f"{name}/{r.sample_id}/logprob_infer"] = np.asarray(r.token_values["logprob_infer"], np.float32)
         if r.sample_id in ("a", "c"):
             expected[f"{name}/{r.sample_id}/logprob_train"] = np.zeros(r.prompt_len + r.response_len, np.float32)
+
+
+def write_archived(root: Path, expected: dict[str, np.ndarray]) -> None:
+    """Revision 4.2: the ``history`` store's step (every kind of entry, a shadowed copy, a part dropped whole whose
+    rows a live record reads, values in parts and an annotation) archived after its seal, then its original parts
+    and the seal's consolidated copies reclaimed by gc, and a drop by part after the archive naming an original
+    part (its records go; the archive part stays)."""
+    name = "archived"
+    write_history(root, expected, name)
+    store = routelog.open_store(str(root / name))
+    store.archive(0)
+    store.gc(3600, delete=True, now=store.storage.clock() + 7200)
+    dropped = next(c for c in store.step(0).commits if c.writer_id == "beta")
+    snapshot = store.step(0)
+    gone = [sid for sid in snapshot.sample_ids if snapshot.to_arrow([sid]).column("part")[0].as_py() == dropped.part]
+    store.drop(0, parts=[dropped.part], reason="golden: a drop by part after the archive")
+    for sid in gone:
+        for key in [k for k in expected if k.startswith(f"{name}/{sid}/")]:
+            del expected[key]
 
 
 def write_context(root: Path, expected: dict[str, np.ndarray], prefix: str = "context") -> None:
@@ -632,11 +650,12 @@ WRITERS: dict[str, Callable[[Path, dict[str, np.ndarray]], None]] = {
     "list-references-64-8,list-references-300-6": write_context_list_references,
     "committers": write_committers,
     "indexer": write_indexer,
+    "archived": write_archived,
 }
 """Fixture stores by name, in the order they were added."""
 WRITTEN_IN: dict[int, tuple[str, ...]] = {
-    3: tuple(name for name in WRITERS if name not in ("committers", "indexer")),
-    4: ("history", "grpo-96,grpo-384", "committers", "indexer"),
+    3: tuple(name for name in WRITERS if name not in ("committers", "indexer", "archived")),
+    4: ("history", "grpo-96,grpo-384", "committers", "indexer", "archived"),
 }
 """The stores each format version's fixtures hold: a version whose parts are unchanged writes again only what its
 documents change (format 4: the log, its commit entries and digests)."""

@@ -205,7 +205,7 @@ def convert(
         raise typer.BadParameter(f"--to must be one of {', '.join(layouts)}")
     snapshot = open_url(url, storage_options_).step(step)
     count = export_step(snapshot, cast(Any, to), out, prompt_length=prompt_length, response_length=response_length)
-    reordered = to not in ("full", "moe") and any(c.routing.topk_order == "sorted" for c in snapshot.commits)
+    reordered = to not in ("full", "moe") and any(c.routing.topk_order == "sorted" for c in snapshot.parts)
     if json_out:
         print_json({"step": step, "layout": to, "out": str(out), "records": count, "sorted_topk": reordered})
     say(f"wrote {plural(count, 'record')} of step {step} as {to} to {out}")

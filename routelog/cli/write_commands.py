@@ -1,4 +1,4 @@
-"""Commands that write: ``synth``, ``ingest``, ``drop``, ``seal`` and ``gc``.
+"""Commands that write: ``synth``, ``ingest``, ``drop``, ``seal``, ``archive`` and ``gc``.
 
 Writing is idempotent: records a step already holds are skipped, and the default writer id is derived from the
 input, so running a command again (after fixing a bad line, or after Ctrl-C) completes what the first run began.
@@ -458,6 +458,85 @@ def seal(
     console.print(
         f"step {step} {when} ({record.sealed_at.isoformat(timespec='seconds')}): "
         f"{plural(len(record.commits), 'commit')}, {plural(len(snapshot), 'record')}, {plural(tokens, 'token')}",
+        highlight=False,
+    )
+
+
+@app.command()
+def archive(
+    url: UrlArgument,
+    steps: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--step", help="Sealed step to archive (repeatable; default: every sealed step).", min=0, max=MAX_STEP
+        ),
+    ] = None,
+    json_out: JsonFlag = False,
+    storage_options_: StorageOptions = None,
+) -> None:
+    """Re-code sealed steps with the archive codec (smaller, slower to read) in one log entry per step.
+
+    Readers see the step's old parts or its new ones, never a mix; ls --as-of an earlier time reads the old parts
+    until gc's grace period has passed since the archive. Ctrl-C leaves a step as it was; running the command
+    again archives what is left, and says so of steps archived already.
+    """
+    from routelog.store.archive import ArchiveOutcome
+    from routelog.store.steplog import read_seal_marker
+
+    store = open_url(url, storage_options_)
+    chosen = sorted(set(steps)) if steps else [s for s in store.steps() if read_seal_marker(store, s) is not None]
+    if not chosen:
+        say(f"{store.url} holds no sealed step: seal a step first (routelog seal {store.url} --step N)")
+        raise typer.Exit(1)
+    outcomes: list[ArchiveOutcome] = []
+    try:
+        with interrupts.deferred() as interrupt, progress_bar() as progress:
+            for step in chosen:
+                task = progress.add_task(f"archive step {step}", total=None)
+
+                def advanced(records: int, ids: int, total: int, task: Any = task, step: int = step) -> None:
+                    described = f"archive step {step} ({ids / 1e6:,.1f} MB of routing)"
+                    progress.update(task, completed=records, total=total, description=described)
+
+                outcome = store.archive(step, progress=advanced, check=interrupt.check)
+                outcomes.append(outcome)
+                if not json_out:
+                    _say_archived(store.url, outcome)
+    except KeyboardInterrupt:
+        say(
+            f"interrupted: {plural(len(outcomes), 'step')} archived; the step in hand is as it was (run the same "
+            "command again to go on)"
+        )
+        raise typer.Exit(130) from None
+    if json_out:
+        print_json(
+            [
+                {
+                    "step": o.step,
+                    "archived_already": o.archived_already,
+                    "records": o.records,
+                    "raw_bytes": o.raw_bytes,
+                    "bytes_before": o.bytes_before,
+                    "bytes_after": o.bytes_after,
+                    "entry": None if o.entry is None else o.entry.name,
+                }
+                for o in outcomes
+            ]
+        )
+
+
+def _say_archived(url: str, outcome: Any) -> None:
+    if outcome.archived_already:
+        say(f"step {outcome.step} is archived already ({outcome.bytes_after:,} bytes): nothing to do")
+        return
+    if outcome.entry is None:
+        say(f"step {outcome.step} holds no record (every part dropped whole): nothing to archive")
+        return
+    ratio = outcome.bytes_after / outcome.bytes_before if outcome.bytes_before else 0.0
+    console.print(
+        f"archived step {outcome.step} of {url}: {plural(outcome.records, 'record')}, "
+        f"{outcome.bytes_before:,} -> {outcome.bytes_after:,} bytes ({ratio:.2f} x; log entry {outcome.entry.name}); "
+        "`routelog gc` reclaims the old parts once its grace period has passed",
         highlight=False,
     )
 

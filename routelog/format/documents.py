@@ -49,6 +49,9 @@ candidates (FORMAT.md section 5.1)."""
 CONTEXT_LIST_REFERENCES_FEATURE = "context_list_references"
 """Revision 3.4: ``ranked_context`` chunks of version 4, an escaped row its candidates do not reference may take any
 listed set as its reference (FORMAT.md section 5.1)."""
+ARCHIVE_FEATURE = "archive"
+"""Revision 4.2: the entry re-codes a sealed step's records into archive parts (FORMAT.md section 3.15); a reader
+that predates it refuses the entry rather than read parts that are no longer the step's content."""
 INDEXER_FEATURE = "indexer_positions"
 """Revision 4.1: the part holds its records' sparse-attention indexer rows (``indexer.bin``, FORMAT.md section
 15); a reader that predates it refuses the commit rather than drop what it does not know."""
@@ -59,6 +62,7 @@ SUPPORTED_FEATURES: frozenset[str] = frozenset(
         CONTEXT_REFERENCES_FEATURE,
         CONTEXT_LIST_REFERENCES_FEATURE,
         INDEXER_FEATURE,
+        ARCHIVE_FEATURE,
     }
 )
 """Optional format features this routelog understands; a document requiring any other is refused."""
@@ -82,6 +86,7 @@ SEAL_KIND: Final = "routelog.seal"
 ANNOTATION_KIND: Final = "routelog.annotation"
 DROP_KIND: Final = "routelog.drop"
 FIDELITY_KIND: Final = "routelog.fidelity"
+ARCHIVE_KIND: Final = "routelog.archive"
 
 
 class ArrowType:
@@ -748,15 +753,85 @@ class CommitGroup(_Document):
         return keys.log_name(self.position)
 
 
-LogDocument = CommitRecord | DropRecord | AnnotationCommit | SealRecord
+ARCHIVE_WRITER: Final = "archive"
+"""The writer id of archive parts (their names start ``archive.<seq:08d>.``)."""
+
+
+class ArchivedPart(_Document):
+    """One part of an archive entry: the commits of the step whose records it holds, in that order."""
+
+    replaces: list[CommitName] = Field(min_length=1)
+    """Names of the commits whose records the part holds: its index lists every row of the first one's index, in
+    that index's order, then the second's, and so on."""
+    commit: CommitRecord
+    """The part described as a commit is (its objects, arrays, counts and digest), with the archive entry's step,
+    position and time, its index in :attr:`ArchiveRecord.parts` as ``slot``, and writer ``archive``."""
+
+
+class ArchiveRecord(_Document):
+    """An entry of a sealed step's log (revision 4.2, feature ``archive``): the step's records re-coded into
+    archive parts. A view whose entries include it reads each commit it replaces from its archive part (the
+    commit keeps its place, writer and part name for every rule); a view as of an earlier time reads the original
+    parts, which gc keeps until the entry is older than its grace period."""
+
+    format_version: int = FORMAT_VERSION
+    kind: Literal["routelog.archive"] = ARCHIVE_KIND
+    features: list[str] = []
+    """``archive`` and every feature one of its parts names."""
+    step: int = Field(ge=0)
+    position: Position
+    created_at: UtcDateTime
+    writer_id: WriterId
+    """The process that archived the step."""
+    seal: CommitName
+    """The name of the step's seal entry: an archive follows it."""
+    parts: list[ArchivedPart] = Field(min_length=1, max_length=keys.MAX_GROUP_COMMITS)
+    bytes_before: int = Field(ge=0)
+    """Bytes of the original parts' objects the replaced commits list (informational)."""
+
+    @model_validator(mode="after")
+    def _parts(self) -> ArchiveRecord:
+        replaced = [name for p in self.parts for name in p.replaces]
+        if len(set(replaced)) != len(replaced):
+            raise ValueError("an archive replaces a commit twice")
+        for slot, archived in enumerate(self.parts):
+            commit = archived.commit
+            if (commit.step, commit.position, commit.slot, commit.created_at) != (
+                self.step,
+                self.position,
+                slot,
+                self.created_at,
+            ):
+                raise ValueError(
+                    f"archive part {slot} ({commit.part}) says step {commit.step}, position {commit.position}, slot "
+                    f"{commit.slot}: a part of an archive has the entry's step, position and time, its index as slot"
+                )
+            if commit.writer_id != ARCHIVE_WRITER:
+                raise ValueError(f"archive part {slot} is written by {commit.writer_id!r}, not {ARCHIVE_WRITER!r}")
+        if len({p.commit.part for p in self.parts}) != len(self.parts):
+            raise ValueError("an archive names a part twice")
+        features = sorted({ARCHIVE_FEATURE, *(f for p in self.parts for f in p.commit.features)})
+        if sorted(set(self.features)) != features:
+            raise ValueError(f"features {self.features} differ from {features} (archive and its parts' features)")
+        return self
+
+    @property
+    def name(self) -> str:
+        return keys.log_name(self.position)
+
+
+LogDocument = CommitRecord | DropRecord | AnnotationCommit | SealRecord | ArchiveRecord
 """What one entry of a step's log stands for (a format-4 commit entry stands for each of its commits)."""
 StoredEntry = CommitGroup | LogDocument
 """What a log entry's object holds: a format-4 commit entry (several commits) or one document."""
-_LOG_MODELS: dict[str, type[CommitRecord] | type[DropRecord] | type[AnnotationCommit] | type[SealRecord]] = {
+_LOG_MODELS: dict[
+    str, type[CommitRecord] | type[DropRecord] | type[AnnotationCommit] | type[SealRecord] | type[ArchiveRecord]
+] = {
     COMMIT_KIND: CommitRecord,
     DROP_KIND: DropRecord,
     ANNOTATION_KIND: AnnotationCommit,
     SEAL_KIND: SealRecord,
+    ARCHIVE_KIND: ArchiveRecord,
 }
 
 
@@ -770,6 +845,8 @@ def parse_log_document(data: bytes, where: str) -> StoredEntry:
     kind = raw.get("kind") if isinstance(raw, dict) else None
     model = _LOG_MODELS.get(kind) if isinstance(kind, str) else None
     if model is None:
+        if isinstance(raw, dict) and "format_version" in raw:
+            check_format(raw, where)  # an entry of a later revision names what it needs: refused by that
         kind = raw.get("kind") if isinstance(raw, dict) else type(raw).__name__
         raise CorruptDataError(f"{where}: not a log entry (kind {kind!r})")
     if model is CommitRecord and "commits" in raw:
@@ -781,6 +858,7 @@ DOCUMENT_MODELS: dict[str, type[BaseModel]] = {
     "run": RunDocument,
     "commit": CommitRecord,
     "commit_group": CommitGroup,
+    "archive": ArchiveRecord,
     "seal": SealRecord,
     "seal_intent": SealIntent,
     "annotation": AnnotationCommit,

@@ -37,7 +37,7 @@ from pydantic import TypeAdapter
 from routelog.errors import CommitConflictError, CommitUndecidedError, StepSealedError, StoreError
 from routelog.format import keys
 from routelog.format.documents import CommitGroup, CommitRecord, utc_now
-from routelog.store.directory import Copy, StepDirectory
+from routelog.store.directory import Copy, StaleLogError, StepDirectory
 from routelog.store.root import StoreRoot
 from routelog.store.steplog import Entry
 
@@ -305,9 +305,15 @@ class Committer:
         if not state.directory.log.legacy_read or request.refresh:
             self._refresh(state, since=time.monotonic() - self._refresh_every)
         sealed = self._sealed(state, check=request.refresh)
+        wanted = {r.sample_id for r in request.records}
+        try:
+            with state.known:
+                state.directory.live(wanted)
+        except StaleLogError:  # a part reclaimed after what this committer last read: the log now says why
+            self._refresh(state, since=math.inf)
         with state.known:
             directory = state.directory
-            live = directory.live({r.sample_id for r in request.records})
+            live = directory.live(wanted)
             return LookupReply(
                 live={sid: (copy.token_hash, copy.n_tokens) for sid, copy in live.items()},
                 peers=tuple(e.doc for e in directory.peers(request.probes) if isinstance(e.doc, CommitRecord)),

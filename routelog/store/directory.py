@@ -15,10 +15,12 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+import pyarrow as pa
+
 from routelog.errors import CorruptDataError
 from routelog.format.digest import sample_id_hash
-from routelog.format.documents import CommitRecord, DropRecord, SealRecord
-from routelog.store.history import read_indexes
+from routelog.format.documents import ArchiveRecord, CommitRecord, DropRecord, SealRecord
+from routelog.store.history import read_commit_index, read_indexes
 from routelog.store.root import StoreRoot
 from routelog.store.steplog import Backoff, Entry, StepLog
 
@@ -82,6 +84,9 @@ class StepDirectory:
         """Each writer's highest part counter committed in the step."""
         self._no_digest: list[Entry] = []
         """Commits without a digest (formats 1-3): any may hold a prefix."""
+        self._archived: dict[str, tuple[CommitRecord, int]] = {}
+        """Commits an archive replaced (their original parts may be reclaimed): the archive part holding their
+        records, and where their rows start in its index."""
 
     @property
     def store(self) -> StoreRoot:
@@ -141,6 +146,13 @@ class StepDirectory:
                         self._whole.setdefault(part, drop.position)
             elif isinstance(doc, SealRecord) and self.seal is None:
                 self.seal = entry
+            elif isinstance(doc, ArchiveRecord):
+                counts = {e.name: e.doc.n_records for e in self.log.entries if isinstance(e.doc, CommitRecord)}
+                for archived in doc.parts:
+                    start = 0
+                    for name in archived.replaces:
+                        self._archived[name] = (archived.commit, start)
+                        start += counts.get(name, 0)
 
     def learn(self, entry: Entry, records: Iterable[tuple[str, str | None, int]]) -> None:
         """The records ``(sample_id, token_hash, n_tokens)`` of a commit this process made or sent: known exactly,
@@ -177,10 +189,18 @@ class StepDirectory:
             for entry in self._by_hash.get(sample_id_hash(sample_id), ()):
                 if entry.name not in self._known and counts(entry):
                     wanted[entry.name] = entry
-        self._undigested = [e for e in self._undigested if e.name not in wanted]
         if not wanted:
             return
-        tables = read_indexes(self.store, self.step, list(wanted.values()), _raise_missing)
+        originals = [e for e in wanted.values() if e.name not in self._archived]
+        tables = read_indexes(self.store, self.step, originals, _raise_missing if before is not None else _index_gone)
+        self._undigested = [e for e in self._undigested if e.name not in wanted]
+        archive_indexes: dict[str, pa.Table] = {}
+        for entry in wanted.values():
+            if entry.name in self._archived:  # read from the archive part that holds its records now
+                source, start = self._archived[entry.name]
+                if source.part not in archive_indexes:
+                    archive_indexes[source.part] = read_commit_index(self.store, self.step, source)
+                tables[entry.name] = archive_indexes[source.part].slice(start, _commit(entry).n_records)
         for name, table in tables.items():
             columns = table.select(list(_DECIDING_COLUMNS)).to_pydict()
             rows = zip(columns["sample_id"], columns["token_hash"], columns["n_tokens"], strict=True)
@@ -212,11 +232,13 @@ class StepDirectory:
                 found[entry.name] = entry
         for entry in self._no_digest:
             found[entry.name] = entry
-        return sorted((e for e in found.values() if _part(e) not in self._whole), key=lambda e: e.order)
+        usable = (e for e in found.values() if _part(e) not in self._whole and e.name not in self._archived)
+        return sorted(usable, key=lambda e: e.order)
 
     def gone(self) -> list[str]:
-        """Parts no new record may point at: dropped whole, or committed after the seal."""
-        return sorted(self._whole)  # its keys
+        """Parts no new record may point at: dropped whole, committed after the seal, or replaced by an archive."""
+        replaced = {part for part, e in self.parts.items() if e.name in self._archived}
+        return sorted(set(self._whole) | replaced)
 
     def next_seq(self, writer_id: str) -> int:
         """One past the highest part counter ``writer_id`` committed in the step (a writer id used again goes on)."""
@@ -224,10 +246,23 @@ class StepDirectory:
 
 
 def _part(entry: Entry) -> str:
+    return _commit(entry).part
+
+
+def _commit(entry: Entry) -> CommitRecord:
     doc = entry.doc
     if not isinstance(doc, CommitRecord):  # pragma: no cover - callers pass commit entries
         raise TypeError(entry.key)
-    return doc.part
+    return doc
+
+
+class StaleLogError(Exception):
+    """A commit's index is missing, and the log was read a while ago: gc may have reclaimed the part after a drop
+    or an archive this directory has not read yet. Read the log again and ask again; missing then, it is damage."""
+
+
+def _index_gone(entry: Entry, where: str) -> None:
+    raise StaleLogError(where)
 
 
 def _raise_missing(entry: Entry, where: str) -> None:

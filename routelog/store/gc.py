@@ -18,11 +18,14 @@ import re
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from routelog.errors import GcRefusedError, RoutelogError, UnsafeKeyError
 from routelog.format import keys
-from routelog.format.documents import AnnotationCommit, CommitRecord, DropRecord, SealRecord
+from routelog.format.arrow import to_numpy
+from routelog.format.documents import AnnotationCommit, ArchiveRecord, CommitRecord, DropRecord, SealRecord
 from routelog.store.drop import write_drop
-from routelog.store.history import StepHistory, dropped_whole
+from routelog.store.history import COMMIT_COLUMN, StepHistory, dropped_whole
 from routelog.store.reader import StepSnapshot
 from routelog.store.root import StoreRoot
 from routelog.store.steplog import Entry, StepLog
@@ -78,6 +81,9 @@ class _StepSurvey:
     """``<writer>.<seq>.`` prefixes of format-1/2 commits a seal names whose documents are missing."""
     consolidated: set[str] = field(default_factory=set)
     """Consolidated objects the seal names (relative to the step directory)."""
+    consolidated_since: float | None = None
+    """When an archive made the seal's consolidated objects unneeded (the storage's time of its entry): they go
+    with the parts it replaced, once the grace has passed."""
     reclaimable: dict[str, float] = field(default_factory=dict)
     """Parts no reader can ever need again, with the time from which the grace period counts (the storage's time of
     the entry: the earliest drop naming them, or their commit after the seal; never a writer's clock)."""
@@ -119,6 +125,8 @@ def collect_garbage(
         for part, since in found_survey.reclaimable.items():  # once no reader can still be reading them
             if now - since >= older_than:
                 found_survey.claimed.discard(part)
+        if found_survey.consolidated_since is not None and now - found_survey.consolidated_since >= older_than:
+            found_survey.consolidated = set()
         dead[step] = (log, found_survey.dead)
         report.dead_parts += [keys.part_dir(step, p) for p in found_survey.dead]
         try:
@@ -198,8 +206,12 @@ def _survey(store: StoreRoot, step: int, damaged: list[str]) -> tuple[StepLog, _
         survey.reclaimable[commit.part] = min(_stored_at(d) for d in naming)
     for entry in view.refused:
         survey.reclaimable[_commit(entry).part] = _stored_at(entry)
-    survey.present = [_commit(e) for e in view.commits]
-    survey.dead = sorted(c.part for c in survey.present if c.part not in referenced)
+    _survey_archives(entries, view.archive, survey)
+    survey.present = list({c.part: c for c in view.sources}.values())
+    live = {_commit(view.commits[int(i)]).part for i in np.unique(to_numpy(view.index.column(COMMIT_COLUMN)))}
+    survey.dead = sorted(
+        _commit(e).part for e in view.commits if _commit(e).part not in live and _commit(e).part not in referenced
+    )
     seal = view.seal.doc if view.seal is not None else None
     if isinstance(seal, SealRecord):
         if seal.position is None:  # format 1-2: the seal's list protects parts whose commit documents are missing
@@ -207,7 +219,35 @@ def _survey(store: StoreRoot, step: int, damaged: list[str]) -> tuple[StepLog, _
             survey.protected.update(n.removesuffix("json") for n in seal.commits if n not in existing)
         if seal.consolidated is not None:
             survey.consolidated = {seal.consolidated.commits.key, seal.consolidated.index.key}
+            if view.archive is not None:
+                survey.consolidated_since = _stored_at(view.archive)
     return history.log, survey
+
+
+def _survey_archives(entries: list[Entry], latest: Entry | None, survey: _StepSurvey) -> None:
+    """Archive parts are claimed by their entry; once a later archive supersedes them, and the original parts of
+    the commits an archive replaced, are reclaimable from the time the storage stored the (later) archive entry:
+    as-of views before it read them until its grace has passed."""
+    archives = [e for e in entries if isinstance(e.doc, ArchiveRecord)]
+    for i, entry in enumerate(archives):
+        archive = _archive(entry)
+        for archived in archive.parts:
+            survey.claimed.add(archived.commit.part)
+            if entry is not latest:
+                survey.reclaimable[archived.commit.part] = _stored_at(archives[i + 1])
+    if latest is None:
+        return
+    replaced = {name for p in _archive(latest).parts for name in p.replaces}
+    for entry in entries:
+        if isinstance(entry.doc, CommitRecord) and entry.name in replaced:
+            since = survey.reclaimable.get(entry.doc.part, 0.0)
+            survey.reclaimable[entry.doc.part] = max(since, _stored_at(latest))
+
+
+def _archive(entry: Entry) -> ArchiveRecord:
+    if not isinstance(entry.doc, ArchiveRecord):  # pragma: no cover - callers pass archive entries
+        raise TypeError(entry.key)
+    return entry.doc
 
 
 def _stored_at(entry: Entry) -> float:

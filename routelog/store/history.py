@@ -21,7 +21,7 @@ droppers decide on exactly what precedes their own entry.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -36,6 +36,7 @@ from routelog.format.arrow import bool_array, numeric_array, string_array, to_nu
 from routelog.format.documents import (
     INDEX_SCHEMA,
     AnnotationCommit,
+    ArchiveRecord,
     CommitRecord,
     Consolidated,
     DropRecord,
@@ -80,6 +81,13 @@ class StepView:
     """Rows of :attr:`stored` a reader reads."""
     removed: npt.NDArray[np.bool_]
     """Rows a drop removed by sample id."""
+    sources: list[CommitRecord] = field(default_factory=list)
+    """Where each of :attr:`commits` has its records stored: its own part's commit, or the archive part that holds
+    them once the step is archived (FORMAT.md section 3.15)."""
+    archive: Entry | None = None
+    """The archive entry the view reads through (the last one it holds), if any."""
+    archive_indexes: dict[str, pa.Table] = field(default_factory=dict)
+    """The whole index of each archive part of :attr:`archive`, by part name."""
 
     @property
     def shadowed(self) -> npt.NDArray[np.bool_]:
@@ -118,6 +126,8 @@ class StepHistory:
     """Index of each commit read so far, by its entry's name (commits dropped whole are not read)."""
     columns: Sequence[str] | None = None
     """Index columns kept (all when None): a writer keeps what it decides on, not every token id of the step."""
+    archive_tables: dict[str, pa.Table] = field(default_factory=dict)
+    """Index of each archive part read so far (every column), by part name."""
 
     @classmethod
     def read(
@@ -139,9 +149,17 @@ class StepHistory:
     def refresh(self) -> tuple[list[Entry], dict[str, pa.Table]]:
         """Read the entries appended since the last call and the indexes the view needs; returns the new entries
         and the full indexes read for them (a writer's shared-prefix search lists them)."""
-        preloaded, consolidated = self._consolidated() if not self.log.entries else ({}, {})
+        missing: CorruptDataError | None = None
+        try:
+            preloaded, consolidated = self._consolidated() if not self.log.entries else ({}, {})
+        except _ConsolidatedGoneError as exc:  # reclaimed after an archive (checked below), or lost
+            preloaded, consolidated, missing = {}, {}, exc.error
         new = self.log.refresh(preloaded)
-        needed = [e for e in _sort(self._entries()).commits if e.name not in self.tables]
+        if missing is not None and not any(isinstance(e.doc, ArchiveRecord) for e in self.log.entries):
+            raise missing
+        sorted_ = _sort(self._entries())
+        replaced = _replaced(sorted_.archive)
+        needed = [e for e in sorted_.commits if e.name not in self.tables and e.name not in replaced]
         read = {e.name: consolidated[e.name] for e in needed if e.name in consolidated}
         read.update(self._read_indexes([e for e in needed if e.name not in read]))
         for key, table in read.items():
@@ -168,9 +186,10 @@ class StepHistory:
     def view(self) -> StepView:
         """Evaluate the entries (see the module docs)."""
         sorted_ = _sort(self._entries())
+        archived = self._archived(sorted_)
         if self.as_of is not None:
-            self._check_kept(sorted_.commits)
-        stored = _stored_index(self, sorted_.commits)
+            self._check_kept([e for e in sorted_.commits if e.name not in archived])
+        stored = _stored_index(self, sorted_.commits, archived)
         removed = _removed_by_sample(stored, sorted_.commits, sorted_.drops)
         view = StepView(
             sorted_.seal,
@@ -182,10 +201,61 @@ class StepHistory:
             stored,
             _winners(stored, removed),
             removed,
+            [archived[e.name][0] if e.name in archived else _commit(e) for e in sorted_.commits],
+            sorted_.archive,
+            {name: self.archive_tables[name] for name in _archive_parts(sorted_.archive)},
         )
         if self.as_of is not None:
             self._check_kept(self._span_targets(view))
         return view
+
+    def _archived(self, sorted_: _Sorted) -> dict[str, tuple[CommitRecord, pa.Table]]:
+        """For each commit the view's archive entry replaces: the archive part holding its records, and its rows
+        of that part's index (read and checked here once per part)."""
+        entry = sorted_.archive
+        if entry is None:
+            return {}
+        archive = _archive(entry)
+        where = self.store.storage.url_of(entry.key)
+        if sorted_.seal is None or entry.position < sorted_.seal.position:
+            raise CorruptDataError(f"{where}: an archive entry before the step's seal (an archive follows the seal)")
+        if archive.seal != sorted_.seal.name:
+            raise CorruptDataError(f"{where}: the archive names seal {archive.seal}, the step's is {sorted_.seal.name}")
+        content = {e.name: e for e in [*sorted_.commits, *sorted_.whole]}
+        missing = [e.name for e in sorted_.commits if e.name not in _replaced(entry)]
+        if missing:
+            raise CorruptDataError(f"{where}: the archive does not hold the records of commits {missing[:8]}")
+        unread = [p.commit for p in archive.parts if p.commit.part not in self.archive_tables]
+        for commit in unread:
+            self.archive_tables[commit.part] = read_commit_index(self.store, self.step, commit)
+        out: dict[str, tuple[CommitRecord, pa.Table]] = {}
+        for archived in archive.parts:
+            source, table = archived.commit, self.archive_tables[archived.commit.part]
+            unknown = [name for name in archived.replaces if name not in content]
+            if unknown:
+                raise CorruptDataError(f"{where}: the archive replaces {unknown[:8]}, which are not the step's commits")
+            logical = [_commit(content[name]) for name in archived.replaces]
+            counts = np.array([c.n_records for c in logical], dtype=np.int64)
+            if int(counts.sum()) != table.num_rows:
+                raise CorruptDataError(
+                    f"{where}: archive part {source.part!r} indexes {table.num_rows} records, the commits it replaces "
+                    f"hold {int(counts.sum())}"
+                )
+            if (source.n_records, source.n_tokens) != (int(counts.sum()), sum(c.n_tokens for c in logical)):
+                raise CorruptDataError(
+                    f"{where}: archive part {source.part!r} says {source.n_records} records of {source.n_tokens} "
+                    "tokens, not those of the commits it replaces"
+                )
+            commit_of = np.repeat(np.arange(len(logical), dtype=np.int32), counts)
+            as_stored = [c.model_copy(update={"routing": source.routing, "streams": source.streams}) for c in logical]
+            check_index(
+                table.append_column(COMMIT_COLUMN, numeric_array(commit_of, np.int32)), as_stored, self.step, where
+            )
+            bounds = np.concatenate([[0], np.cumsum(counts)])
+            for i, commit in enumerate(logical):
+                rows = table.slice(int(bounds[i]), int(counts[i]))
+                out[commit.name] = (source, rows if self.columns is None else rows.select(list(self.columns)))
+        return out
 
     def _span_targets(self, view: StepView) -> list[Entry]:
         """Commits whose parts the live records' shared prefixes read rows of (gc keeps them only while a live
@@ -196,15 +266,15 @@ class StepHistory:
         return [parts[name] for name in sorted(names) if name in parts]
 
     def _check_kept(self, commits: Sequence[Entry]) -> None:
-        """An as-of view reads parts a drop removed whole: gc may have reclaimed them since (it deletes a part's
-        index first, so a part whose index is there is whole)."""
+        """An as-of view reads parts a drop removed whole, or that an archive replaced since: gc may have reclaimed
+        them (it deletes a part's index first, so a part whose index is there is whole)."""
         later = [e for e in self.log.entries if isinstance(e.doc, DropRecord)]
+        archived = {n for e in self.log.entries if isinstance(e.doc, ArchiveRecord) for n in _replaced(e)}
         storage = self.store.storage
         for entry in commits:
             commit = _commit(entry)
-            if dropped_whole(commit, _drops_after(later, entry.position)) and not storage.exists(
-                f"{keys.part_dir(self.step, commit.part)}/{keys.INDEX}"
-            ):
+            gone = entry.name in archived or dropped_whole(commit, _drops_after(later, entry.position))
+            if gone and not storage.exists(f"{keys.part_dir(self.step, commit.part)}/{keys.INDEX}"):
                 self._missing_index(entry, storage.url_of(entry.key))
 
     # -- reading indexes -----------------------------------------------------------------------------------------------
@@ -216,6 +286,13 @@ class StepHistory:
         """A commit's index is gone: reclaimed by gc after a drop (an as-of view reaching back past it), or lost."""
         commit = _commit(entry)
         later = _drops_after(self.log.entries, entry.position)
+        archived = any(entry.name in _replaced(e) for e in self.log.entries if isinstance(e.doc, ArchiveRecord))
+        if self.as_of is not None and archived:
+            raise HistoryReclaimedError(
+                f"step {self.step} of {self.store.url} as of {self.as_of.isoformat()} reads part {commit.part!r}, "
+                "which an archive of the step replaced and gc has reclaimed since: this view of the step's history "
+                "is no longer stored (as-of views reach back to what gc's grace period keeps)"
+            )
         if self.as_of is not None and dropped_whole(commit, later):
             raise HistoryReclaimedError(
                 f"step {self.step} of {self.store.url} as of {self.as_of.isoformat()} holds part {commit.part!r}, "
@@ -240,7 +317,12 @@ class StepHistory:
         seal_key = keys.log_key(self.step, seal.position)
         if self.as_of is not None and storage.modified(seal_key) > self.as_of.timestamp():
             return {}, {}  # the seal came later: the view is read entry by entry
-        commits, index, entry = read_consolidated(self.store, self.step, seal, seal.consolidated, seal_key)
+        try:
+            commits, index, entry = read_consolidated(self.store, self.step, seal, seal.consolidated, seal_key)
+        except CorruptDataError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                raise _ConsolidatedGoneError(exc) from exc
+            raise
         if entry != marker:
             raise CorruptDataError(
                 f"step {self.step} of {self.store.url}: {keys.SEAL} differs from the seal entry {seal.name} it copies"
@@ -265,6 +347,15 @@ class StepHistory:
         return by_position, tables
 
 
+class _ConsolidatedGoneError(Exception):
+    """A seal's consolidated objects are missing: gc reclaims them once an archive of the step is past its grace
+    (the step is then read entry by entry); without an archive, ``error`` is the damage to report."""
+
+    def __init__(self, error: CorruptDataError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 @dataclass(frozen=True)
 class _Sorted:
     """A step's entries by what the rules make of them."""
@@ -278,6 +369,8 @@ class _Sorted:
     """The content's commits dropped whole."""
     refused: list[Entry]
     """Commits after the seal."""
+    archive: Entry | None = None
+    """The last archive entry."""
 
 
 def _sort(entries: Sequence[Entry]) -> _Sorted:
@@ -296,7 +389,23 @@ def _sort(entries: Sequence[Entry]) -> _Sorted:
         else:
             commits.append(entry)
     annotations = [e for e in entries if isinstance(e.doc, AnnotationCommit)]
-    return _Sorted(seal, drops, annotations, commits, whole, refused)
+    archive = next((e for e in reversed(entries) if isinstance(e.doc, ArchiveRecord)), None)
+    return _Sorted(seal, drops, annotations, commits, whole, refused, archive)
+
+
+def _archive(entry: Entry) -> ArchiveRecord:
+    if not isinstance(entry.doc, ArchiveRecord):  # pragma: no cover - callers pass archive entries
+        raise TypeError(f"{entry.key} is not an archive")
+    return entry.doc
+
+
+def _replaced(entry: Entry | None) -> set[str]:
+    """Names of the commits an archive entry replaces (none without one)."""
+    return set() if entry is None else {name for p in _archive(entry).parts for name in p.replaces}
+
+
+def _archive_parts(entry: Entry | None) -> list[str]:
+    return [] if entry is None else [p.commit.part for p in _archive(entry).parts]
 
 
 def _drops_after(entries: Sequence[Entry], position: int) -> list[DropRecord]:
@@ -314,10 +423,12 @@ def _commit(entry: Entry) -> CommitRecord:
     return entry.doc
 
 
-def _stored_index(history: StepHistory, commits: Sequence[Entry]) -> pa.Table:
+def _stored_index(
+    history: StepHistory, commits: Sequence[Entry], archived: Mapping[str, tuple[CommitRecord, pa.Table]]
+) -> pa.Table:
     tables = []
     for i, entry in enumerate(commits):
-        table = history.tables.get(entry.name)
+        table = archived[entry.name][1] if entry.name in archived else history.tables.get(entry.name)
         if table is None:  # an as-of view reaching a part no refresh read: read it now
             table = history._read_indexes([entry])[entry.name]
             history.tables[entry.name] = table

@@ -118,6 +118,12 @@ class StepSnapshot:
     """Log position of each of :attr:`commits` (negative for format-1/2 documents)."""
     annotation_entries: list[tuple[int, AnnotationCommit]] = field(default_factory=list)
     """The annotations applied (as of :attr:`as_of`), with their log positions."""
+    sources: list[CommitRecord] = field(default_factory=list)
+    """Where each of :attr:`commits` has its records stored: its own part, or the archive part holding them once
+    the step is archived (FORMAT.md section 3.15); :attr:`commits` when empty."""
+    part_indexes: dict[str, pa.Table] = field(default_factory=dict)
+    """The whole index of each archive part (every record it holds, of commits dropped whole since too), by part
+    name: its rows' token ids decode its context-coded chunks."""
     _positions: dict[str, int] = field(init=False, repr=False)
     _commit_column: npt.NDArray[np.int32] = field(init=False, repr=False)
     _n_tokens: npt.NDArray[np.int32] = field(init=False, repr=False)
@@ -134,13 +140,15 @@ class StepSnapshot:
     """Held for every look-up and change of the caches above (never across I/O): a snapshot is shared by threads."""
 
     def __post_init__(self) -> None:
+        if not self.sources:
+            self.sources = list(self.commits)
         self._commit_column = to_numpy(self.index.column(COMMIT_COLUMN))
         self._n_tokens = to_numpy(self.index.column("n_tokens"))
         # each part's commit and its place among the commits (their list is in log order: position, then slot)
-        self._own = {keys.part_dir(self.step, c.part): (i, c) for i, c in enumerate(self.commits)}
-        self._own.update(
-            {keys.part_dir(self.step, c.part): (-(1 << 62), c) for c in self.dropped_commits}
-        )  # a dropped part's place is only compared with the records pointing at it: before every record
+        self._own = {keys.part_dir(self.step, c.part): (-(1 << 62), c) for c in self.dropped_commits}
+        # a dropped part's place is only compared with the records pointing at it: before every record
+        for i, source in reversed(list(enumerate(self.sources))):  # an archive part's place: its first commit's
+            self._own[keys.part_dir(self.step, source.part)] = (i, source)
         self._positions = {sid: i for i, sid in enumerate(self.index.column("sample_id").to_pylist())}
 
     # -- loading -------------------------------------------------------------------------------------------------
@@ -181,6 +189,8 @@ class StepSnapshot:
             stored,
             [e.position for e in view.commits],
             [(e.position, e.doc) for e in view.annotations if isinstance(e.doc, AnnotationCommit)],
+            view.sources,
+            view.archive_indexes,
         )
 
     def _commit_of(self, position: int) -> int:
@@ -202,16 +212,22 @@ class StepSnapshot:
         return sum(c.n_tokens for c in self.commits)
 
     @property
+    def parts(self) -> list[CommitRecord]:
+        """The commits of the parts the records are read from, each once: :attr:`commits`, or the archive parts that
+        hold their records."""
+        return list({c.part: c for c in self.sources}.values())
+
+    @property
     def stored_bytes(self) -> int:
         """Every object of the step's parts: routing, values, streams and indexes."""
-        return sum(o.size for c in self.commits for o in c.objects)
+        return sum(o.size for c in self.parts for o in c.objects)
 
     @property
     def routing_bytes(self) -> int:
         """The routing arrays' chunks (and models, for context-coded arrays) only: what the codec is measured by."""
         return sum(
             o.size
-            for c in self.commits
+            for c in self.parts
             for o in c.objects
             if o.key.startswith(c.routing.path + "/c/") or o.key == f"{c.routing.path}/{MODEL_KEY}"
         )
@@ -220,7 +236,7 @@ class StepSnapshot:
     def stored_rows(self) -> int:
         """Token rows stored in the routing arrays (a record's missing final rows are not stored; a prefix shared
         by several records of a part is stored once)."""
-        return sum(c.routing.n_rows for c in self.commits)
+        return sum(c.routing.n_rows for c in self.parts)
 
     @property
     def routed_rows(self) -> int:
@@ -233,7 +249,7 @@ class StepSnapshot:
     def referenced_parts(self) -> set[str]:
         """Names of the step's parts that live records read rows from: their own, and the parts their shared
         prefixes point at (which may be dropped whole, and must then be kept)."""
-        parts = {self.commits[int(i)].part for i in np.unique(self._commit_column)}
+        parts = {self.sources[int(i)].part for i in np.unique(self._commit_column)}
         spans = pc.list_flatten(self.index.column("spans").combine_chunks())
         for key in pc.unique(spans.field("part").drop_null()).to_pylist() if len(spans) else []:
             parsed = keys.parse_span_part(key)
@@ -284,7 +300,7 @@ class StepSnapshot:
         indexer rows."""
         position = self._position(sample_id)
         n_tokens = int(self._n_tokens[position])
-        commit = self.commits[self._commit_of(position)]
+        commit = self.sources[self._commit_of(position)]
         part_key = keys.part_dir(self.step, commit.part)
         info = commit.indexer
         if info is None:
@@ -357,6 +373,72 @@ class StepSnapshot:
         them are fetched (a context-parallel rank needs a fraction of each sequence); the other rows read as
         missing. Chunks less than ``max_gap`` bytes apart are fetched in one request, gap included.
         """
+        rows = [self.info(sid) for sid in sample_ids]
+        return self._read_rows(
+            rows,
+            {r.sample_id: self._part_key(r.sample_id) for r in rows},
+            moe_layers=moe_layers,
+            stream=stream,
+            weights=weights,
+            tokens=tokens,
+            max_gap=max_gap,
+        )
+
+    def read_stored(self, commit: int, *, stream: str | None = None, weights: bool = False) -> list[RecordRouting]:
+        """Every record ``commits[commit]`` holds, in its index's order, dropped and shadowed ones too (what an
+        archive re-codes), every layer; ``stream`` and ``weights`` as in :meth:`read_many`."""
+        stored = self.stored if self.stored is not None else self.index
+        table = stored.filter(pc.equal(stored.column(COMMIT_COLUMN), commit))
+        rows = IndexRows(table, skip=[COMMIT_COLUMN])
+        infos = [rows.row(i)[0] for i in range(table.num_rows)]
+        part_key = keys.part_dir(self.step, self.sources[commit].part)
+        return self._read_rows(
+            infos, {r.sample_id: part_key for r in infos}, stream=stream, weights=weights, own_commit=commit
+        )
+
+    def stored_indexer_blocks(self, commit: int, sample_id: str) -> list[bytes]:
+        """The coded indexer blocks (one per indexer layer, FORMAT.md section 15) of the record ``sample_id`` of
+        ``commits[commit]``, as stored; empty for a record stored without indexer rows."""
+        source = self.sources[commit]
+        info = source.indexer
+        if info is None:
+            return []
+        where = f"step {self.step} of {self.store.url}, part {source.part!r}, {info.key}"
+        key = f"{keys.part_dir(self.step, source.part)}/{info.key}"
+        blocks = self._indexer_table(key, object_info(source, info.key, where).size, info, where).get(
+            sample_id_hash(sample_id)
+        )
+        if not blocks:
+            return []
+        data = self.store.storage.read_ranges([(key, b.offset, b.offset + b.length) for b in blocks])
+        for block, piece in zip(blocks, data, strict=True):
+            indexer_object.check_block(piece, block, where)
+        return [bytes(piece) for piece in data]
+
+    def stored_values(self, commit: int) -> dict[str, dict[str, FloatArray]]:
+        """The per-token columns ``commits[commit]``'s part stored with its records, by sample id (annotations'
+        columns are not the part's: they stay in their own objects)."""
+        source = self.sources[commit]
+        if source.values is None:
+            return {}
+        columns = tuple(sorted(c.name for c in source.values.columns))
+        found = self._values_of(keys.part_dir(self.step, source.part), source, source.values, columns)
+        return {sid: values for sid, (_, values) in found.items()}
+
+    def _read_rows(
+        self,
+        rows: list[IndexRow],
+        own_part: dict[str, str],
+        *,
+        moe_layers: Sequence[int] | None = None,
+        stream: str | None = None,
+        weights: bool = False,
+        tokens: Mapping[str, npt.NDArray[np.bool_]] | None = None,
+        max_gap: int = MAX_GAP,
+        own_commit: int | None = None,
+    ) -> list[RecordRouting]:
+        """:meth:`read_many` of index rows whose sample ids are distinct, each read from ``own_part[sample_id]``
+        (and the parts its spans name); ``own_commit`` is their commit's place when they are not live records."""
         if weights and stream is not None:
             raise ValueError("routing weights are stored for the decoder routing only, not for a stream")
         spec = self.store.model_spec
@@ -373,8 +455,6 @@ class StepSnapshot:
         wanted = list(range(n_layers)) if moe_layers is None else sorted(set(moe_layers))
         if any(not 0 <= j < n_layers for j in wanted):
             raise ValueError(f"layers {list(moe_layers or [])} outside [0, {n_layers})")
-        rows = [self.info(sid) for sid in sample_ids]
-        own_part = {r.sample_id: self._part_key(r.sample_id) for r in rows}
         # Every valid row is written below, every layer of it; the others are zeroed at the end (np.zeros would
         # write each page twice: measured 2.3 x the time of np.empty for a 1.5 MB record).
         out = {r.sample_id: np.empty((len(wanted), r.n_tokens, topk), dtype=dtype) for r in rows}
@@ -385,7 +465,7 @@ class StepSnapshot:
             if needed is not None and needed.shape != (r.n_tokens,):
                 raise ValueError(f"tokens[{r.sample_id!r}] has shape {needed.shape}, the record {r.n_tokens} tokens")
             spans = _spans(r, stream)
-            self._check_references(r.sample_id, spans)
+            self._check_references(r.sample_id, spans, own_commit)
             for span in spans if needed is None else _restricted(spans, needed):
                 by_part[span.part or own_part[r.sample_id]].append((r.sample_id, span))
                 valid[r.sample_id][span.token_start : span.token_start + span.n_rows] = True
@@ -540,7 +620,7 @@ class StepSnapshot:
         # directory -> the commit declaring a values object there, its declaration and its log position
         holders: dict[str, tuple[CommitRecord | AnnotationCommit, ValuesInfo, int | None]] = {}
         for sid in lengths:
-            commit = self.commits[self._commit_of(self._position(sid))]
+            commit = self.sources[self._commit_of(self._position(sid))]
             if commit.values is not None:
                 holders[keys.part_dir(self.step, commit.part)] = (commit, commit.values, None)
         for at, annotation in self.annotation_entries:
@@ -575,7 +655,7 @@ class StepSnapshot:
             return False
         commit = self._commit_of(live)
         if position is None:  # the record's own part
-            return self.commits[commit] is holder
+            return self.sources[commit] is holder
         committed = self.index.column("token_hash")[live].as_py()
         before = (self.positions[commit] if self.positions else -1) < position
         return before and (digest is None or committed is None or digest == committed)
@@ -626,10 +706,18 @@ class StepSnapshot:
 
     def _part_records(self, commit: CommitRecord) -> dict[str, str | None]:
         """``{sample_id: token_hash}`` of every record ``commit``'s part holds (dropped and shadowed ones too)."""
-        stored = self.stored if self.stored is not None else self.index
-        i = next(n for n, c in enumerate(self.commits) if c is commit)
-        rows = stored.filter(pc.equal(stored.column(COMMIT_COLUMN), i))
+        rows = self._part_index(commit)
         return dict(zip(rows.column("sample_id").to_pylist(), rows.column("token_hash").to_pylist(), strict=True))
+
+    def _part_index(self, commit: CommitRecord) -> pa.Table:
+        """The index rows of every record ``commit``'s part holds (an archive part's from its own index)."""
+        if commit.part in self.part_indexes:
+            return self.part_indexes[commit.part]
+        stored = self.stored if self.stored is not None else self.index
+        position = next((i for i, c in enumerate(self.sources) if c.part == commit.part), None)
+        if position is None:  # a part dropped whole: its index is read for it
+            return read_commit_index(self.store, self.step, commit)
+        return stored.filter(pc.equal(stored.column(COMMIT_COLUMN), position))
 
     def open_zarr(self, part: str) -> zarr.Array[Any]:
         """A part's routing array opened with zarr-python: expert IDs ``[num_moe_layers, n_rows, K]`` for format-2
@@ -643,7 +731,7 @@ class StepSnapshot:
         return zarr.open_array(store, mode="r")
 
     def _part_key(self, sample_id: str) -> str:
-        return keys.part_dir(self.step, self.commits[self._commit_of(self._position(sample_id))].part)
+        return keys.part_dir(self.step, self.sources[self._commit_of(self._position(sample_id))].part)
 
     def _commit_for(self, part_key: str) -> CommitRecord:
         return self._own[part_key][1]
@@ -655,21 +743,18 @@ class StepSnapshot:
             found = self._row_tokens.get(part_key)
         if found is None:  # two threads may both compute it: the same value, kept once
             commit = self._commit_for(part_key)
-            stored = self.stored if self.stored is not None else self.index
-            position = next((i for i, c in enumerate(self.commits) if c.part == commit.part), None)
-            if position is None:
-                table = read_commit_index(self.store, self.step, commit)
-            else:
-                table = stored.filter(pc.equal(stored.column(COMMIT_COLUMN), position))
-            found = part_row_tokens(table, commit.routing.n_rows)
+            found = part_row_tokens(self._part_index(commit), commit.routing.n_rows)
             with self._cache_lock:
                 found = self._row_tokens.setdefault(part_key, found)
         return found
 
-    def _check_references(self, sample_id: str, spans: Iterable[Span]) -> None:
+    def _check_references(self, sample_id: str, spans: Iterable[Span], own_commit: int | None = None) -> None:
         """A record's shared prefix points at a part of this step committed before its own (or dropped whole and
         kept for it): never at another step, a later commit, or a part the step does not hold."""
-        own = self._own[self._part_key(sample_id)][0]
+        if own_commit is None:
+            own = self._own[self._part_key(sample_id)][0]
+        else:
+            own = self._own[keys.part_dir(self.step, self.sources[own_commit].part)][0]
         for span in spans:
             if span.part is None:
                 continue

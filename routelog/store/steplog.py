@@ -31,6 +31,7 @@ from routelog.format.documents import (
     CONTEXT_LIST_REFERENCES_FEATURE,
     CONTEXT_REFERENCES_FEATURE,
     AnnotationCommit,
+    ArchiveRecord,
     CommitGroup,
     CommitRecord,
     DropRecord,
@@ -48,7 +49,7 @@ from routelog.format.spec import ModelSpec
 from routelog.store.root import StoreRoot
 from routelog.store.storage import Storage, is_transient
 
-_D = TypeVar("_D", CommitGroup, CommitRecord, DropRecord, AnnotationCommit, SealRecord)
+_D = TypeVar("_D", CommitGroup, CommitRecord, DropRecord, AnnotationCommit, SealRecord, ArchiveRecord)
 
 APPEND_DEADLINE = 120.0
 """Seconds an append keeps trying positions that other processes take first (each loss is another's progress),
@@ -176,6 +177,11 @@ def _check_entry(doc: StoredEntry, name: str, step: int, spec: ModelSpec, where:
             check_commit(commit, commit.name, step, spec, f"{where} ({commit.part})")
     elif isinstance(doc, (CommitRecord, AnnotationCommit)):
         check_commit(doc, name, step, spec, where)
+    elif isinstance(doc, ArchiveRecord):
+        if doc.name != name or doc.step != step:
+            raise CorruptDataError(f"{where}: the document is archive entry {doc.name} of step {doc.step}")
+        for archived in doc.parts:
+            check_commit(archived.commit, archived.commit.name, step, spec, f"{where} ({archived.commit.part})")
     elif doc.name != name or doc.step != step:
         raise CorruptDataError(f"{where}: the document is {doc.name} of step {doc.step}")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any, Unpack
 
@@ -15,6 +15,7 @@ from routelog.format import keys
 from routelog.format.documents import RunDocument, SealRecord, dump_document, utc_now
 from routelog.format.spec import ModelSpec
 from routelog.store.annotate import Annotator
+from routelog.store.archive import ArchiveOutcome, Progress, archive_step
 from routelog.store.drop import DropOutcome, drop_records
 from routelog.store.gc import GcReport, collect_garbage
 from routelog.store.reader import StepSnapshot
@@ -89,6 +90,13 @@ class Store(StoreRoot):
         :func:`routelog.store.seal.seal_step`. A step with no records is refused unless ``allow_empty``; a sealed step
         returns its seal (safe to run again)."""
         return seal_step(self, step, allow_empty=allow_empty)
+
+    def archive(
+        self, step: int, *, progress: Progress | None = None, check: Callable[[], None] | None = None
+    ) -> ArchiveOutcome:
+        """Re-code sealed ``step``'s records with the archive codec and make them its content in one entry of its
+        log; see :mod:`routelog.store.archive`. An archived step is left as it is (safe to run again)."""
+        return archive_step(self, step, progress=progress, check=check)
 
     def drop(
         self,

@@ -33,11 +33,11 @@ def step_summary(snapshot: StepSnapshot) -> dict[str, Any]:
         "tokens": snapshot.n_tokens,
         "stored_rows": snapshot.stored_rows,
         "routed_rows": snapshot.routed_rows,
-        "parts": len(snapshot.commits),
+        "parts": len(snapshot.parts),
         "sealed": snapshot.sealed,
         "stored_bytes": snapshot.stored_bytes,
         "routing_bytes": snapshot.routing_bytes,
-        "codecs": dict(Counter(c.routing.transform for c in snapshot.commits)),
+        "codecs": dict(Counter(c.routing.transform for c in snapshot.parts)),
     }
 
 

@@ -18,6 +18,7 @@ from routelog.format import indexer_object, keys
 from routelog.format.digest import sample_id_hash
 from routelog.format.documents import (
     AnnotationCommit,
+    ArchiveRecord,
     CommitRecord,
     IndexRow,
     RoutingArrayInfo,
@@ -82,13 +83,16 @@ def _verify_step(store: StoreRoot, step: int, report: VerifyReport) -> None:
     commits = history.log.commits()
     report.commits += len(commits)
     indexed: dict[str, list[IndexRow]] = {}
-    for entry in view.commits:
-        rows = _verify_part(store, step, _commit(entry), report)
+    sources = list({c.part: c for c in view.sources}.values())
+    for source in sources:
+        rows = _verify_part(store, step, source, report)
         if rows is not None:
-            indexed[_commit(entry).part] = rows
-    _verify_coverage(store, step, [_commit(e) for e in view.commits if _commit(e).part in indexed], indexed, report)
+            indexed[source.part] = rows
+    _verify_coverage(store, step, [c for c in sources if c.part in indexed], indexed, report)
     _verify_seal(store, step, history, view, report)
+    _verify_archive(history, view, indexed, report)
     committed = {_commit(e).part for e in commits}
+    committed |= {p.commit.part for e in history.log.entries if isinstance(e.doc, ArchiveRecord) for p in e.doc.parts}
     for part in storage.list(keys.parts_dir(step)):
         if part not in committed:
             report.notes.append(
@@ -104,6 +108,37 @@ def _verify_step(store: StoreRoot, step: int, report: VerifyReport) -> None:
         )
     _verify_records(snapshot, report)
     _verify_values(snapshot, report)
+
+
+def _verify_archive(
+    history: StepHistory, view: StepView, indexed: dict[str, list[IndexRow]], report: VerifyReport
+) -> None:
+    """Each commit an archive part replaces: its rows there are its records (its digest lists exactly them) and,
+    where the original index is at hand (the seal's consolidated copy), the same records with the same tokens."""
+    if view.archive is None or not isinstance(view.archive.doc, ArchiveRecord):
+        return
+    content = {e.name: _commit(e) for e in [*view.commits, *view.whole_dropped]}
+    for archived in view.archive.doc.parts:
+        rows = indexed.get(archived.commit.part)
+        if rows is None:
+            continue
+        start = 0
+        for name in archived.replaces:
+            commit = content.get(name)
+            if commit is None:
+                continue  # the history reported it
+            mine = rows[start : start + commit.n_records]
+            start += commit.n_records
+            where = f"step {history.step}: archive part {archived.commit.part!r}, commit {name}"
+            _verify_digest(where, commit, mine, report)
+            original = history.tables.get(name)
+            if original is None:
+                continue
+            fields = [f for f in ("sample_id", "token_hash", "n_tokens", "prompt_len") if f in original.schema.names]
+            before = list(zip(*(original.column(f).to_pylist() for f in fields), strict=True))
+            after = [tuple(getattr(r, f) for f in fields) for r in mine]
+            if before != after:
+                report.problems.append(f"{where}: the archived records differ from the commit's index")
 
 
 def _commit(entry: Entry) -> CommitRecord:
@@ -270,6 +305,9 @@ def _verify_seal(store: StoreRoot, step: int, history: StepHistory, view: StepVi
         report.notes.append(f"step {step}: commits made after the seal are not part of the step: {late}")
     if seal.consolidated is None:
         return
+    if view.archive is not None and not storage.exists(f"{keys.step_dir(step)}/{seal.consolidated.index.key}"):
+        report.notes.append(f"step {step}: the seal's consolidated copies were reclaimed after the step's archive")
+        return
     info = seal.consolidated.commits
     key = f"{keys.step_dir(step)}/{info.key}"
     report.objects += 2
@@ -301,14 +339,14 @@ def _verify_records(snapshot: StepSnapshot, report: VerifyReport) -> None:
     a valid top-k set."""
     spec = snapshot.store.model_spec
     ids = snapshot.sample_ids
-    streams = sorted({name for commit in snapshot.commits for name in commit.streams})
+    streams = sorted({name for commit in snapshot.parts for name in commit.streams})
     for stream in [None, *streams]:
         declared = spec.stream(stream) if stream is not None else None
         if stream is not None and declared is None:
             report.problems.append(f"step {snapshot.step}: parts hold stream {stream!r}, the model spec has none")
             continue
         universe = spec.num_experts if declared is None else declared.universe
-        weights = stream is None and any(c.weights is not None for c in snapshot.commits)
+        weights = stream is None and any(c.weights is not None for c in snapshot.parts)
         for start in range(0, len(ids), _BATCH):
             try:
                 routings = snapshot.read_many(ids[start : start + _BATCH], stream=stream, weights=weights)
