@@ -247,6 +247,58 @@ def test_distinct_numbers_items_in_order_of_first_appearance_on_both_paths() -> 
 
 
 @needs_compiled
+def test_candidate_hits_are_alike_on_both_paths_and_refuse_keys_past_their_offsets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The plan's question, which rows' sets are among their key's candidates, asked of the compiled pass and of
+    numpy's (escapes and rows without a key included); forged offsets or keys are a ValueError, not a read past
+    the arrays."""
+    rng = np.random.default_rng(11)
+    keys_, sets, n = 50, 30, 2000
+    counts = rng.integers(0, 9, keys_)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
+    candidates = rng.integers(0, sets, int(offsets[-1])).astype(np.uint32)
+    at = rng.integers(-1, keys_, n).astype(np.int64)
+    index = rng.integers(-1, sets, n).astype(np.int32)
+    compiled = context._candidate_hits(at, offsets, candidates, index)
+    monkeypatch.setattr(context, "_COMPILED", None)
+    numpy_hits = context._candidate_hits(at, offsets, candidates, index)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(compiled, numpy_hits)
+    assert 0 < compiled.sum() < n
+    hit = np.zeros(n, np.uint8)
+    for forged_at, forged_offsets in ((np.full(n, keys_, np.int64), offsets), (at, offsets[::-1].copy())):
+        with pytest.raises(ValueError, match="candidate_hits"):
+            context._COMPILED.candidate_hits(forged_at, forged_offsets, candidates, index, hit)
+    too_far = offsets.copy()
+    too_far[-1] += 1
+    with pytest.raises(ValueError, match="candidate_hits"):
+        context._COMPILED.candidate_hits(at, too_far, candidates, index, hit)
+
+
+@needs_compiled
+def test_placed_rows_take_their_listed_set_or_the_next_escape_and_forged_ones_are_refused() -> None:
+    sets = np.array([[1, 2], [3, 4], [5, 6]], np.uint8)
+    escapes = np.array([[7, 8], [9, 10]], np.uint8)
+    index = np.array([2, -1, 0, -1, 2], np.int32)
+    out = np.zeros((5, 2), np.uint8)
+    context._COMPILED.place_rows(index, sets.reshape(-1), escapes.reshape(-1), out.reshape(-1), 2)
+    np.testing.assert_array_equal(out, [[5, 6], [7, 8], [1, 2], [9, 10], [5, 6]])
+    for forged_index, forged_escapes, forged_out in (
+        (np.array([3, -1, 0, -1, 2], np.int32), escapes, out),  # past the list
+        (np.array([2, -2, 0, -1, 2], np.int32), escapes, out),  # no index
+        (index, escapes[:1], out),  # an escape short
+        (np.array([2, -1, 0, 1, 2], np.int32), escapes, out),  # an escape left over
+        (index, escapes, out[:4]),  # out of another size
+        (index, escapes, out.astype(np.uint16)),  # or dtype
+    ):
+        with pytest.raises(ValueError, match="place_rows"):
+            context._COMPILED.place_rows(
+                forged_index, sets.reshape(-1), forged_escapes.reshape(-1), forged_out.reshape(-1), 2
+            )
+
+
+@needs_compiled
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),

@@ -11,7 +11,7 @@ import pytest
 import routelog
 from routelog import Record
 from routelog.errors import CorruptDataError
-from routelog.format.index_rows import IndexRows, record_spans
+from routelog.format.index_rows import BULK_SHARE, IndexRows, record_spans
 from routelog.store.history import COMMIT_COLUMN
 from routelog.synth import synthetic_spec
 
@@ -50,6 +50,22 @@ def test_every_row_at_once_is_each_row(memory_url: str) -> None:
     assert [row for row, _ in rows.every(with_tokens=False)] == [
         rows.row(p, with_tokens=False)[0] for p in range(len(rows))
     ]
+
+
+def test_rows_asked_for_one_by_one_are_the_same_before_and_after_the_columns_are_converted_whole(
+    memory_url: str,
+) -> None:
+    """A large index's first rows are converted a scalar at a time, the rest from columns converted whole once
+    enough were asked for (:data:`BULK_SHARE`): the same rows either way, token ids included."""
+    table = pa.concat_tables([_index(memory_url)] * 10)
+    every = IndexRows(table, skip=[COMMIT_COLUMN]).every()
+    rows = IndexRows(table, skip=[COMMIT_COLUMN])
+    scalar = table.num_rows // BULK_SHARE
+    assert 1 < scalar < table.num_rows - 1
+    for position in reversed(range(table.num_rows)):  # the first asked for (the last rows) one scalar at a time
+        row, tokens = rows.row(position)
+        assert row == every[position][0]
+        assert (tokens is None and every[position][1] is None) or np.array_equal(tokens, every[position][1])  # type: ignore[arg-type]
 
 
 def test_a_row_breaking_the_format_is_refused_all_at_once(memory_url: str) -> None:

@@ -392,6 +392,47 @@ def render_audit(r: Report) -> list[str]:
     return lines
 
 
+def render_archive(r: Report) -> list[str]:
+    rows = [
+        (
+            name,
+            f"{d['records']:,}",
+            f"{d['zstd19_routing_and_tokens_bytes']:,}",
+            f"{num(d['format2_vs_zstd19'])} x",
+            f"{num(d['fresh_archive_codec_vs_zstd19'])} x",
+            f"**{num(d['every_byte_vs_zstd19'])} x**",
+            "sound" if d["verify_ok"] else "**unsound**",
+        )
+        for name, d in r["sizes"].items()
+    ]
+    lines = [
+        "Every byte of a run written in format 2, sealed, archived and gc'd past the grace, against zstd-19 of its raw "
+        "routing plus its token ids (goal <= 1.0 x):",
+        "",
+        *table(
+            ("corpus, writers", "records", "zstd-19 B", "format 2", "fresh, archive codec", "archived", "verify"),
+            rows,
+        ),
+        "",
+    ]
+    t = r["time"]
+    goal = next(v for v in r["verdict"] if v["goal"].startswith("archive time"))
+    lines += table(
+        ("raw routing", "fresh archive-codec write", "format-2 write", "archive", "archive / fresh", "goal"),
+        [
+            (
+                f"{num(t['raw_mb'])} MB",
+                f"{num(t['fresh_archive_codec_write_s'])} s",
+                f"{num(t['format2_write_s'])} s",
+                f"{num(t['archive_s'])} s ({num(t['archive_MBps'])} MB/s)",
+                f"{num(t['archive_vs_fresh_time'])} x",
+                f"<= {goal['limit']}: {met(goal['met'])}",
+            )
+        ],
+    )
+    return lines
+
+
 def render_commits(r: Report) -> list[str]:
     lines = [f"{num(r['latency_s'] * 1000)} ms added to every request (moto S3 behind the fault proxy):", ""]
     rows = []
@@ -585,6 +626,7 @@ TOOLS: dict[str, Tool] = {
         Tool("bench_integration", ("--json",), render_integration),
         Tool("bench_replay_hook", ("--json",), render_replay_hook),
         Tool("bench_audit", ("--json",), render_audit),
+        Tool("bench_archive", ("--json",), render_archive),
         Tool("bench_commits", ("--json",), render_commits),
         Tool("sim_commits", ("--json",), render_sim),
         Tool("bench_indexer", ("--json", "--traces"), render_indexer),

@@ -11,7 +11,8 @@ tables (every layer it codes decodes to itself, every forged stream decodes to i
 a status, coded escapes decode to themselves and forged escape streams to sorted distinct sets, escapes coded
 against references likewise, forged lists and candidates past the list refused, lists of model version 3
 likewise, distinct items are numbered as a
-dict numbers them), the audits' on random routing
+dict numbers them, the plan's candidate hits found as a plain loop finds them and forged keys or offsets refused),
+the audits' on random routing
 (views with any strides, IDs past E, tokens left out) against plain numpy, the Thrift walks on forged Parquet footers
 and page headers against the Python walks (same values or same problem). A sanitizer report aborts the run with its
 stack.
@@ -22,6 +23,7 @@ stack.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import sysconfig
 import tempfile
@@ -174,6 +176,8 @@ def _fuzz_context(coder: Any, rng: Any, np: Any, seed: int) -> None:
         stop = rows if status == 0 else row
         if not ((decoded[:stop] >= -1) & (decoded[:stop] < sets)).all():  # -1: an escape
             raise SystemExit(f"seed {seed}: a forged stream decodes to an index outside the list")
+    _fuzz_candidate_hits(coder, rng, np, seed, offsets, candidates, index)
+    _fuzz_place_rows(coder, rng, np, seed)
     _fuzz_escapes(coder, rng, np, seed)
     _fuzz_referenced(coder, rng, np, seed, sets, tables[2:])
     _fuzz_list(coder, rng, np, seed)
@@ -186,6 +190,61 @@ def _fuzz_context(coder: Any, rng: Any, np: Any, seed: int) -> None:
     expected = [numbers.setdefault(row.tobytes(), len(numbers)) for row in items]
     if found != len(numbers) or list(ids) != expected:
         raise SystemExit(f"seed {seed}: distinct items numbered otherwise than a dict numbers them")
+
+
+def _fuzz_candidate_hits(coder: Any, rng: Any, np: Any, seed: int, offsets: Any, candidates: Any, index: Any) -> None:
+    """The plan's candidate hits on :func:`_fuzz_context`'s tables against a plain loop, and forged keys or offsets
+    (past the candidates, descending, keys past the offsets) refused with ValueError."""
+    keys = offsets.size - 1
+    at = rng.integers(-1, keys + 1, index.size).astype(np.int64) if keys else np.full(index.size, -1, np.int64)
+    at[at == keys] = -1
+    hit = np.zeros(index.size, np.uint8)
+    coder.candidate_hits(at, offsets, candidates, index, hit)
+    expected = [
+        a >= 0 and int(x) in candidates[offsets[a] : offsets[a + 1]].tolist()
+        for a, x in zip(at.tolist(), index, strict=True)
+    ]
+    if hit.astype(bool).tolist() != expected:
+        raise SystemExit(f"seed {seed}: candidate hits other than a plain loop finds")
+    forged_offsets = offsets.copy()
+    if forged_offsets.size:
+        forged_offsets[rng.integers(forged_offsets.size)] = rng.integers(0, 2**32, dtype=np.uint64)
+    forged_at = at.copy()
+    if forged_at.size:
+        forged_at[rng.integers(forged_at.size)] = rng.integers(keys, 2**40)
+    for forged in ((forged_at, offsets), (at, forged_offsets)):
+        with contextlib.suppress(ValueError):  # refused, or (a value forged into range) read inside the arrays
+            coder.candidate_hits(*forged, candidates, index, hit)
+
+
+def _fuzz_place_rows(coder: Any, rng: Any, np: Any, seed: int) -> None:
+    """A chunk layer's rows placed from its list and escapes as numpy places them, and forged indices (past the
+    list, escapes short or left over, other dtypes or sizes) refused with ValueError."""
+    k = int(rng.integers(1, 9))
+    dtype = np.uint8 if rng.random() < 0.5 else np.uint16
+    sets = rng.integers(0, 256, (int(rng.integers(0, 40)), k)).astype(dtype)
+    index = rng.integers(-1, max(len(sets), 1), int(rng.integers(0, 300))).astype(np.int32)
+    if not len(sets):
+        index[:] = -1
+    escapes = rng.integers(0, 256, (int((index < 0).sum()), k)).astype(dtype)
+    out = np.empty((index.size, k), dtype)
+    coder.place_rows(index, sets.reshape(-1), escapes.reshape(-1), out.reshape(-1), k)
+    expected = sets[np.maximum(index, 0)] if len(sets) else np.empty_like(out)
+    expected[index < 0] = escapes
+    if not np.array_equal(out, expected):
+        raise SystemExit(f"seed {seed}: rows placed otherwise than numpy places them")
+    forged = index.copy()
+    if forged.size:
+        forged[rng.integers(forged.size)] = rng.integers(-(2**31), 2**31)
+    cut = escapes[: max(0, len(escapes) - 1)]
+    for args in (
+        (forged, escapes, out),
+        (index, cut, out),
+        (index, escapes, out[:-1]),
+        (index, escapes, out.astype(np.int32)),
+    ):
+        with contextlib.suppress(ValueError):  # refused, or (a forged index inside the list) placed inside out
+            coder.place_rows(args[0], sets.reshape(-1), args[1].reshape(-1), args[2].reshape(-1), k)
 
 
 def _fuzz_escapes(coder: Any, rng: Any, np: Any, seed: int) -> None:

@@ -1,6 +1,6 @@
 /* The compiled passes of the set-context codec (routelog/format/context.py; FORMAT.md section 5): counting a
- * part's distinct rows and keys, hashing a layer's token keys, and coding one chunk layer's rows as binary
- * decisions behind an adaptive binary range coder.
+ * part's distinct rows and keys, hashing a layer's token keys, finding which rows a plan's candidates reach, coding
+ * one chunk layer's rows as binary decisions behind an adaptive binary range coder, and placing its decoded rows.
  *
  * A layer's rows are coded one after the other. Each row is a set of the part's model: one of the candidates its
  * row in the layer below points at, one of its token's candidates, another set of the layer's list (its index,
@@ -42,6 +42,13 @@
 #define TREE_BITS 6    /* the leading mantissa bits coded in a tree of contexts */
 
 enum { OK = 0, INDEX_RANGE = 1, BUCKET_RANGE = 2 };
+
+/* The coder's per-bit steps, inlined into every pass (a few percent of a corpus chunk's coding, measured). */
+#if defined(__GNUC__)
+#define HOT inline __attribute__((always_inline))
+#else
+#define HOT inline
+#endif
 
 /* -- adaptive probabilities ----------------------------------------------------------------------------------- */
 typedef struct {
@@ -97,7 +104,7 @@ static inline uint16_t adapted(uint32_t p, int bit, uint32_t one, int shift) {
 }
 
 /* One decision: a 0 keeps the range below ``bound``, a 1 the rest; then the range is renormalized. */
-static inline void encode_split(Encoder *e, uint32_t bound, int bit) {
+static HOT void encode_split(Encoder *e, uint32_t bound, int bit) {
     e->bits++;
     if (!bit) {
         e->range = bound;
@@ -111,7 +118,7 @@ static inline void encode_split(Encoder *e, uint32_t bound, int bit) {
     }
 }
 
-static void encode_bit(Encoder *e, uint16_t *p, int bit) {
+static HOT void encode_bit(Encoder *e, uint16_t *p, int bit) {
     encode_split(e, (e->range >> PROB_BITS) * *p, bit);
     *p = adapted(*p, bit, PROB_ONE, ADAPT);
 }
@@ -137,7 +144,7 @@ typedef struct {
     size_t size, at;
 } Decoder;
 
-static uint8_t next_byte(Decoder *d) { return d->at < d->size ? d->in[d->at++] : (d->at++, 0); }
+static HOT uint8_t next_byte(Decoder *d) { return d->at < d->size ? d->in[d->at++] : (d->at++, 0); }
 
 static void decoder_start(Decoder *d, const uint8_t *in, size_t size) {
     d->in = in;
@@ -149,7 +156,7 @@ static void decoder_start(Decoder *d, const uint8_t *in, size_t size) {
 }
 
 /* The decision encode_split coded with ``bound``, the range renormalized. */
-static inline int decode_split(Decoder *d, uint32_t bound) {
+static HOT int decode_split(Decoder *d, uint32_t bound) {
     int bit;
     if (d->code < bound) {
         d->range = bound;
@@ -166,7 +173,7 @@ static inline int decode_split(Decoder *d, uint32_t bound) {
     return bit;
 }
 
-static int decode_bit(Decoder *d, uint16_t *p) {
+static HOT int decode_bit(Decoder *d, uint16_t *p) {
     int bit = decode_split(d, (d->range >> PROB_BITS) * *p);
     *p = adapted(*p, bit, PROB_ONE, ADAPT);
     return bit;
@@ -190,17 +197,17 @@ static inline int escape_shift(uint8_t seen) {
     return shift < ESCAPE_MAX_SHIFT ? shift : ESCAPE_MAX_SHIFT;
 }
 
-static inline void counter_update(Counter *c, int bit) {
+static HOT void counter_update(Counter *c, int bit) {
     c->p = adapted(c->p, bit, ESCAPE_PROB_ONE, escape_shift(c->seen));
     if (c->seen < 255) c->seen++;
 }
 
-static void encode_counted(Encoder *e, Counter *c, int bit) {
+static HOT void encode_counted(Encoder *e, Counter *c, int bit) {
     encode_split(e, (e->range >> ESCAPE_PROB_BITS) * c->p, bit);
     counter_update(c, bit);
 }
 
-static int decode_counted(Decoder *d, Counter *c) {
+static HOT int decode_counted(Decoder *d, Counter *c) {
     int bit = decode_split(d, (d->range >> ESCAPE_PROB_BITS) * c->p);
     counter_update(c, bit);
     return bit;
@@ -254,7 +261,7 @@ static inline uint32_t bit_cost(const Counter *k, int bit) {
     return cost_table[bit ? COST_SLOTS - 1 - slot : slot];
 }
 
-static inline int code_counted(Coder *c, Counter *k, int bit) {
+static HOT int code_counted(Coder *c, Counter *k, int bit) {
     if (c->e) {
         encode_counted(c->e, k, bit);
         return bit;
@@ -288,6 +295,22 @@ static int64_t code_members(Coder *c, Counter *counters, const uint16_t *order, 
 
 /* A row's IDs in ascending order: an insertion sort of a few, else marking them and walking every ID. */
 static void sort_ids(uint16_t *got, int64_t topk, int64_t experts, uint8_t *scratch) {
+    if (experts <= ESCAPE_MAX_EXPERTS) { /* distinct IDs as bits, read back in order: no compare to mispredict */
+        uint64_t bits[ESCAPE_MAX_EXPERTS / 64];
+        int64_t words = (experts + 63) / 64, distinct = 0;
+        memset(bits, 0, (size_t)words * sizeof(uint64_t));
+        for (int64_t i = 0; i < topk && distinct >= 0; i++) {
+            uint64_t bit = 1ull << (got[i] & 63);
+            distinct = got[i] >= experts ? -1 : distinct + !(bits[got[i] >> 6] & bit);
+            if (distinct >= 0) bits[got[i] >> 6] |= bit;
+        }
+        if (distinct == topk) { /* else (IDs past the experts or repeated) sorted as below */
+            int64_t at = 0;
+            for (int64_t w = 0; w < words; w++)
+                for (uint64_t m = bits[w]; m; m &= m - 1) got[at++] = (uint16_t)(w * 64 + __builtin_ctzll(m));
+            return;
+        }
+    }
     if (topk <= 32) {
         for (int64_t i = 1; i < topk; i++) {
             uint16_t v = got[i];
@@ -740,6 +763,9 @@ done:
 #define LIST_TRIAL 128    /* a writer searches the list for each escaped row of a chunk layer's first this many, */
                           /* then while one row in LIST_TRIAL of those searched takes a listed set */
 
+/* The first (or last) of n masks (words a mask) sharing most experts with a row, and in *best how many. */
+typedef int64_t (*SharedSearch)(const uint64_t *masks, int64_t n, int64_t words, const uint64_t *row, int64_t *best);
+
 typedef struct {
     int64_t topk, experts, n_sets;
     int itemsize;
@@ -762,8 +788,7 @@ typedef struct {
     int64_t searched, looked, taken; /* sets searched; rows the search was run for, and took a listed set */
     int64_t words;                   /* 64-bit words an expert mask takes */
     uint64_t *masks;                 /* [searched][words]: each searched set's experts as bits */
-    /* count_shared or count_shared_popcnt, chosen once per search: */
-    void (*count_shared)(const uint64_t *, int64_t, int64_t, const uint64_t *, uint16_t *);
+    SharedSearch most_shared; /* chosen once per search (shared_search) */
     uint64_t row[ESCAPE_MAX_EXPERTS / 64]; /* the row's experts as bits */
 } Referenced;
 
@@ -836,8 +861,9 @@ static void flag_sets(const void *sets, int itemsize, int64_t n, int64_t topk, i
     }
 }
 
-/* How many experts each of n masks (words a mask) shares with row, into shared: in portable steps, or with the
- * machine's popcount instruction (the same counts; search_start chooses). */
+/* The searches (SharedSearch): how many experts a mask shares with the row, in portable steps or with the machine's
+ * popcount instruction (the same answer; shared_search chooses), counted and compared in one pass (*best is -1 where
+ * n is 0). */
 static inline int64_t shared_bits(uint64_t v) {
     v = v - ((v >> 1) & 0x5555555555555555ull);
     v = (v & 0x3333333333333333ull) + ((v >> 2) & 0x3333333333333333ull);
@@ -845,24 +871,55 @@ static inline int64_t shared_bits(uint64_t v) {
     return (int64_t)((v * 0x0101010101010101ull) >> 56);
 }
 
-static void count_shared(const uint64_t *masks, int64_t n, int64_t words, const uint64_t *row, uint16_t *shared) {
-    for (int64_t i = 0; i < n; i++) {
-        int64_t count = 0;
-        for (int64_t w = 0; w < words; w++) count += shared_bits(masks[i * words + w] & row[w]);
-        shared[i] = (uint16_t)count;
-    }
+/* better: > for the first of the masks sharing most, >= for the last of them. */
+#define MOST_SHARED(count, better)                                                                                    \
+    int64_t place = 0, most = -1;                                                                                      \
+    if (words == 1) {                                                                                                  \
+        uint64_t r = row[0];                                                                                           \
+        for (int64_t i = 0; i < n; i++) {                                                                              \
+            int64_t shared = count(masks[i] & r);                                                                      \
+            if (shared better most) most = shared, place = i;                                                          \
+        }                                                                                                              \
+    } else {                                                                                                           \
+        for (int64_t i = 0; i < n; i++) {                                                                              \
+            int64_t shared = 0;                                                                                        \
+            for (int64_t w = 0; w < words; w++) shared += count(masks[i * words + w] & row[w]);                        \
+            if (shared better most) most = shared, place = i;                                                          \
+        }                                                                                                              \
+    }                                                                                                                  \
+    *best = most;                                                                                                      \
+    return place;
+
+static int64_t most_shared(const uint64_t *masks, int64_t n, int64_t words, const uint64_t *row, int64_t *best) {
+    MOST_SHARED(shared_bits, >)
+}
+
+static int64_t last_most_shared(const uint64_t *masks, int64_t n, int64_t words, const uint64_t *row, int64_t *best) {
+    MOST_SHARED(shared_bits, >=)
 }
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-__attribute__((target("popcnt"))) static void count_shared_popcnt(const uint64_t *masks, int64_t n, int64_t words,
-                                                                   const uint64_t *row, uint16_t *shared) {
-    for (int64_t i = 0; i < n; i++) {
-        int64_t count = 0;
-        for (int64_t w = 0; w < words; w++) count += __builtin_popcountll(masks[i * words + w] & row[w]);
-        shared[i] = (uint16_t)count;
-    }
+#define HAS_POPCNT_TARGET 1
+__attribute__((target("popcnt"))) static int64_t most_shared_popcnt(const uint64_t *masks, int64_t n, int64_t words,
+                                                                    const uint64_t *row, int64_t *best) {
+    MOST_SHARED(__builtin_popcountll, >)
+}
+
+__attribute__((target("popcnt"))) static int64_t last_most_shared_popcnt(const uint64_t *masks, int64_t n,
+                                                                         int64_t words, const uint64_t *row,
+                                                                         int64_t *best) {
+    MOST_SHARED(__builtin_popcountll, >=)
 }
 #endif
+
+/* The search to run: the first (or the last) of the masks sharing most, with the popcount instruction where the
+ * machine has one. */
+static SharedSearch shared_search(int last) {
+#ifdef HAS_POPCNT_TARGET
+    if (__builtin_cpu_supports("popcnt")) return last ? last_most_shared_popcnt : most_shared_popcnt;
+#endif
+    return last ? last_most_shared : most_shared;
+}
 
 /* The encoder's search of the list's first LIST_SEARCH sets (their sets checked by the caller): their experts as
  * bits, and how to count them (the popcount instruction where the machine has one); -1 when out of memory. */
@@ -872,21 +929,15 @@ static int search_start(Referenced *x) {
     x->masks = calloc((size_t)(x->searched * x->words + 1), sizeof(uint64_t));
     if (!x->masks) return -1;
     flag_sets(x->sets, x->itemsize, x->searched, x->topk, x->words, x->masks);
-    x->count_shared = count_shared;
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-    if (__builtin_cpu_supports("popcnt")) x->count_shared = count_shared_popcnt;
-#endif
+    x->most_shared = shared_search(0);
     return 0;
 }
 
 /* The first of the searched sets sharing most experts with the row (x->row) where one shares at least half of them,
  * and in *shared how many it shares; else 0 and -1. */
 static int64_t nearest_set(Referenced *x, int64_t *shared) {
-    uint16_t counts[LIST_SEARCH];
-    x->count_shared(x->masks, x->searched, x->words, x->row, counts);
-    int64_t place = 0, best = -1;
-    for (int64_t i = 0; i < x->searched; i++)
-        if (counts[i] > best) best = counts[i], place = i;
+    int64_t best;
+    int64_t place = x->most_shared(x->masks, x->searched, x->words, x->row, &best);
     if (2 * best < x->topk) best = -1, place = 0;
     *shared = best;
     return place;
@@ -931,19 +982,22 @@ static int gather_candidates(const Tables *t, int64_t token, int64_t below, int6
  * as there are experts outside it), then the experts it adds, coded alone over the reference's. REF_BAD_SET when
  * the reference names an ID past the experts or twice. */
 static int code_against(Coder *c, Referenced *x, int64_t at, const uint8_t *member) {
-    int64_t topk = x->topk, experts = x->experts;
-    for (int64_t j = 0; j < topk; j++) { /* the reference's experts in the order's order */
+    int64_t topk = x->topk, experts = x->experts, words = (experts + 63) / 64;
+    uint64_t ranks[ESCAPE_MAX_EXPERTS / 64]; /* the reference's experts by their place in the order, as bits */
+    memset(ranks, 0, (size_t)words * sizeof(uint64_t));
+    for (int64_t j = 0; j < topk; j++) {
         int64_t id = row_value(x->sets, x->itemsize, at * topk + j);
         if (id >= experts || x->in_ref[id]) { /* no set: refused, the flags of those placed cleared */
-            for (int64_t i = 0; i < j; i++) x->in_ref[x->ref[i]] = 0;
+            for (int64_t i = 0; i < j; i++) x->in_ref[row_value(x->sets, x->itemsize, at * topk + i)] = 0;
             return REF_BAD_SET;
         }
-        uint16_t v = (uint16_t)id;
-        x->in_ref[v] = 1;
-        int64_t place = j;
-        for (; place > 0 && x->rank[x->ref[place - 1]] > x->rank[v]; place--) x->ref[place] = x->ref[place - 1];
-        x->ref[place] = v;
+        x->in_ref[id] = 1;
+        ranks[x->rank[id] >> 6] |= 1ull << (x->rank[id] & 63);
     }
+    /* The reference's experts in the order's order: topk distinct places (the order is a permutation) read back. */
+    int64_t placed = 0;
+    for (int64_t w = 0; w < words; w++)
+        for (uint64_t m = ranks[w]; m; m &= m - 1) x->ref[placed++] = x->order[w * 64 + __builtin_ctzll(m)];
     int64_t kept = 0;
     for (int64_t j = 0; j < topk; j++) {
         int keep = 1;
@@ -1212,14 +1266,11 @@ static PyObject *encode_list(PyObject *self, PyObject *args) {
     Encoder e = {0, 0xFFFFFFFFu, 0, 1, a[2].view.buf, 0, (size_t)a[2].view.len, 0, 0};
     Coder c = {&e, NULL, NULL};
     int64_t status = 0;
+    SharedSearch nearest = shared_search(1);
     Py_BEGIN_ALLOW_THREADS for (int64_t i = 0; i < n && status >= 0; i++) {
-        int64_t best = -1, back = 0;
-        for (int64_t j = i - 1; j >= 0 && i - j <= LIST_WINDOW; j--) {
-            int64_t shared = 0;
-            for (int64_t w = 0; w < words; w++)
-                shared += shared_bits(masks[i * words + w] & masks[j * words + w]);
-            if (shared > best) best = shared, back = i - j;
-        }
+        /* The window's sets in memory order end at set i - 1: the last of them sharing most is the nearest. */
+        int64_t first = i > LIST_WINDOW ? i - LIST_WINDOW : 0, best = -1, back = 0;
+        if (i > first) back = i - (first + nearest(masks + first * words, i - first, words, masks + i * words, &best));
         if (3 * best <= 2 * topk) back = 0;
         flag_row(x->scratch, x->sets, x->itemsize, i, topk, 1);
         status = list_set(&c, x, i, back, x->scratch);
@@ -1563,6 +1614,106 @@ done:
     return answer;
 }
 
+/* place_rows(index, sets, escapes, out, topk): a chunk layer's decoded rows into out (topk IDs a row, the list's
+ * dtype): row r is listed set index[r], or where index[r] is -1 the next of the escapes in order; the escapes must
+ * be used up exactly. In one pass: numpy's take, mask and masked assignment were a tenth of a chunk's decoding. */
+static PyObject *place_rows(PyObject *self, PyObject *args) {
+    PyObject *index_obj, *sets_obj, *escapes_obj, *out_obj;
+    long long topk;
+    if (!PyArg_ParseTuple(args, "OOOOL", &index_obj, &sets_obj, &escapes_obj, &out_obj, &topk)) return NULL;
+    Arg a[4] = {0};
+    PyObject *answer = NULL;
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT;
+    if (get_array(index_obj, &a[0], "i", 4, 0, "index") < 0) goto done;
+    if (PyObject_GetBuffer(sets_obj, &a[1].view, flags) < 0) goto done;
+    a[1].held = 1;
+    if (PyObject_GetBuffer(escapes_obj, &a[2].view, flags) < 0) goto done;
+    a[2].held = 1;
+    if (PyObject_GetBuffer(out_obj, &a[3].view, flags | PyBUF_WRITABLE) < 0) goto done;
+    a[3].held = 1;
+    Py_ssize_t itemsize = a[3].view.itemsize;
+    int64_t n = LEN(a[0], 4);
+    /* topk bounded first: a row's bytes, and every count below, then fit without overflow */
+    if (topk < 1 || topk > (1 << 20) || (itemsize != 1 && itemsize != 2) || a[1].view.itemsize != itemsize ||
+        a[2].view.itemsize != itemsize || a[1].view.len % (topk * itemsize) != 0 ||
+        a[2].view.len % (topk * itemsize) != 0 || a[3].view.len % (topk * itemsize) != 0 ||
+        a[3].view.len / (topk * itemsize) != n) {
+        PyErr_SetString(PyExc_ValueError, "place_rows: out must hold topk IDs a row, the sets and escapes alike");
+        goto done;
+    }
+    const size_t row_bytes = (size_t)(topk * itemsize);
+    int64_t sets = (int64_t)((size_t)a[1].view.len / row_bytes), escapes = (int64_t)((size_t)a[2].view.len / row_bytes);
+    int64_t used = 0;
+    const int32_t *index = a[0].view.buf;
+    const uint8_t *set_bytes = a[1].view.buf, *escape_bytes = a[2].view.buf;
+    uint8_t *out = a[3].view.buf;
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *from;
+        if (index[r] >= 0 && index[r] < sets) {
+            from = set_bytes + (size_t)index[r] * row_bytes;
+        } else if (index[r] == -1 && used < escapes) {
+            from = escape_bytes + (size_t)used++ * row_bytes;
+        } else {
+            PyErr_SetString(PyExc_ValueError, "place_rows: an index outside the list, or more escapes than given");
+            goto done;
+        }
+        memcpy(out + (size_t)r * row_bytes, from, row_bytes);
+    }
+    if (used != escapes) {
+        PyErr_SetString(PyExc_ValueError, "place_rows: fewer escaped rows than escapes given");
+        goto done;
+    }
+    answer = Py_NewRef(Py_None);
+done:
+    release(a, 4);
+    return answer;
+}
+
+/* candidate_hits(at, offsets, candidates, index, hit): hit[r] |= 1 where row r's set index[r] is among the candidates
+ * of its key at[r] (-1: none), key i's being candidates[offsets[i]:offsets[i + 1]]. The writer's plan asks this of
+ * every row of a layer twice or more (a loop over candidate ranks in numpy was a third of its planning). */
+static PyObject *candidate_hits(PyObject *self, PyObject *args) {
+    PyObject *at_obj, *offsets_obj, *candidates_obj, *index_obj, *hit_obj;
+    if (!PyArg_ParseTuple(args, "OOOOO", &at_obj, &offsets_obj, &candidates_obj, &index_obj, &hit_obj)) return NULL;
+    Arg a[5] = {0};
+    PyObject *answer = NULL;
+    if (get_array(at_obj, &a[0], "q", 8, 0, "at") < 0 || get_array(offsets_obj, &a[1], "I", 4, 0, "offsets") < 0 ||
+        get_array(candidates_obj, &a[2], "I", 4, 0, "candidates") < 0 ||
+        get_array(index_obj, &a[3], "i", 4, 0, "index") < 0 || get_array(hit_obj, &a[4], "B", 1, 1, "hit") < 0)
+        goto done;
+    int64_t n = LEN(a[0], 8), keys = LEN(a[1], 4) - 1, size = LEN(a[2], 4);
+    if (LEN(a[3], 4) != n || LEN(a[4], 1) != n || keys < 0) {
+        PyErr_SetString(PyExc_ValueError, "candidate_hits: at, index and hit need a value per row, offsets one or more");
+        goto done;
+    }
+    const int64_t *at = a[0].view.buf;
+    const uint32_t *offsets = a[1].view.buf, *candidates = a[2].view.buf;
+    const int32_t *index = a[3].view.buf;
+    uint8_t *hit = a[4].view.buf;
+    for (int64_t i = 0; i < keys; i++)
+        if (offsets[i] > offsets[i + 1] || offsets[i + 1] > (uint64_t)size) {
+            PyErr_SetString(PyExc_ValueError, "candidate_hits: the offsets must ascend inside the candidates");
+            goto done;
+        }
+    for (int64_t r = 0; r < n; r++)
+        if (at[r] >= keys) {
+            PyErr_SetString(PyExc_ValueError, "candidate_hits: a key past the offsets");
+            goto done;
+        }
+    for (int64_t r = 0; r < n; r++) {
+        if (at[r] < 0 || index[r] < 0) continue;
+        for (uint32_t i = offsets[at[r]]; i < offsets[at[r] + 1]; i++)
+            if (candidates[i] == (uint32_t)index[r]) {
+                hit[r] = 1;
+                break;
+            }
+    }
+    answer = Py_NewRef(Py_None);
+done:
+    release(a, 5);
+    return answer;
+}
+
 static PyMethodDef methods[] = {
     {"encode_layer", encode_layer, METH_VARARGS,
      "encode_layer(index, sets, tokens, below, token_keys, token_table, token_offsets, token_candidates, "
@@ -1590,6 +1741,8 @@ static PyMethodDef methods[] = {
      "below_candidates) -> status"},
     {"distinct", distinct, METH_VARARGS, "distinct(data, width, ids, first) -> number of distinct items"},
     {"hash_keys", hash_keys, METH_VARARGS, "hash_keys(keys, table) -> None"},
+    {"candidate_hits", candidate_hits, METH_VARARGS, "candidate_hits(at, offsets, candidates, index, hit) -> None"},
+    {"place_rows", place_rows, METH_VARARGS, "place_rows(index, sets, escapes, out, topk) -> None"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ccontext",

@@ -402,6 +402,10 @@ def _candidate_hits(
     """Which rows' sets (``index``) are among the candidates of their key, at its position ``at`` (-1: none) in a
     table whose key ``i`` has ``candidates[offsets[i]:offsets[i + 1]]``."""
     hit = np.zeros(index.size, bool)
+    if _COMPILED is not None:  # in one pass (numpy's loop over the candidates' ranks was a tenth of a write)
+        contiguous = (np.ascontiguousarray(a) for a in (offsets, candidates, index))
+        _COMPILED.candidate_hits(np.ascontiguousarray(at, np.int64), *contiguous, hit.view(np.uint8))
+        return hit
     keyed = at >= 0
     if not candidates.size or not keyed.any():
         return hit
@@ -734,6 +738,20 @@ def decode_chunk(
         escaped_here = int(needed[j] - before[j])
         if escaped_here == r1 - r0 and escaped_here:  # every row escapes (no set recurs: uniform routing)
             target[j] = escapes[j][before[j] :]
+            continue
+        layer = target[j]
+        rest = escapes[j][before[j] :] if escaped_here else model.sets[:0]
+        if _COMPILED is not None and layer.flags.c_contiguous and model.sets.dtype == rest.dtype == layer.dtype:
+            try:  # the listed set or next escape of each row in one pass (numpy's take and masks: a tenth of it)
+                _COMPILED.place_rows(
+                    np.ascontiguousarray(rows_index),
+                    np.ascontiguousarray(model.sets).reshape(-1),
+                    np.ascontiguousarray(rest).reshape(-1),
+                    layer.reshape(-1),
+                    k,
+                )
+            except ValueError as exc:  # pragma: no cover - the streams' indices and escapes were checked above
+                raise ContextFormatError(f"layer {l0 + j}: {exc}") from exc
             continue
         if model.n_sets:
             np.take(model.sets, np.maximum(rows_index, 0), axis=0, out=target[j])

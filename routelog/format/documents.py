@@ -783,8 +783,8 @@ class ArchiveRecord(_Document):
     created_at: UtcDateTime
     writer_id: WriterId
     """The process that archived the step."""
-    seal: CommitName
-    """The name of the step's seal entry: an archive follows it."""
+    seal: CommitName | Literal["_SEALED.json"]
+    """The name of the step's seal entry (``_SEALED.json`` for a format-1/2 seal): an archive follows it."""
     parts: list[ArchivedPart] = Field(min_length=1, max_length=keys.MAX_GROUP_COMMITS)
     bytes_before: int = Field(ge=0)
     """Bytes of the original parts' objects the replaced commits list (informational)."""

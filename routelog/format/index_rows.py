@@ -23,6 +23,9 @@ from routelog.errors import CorruptDataError
 from routelog.format.arrow import to_numpy
 from routelog.format.documents import IndexRow
 
+BULK_SHARE = 16
+""":meth:`IndexRows.fields` converts the columns whole once one row in this many was asked for."""
+
 
 @dataclass(frozen=True)
 class _TokenLists:
@@ -66,13 +69,29 @@ class IndexRows:
                 del self._columns["token_ids"]
                 self._tokens = lists
         self.n: int = table.num_rows
+        self._lists: dict[str, list[Any]] | None = None
+        self._asked = 0
 
     def __len__(self) -> int:
         return self.n
 
     def fields(self, position: int) -> dict[str, Any]:
-        """The row's values as Python objects (its token ids as they are stored, a list, where not apart)."""
-        return {name: column[position].as_py() for name, column in self._columns.items()}
+        """The row's values as Python objects (its token ids as they are stored, a list, where not apart).
+
+        A pyarrow scalar per value costs a microsecond or more (a third of reading a corpus step's records went
+        there), so once a sixteenth of the rows were asked for one by one, the columns are converted whole, once
+        (but token ids kept in their column: a list per record, the bulk of an index); a caller taking one row of
+        a large index still converts only that row."""
+        if self._lists is None:
+            self._asked += 1
+            if self._asked * BULK_SHARE < self.n:
+                return {name: column[position].as_py() for name, column in self._columns.items()}
+            self._lists = {name: column.to_pylist() for name, column in self._columns.items() if name != "token_ids"}
+        lists = self._lists
+        return {
+            name: lists[name][position] if name in lists else column[position].as_py()
+            for name, column in self._columns.items()
+        }
 
     def row(self, position: int, *, with_tokens: bool = True) -> tuple[IndexRow, npt.NDArray[np.int32] | None]:
         """The validated row, and its token ids as an array where they are kept apart (then the row holds them

@@ -128,6 +128,10 @@ class StepHistory:
     """Index columns kept (all when None): a writer keeps what it decides on, not every token id of the step."""
     archive_tables: dict[str, pa.Table] = field(default_factory=dict)
     """Index of each archive part read so far (every column), by part name."""
+    _archived_rows: dict[str, dict[str, tuple[CommitRecord, pa.Table]]] = field(
+        default_factory=dict, init=False, repr=False
+    )
+    """What :meth:`_archived` made of each archive entry read so far (checked once), by entry name."""
 
     @classmethod
     def read(
@@ -215,6 +219,8 @@ class StepHistory:
         entry = sorted_.archive
         if entry is None:
             return {}
+        if entry.name in self._archived_rows:  # the commits it replaces are fixed (the step is sealed)
+            return self._archived_rows[entry.name]
         archive = _archive(entry)
         where = self.store.storage.url_of(entry.key)
         if sorted_.seal is None or entry.position < sorted_.seal.position:
@@ -246,6 +252,8 @@ class StepHistory:
                     f"{where}: archive part {source.part!r} says {source.n_records} records of {source.n_tokens} "
                     "tokens, not those of the commits it replaces"
                 )
+            if pc.count_distinct(table.column("sample_id")).as_py() != table.num_rows:
+                raise CorruptDataError(f"{where}: archive part {source.part!r} indexes one sample id twice")
             commit_of = np.repeat(np.arange(len(logical), dtype=np.int32), counts)
             as_stored = [c.model_copy(update={"routing": source.routing, "streams": source.streams}) for c in logical]
             check_index(
@@ -255,6 +263,7 @@ class StepHistory:
             for i, commit in enumerate(logical):
                 rows = table.slice(int(bounds[i]), int(counts[i]))
                 out[commit.name] = (source, rows if self.columns is None else rows.select(list(self.columns)))
+        self._archived_rows[entry.name] = out
         return out
 
     def _span_targets(self, view: StepView) -> list[Entry]:
