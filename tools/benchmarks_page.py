@@ -626,7 +626,7 @@ TOOLS: dict[str, Tool] = {
         Tool("bench_integration", ("--json",), render_integration),
         Tool("bench_replay_hook", ("--json",), render_replay_hook),
         Tool("bench_audit", ("--json",), render_audit),
-        Tool("bench_archive", ("--json",), render_archive),
+        Tool("bench_archive", ("--json", "--raw-mb", "256"), render_archive),
         Tool("bench_commits", ("--json",), render_commits),
         Tool("sim_commits", ("--json",), render_sim),
         Tool("bench_indexer", ("--json", "--traces"), render_indexer),
