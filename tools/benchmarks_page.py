@@ -619,7 +619,11 @@ TOOLS: dict[str, Tool] = {
     tool.name: tool
     for tool in (
         Tool("bench_cold_start", ("--json",), render_cold_start),
-        Tool("bench_codec", ("--json",), render_codec),
+        Tool(
+            "bench_codec",
+            ("--corpus", "tests/fixtures/corpus/qwen3moe", "tests/fixtures/corpus/deepseekv3", "--json"),
+            render_codec,
+        ),
         Tool("bench_dedup", ("--json",), render_dedup),
         Tool("bench_loader", ("--json",), render_loader),
         Tool("bench_writers", ("--json",), render_writers),
