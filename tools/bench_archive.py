@@ -80,7 +80,7 @@ def size_on(corpus: str, writers: int, scratch: Path) -> dict[str, Any]:
     store = routelog.open_store(f"file://{format2}")
     report = store.gc(3600, delete=True, now=time.time() + 7200)  # past the grace: the original parts go
     after = store_bytes(format2)
-    simple = baseline["zstd19_routing_bytes"] + baseline["zstd19_token_ids_bytes"]
+    simple = (baseline["zstd19_routing_bytes"] or 0) + (baseline["zstd19_token_ids_bytes"] or 0)
     verified = verify_store(store)
     return {
         "records": len(every),

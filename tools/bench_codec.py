@@ -62,8 +62,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import zstandard
-from benchlib import corpus_steps, routed_rows, token_dependent_records
+from benchlib import corpus_steps, token_dependent_records, zstd19_baseline
 from numcodecs import Zstd
 
 import routelog
@@ -420,22 +419,16 @@ def archive(steps: list[list[Record]], spec: ModelSpec, repeats: int = 1) -> dic
     the first append to its close, every record read back in a fresh process-like snapshot), the best of
     ``repeats`` fresh stores each, after one untimed write and read of each codec (the first pass of a process
     loads the writer's and reader's modules: timed, it went to whichever codec ran first)."""
-    every = [r for records in steps for r in records]
-    routed = routed_rows(every)
-    token_layers = routed.shape[0] * routed.shape[1]
-    raw = np.ascontiguousarray(routed, dtype=spec.id_dtype).tobytes()
-    with_tokens = [r for r in every if r.token_ids is not None]
-    tokens = np.concatenate([np.asarray(r.token_ids, dtype="<i4") for r in with_tokens]) if with_tokens else None
+    baseline = zstd19_baseline([r for records in steps for r in records], spec)
+    token_layers = int(baseline["token_layers"] or 0)
+    token_ids = baseline["zstd19_token_ids_bytes"]
     result: dict[str, Any] = {
         "token_layers": token_layers,
-        "zstd19_whole_routing": len(zstandard.ZstdCompressor(level=19).compress(raw)) / token_layers,
-        "zstd3_whole_routing": len(zstandard.ZstdCompressor(level=3).compress(raw)) / token_layers,
-        "zstd19_token_ids": None,
+        "zstd19_whole_routing": (baseline["zstd19_routing_bytes"] or 0) / token_layers,
+        "zstd3_whole_routing": (baseline["zstd3_routing_bytes"] or 0) / token_layers,
+        "zstd19_token_ids": None if token_ids is None else token_ids / token_layers,
     }
-    simple = result["zstd19_whole_routing"]
-    if tokens is not None:
-        result["zstd19_token_ids"] = len(zstandard.ZstdCompressor(level=19).compress(tokens.tobytes())) / token_layers
-        simple += result["zstd19_token_ids"]
+    simple = result["zstd19_whole_routing"] + (result["zstd19_token_ids"] or 0.0)
     raw_mb = token_layers * spec.topk / 1e6
     for transform in ARCHIVE_TRANSFORMS:  # untimed: each codec's first write and read load their modules
         _archive_read(_archive_write(steps, spec, transform)[1])
