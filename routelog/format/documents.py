@@ -726,23 +726,7 @@ class CommitGroup(_Document):
 
     @model_validator(mode="after")
     def _members(self) -> CommitGroup:
-        for slot, commit in enumerate(self.commits):
-            if (commit.step, commit.position, commit.slot, commit.created_at) != (
-                self.step,
-                self.position,
-                slot,
-                self.created_at,
-            ):
-                raise ValueError(
-                    f"commit {slot} ({commit.part}) says step {commit.step}, position {commit.position}, slot "
-                    f"{commit.slot}, created {commit.created_at}: a commit of an entry has the entry's step, position "
-                    "and time, and its index as slot"
-                )
-            if commit.format_version > self.format_version:
-                raise ValueError(f"commit {slot} has format version {commit.format_version}, its entry older")
-        parts = [c.part for c in self.commits]
-        if len(set(parts)) != len(parts):
-            raise ValueError("an entry commits a part twice")
+        _check_members(self.commits, self.step, self.position, self.created_at, self.format_version)
         features = sorted({f for c in self.commits for f in c.features})
         if sorted(set(self.features)) != features:
             raise ValueError(f"features {self.features} differ from its commits' {features}")
@@ -794,23 +778,12 @@ class ArchiveRecord(_Document):
         replaced = [name for p in self.parts for name in p.replaces]
         if len(set(replaced)) != len(replaced):
             raise ValueError("an archive replaces a commit twice")
-        for slot, archived in enumerate(self.parts):
-            commit = archived.commit
-            if (commit.step, commit.position, commit.slot, commit.created_at) != (
-                self.step,
-                self.position,
-                slot,
-                self.created_at,
-            ):
-                raise ValueError(
-                    f"archive part {slot} ({commit.part}) says step {commit.step}, position {commit.position}, slot "
-                    f"{commit.slot}: a part of an archive has the entry's step, position and time, its index as slot"
-                )
-            if commit.writer_id != ARCHIVE_WRITER:
-                raise ValueError(f"archive part {slot} is written by {commit.writer_id!r}, not {ARCHIVE_WRITER!r}")
-        if len({p.commit.part for p in self.parts}) != len(self.parts):
-            raise ValueError("an archive names a part twice")
-        features = sorted({ARCHIVE_FEATURE, *(f for p in self.parts for f in p.commit.features)})
+        commits = [p.commit for p in self.parts]
+        _check_members(commits, self.step, self.position, self.created_at, self.format_version)
+        strangers = [c.writer_id for c in commits if c.writer_id != ARCHIVE_WRITER]
+        if strangers:
+            raise ValueError(f"archive parts are written by {ARCHIVE_WRITER!r}, not {strangers[0]!r}")
+        features = sorted({ARCHIVE_FEATURE, *(f for c in commits for f in c.features)})
         if sorted(set(self.features)) != features:
             raise ValueError(f"features {self.features} differ from {features} (archive and its parts' features)")
         return self
@@ -818,6 +791,25 @@ class ArchiveRecord(_Document):
     @property
     def name(self) -> str:
         return keys.log_name(self.position)
+
+
+def _check_members(
+    commits: list[CommitRecord], step: int, position: int, created_at: datetime, format_version: int
+) -> None:
+    """The commits of one log entry (a commit entry's, an archive's parts) carry its step, position and time, their
+    index as slot, no newer format than the entry's, and name distinct parts."""
+    for slot, commit in enumerate(commits):
+        if (commit.step, commit.position, commit.slot, commit.created_at) != (step, position, slot, created_at):
+            raise ValueError(
+                f"commit {slot} ({commit.part}) says step {commit.step}, position {commit.position}, slot "
+                f"{commit.slot}, created {commit.created_at}: a commit of an entry has the entry's step, position "
+                "and time, and its index as slot"
+            )
+        if commit.format_version > format_version:
+            raise ValueError(f"commit {slot} has format version {commit.format_version}, its entry older")
+    parts = [c.part for c in commits]
+    if len(set(parts)) != len(parts):
+        raise ValueError("an entry names a part twice")
 
 
 LogDocument = CommitRecord | DropRecord | AnnotationCommit | SealRecord | ArchiveRecord

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pyarrow.compute as pc
 
-from routelog.errors import StepNotSealedError
+from routelog.errors import RecordNotFoundError, StepNotSealedError
 from routelog.format import keys
 from routelog.format.codec import IdArray
 from routelog.format.documents import (
@@ -94,6 +94,10 @@ def archive_step(
     command's Ctrl-C check); ``progress`` as records are re-coded."""
     history = StepHistory.read(store, step)
     view = history.view()
+    if view.seal is None and not history.log.entries:
+        raise RecordNotFoundError(
+            f"step {step} of {store.url} holds nothing to archive (steps: {store.steps()[:20]}); pick one with --step"
+        )
     if view.seal is None:
         raise StepNotSealedError(
             f"step {step} of {store.url} is not sealed: only a sealed step's records are fixed; seal it first "
